@@ -1,0 +1,26 @@
+"""cutedsl_attn: attention kernels for PyTorch written in CUTLASS's Python CuTe DSL.
+
+FlashInfer-shaped public API (switch ``import flashinfer`` for ``import cutedsl_attn``
+for the functions listed in ``__all__``).  Kernels are compiled at run time for the
+current GPU (or ``CUTEDSL_ATTN_ARCH`` when cross-compiling) and cached in memory and
+on disk.  What was run where: the decode kernels are run and verified on an NVIDIA
+H200 (SM90); SM100/SM103 builds are cross-compiled and PTX-checked only.
+"""
+
+__version__ = "0.1.0"
+
+from .api.cascade import merge_state, merge_state_in_place, merge_states
+from .api.decode import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
+    single_decode_with_kv_cache,
+)
+
+__all__ = [
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
+    "single_decode_with_kv_cache",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+]

@@ -1,0 +1,117 @@
+"""Argument checks and conversions shared by the FlashInfer-shaped API functions.
+
+Every check raises before any kernel launch: ``TypeError`` for a wrong type or
+dtype, ``ValueError`` for a wrong value or shape, ``NotImplementedError`` for a
+documented FlashInfer feature this package does not serve yet (the message says
+what is supported).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+
+_DTYPE_NAMES = {
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "float": torch.float32,
+    "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None), "float8_e5m2": getattr(torch, "float8_e5m2", None),
+}
+
+
+def canonical_dtype(name: str, value) -> torch.dtype | None:
+    """Accept a torch dtype or FlashInfer's string spelling ("float16", "bfloat16", ...)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.replace("torch.", "")
+        if key in _DTYPE_NAMES and _DTYPE_NAMES[key] is not None:
+            return _DTYPE_NAMES[key]
+    raise TypeError(f"{name} must be a torch.dtype or a dtype name such as 'bfloat16', got {value!r}")
+
+
+def check_kv_layout(kv_layout: str) -> str:
+    if kv_layout not in ("NHD", "HND"):
+        raise KeyError(f"Invalid kv_layout {kv_layout!r}: must be 'NHD' or 'HND' (as FlashInfer)")
+    return kv_layout
+
+
+def check_pos_encoding_mode(mode: str) -> str:
+    if mode not in POS_ENCODING_MODES:
+        raise KeyError(f"Invalid pos_encoding_mode {mode!r}: must be one of {POS_ENCODING_MODES}")
+    return mode
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head_dim={head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+
+
+def check_heads(num_qo_heads: int, num_kv_heads: int) -> int:
+    if num_qo_heads <= 0 or num_kv_heads <= 0:
+        raise ValueError(f"num_qo_heads and num_kv_heads must be positive, got {num_qo_heads}, {num_kv_heads}")
+    if num_qo_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    group = num_qo_heads // num_kv_heads
+    if group > 16:
+        raise NotImplementedError(f"GQA group size {group} is not supported; supported: 1..16")
+    return group
+
+
+def check_tensor(name: str, t, *, dtype=None, ndim=None, device=None, shape=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"The dtype of {name} ({t.dtype}) does not match the expected {dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+    es = t.element_size()
+    if t.data_ptr() % 16 or any((s * es) % 16 for s in t.stride()[:-1] if t.dim() > 1):
+        raise ValueError(f"{name} must be 16-byte aligned in its base pointer and every non-last stride")
+
+
+def split_paged_kv_cache(paged_kv_cache, kv_layout: str):
+    """(k, v) as 4-D ``[pages, page_size, H, D]`` views for NHD, from FlashInfer's accepted forms.
+
+    Accepts a tuple ``(k_cache, v_cache)`` of 4-D tensors, or one 5-D tensor
+    ``[pages, 2, ...]``; NHD ``[pages, page_size, H, D]`` or HND ``[pages, H, page_size, D]``.
+    With page_size 1 a 3-D tuple / 4-D combined cache is accepted (the page dim is
+    added).  HND inputs are returned as permuted NHD-ordered views (no copy).
+    """
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError("paged_kv_cache tuple must be (k_cache, v_cache)")
+        k, v = paged_kv_cache
+        check_tensor("k_cache", k)
+        check_tensor("v_cache", v)
+        if k.dim() == 3 and v.dim() == 3:  # page_size 1: [pages, H, D] in either layout
+            return k.unsqueeze(1), v.unsqueeze(1)
+    else:
+        check_tensor("paged_kv_cache", paged_kv_cache)
+        c = paged_kv_cache
+        if c.dim() == 4 and c.shape[1] == 2:  # page_size 1: [pages, 2, H, D] in either layout
+            return c[:, 0].unsqueeze(1), c[:, 1].unsqueeze(1)
+        if c.dim() != 5 or c.shape[1] != 2:
+            raise ValueError(
+                f"paged_kv_cache must be a (k, v) tuple or a 5-D tensor [pages, 2, ...], got shape {tuple(c.shape)}"
+            )
+        k, v = c[:, 0], c[:, 1]
+    if k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"k/v caches must be 4-D, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kv_layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v

@@ -1,0 +1,588 @@
+"""FlashInfer-shaped decode API: ``single_decode_with_kv_cache``, ``BatchDecodeWithPagedKVCacheWrapper``,
+``CUDAGraphBatchDecodeWithPagedKVCacheWrapper``.
+
+Signatures, argument names, defaults and conventions follow FlashInfer 0.7.2
+(``flashinfer.decode``): LSE is base 2; ``window_left=w`` keeps ``w+1`` keys;
+``sm_scale`` defaults to ``1/sqrt(head_dim)``; sinks are natural-log logits not
+scaled by ``sm_scale``; empty requests give O = 0 and LSE = -inf.
+
+What runs where: the kernel behind these calls is the portable CuTe DSL paged
+decode (``cutedsl_attn.portable.paged_decode``), run and verified on an NVIDIA
+H200 (SM90); on SM100/SM103 it is only cross-compiled and PTX-checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from functools import partialmethod
+
+import torch
+
+from .. import dispatch
+from ..planning.decode import WORK_COLS, kv_lens_from_csr, max_items, plan_paged_decode
+from ..ref.attention import alibi_slopes
+from ._common import (
+    canonical_dtype,
+    check_head_dim,
+    check_heads,
+    check_kv_layout,
+    check_last_dim_contiguous,
+    check_pos_encoding_mode,
+    check_tensor,
+    split_paged_kv_cache,
+)
+
+_SUPPORTED_BACKENDS = ("auto", "cute")
+_FLASHINFER_BACKENDS = ("fa2", "fa3", "trtllm-gen", "cute-dsl", "cudnn", "cutile", "prims-ts", "xqa")
+_PLAN_POSITIONAL = (
+    "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "o_data_type",
+    "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking", "block_tables", "seq_lens",
+    "fixed_split_size", "disable_split_kv", "q_len_per_req",
+)
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Batched decode attention over a paged KV cache (FlashInfer's wrapper, same arguments).
+
+    ``plan()`` once per batch (host work, reads the page table to the CPU, not
+    capturable), then ``run()`` per layer (no host synchronisation; capturable in a
+    CUDA graph when ``use_cuda_graph=True``).
+
+    Args:
+      float_workspace_buffer: uint8 CUDA tensor, 16-byte aligned; holds the fp32
+        split-KV partials (128 MiB recommended, as FlashInfer).
+      kv_layout: ``"NHD"`` (``[pages, page_size, Hkv, D]``) or ``"HND"``
+        (``[pages, Hkv, page_size, D]``); bad value -> ``KeyError``.
+      use_cuda_graph: fixed batch size and buffers; requires the three buffers below.
+      use_tensor_cores: accepted for compatibility; the kernel always uses tensor
+        cores (``mma.sync``) with the query heads of a group packed into MMA rows.
+      paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer:
+        int32 CUDA buffers (CUDA-graph mode): ``[B+1]``, ``[max_pages]``, ``[B]``.
+      backend: ``"auto"`` or ``"cute"`` (both the CuTe DSL kernel).  FlashInfer's
+        other backend names raise ``NotImplementedError``.
+      jit_args: not supported (``NotImplementedError``); extend kernels through
+        their Python config instead.
+
+    Raises:
+      TypeError / ValueError: bad workspace, missing CUDA-graph buffers.
+      NotImplementedError: unsupported backend or ``jit_args``.
+    """
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: torch.Tensor | None = None,
+        paged_kv_indices_buffer: torch.Tensor | None = None,
+        paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+        backend: str = "auto",
+        jit_args=None,
+    ) -> None:
+        check_kv_layout(kv_layout)
+        if backend not in _SUPPORTED_BACKENDS:
+            if backend in _FLASHINFER_BACKENDS:
+                raise NotImplementedError(
+                    f"backend={backend!r} is not available in cutedsl_attn; supported: {_SUPPORTED_BACKENDS}"
+                )
+            raise ValueError(f"unknown backend {backend!r}; supported: {_SUPPORTED_BACKENDS}")
+        if jit_args is not None:
+            raise NotImplementedError("jit_args is not supported; kernels are extended through their Python config")
+        check_tensor("float_workspace_buffer", float_workspace_buffer)
+        if float_workspace_buffer.data_ptr() % 16:
+            raise ValueError("float_workspace_buffer must be 16-byte aligned")
+        self._kv_layout = kv_layout
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._use_tensor_cores = bool(use_tensor_cores)
+        self._backend = backend
+        self._workspace = float_workspace_buffer.view(torch.uint8).reshape(-1)
+        self.device = float_workspace_buffer.device
+        if use_cuda_graph:
+            for n, b in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
+                         ("paged_kv_indices_buffer", paged_kv_indices_buffer),
+                         ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
+                if not isinstance(b, torch.Tensor):
+                    raise ValueError(f"{n} must be a torch.Tensor when use_cuda_graph=True")
+                if b.dtype != torch.int32 or b.device != self.device:
+                    raise ValueError(f"{n} must be int32 on {self.device}")
+            if len(paged_kv_indptr_buffer) != len(paged_kv_last_page_len_buffer) + 1:
+                raise ValueError(
+                    "The length of paged_kv_indptr_buffer should be len(paged_kv_last_page_len_buffer) + 1"
+                )
+            self._fixed_batch_size = len(paged_kv_last_page_len_buffer)
+        else:
+            self._fixed_batch_size = None
+        self._indptr_buf = paged_kv_indptr_buffer
+        self._indices_buf = paged_kv_indices_buffer
+        self._last_page_len_buf = paged_kv_last_page_len_buffer
+        self._plan = None
+        self._kernels: dict[bool, object] = {}
+        self._work_dev = None
+        self._counters = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        return self._use_tensor_cores
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor, int_workspace_buffer=None) -> None:
+        """Swap the float workspace (re-``plan()`` afterwards).  ``int_workspace_buffer`` is unused here:
+        the wrapper keeps its small int buffers (work table, split counters) itself."""
+        check_tensor("float_workspace_buffer", float_workspace_buffer, device=self.device)
+        self._workspace = float_workspace_buffer.view(torch.uint8).reshape(-1)
+        self._plan = None
+
+    # ------------------------------------------------------------------ plan
+    def plan(
+        self,
+        indptr: torch.Tensor | None,
+        indices: torch.Tensor | None,
+        last_page_len: torch.Tensor | None,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *args,
+        pos_encoding_mode: str = "NONE",
+        window_left: int = -1,
+        window_right: int = 0,
+        logits_soft_cap: float | None = None,
+        q_data_type="float16",
+        kv_data_type=None,
+        o_data_type=None,
+        data_type=None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        non_blocking: bool = True,
+        block_tables: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        fixed_split_size: int | None = None,
+        disable_split_kv: bool = False,
+        q_len_per_req: int = 1,
+        is_causal: bool | None = None,
+    ) -> None:
+        """Plan a decode batch (FlashInfer semantics; see the class docstring).
+
+        Args:
+          indptr: int32 ``[B+1]`` page-table CSR offsets (in pages), non-decreasing.
+          indices: int32 ``[indptr[-1]]`` physical page ids, on the wrapper's device.
+          last_page_len: int32 ``[B]``, in ``[1, page_size]`` (0 only for a request with no page).
+          num_qo_heads, num_kv_heads: ``num_qo_heads % num_kv_heads == 0``, group <= 16.
+          head_dim: 32, 64, 128 or 256.  page_size: any value >= 1.
+          pos_encoding_mode: ``"NONE"``, ``"ROPE_LLAMA"`` (rotate-half, q at ``kv_len-1``,
+            k at its position) or ``"ALIBI"`` (FlashInfer's slopes).
+          window_left: inclusive left window, ``w`` keeps ``w+1`` keys; -1 disables.
+          window_right: must be 0 (decode has no keys to the right).
+          logits_soft_cap: ``cap*tanh(s/cap)`` on scaled logits when > 0; None/0 disables.
+          q_data_type, kv_data_type, o_data_type, data_type: fp16/bf16, all equal (kv and o
+            default to q; ``data_type`` is deprecated and only fills ``q_data_type``... as in
+            FlashInfer it fills only unset q/kv, and ``q_data_type`` defaults to float16).
+          sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+          rope_scale, rope_theta: RoPE parameters (defaults 1.0 and 1e4).
+          block_tables, seq_lens: dense page table ``[B, max_pages]`` int32 and ``[B]`` lengths
+            (tokens); used instead of the CSR arrays when given (then indptr/indices/last_page_len
+            may be None).
+          fixed_split_size: split every request into pieces of this many pages.
+          disable_split_kv: one CTA per (request, kv head), no split-KV.
+          q_len_per_req: only 1 is supported.  is_causal: must be None/False for q_len 1... (a
+            single query row sees every key either way).
+
+        Raises:
+          TypeError, ValueError: malformed arguments (each message names the argument).
+          NotImplementedError: fp8/mixed dtypes, head_dim, group > 16, q_len_per_req > 1,
+            window_right != 0, soft cap together with ALIBI.
+        """
+        if args:
+            if len(args) > len(_PLAN_POSITIONAL):
+                raise TypeError(f"plan() takes at most {7 + len(_PLAN_POSITIONAL)} positional arguments")
+            warnings.warn(
+                "Passing plan() options after page_size positionally is deprecated (as in FlashInfer); use keywords",
+                DeprecationWarning, stacklevel=2,
+            )
+            loc = locals()
+            vals = {n: loc[n] for n in _PLAN_POSITIONAL}
+            vals.update(dict(zip(_PLAN_POSITIONAL, args)))
+            (pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, data_type,
+             sm_scale, rope_scale, rope_theta, non_blocking, block_tables, seq_lens, fixed_split_size,
+             disable_split_kv, q_len_per_req) = (vals[n] for n in _PLAN_POSITIONAL)
+
+        check_pos_encoding_mode(pos_encoding_mode)
+        check_head_dim(head_dim)
+        group = check_heads(num_qo_heads, num_kv_heads)
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if q_len_per_req != 1:
+            raise NotImplementedError("q_len_per_req > 1 is not supported yet; supported: 1")
+        if is_causal:
+            pass  # one query row per request: bottom-right causal keeps every key
+        if window_right != 0:
+            raise NotImplementedError("window_right != 0 is not supported (decode sees no keys to the right)")
+        if not isinstance(window_left, int) or window_left < -1:
+            raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
+        cap = float(logits_soft_cap) if logits_soft_cap else 0.0
+        if cap < 0:
+            raise ValueError(f"logits_soft_cap must be >= 0, got {logits_soft_cap}")
+        if cap > 0 and pos_encoding_mode == "ALIBI":
+            raise NotImplementedError("logits_soft_cap together with ALIBI is not supported")
+
+        q_dt = canonical_dtype("q_data_type", q_data_type)
+        kv_dt = canonical_dtype("kv_data_type", kv_data_type)
+        o_dt = canonical_dtype("o_data_type", o_data_type)
+        d_dt = canonical_dtype("data_type", data_type)
+        if d_dt is not None:
+            q_dt = q_dt if q_dt is not None else d_dt
+            kv_dt = kv_dt if kv_dt is not None else d_dt
+        q_dt = q_dt or torch.float16
+        kv_dt = kv_dt or q_dt
+        o_dt = o_dt or q_dt
+        for n, dt in (("q_data_type", q_dt), ("kv_data_type", kv_dt), ("o_data_type", o_dt)):
+            if dt not in (torch.float16, torch.bfloat16):
+                raise NotImplementedError(f"{n}={dt} is not supported; supported: torch.float16, torch.bfloat16")
+        if not (q_dt == kv_dt == o_dt):
+            raise NotImplementedError(
+                f"mixed dtypes (q={q_dt}, kv={kv_dt}, o={o_dt}) are not supported; q, kv and o must match"
+            )
+
+        # --- page table: CSR or dense block table -> (kv_lens, page_offsets, flat indices)
+        if block_tables is not None or seq_lens is not None:
+            if block_tables is None or seq_lens is None:
+                raise ValueError("block_tables and seq_lens must be given together")
+            check_tensor("block_tables", block_tables, ndim=2, device=self.device)
+            if block_tables.dtype not in (torch.int32,):
+                raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+            check_tensor("seq_lens", seq_lens, ndim=1)
+            B = block_tables.shape[0]
+            if seq_lens.shape[0] != B:
+                raise ValueError(f"seq_lens must have shape [{B}], got {tuple(seq_lens.shape)}")
+            kv_lens = seq_lens.to("cpu", torch.int64)
+            if (kv_lens < 0).any():
+                raise ValueError("seq_lens must be >= 0")
+            if int(kv_lens.max(initial=0) if kv_lens.numel() else 0) > block_tables.shape[1] * page_size:
+                raise ValueError("block_tables is too narrow for seq_lens: need ceil(seq_len/page_size) columns")
+            flat = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+            flat = flat.reshape(-1)
+            page_offsets = torch.arange(B, dtype=torch.int64) * block_tables.shape[1]
+        else:
+            for n, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
+                check_tensor(n, t, ndim=1)
+                if t.dtype != torch.int32:
+                    raise ValueError(f"{n} must be int32, got {t.dtype}")
+            if indices.device != self.device:
+                raise ValueError(f"indices is on {indices.device}, expected {self.device}")
+            B = last_page_len.shape[0]
+            if indptr.shape[0] != B + 1:
+                raise ValueError(f"indptr must have B+1 = {B + 1} entries, got {indptr.shape[0]}")
+            indptr_h = indptr.to("cpu", torch.int64)
+            lpl_h = last_page_len.to("cpu", torch.int64)
+            npages = indptr_h[1:] - indptr_h[:-1]
+            if (npages < 0).any():
+                raise ValueError("indptr must be non-decreasing")
+            if int(indptr_h[-1]) > indices.shape[0] or int(indptr_h[0]) < 0:
+                raise ValueError(f"indptr[-1] ({int(indptr_h[-1])}) exceeds len(indices) ({indices.shape[0]})")
+            bad = ((npages > 0) & ((lpl_h < 1) | (lpl_h > page_size))) | ((npages == 0) & ((lpl_h < 0) | (lpl_h > page_size)))
+            if bad.any():
+                b = int(bad.nonzero()[0])
+                raise ValueError(
+                    f"last_page_len[{b}] = {int(lpl_h[b])} is outside [1, page_size={page_size}]"
+                )
+            kv_lens = kv_lens_from_csr(indptr_h, lpl_h, page_size)
+            page_offsets = indptr_h[:-1]
+            flat = indices
+            if self._use_cuda_graph:
+                if indices.shape[0] > self._indices_buf.shape[0]:
+                    raise ValueError(
+                        f"indices ({indices.shape[0]}) does not fit paged_kv_indices_buffer ({self._indices_buf.shape[0]})"
+                    )
+                self._indices_buf[: indices.shape[0]].copy_(indices, non_blocking=non_blocking)
+                self._indptr_buf.copy_(indptr, non_blocking=non_blocking)
+                self._last_page_len_buf.copy_(last_page_len, non_blocking=non_blocking)
+                flat = self._indices_buf
+        if self._use_cuda_graph and B != self._fixed_batch_size:
+            raise ValueError(
+                f"The batch size should be fixed in cudagraph mode, the runtime batch size {B} "
+                f"mismatches the batch size set during initialization {self._fixed_batch_size}"
+            )
+        if self._use_cuda_graph and self._plan is not None:
+            p0 = self._plan
+            if (num_qo_heads, num_kv_heads, head_dim) != (p0["num_qo_heads"], p0["num_kv_heads"], p0["head_dim"]):
+                raise ValueError("num_qo_heads/num_kv_heads/head_dim cannot change between plans in CUDA-graph mode")
+
+        if fixed_split_size is not None and fixed_split_size <= 0:
+            raise ValueError(f"fixed_split_size must be a positive number of pages, got {fixed_split_size}")
+
+        cfg = dispatch.decode_config(
+            dtype=q_dt, head_dim=head_dim, page_size=page_size, group_size=group,
+            pos_encoding_mode=pos_encoding_mode, use_soft_cap=cap > 0, use_sinks=False,
+        )
+        slots_per_sm = dispatch.paged_decode_ctas_per_sm(cfg)
+        sms = dispatch.num_sms(self.device.index if self.device.type == "cuda" else None)
+        n_rows = max_items(B, num_kv_heads, sms * slots_per_sm) if self._use_cuda_graph else None
+        wp = plan_paged_decode(
+            kv_lens, page_offsets, num_kv_heads=num_kv_heads, page_size=page_size, window_left=window_left,
+            num_sms=sms, ctas_per_sm=slots_per_sm,
+            fixed_split_tokens=fixed_split_size * page_size if fixed_split_size else None,
+            disable_split_kv=disable_split_kv, num_rows=n_rows,
+        )
+
+        # --- device buffers (fixed addresses in CUDA-graph mode)
+        n_rows_dev = wp.work.shape[0]
+        if self._use_cuda_graph:
+            if self._work_dev is None or self._work_dev.shape[0] < n_rows_dev:
+                self._work_dev = torch.empty((n_rows_dev, WORK_COLS), dtype=torch.int32, device=self.device)
+            self._work_dev[:n_rows_dev].copy_(wp.work, non_blocking=non_blocking)
+            work_dev = self._work_dev[:n_rows_dev]
+            n_part = n_rows_dev
+        else:
+            work_dev = wp.work.to(self.device, non_blocking=non_blocking)
+            n_part = max(1, wp.num_partials)
+        n_cnt = max(1, B * num_kv_heads)
+        if self._counters is None or self._counters.numel() < n_cnt:
+            if self._use_cuda_graph and self._counters is not None:
+                raise ValueError("the split-KV counter buffer cannot grow in CUDA-graph mode")
+            self._counters = torch.zeros(n_cnt, dtype=torch.int32, device=self.device)
+        need = n_part * num_qo_heads * (head_dim + 1) * 4 + 256
+        if need > self._workspace.numel():
+            raise ValueError(
+                f"float_workspace_buffer holds {self._workspace.numel()} bytes, the plan needs {need}"
+            )
+        ws = self._workspace
+        po_bytes = n_part * num_qo_heads * head_dim * 4
+        part_o = ws[:po_bytes].view(torch.float32).view(n_part, num_qo_heads, head_dim)
+        off = (po_bytes + 255) // 256 * 256
+        part_lse = ws[off: off + n_part * num_qo_heads * 4].view(torch.float32).view(n_part, num_qo_heads)
+
+        dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
+        slopes = (alibi_slopes(num_qo_heads).to(self.device, torch.float32)
+                  if pos_encoding_mode == "ALIBI" else dummy)
+        self._plan = dict(
+            B=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+            group=group, dtype=q_dt, pos_encoding_mode=pos_encoding_mode, window_left=window_left, soft_cap=cap,
+            sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
+            rope_rcp_scale=1.0 / float(rope_scale if rope_scale is not None else 1.0),
+            rope_log2_theta=math.log2(float(rope_theta if rope_theta is not None else 1e4)),
+            indices=flat, work=work_dev, part_o=part_o, part_lse=part_lse, slopes=slopes, dummy=dummy,
+            cfg=cfg, kv_lens=wp.kv_lens, num_work=wp.num_work, split_tokens=wp.split_tokens,
+        )
+        self._kernels = {}
+
+    begin_forward = plan
+
+    def _kernel(self, use_sinks: bool):
+        k = self._kernels.get(use_sinks)
+        if k is None:
+            cfg = self._plan["cfg"]
+            if use_sinks:
+                cfg = dataclasses.replace(cfg, use_sinks=True)
+            k = self._kernels[use_sinks] = dispatch.paged_decode_kernel(cfg)
+        return k
+
+    # ------------------------------------------------------------------ run
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache,
+        *args,
+        q_scale: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        return_lse: bool = False,
+        enable_pdl: bool | None = None,
+        window_left: int | None = None,
+        sinks: torch.Tensor | None = None,
+        q_len_per_req: int | None = None,
+        skip_softmax_threshold_scale_factor: float | None = None,
+        kv_cache_sf=None,
+    ):
+        """Decode attention for the planned batch.
+
+        Args:
+          q: ``[B, num_qo_heads, head_dim]`` in the planned dtype, last dim contiguous.
+          paged_kv_cache: ``(k_cache, v_cache)`` 4-D tensors or one 5-D tensor ``[pages, 2, ...]``
+            in the wrapper's ``kv_layout``; any strides with a contiguous last dim.
+          q_scale, k_scale: multiply ``sm_scale``; v_scale: multiplies the output (an extra
+            elementwise op).  Floats.
+          out: optional ``[B, Hq, D]`` output in q's dtype (contiguous).
+          lse: optional ``[B, Hq]`` float32 (contiguous), base-2 log-sum-exp.
+          return_lse: also return the LSE.
+          window_left: if given it must equal the planned value.
+          sinks: optional float32 ``[num_qo_heads]`` per-head sink logits (natural log,
+            not scaled by sm_scale), included in the softmax denominator and the LSE.
+          q_len_per_req: if given, must be 1.
+          enable_pdl, skip_softmax_threshold_scale_factor, kv_cache_sf: not supported
+            (``NotImplementedError`` unless None/False).
+
+        Returns:
+          ``out`` ``[B, Hq, D]``, or ``(out, lse)`` when ``return_lse``.
+
+        Raises:
+          RuntimeError: run before plan.  ValueError/TypeError: shape, dtype, device or layout
+          mismatch with the plan.  NotImplementedError: unsupported options above.
+        """
+        p = self._plan
+        if p is None:
+            raise RuntimeError("plan() must be called before run()")
+        if args:
+            raise TypeError("run() takes no extra positional arguments (custom-kernel args are not supported)")
+        if enable_pdl:
+            raise NotImplementedError("enable_pdl=True is not supported (no programmatic dependent launch yet)")
+        if skip_softmax_threshold_scale_factor is not None:
+            raise NotImplementedError("skip_softmax_threshold_scale_factor is not supported")
+        if kv_cache_sf is not None:
+            raise NotImplementedError("kv_cache_sf (NVFP4 KV) is not supported")
+        if q_len_per_req not in (None, 1):
+            raise ValueError(f"q_len_per_req={q_len_per_req} does not match the planned value 1")
+        if window_left is not None and window_left != p["window_left"]:
+            raise ValueError(f"window_left={window_left} at run() differs from plan() ({p['window_left']})")
+        B, Hq, D, dt = p["B"], p["num_qo_heads"], p["head_dim"], p["dtype"]
+        check_tensor("q", q, shape=(B, Hq, D))
+        if q.dtype != dt:
+            raise ValueError(f"The dtype of q ({q.dtype}) does not match the q_data_type specified in plan ({dt})")
+        if q.device != self.device:
+            raise ValueError(f"q is on {q.device}, the wrapper on {self.device}")
+        check_last_dim_contiguous("q", q)
+        k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        ps, hkv = p["page_size"], p["num_kv_heads"]
+        for n, t in (("k_cache", k), ("v_cache", v)):
+            if t.dtype != dt:
+                raise ValueError(f"The dtype of {n} ({t.dtype}) does not match the kv_data_type specified in plan ({dt})")
+            if t.shape[1:] != (ps, hkv, D):
+                raise ValueError(
+                    f"{n} has shape {tuple(t.shape)} (as NHD), expected [pages, {ps}, {hkv}, {D}] for kv_layout={self._kv_layout}"
+                )
+            if t.device != self.device:
+                raise ValueError(f"{n} is on {t.device}, expected {self.device}")
+            check_last_dim_contiguous(n, t)
+        if out is None:
+            out = torch.empty((B, Hq, D), dtype=dt, device=self.device)
+        else:
+            check_tensor("out", out, shape=(B, Hq, D), dtype=dt, device=self.device)
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous")
+        if lse is None:
+            lse = torch.empty((B, Hq), dtype=torch.float32, device=self.device)
+        else:
+            check_tensor("lse", lse, shape=(B, Hq), dtype=torch.float32, device=self.device)
+            if not lse.is_contiguous():
+                raise ValueError("lse must be contiguous")
+        if sinks is not None:
+            check_tensor("sinks", sinks, shape=(Hq,), device=self.device)
+            if sinks.dtype != torch.float32:
+                raise ValueError(f"sinks must be float32, got {sinks.dtype}")
+        sm_scale = p["sm_scale"] * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
+        fn = self._kernel(sinks is not None)
+        fn(q, k, v, p["indices"], p["work"], out, lse, p["part_o"], p["part_lse"], self._counters,
+           sinks if sinks is not None else p["dummy"], p["slopes"],
+           sm_scale, p["soft_cap"], p["rope_rcp_scale"], p["rope_log2_theta"])
+        if v_scale is not None and v_scale != 1.0:
+            out.mul_(v_scale)
+        return (out, lse) if return_lse else out
+
+    run_return_lse = partialmethod(run, return_lse=True)
+    forward = run
+    forward_return_lse = run_return_lse
+
+    def end_forward(self) -> None:
+        """No-op (FlashInfer compatibility)."""
+
+
+class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
+    """:class:`BatchDecodeWithPagedKVCacheWrapper` with ``use_cuda_graph=True`` (FlashInfer's signature).
+
+    ``plan()`` is host work and cannot be captured; ``run()`` can, and a captured
+    graph stays valid across re-plans of the same batch size (new lengths, new
+    pages): the work table, split counters and partial buffers keep their addresses.
+    """
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor,
+        indptr_buffer: torch.Tensor,
+        indices_buffer: torch.Tensor,
+        last_page_len_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_tensor_cores: bool = False,
+    ) -> None:
+        super().__init__(
+            workspace_buffer, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
+            paged_kv_indptr_buffer=indptr_buffer, paged_kv_indices_buffer=indices_buffer,
+            paged_kv_last_page_len_buffer=last_page_len_buffer,
+        )
+
+
+_single_cache: dict = {}
+
+
+def single_decode_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_tensor_cores: bool = False,
+    q_scale: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sm_scale: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    return_lse: bool = False,
+):
+    """Decode one query token against a contiguous KV (FlashInfer's ``single_decode_with_kv_cache``).
+
+    Args:
+      q: ``[num_qo_heads, head_dim]`` fp16/bf16.
+      k, v: ``[kv_len, num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len, head_dim]``
+        (HND), same dtype as q, last dim contiguous.
+      Other arguments as :meth:`BatchDecodeWithPagedKVCacheWrapper.plan` / ``run``.
+
+    Returns:
+      o ``[num_qo_heads, head_dim]`` in q's dtype, or ``(o, lse[num_qo_heads])`` (base-2 LSE).
+
+    The KV is served as a paged cache of page size 1 over the contiguous rows (no
+    copy); the page index array is cached per (device, length bucket).
+    """
+    check_kv_layout(kv_layout)
+    check_tensor("q", q, ndim=2)
+    check_tensor("k", k, ndim=3)
+    check_tensor("v", v, ndim=3)
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    kv_len, hkv, d = k.shape
+    hq = q.shape[0]
+    if q.shape[1] != d:
+        raise ValueError(f"q head_dim {q.shape[1]} != k head_dim {d}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise NotImplementedError(f"q/k/v dtypes must match (got {q.dtype}, {k.dtype}, {v.dtype})")
+    dev = q.device
+    key = (dev, hq, hkv, d, q.dtype, pos_encoding_mode, window_left, bool(logits_soft_cap))
+    entry = _single_cache.get(key)
+    if entry is None:
+        ws = torch.empty(32 * 1024 * 1024, dtype=torch.uint8, device=dev)
+        entry = _single_cache[key] = [BatchDecodeWithPagedKVCacheWrapper(ws, "NHD"), None, -1]
+    wrapper = entry[0]
+    n_idx = max(1, 1 << max(kv_len - 1, 0).bit_length())
+    if entry[1] is None or entry[1].numel() < n_idx:
+        entry[1] = torch.arange(n_idx, dtype=torch.int32, device=dev)
+    indptr = torch.tensor([0, kv_len], dtype=torch.int32)
+    last = torch.tensor([1 if kv_len > 0 else 0], dtype=torch.int32)
+    wrapper.plan(
+        indptr, entry[1], last, hq, hkv, d, 1, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+        logits_soft_cap=logits_soft_cap, q_data_type=q.dtype, sm_scale=sm_scale, rope_scale=rope_scale,
+        rope_theta=rope_theta,
+    )
+    o, lse = wrapper.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), q_scale=q_scale, k_scale=k_scale,
+                         v_scale=v_scale, return_lse=True)
+    return (o[0], lse[0]) if return_lse else o[0]

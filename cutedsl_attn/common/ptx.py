@@ -1,0 +1,194 @@
+"""Thin wrappers over single PTX instructions, shared by every kernel.
+
+Each function emits exactly one (or a handful of) PTX instructions through
+``cute.arch.inline_ptx`` while a CuTe DSL kernel is being traced; they must be
+called from inside ``@cute.kernel`` / ``@cute.jit`` code.  They exist so the
+kernels can state the SM80-class instruction they mean (``mma.sync``,
+``ldmatrix``, ``cp.async``) with the register layout written out in the PTX
+ISA, which makes the fragment bookkeeping in the kernels explicit and
+checkable in the generated PTX (``cutedsl_attn.inspect.ptx``).
+
+Register layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), with
+``g = lane // 4`` and ``t = lane % 4``:
+
+* A (16x16, row-major): ``a0=(g, 2t..2t+1)``, ``a1=(g+8, 2t..)``,
+  ``a2=(g, 2t+8..)``, ``a3=(g+8, 2t+8..)``; each register holds two 16-bit
+  values, the lower column in the low half.
+* B (16x8, "col"): ``b0=(k=2t..2t+1, n=g)``, ``b1=(k=2t+8..2t+9, n=g)``.
+* C/D (16x8 fp32): ``c0,c1=(g, 2t..2t+1)``, ``c2,c3=(g+8, 2t..2t+1)``.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+_inline = cute.arch.inline_ptx
+
+
+def mma_m16n8k16(a, b, c, dtype):
+    """D = A*B + C for one m16n8k16 tile; ``a`` 4 x Int32, ``b`` 2 x Int32, ``c`` 4 x Float32.
+
+    ``dtype`` is ``cutlass.BFloat16`` or ``cutlass.Float16`` (the A/B element type);
+    accumulation is fp32.  Returns a tuple of 4 Float32.
+    """
+    ab = "bf16" if dtype is cutlass.BFloat16 else "f16"
+    return _inline(
+        f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
+        "{ {$w0}, {$w1}, {$w2}, {$w3} }, { {$r0}, {$r1}, {$r2}, {$r3} }, "
+        "{ {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
+        write_only_types=[Float32] * 4,
+        read_only_args=[a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]],
+    )
+
+
+def ldmatrix_x4(smem_addr, trans: bool = False):
+    """``ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16``: four 8x8 16-bit matrices.
+
+    ``smem_addr`` (Int32, shared-window byte address) is this lane's row address:
+    lanes 8i..8i+7 give the 8 rows of matrix i.  Returns 4 Int32 registers.
+    """
+    tr = ".trans" if trans else ""
+    return _inline(
+        f"ldmatrix.sync.aligned.m8n8.x4{tr}.shared.b16 "
+        "{ {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+        write_only_types=[Int32] * 4,
+        read_only_args=[Int32(smem_addr)],
+    )
+
+
+def cp_async_16(smem_addr, gmem_addr, src_bytes):
+    """``cp.async.cg.shared.global`` of 16 bytes, zero-filling past ``src_bytes`` (0 or 16).
+
+    ``smem_addr`` Int32 shared address, ``gmem_addr`` Int64 global address (must be a
+    valid address even when ``src_bytes`` is 0).
+    """
+    _inline(
+        "cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};",
+        read_only_args=[Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
+    )
+
+
+def cp_async_commit():
+    _inline("cp.async.commit_group;")
+
+
+def cp_async_wait(n: int):
+    """Wait until at most ``n`` (compile-time) cp.async groups of this thread are pending."""
+    _inline(f"cp.async.wait_group {int(n)};")
+
+
+def pack2(lo, hi, dtype):
+    """Round two fp32 to one 32-bit register of two 16-bit values (``lo`` in the low half)."""
+    t = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return _inline(
+        f"cvt.rn.{t}.f32 {{$w0}}, {{$r0}}, {{$r1}};",
+        write_only_types=[Int32],
+        read_only_args=[Float32(hi), Float32(lo)],
+    )
+
+
+def unpack2(x, dtype):
+    """Split one register of two 16-bit values into (low, high) fp32."""
+    if dtype is cutlass.BFloat16:
+        lo = _inline("shl.b32 {$w0}, {$r0}, 16;", write_only_types=[Float32], read_only_args=[Int32(x)])
+        hi = _inline("and.b32 {$w0}, {$r0}, 0xffff0000;", write_only_types=[Float32], read_only_args=[Int32(x)])
+        return lo, hi
+    return _inline(
+        "{ .reg .f16 l, h; mov.b32 {l, h}, {$r0}; cvt.f32.f16 {$w0}, l; cvt.f32.f16 {$w1}, h; }",
+        write_only_types=[Float32, Float32],
+        read_only_args=[Int32(x)],
+    )
+
+
+def ex2(x):
+    """2**x (``ex2.approx.ftz.f32``; ex2(-inf) = 0)."""
+    return _inline("ex2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
+
+
+def lg2(x):
+    """log2(x) (``lg2.approx.ftz.f32``; lg2(0) = -inf)."""
+    return _inline("lg2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
+
+
+def tanh(x):
+    """``tanh.approx.f32`` (sm_75+)."""
+    return _inline("tanh.approx.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
+
+
+def sin_cos(x):
+    """(sin x, cos x) with ``sin/cos.approx.ftz.f32``; reduce large arguments first."""
+    s = _inline("sin.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
+    c = _inline("cos.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
+    return s, c
+
+
+def rcp(x):
+    """1/x (``rcp.approx.ftz.f32``)."""
+    return _inline("rcp.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
+
+
+def ld_shared_f32(addr):
+    return _inline("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[Int32(addr)])
+
+
+def st_shared_f32(addr, v):
+    _inline("st.shared.f32 [{$r0}], {$r1};", read_only_args=[Int32(addr), Float32(v)])
+
+
+def ld_shared_u16(addr):
+    return _inline("ld.shared.u16 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int32(addr)])
+
+
+def st_shared_u16(addr, v):
+    _inline("st.shared.u16 [{$r0}], {$r1};", read_only_args=[Int32(addr), Int32(v)])
+
+
+def ld_global_cg_f32(addr):
+    """fp32 load that bypasses L1 (data written by other CTAs of the same launch)."""
+    return _inline("ld.global.cg.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[Int64(addr)])
+
+
+def atomic_add_global_u32(addr, v):
+    """``atom.global.add.u32``; returns the old value."""
+    return _inline(
+        "atom.global.add.u32 {$w0}, [{$r0}], {$r1};",
+        write_only_types=[Int32],
+        read_only_args=[Int64(addr), Int32(v)],
+    )
+
+
+def st_global_u32(addr, v):
+    _inline("st.global.u32 [{$r0}], {$r1};", read_only_args=[Int64(addr), Int32(v)])
+
+
+def fence_gpu():
+    """``fence.acq_rel.gpu`` (a __threadfence())."""
+    _inline("fence.acq_rel.gpu;")
+
+
+def f32_to_16(x, dtype):
+    """Round one fp32 to a 16-bit value in the low half of an Int32."""
+    t = "bf16" if dtype is cutlass.BFloat16 else "f16"
+    return _inline(
+        f"{{ .reg .b16 h; cvt.rn.{t}.f32 h, {{$r0}}; cvt.u32.u16 {{$w0}}, h; }}",
+        write_only_types=[Int32],
+        read_only_args=[Float32(x)],
+    )
+
+
+def b16_to_f32(x, dtype):
+    """Widen a 16-bit value held in the low half of an Int32 to fp32."""
+    if dtype is cutlass.BFloat16:
+        return _inline("shl.b32 {$w0}, {$r0}, 16;", write_only_types=[Float32], read_only_args=[Int32(x)])
+    return _inline(
+        "{ .reg .b16 h; cvt.u16.u32 h, {$r0}; cvt.f32.f16 {$w0}, h; }",
+        write_only_types=[Float32],
+        read_only_args=[Int32(x)],
+    )
+
+
+def rint(x):
+    """Round to nearest integer (``cvt.rni.f32.f32``)."""
+    return _inline("cvt.rni.f32.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])

@@ -1,0 +1,72 @@
+"""The one place an architecture is chosen: API calls -> kernel configs -> compiled kernels.
+
+``api`` modules never import kernel modules directly; they ask this layer for a
+compiled callable.  Today every architecture is served by the portable SM80-class
+kernels (``cutedsl_attn.portable``): they are verified on SM90 (H200) and
+cross-compiled for SM100.  Arch-specific kernels (``sm90``/``sm100``) take over here
+as they are verified.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .compile import get_compiled, target_arch
+from .planning.decode import occupancy
+from .portable import paged_decode as _pd
+
+PagedDecodeConfig = _pd.PagedDecodeConfig
+
+_TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def decode_config(
+    *,
+    dtype: torch.dtype,
+    head_dim: int,
+    page_size: int,
+    group_size: int,
+    pos_encoding_mode: str = "NONE",
+    use_soft_cap: bool = False,
+    use_sinks: bool = False,
+    arch: str | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> PagedDecodeConfig:
+    """The paged-decode kernel configuration for a problem (tuning knobs chosen here)."""
+    arch = arch or target_arch()
+    if num_stages is None:
+        num_stages = 2 if head_dim >= 256 else 3
+    return PagedDecodeConfig(
+        dtype=_TORCH_TO_NAME[dtype],
+        head_dim=head_dim,
+        page_size=page_size,
+        group_size=group_size,
+        pos_encoding_mode=pos_encoding_mode,
+        use_soft_cap=use_soft_cap,
+        use_sinks=use_sinks,
+        num_warps=num_warps or 4,
+        num_stages=num_stages,
+        arch=arch,
+    )
+
+
+def paged_decode_kernel(cfg: PagedDecodeConfig):
+    """Compiled (and cached, in memory and on disk) paged-decode callable for ``cfg``."""
+    return get_compiled("paged_decode", cfg, _pd.compile)
+
+
+def paged_decode_ctas_per_sm(cfg: PagedDecodeConfig) -> int:
+    """Occupancy of the decode kernel, used by the split-KV planner."""
+    return occupancy(cfg.smem_bytes, cfg.num_threads)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int | None = None) -> int:
+    """Multiprocessor count of a CUDA device (132 on an H200/H100 SXM when none is present)."""
+    if not torch.cuda.is_available():
+        return 132
+    idx = torch.cuda.current_device() if device_index is None else device_index
+    return torch.cuda.get_device_properties(idx).multi_processor_count

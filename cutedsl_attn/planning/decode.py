@@ -1,0 +1,174 @@
+"""Host-side planning for paged decode: request lengths -> a work table of (request, token range) items.
+
+Pure Python/torch on the CPU; imports nothing above it.  ``plan()`` of the decode
+wrapper calls :func:`plan_paged_decode` once per batch; ``run()`` only launches.
+
+Work-table row (int32, ``WORK_COLS`` columns, the contract with
+``cutedsl_attn.portable.paged_decode``)::
+
+    [batch_idx, tok_start, tok_end, kv_len, page_off, num_splits, part_base, split_idx]
+
+``batch_idx = -1`` marks a padding row (CUDA-graph mode launches a fixed grid).
+Tokens ``[tok_start, tok_end)`` of request ``batch_idx`` are read; token ``t`` lives
+in page ``indices[page_off + t // page_size]`` at slot ``t % page_size``.  A request
+split into ``num_splits > 1`` items writes fp32 partials ``part_base + split_idx``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+WORK_COLS = 8
+CHUNK = 16  # tokens per warp iteration in the decode kernel
+
+
+@dataclass(frozen=True)
+class DecodeWorkPlan:
+    """Result of :func:`plan_paged_decode`.
+
+    ``work`` is a CPU int32 tensor ``[num_rows, WORK_COLS]`` (``num_rows >= num_work``;
+    rows past ``num_work`` are padding with ``batch_idx = -1``).  ``num_partials`` is
+    the number of fp32 partial rows (per query head) split-KV needs.
+    """
+
+    work: torch.Tensor
+    num_work: int
+    num_partials: int
+    split_tokens: int  # 0 when no request was split
+    kv_lens: torch.Tensor  # CPU int32 [B]
+
+
+def kv_lens_from_csr(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    """kv_len[b] = max(npages-1, 0)*page_size + last_page_len[b] (0 for a request with no page).
+
+    As ``flashinfer.page.get_seq_lens``.  CPU int64 result.
+    """
+    npages = (indptr[1:] - indptr[:-1]).to(torch.int64)
+    lens = (npages - 1).clamp(min=0) * page_size + last_page_len.to(torch.int64)
+    return torch.where(npages > 0, lens, torch.zeros_like(lens))
+
+
+def choose_num_splits(
+    eff_lens: list[int], num_kv_heads: int, slots: int, *, min_split: int = 64, max_splits: int = 128
+) -> int:
+    """Split length in tokens (0 = no split) that best fills ``slots`` concurrent CTAs.
+
+    Mirrors FA3's wave-efficiency rule: among split counts for the longest request,
+    take the smallest whose wave efficiency (CTAs / (waves * slots)) is within 10% of
+    the best one; splits are multiples of ``CHUNK`` tokens and at least ``min_split``.
+    """
+    if not eff_lens:
+        return 0
+    longest = max(eff_lens)
+    if longest <= min_split:
+        return 0
+    best: list[tuple[float, int, int]] = []
+    for n in range(1, max_splits + 1):
+        split = max(min_split, -(-longest // n))
+        split = -(-split // CHUNK) * CHUNK
+        items = sum(max(1, -(-L // split)) for L in eff_lens)
+        if items > max_items(len(eff_lens), num_kv_heads, slots):
+            break
+        ctas = items * num_kv_heads
+        waves = -(-ctas // slots)
+        best.append((ctas / (waves * slots), n, split))
+        if split == min_split:
+            break
+    if not best:
+        return 0
+    top = max(e for e, _, _ in best)
+    for eff, n, split in best:
+        if eff >= 0.9 * top:
+            return 0 if n == 1 else split
+    return 0
+
+
+def plan_paged_decode(
+    kv_lens: torch.Tensor,
+    page_offsets: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    page_size: int,
+    window_left: int = -1,
+    num_sms: int = 132,
+    ctas_per_sm: int = 2,
+    fixed_split_tokens: int | None = None,
+    disable_split_kv: bool = False,
+    num_rows: int | None = None,
+) -> DecodeWorkPlan:
+    """Build the decode work table.
+
+    Args:
+      kv_lens: ``[B]`` tokens in each request's KV (CPU, any int dtype).
+      page_offsets: ``[B]`` index into the flat page-id array where request b's pages start.
+      num_kv_heads, page_size: the cache's; ``num_kv_heads`` is a grid dimension.
+      window_left: FlashInfer's inclusive left window (``w`` keeps ``w+1`` keys); keys
+        before ``kv_len-1-w`` are never read.  ``-1`` disables.
+      num_sms, ctas_per_sm: the GPU's SM count and the kernel's occupancy; together the
+        number of CTAs one wave holds, which the split heuristic fills.
+      fixed_split_tokens: split every request into pieces of this many tokens
+        (FlashInfer's ``fixed_split_size``, converted to tokens by the caller).
+      disable_split_kv: never split (one work item per request).
+      num_rows: pad the table to this many rows (CUDA-graph mode); ``ValueError`` if the
+        plan needs more.
+
+    Items are ordered longest first so the longest run starts earliest.
+    """
+    kv_lens = kv_lens.to(torch.int64).cpu()
+    page_offsets = page_offsets.to(torch.int64).cpu()
+    B = int(kv_lens.numel())
+    lens = kv_lens.tolist()
+    starts = [max(0, L - 1 - window_left) if window_left >= 0 else 0 for L in lens]
+    eff = [L - s for L, s in zip(lens, starts)]
+    if disable_split_kv:
+        split = 0
+    elif fixed_split_tokens is not None:
+        split = int(fixed_split_tokens)
+        if split <= 0:
+            raise ValueError(f"fixed_split_size must be positive, got {fixed_split_tokens}")
+    else:
+        split = choose_num_splits(eff, num_kv_heads, max(1, num_sms * ctas_per_sm))
+
+    rows: list[list[int]] = []
+    part = 0
+    for b in range(B):
+        L, s0, n_eff = lens[b], starts[b], eff[b]
+        n = max(1, -(-n_eff // split)) if split > 0 else 1
+        if n == 1:
+            rows.append([b, s0, L, L, int(page_offsets[b]), 1, 0, 0])
+            continue
+        per = -(-n_eff // n)
+        per = -(-per // CHUNK) * CHUNK
+        n = -(-n_eff // per)
+        if n == 1:
+            rows.append([b, s0, L, L, int(page_offsets[b]), 1, 0, 0])
+            continue
+        for i in range(n):
+            a = s0 + i * per
+            rows.append([b, a, min(L, a + per), L, int(page_offsets[b]), n, part, i])
+        part += n
+    rows.sort(key=lambda r: r[2] - r[1], reverse=True)
+    num_work = len(rows)
+    if num_rows is not None:
+        if num_work > num_rows:
+            raise ValueError(
+                f"the plan needs {num_work} work items but the CUDA-graph buffers hold {num_rows}; "
+                "construct the wrapper with a larger batch or use fixed_split_size"
+            )
+        rows.extend([[-1, 0, 0, 0, 0, 1, 0, 0]] * (num_rows - num_work))
+    work = torch.tensor(rows, dtype=torch.int32).reshape(-1, WORK_COLS)
+    return DecodeWorkPlan(work=work, num_work=num_work, num_partials=part, split_tokens=split,
+                          kv_lens=kv_lens.to(torch.int32))
+
+
+def max_items(batch_size: int, num_kv_heads: int, slots: int) -> int:
+    """Upper bound on the work items the automatic split heuristic produces (CUDA-graph buffers)."""
+    return batch_size + 2 * -(-slots // max(1, num_kv_heads))
+
+
+def occupancy(smem_bytes: int, num_threads: int, smem_per_sm: int = 228 * 1024) -> int:
+    """CTAs per SM allowed by shared memory (1 KiB reserved per CTA) and threads."""
+    return max(1, min(smem_per_sm // (smem_bytes + 1024), 2048 // num_threads, 32))

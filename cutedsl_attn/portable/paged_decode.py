@@ -1,0 +1,583 @@
+"""Portable paged-KV decode kernel (SM80-class instructions: ``cp.async``, ``ldmatrix``, ``mma.sync``).
+
+Runs on SM90 and SM100 alike; verified on an H200 (SM90).  On SM100 it is only
+cross-compiled and its PTX checked (no Blackwell GPU was available).
+
+Work decomposition (planned on the host by :mod:`cutedsl_attn.planning`):
+
+* one CTA per (work item, kv head); a work item is a token range ``[tok_start,
+  tok_end)`` of one request (a request is split across several items when the
+  batch is too small to fill the GPU, "split-KV");
+* the CTA's ``num_warps`` warps each stream 16-token chunks of that range
+  (chunk ``c`` goes to warp ``c % num_warps``) through their own ``num_stages``-deep
+  ``cp.async`` ring in shared memory, gathering rows through the page table, so
+  no CTA-wide barrier sits in the main loop;
+* all ``group_size`` query heads that share the kv head are packed into the 16
+  rows of one ``mma.m16n8k16`` tile, so each K/V row is read from HBM once per
+  group: S = Q K^T (Q from ``ldmatrix``, K from ``ldmatrix``), online softmax in
+  fp32 with exp2, O += P V (P re-used from the S accumulators as the A operand,
+  V from ``ldmatrix.trans``);
+* the warps' (m, l, O) states are merged through shared memory; a request with
+  one work item writes O and LSE directly, otherwise each item writes an fp32
+  partial and the last CTA to finish (a per-(request, kv head) counter with
+  ``atom.add``) merges the partials, so split-KV needs no second launch.  The
+  counter is reset by that CTA, which keeps the kernel CUDA-graph replayable.
+
+Conventions (FlashInfer): LSE is base 2 over the visible keys, sinks included;
+sinks are natural-log logits not multiplied by ``sm_scale``; soft cap
+``cap * tanh(s / cap)`` applies to the scaled logit; ALiBi adds
+``slope_h * (j - (kv_len - 1))``; ROPE_LLAMA rotates q at position ``kv_len - 1``
+and k at its token position; empty rows give O = 0 and LSE = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from ..common import ptx
+
+LOG2E = 1.4426950408889634
+NEG_INF = float("-inf")
+CHUNK = 16  # tokens per warp iteration: one m16n8k16 K-extent for PV
+
+
+@dataclass(frozen=True)
+class PagedDecodeConfig:
+    """Compile-time configuration of :class:`PagedDecodeKernel` (also its cache key).
+
+    Everything not listed here (batch, lengths, page count, number of kv heads,
+    strides, layout NHD/HND, scales, window) is a run-time argument, so one
+    compiled kernel serves them all.
+    """
+
+    dtype: str  # "bfloat16" | "float16": q, k, v and o
+    head_dim: int  # 32, 64, 128, 256
+    page_size: int  # >= 1
+    group_size: int  # query heads per kv head, 1..16
+    pos_encoding_mode: str = "NONE"  # "NONE" | "ROPE_LLAMA" | "ALIBI"
+    use_soft_cap: bool = False
+    use_sinks: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.head_dim not in (32, 64, 128, 256):
+            raise ValueError(f"head_dim must be one of 32, 64, 128, 256, got {self.head_dim}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 1 <= self.group_size <= 16:
+            raise ValueError(f"group_size must be in [1, 16], got {self.group_size}")
+        if self.pos_encoding_mode not in ("NONE", "ROPE_LLAMA", "ALIBI"):
+            raise ValueError(f"pos_encoding_mode must be NONE, ROPE_LLAMA or ALIBI, got {self.pos_encoding_mode!r}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
+        if not 2 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages must be in [2, 6], got {self.num_stages}")
+
+    # ---- derived quantities (host side) ----
+    @property
+    def cutlass_dtype(self):
+        return cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def row_bytes(self) -> int:
+        # one 16B pad per row: rows shift by 4 banks, so ldmatrix is conflict-free
+        return self.head_dim * 2 + 16
+
+    @property
+    def smem_q_bytes(self) -> int:
+        return 16 * self.row_bytes
+
+    @property
+    def smem_stats_bytes(self) -> int:
+        # m, l, weights per (warp, row); per-row merge stats (2); a flag
+        return (self.num_warps * 16 * 3 + 16 * 2 + 4) * 4
+
+    @property
+    def smem_kv_bytes(self) -> int:
+        return self.num_warps * self.num_stages * 2 * CHUNK * self.row_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        kv = max(self.smem_kv_bytes, self.num_warps * 16 * self.head_dim * 4)
+        return self.smem_q_bytes + self.smem_stats_bytes + kv
+
+    @property
+    def q_in_registers(self) -> bool:
+        return self.head_dim <= 128
+
+
+# Work-table columns (int32), written by cutedsl_attn.planning.decode
+W_BATCH, W_TOK_START, W_TOK_END, W_KV_LEN, W_PAGE_OFF, W_NUM_SPLITS, W_PART_BASE, W_SPLIT_IDX = range(8)
+WORK_COLS = 8
+
+
+class PagedDecodeKernel:
+    """CuTe DSL paged decode; see the module docstring.  Build with :func:`compile`."""
+
+    def __init__(self, cfg: PagedDecodeConfig):
+        self.cfg = cfg
+        self.dtype = cfg.cutlass_dtype
+        self.D = cfg.head_dim
+        self.PS = cfg.page_size
+        self.G = cfg.group_size
+        self.NW = cfg.num_warps
+        self.S = cfg.num_stages
+        self.NT = cfg.num_threads
+        self.RB = cfg.row_bytes
+        self.TILE = CHUNK * cfg.row_bytes
+        self.rope = cfg.pos_encoding_mode == "ROPE_LLAMA"
+        self.alibi = cfg.pos_encoding_mode == "ALIBI"
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B, Hq, D]
+        mK: cute.Tensor,  # [P, page_size, Hkv, D] (any strides, d contiguous)
+        mV: cute.Tensor,  # [P, page_size, Hkv, D]
+        mIdx: cute.Tensor,  # [nnz] int32 page ids
+        mWork: cute.Tensor,  # [W, 8] int32
+        mO: cute.Tensor,  # [B, Hq, D]
+        mLSE: cute.Tensor,  # [B, Hq] fp32
+        mPO: cute.Tensor,  # [NP, Hq, D] fp32 (split-KV partials)
+        mPLSE: cute.Tensor,  # [NP, Hq] fp32
+        mCnt: cute.Tensor,  # [>= B*Hkv] int32, zero between launches
+        mSinks: cute.Tensor,  # [Hq] fp32 (ignored unless use_sinks)
+        mAlibi: cute.Tensor,  # [Hq] fp32 slopes (ignored unless ALIBI)
+        sm_scale: Float32,
+        soft_cap: Float32,
+        rope_rcp_scale: Float32,
+        rope_log2_theta: Float32,
+        stream,
+    ):
+        self.kernel(
+            mQ, mK, mV, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, mSinks, mAlibi,
+            sm_scale, soft_cap, rope_rcp_scale, rope_log2_theta,
+        ).launch(
+            grid=(mWork.shape[0], mK.shape[2], 1),
+            block=(self.NT, 1, 1),
+            smem=self.cfg.smem_bytes,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ kernel
+    @cute.kernel
+    def kernel(
+        self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, mSinks, mAlibi,
+        sm_scale: Float32, soft_cap: Float32, rope_rcp_scale: Float32, rope_log2_theta: Float32,
+    ):
+        D, G, NW, S, NT, RB, TILE = self.D, self.G, self.NW, self.S, self.NT, self.RB, self.TILE
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        wi, kvh, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = tidx // 32
+        g = lane // 4
+        t = lane % 4
+
+        smem_base = cute.arch.get_dyn_smem(cutlass.Int8, alignment=128).toint()
+        sQ = smem_base
+        sStat = smem_base + cfg.smem_q_bytes
+        sM = sStat
+        sL = sStat + NW * 16 * 4
+        sW = sStat + NW * 16 * 8
+        sRow = sStat + NW * 16 * 12
+        sFlag = sRow + 16 * 2 * 4
+        sKV = sStat + cfg.smem_stats_bytes
+
+        b = mWork[wi, W_BATCH]
+        if b >= 0:
+            t0 = mWork[wi, W_TOK_START]
+            t1 = mWork[wi, W_TOK_END]
+            kv_len = mWork[wi, W_KV_LEN]
+            page_off = mWork[wi, W_PAGE_OFF]
+            n_splits = mWork[wi, W_NUM_SPLITS]
+            part0 = mWork[wi, W_PART_BASE]
+            part = part0 + mWork[wi, W_SPLIT_IDX]
+            head0 = kvh * G
+
+            # scalars folded once: x_log2 = sc_out * f(sc_in * q.k)
+            sc_in = sm_scale * LOG2E
+            sc_out = Float32(1.0)
+            if const_expr(cfg.use_soft_cap):
+                sc_in = sm_scale / soft_cap
+                sc_out = soft_cap * LOG2E
+
+            self._load_q(mQ, sQ, b, head0, kv_len, tidx, rope_rcp_scale, rope_log2_theta)
+            qf = cute.make_rmem_tensor(((D // 16) * 4,), Int32)
+            if const_expr(cfg.q_in_registers):
+                for kk in cutlass.range_constexpr(D // 16):
+                    qr = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, kk))
+                    for e in cutlass.range_constexpr(4):
+                        qf[kk * 4 + e] = qr[e]
+
+            # ALiBi slopes (log2 units) for rows g and g+8
+            slope = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                slope[h] = Float32(0.0)
+                if const_expr(self.alibi):
+                    if g + 8 * h < G:
+                        slope[h] = mAlibi[head0 + g + 8 * h] * LOG2E
+
+            acc = cute.make_rmem_tensor(((D // 8) * 4,), Float32)
+            row_m = cute.make_rmem_tensor((2,), Float32)
+            row_l = cute.make_rmem_tensor((2,), Float32)
+            self._mainloop(mK, mV, mIdx, qf, acc, row_m, row_l, slope, sQ, sKV, t0, t1, kv_len, page_off, kvh,
+                           sc_in, sc_out, rope_rcp_scale, rope_log2_theta, lane, warp)
+
+            final = n_splits == 1
+            self._merge_warps(mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sKV,
+                              b, part, head0, final, tidx, lane, warp)
+            if n_splits > 1:
+                self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag,
+                                   b, kvh, mK.shape[2], part0, n_splits, head0, tidx)
+
+    @cute.jit
+    def _load_q(self, mQ, sQ, b, head0, kv_len, tidx, rope_rcp_scale, rope_log2_theta):
+        """Q rows of the group -> smem (16 rows, zero-filled past G), RoPE'd at kv_len-1."""
+        D, G, NT, RB = self.D, self.G, self.NT, self.RB
+        q_base = mQ.iterator.toint()
+        for it in cutlass.range_constexpr((2 * D + NT - 1) // NT):
+            idx = it * NT + tidx
+            if idx < 2 * D:
+                row = idx // (D // 8)
+                col = idx % (D // 8)
+                head = head0 + cutlass.min(row, G - 1)
+                goff = Int64(b) * mQ.stride[0] + Int64(head) * mQ.stride[1] + col * 8
+                ptx.cp_async_16(sQ + row * RB + col * 16, q_base + goff * 2, cutlass.select_(row < G, 16, 0))
+        ptx.cp_async_commit()
+        ptx.cp_async_wait(0)
+        cute.arch.sync_threads()
+        if const_expr(self.rope):
+            self._rope_rows(sQ, 16 * (D // 2), tidx, NT, kv_len - 1, 0, rope_rcp_scale, rope_log2_theta)
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def _mainloop(self, mK, mV, mIdx, qf, acc, row_m, row_l, slope, sQ, sKV, t0, t1, kv_len, page_off, kvh,
+                  sc_in, sc_out, rope_rcp_scale, rope_log2_theta, lane, warp):
+        """This warp's 16-token chunks c = warp, warp+NW, ... through a num_stages cp.async ring."""
+        D, NW, S, TILE = self.D, self.NW, self.S, self.TILE
+        g = lane // 4
+        t = lane % 4
+        for i in cutlass.range_constexpr((D // 8) * 4):
+            acc[i] = Float32(0.0)
+        for h in cutlass.range_constexpr(2):
+            row_m[h] = Float32(NEG_INF)
+            row_l[h] = Float32(0.0)
+
+        n_chunks = (t1 - t0 + CHUNK - 1) // CHUNK
+        my_n = cutlass.max(n_chunks - warp + NW - 1, 0) // NW
+        k_base = mK.iterator.toint()
+        v_base = mV.iterator.toint()
+        warp_kv = sKV + warp * (S * 2 * TILE)
+
+        for s in cutlass.range_constexpr(S - 1):
+            if s < my_n:
+                self._load_chunk(mK, mV, mIdx, k_base, v_base, warp_kv + s * 2 * TILE,
+                                 t0 + (warp + s * NW) * CHUNK, t1, page_off, kvh, lane)
+            ptx.cp_async_commit()
+
+        for i in cutlass.range(my_n, unroll=1):
+            j = i + S - 1
+            if j < my_n:
+                self._load_chunk(mK, mV, mIdx, k_base, v_base, warp_kv + (j % S) * 2 * TILE,
+                                 t0 + (warp + j * NW) * CHUNK, t1, page_off, kvh, lane)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait(S - 1)
+            cute.arch.sync_warp()
+            sK_st = warp_kv + (i % S) * 2 * TILE
+            start = t0 + (warp + i * NW) * CHUNK
+            if const_expr(self.rope):
+                self._rope_rows(sK_st, CHUNK * (D // 2), lane, 32, start, 1, rope_rcp_scale, rope_log2_theta)
+                cute.arch.sync_warp()
+            self._consume_chunk(qf, acc, row_m, row_l, slope, sQ, sK_st, sK_st + TILE, start, t1, kv_len,
+                                sc_in, sc_out, lane, g, t)
+            cute.arch.sync_warp()
+        ptx.cp_async_wait(0)
+
+        # quad-reduce the thread-local row sums
+        for h in cutlass.range_constexpr(2):
+            x = row_l[h]
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+            row_l[h] = x
+
+    @cute.jit
+    def _merge_warps(self, mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sO,
+                     b, part, head0, final, tidx, lane, warp):
+        """Merge the NW warp states; write O/LSE (one split) or the fp32 partial (split-KV)."""
+        D, G, NW, NT = self.D, self.G, self.NW, self.NT
+        g = lane // 4
+        t = lane % 4
+        cute.arch.sync_threads()  # every warp is done with its K/V ring; sO aliases it
+        if t == 0:
+            for h in cutlass.range_constexpr(2):
+                ptx.st_shared_f32(sM + (warp * 16 + g + 8 * h) * 4, row_m[h])
+                ptx.st_shared_f32(sL + (warp * 16 + g + 8 * h) * 4, row_l[h])
+        for dd in cutlass.range_constexpr(D // 8):
+            for e in cutlass.range_constexpr(4):
+                ptx.st_shared_f32(sO + ((warp * 16 + g + 8 * (e // 2)) * D + dd * 8 + 2 * t + (e % 2)) * 4,
+                                  acc[dd * 4 + e])
+        cute.arch.sync_threads()
+
+        if tidx < G:
+            big_m = Float32(NEG_INF)
+            for w in cutlass.range_constexpr(NW):
+                big_m = cute.arch.fmax(big_m, ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4))
+            sink_l2 = Float32(NEG_INF)
+            if const_expr(self.cfg.use_sinks):
+                if final:
+                    sink_l2 = mSinks[head0 + tidx] * LOG2E
+            m_all = cute.arch.fmax(big_m, sink_l2)
+            m_use = Float32(cutlass.select_(m_all == Float32(NEG_INF), Float32(0.0), m_all))
+            tot = ptx.ex2(sink_l2 - m_use)
+            for w in cutlass.range_constexpr(NW):
+                tot = tot + ptx.ld_shared_f32(sL + (w * 16 + tidx) * 4) * ptx.ex2(
+                    ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4) - m_use)
+            inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0)))
+            for w in cutlass.range_constexpr(NW):
+                ptx.st_shared_f32(sW + (w * 16 + tidx) * 4,
+                                  ptx.ex2(ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4) - m_use) * inv)
+            lse = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot), Float32(NEG_INF)))
+            if final:
+                mLSE[b, head0 + tidx] = lse
+            else:
+                mPLSE[part, head0 + tidx] = lse
+        cute.arch.sync_threads()
+
+        for e in cutlass.range((G * D + NT - 1 - tidx) // NT, unroll=1):
+            idx = tidx + e * NT
+            r = idx // D
+            d = idx % D
+            o = Float32(0.0)
+            for w in cutlass.range_constexpr(NW):
+                o = o + ptx.ld_shared_f32(sW + (w * 16 + r) * 4) * ptx.ld_shared_f32(sO + ((w * 16 + r) * D + d) * 4)
+            if final:
+                mO[b, head0 + r, d] = o.to(self.dtype)
+            else:
+                mPO[part, head0 + r, d] = o
+
+    @cute.jit
+    def _merge_splits(self, mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, b, kvh, num_kv_heads, part0,
+                      n_splits, head0, tidx):
+        """Split-KV: the last CTA of (request, kv head) to finish merges all partials."""
+        D, G, NT = self.D, self.G, self.NT
+        hq_total = mO.shape[1]
+        ptx.fence_gpu()
+        cute.arch.sync_threads()
+        cnt_addr = mCnt.iterator.toint() + (Int64(b) * num_kv_heads + kvh) * 4
+        if tidx == 0:
+            old = ptx.atomic_add_global_u32(cnt_addr, 1)
+            ptx.st_shared_f32(sFlag, Float32(cutlass.select_(old == n_splits - 1, Float32(1.0), Float32(0.0))))
+        cute.arch.sync_threads()
+        if ptx.ld_shared_f32(sFlag) > Float32(0.5):
+            ptx.fence_gpu()
+            plse_base = mPLSE.iterator.toint()
+            po_base = mPO.iterator.toint()
+            if tidx < G:
+                big_m = Float32(NEG_INF)
+                for p in cutlass.range(n_splits, unroll=1):
+                    big_m = cute.arch.fmax(big_m, ptx.ld_global_cg_f32(
+                        plse_base + (Int64(part0 + p) * hq_total + head0 + tidx) * 4))
+                sink_l2 = Float32(NEG_INF)
+                if const_expr(self.cfg.use_sinks):
+                    sink_l2 = mSinks[head0 + tidx] * LOG2E
+                m_all = cute.arch.fmax(big_m, sink_l2)
+                m_use = Float32(cutlass.select_(m_all == Float32(NEG_INF), Float32(0.0), m_all))
+                tot = ptx.ex2(sink_l2 - m_use)
+                for p in cutlass.range(n_splits, unroll=1):
+                    tot = tot + ptx.ex2(ptx.ld_global_cg_f32(
+                        plse_base + (Int64(part0 + p) * hq_total + head0 + tidx) * 4) - m_use)
+                inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0)))
+                ptx.st_shared_f32(sRow + tidx * 8, m_use)
+                ptx.st_shared_f32(sRow + tidx * 8 + 4, inv)
+                mLSE[b, head0 + tidx] = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot), Float32(NEG_INF)))
+            cute.arch.sync_threads()
+            for e in cutlass.range((G * D + NT - 1 - tidx) // NT, unroll=1):
+                idx = tidx + e * NT
+                r = idx // D
+                d = idx % D
+                m_r = ptx.ld_shared_f32(sRow + r * 8)
+                inv_r = ptx.ld_shared_f32(sRow + r * 8 + 4)
+                o = Float32(0.0)
+                for p in cutlass.range(n_splits, unroll=1):
+                    prow = Int64(part0 + p) * hq_total + head0 + r
+                    wgt = ptx.ex2(ptx.ld_global_cg_f32(plse_base + prow * 4) - m_r)
+                    o = o + wgt * ptx.ld_global_cg_f32(po_base + (prow * D + d) * 4)
+                mO[b, head0 + r, d] = (o * inv_r).to(self.dtype)
+            if tidx == 0:
+                ptx.st_global_u32(cnt_addr, 0)
+
+    # ------------------------------------------------------------------ pieces
+    @cute.jit
+    def _q_frag_addr(self, sQ, lane, kk: cutlass.Constexpr):
+        m = lane // 8
+        row = (m % 2) * 8 + lane % 8
+        return sQ + row * self.RB + (kk * 16 + (m // 2) * 8) * 2
+
+    @cute.jit
+    def _load_chunk(self, mK, mV, mIdx, k_base, v_base, s_dst, start, t1, page_off, kvh, lane):
+        """cp.async one 16-token chunk of K and V (rows past ``t1`` zero-filled)."""
+        D, PS, RB = self.D, self.PS, self.RB
+        cpr = D // 8  # 16-byte pieces per row
+        rpp = 32 // cpr  # rows per pass
+        col = lane % cpr
+        for p in cutlass.range_constexpr(CHUNK // rpp):
+            row = p * rpp + lane // cpr
+            tok = start + row
+            valid = tok < t1
+            tok_c = cutlass.min(tok, t1 - 1)
+            page = mIdx[page_off + tok_c // PS]
+            slot = tok_c % PS
+            koff = Int64(page) * mK.stride[0] + Int64(slot) * mK.stride[1] + Int64(kvh) * mK.stride[2] + col * 8
+            voff = Int64(page) * mV.stride[0] + Int64(slot) * mV.stride[1] + Int64(kvh) * mV.stride[2] + col * 8
+            nbytes = cutlass.select_(valid, 16, 0)
+            ptx.cp_async_16(s_dst + row * RB + col * 16, k_base + koff * 2, nbytes)
+            ptx.cp_async_16(s_dst + self.TILE + row * RB + col * 16, v_base + voff * 2, nbytes)
+
+    @cute.jit
+    def _consume_chunk(self, qf, acc, row_m, row_l, slope, sQ, sK, sV, start, t1, kv_len, sc_in, sc_out, lane, g, t):
+        D, RB, dt = self.D, self.RB, self.dtype
+        m = lane // 8
+        # S = Q K^T : two n8 tiles (tokens 0-7, 8-15)
+        sacc = cute.make_rmem_tensor((8,), Float32)
+        for i in cutlass.range_constexpr(8):
+            sacc[i] = Float32(0.0)
+        k_row = (m // 2) * 8 + lane % 8
+        for kk in cutlass.range_constexpr(D // 16):
+            if const_expr(self.cfg.q_in_registers):
+                a = (qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3])
+            else:
+                a = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, kk))
+            kb = ptx.ldmatrix_x4(sK + k_row * RB + (kk * 16 + (m % 2) * 8) * 2)
+            for j in cutlass.range_constexpr(2):
+                c = ptx.mma_m16n8k16(a, (kb[2 * j], kb[2 * j + 1]),
+                                     (sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3]), dt)
+                for e in cutlass.range_constexpr(4):
+                    sacc[4 * j + e] = c[e]
+        # logits in log2 units, masked past t1
+        for j in cutlass.range_constexpr(2):
+            for e in cutlass.range_constexpr(4):
+                tok = start + j * 8 + 2 * t + (e % 2)
+                x = sacc[4 * j + e] * sc_in
+                if const_expr(self.cfg.use_soft_cap):
+                    x = ptx.tanh(x) * sc_out
+                if const_expr(self.alibi):
+                    x = x + slope[e // 2] * Float32(tok - (kv_len - 1))
+                sacc[4 * j + e] = cutlass.select_(tok < t1, x, Float32(NEG_INF))
+        # online softmax, rows g (h=0) and g+8 (h=1)
+        scale = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            mx = cute.arch.fmax(cute.arch.fmax(sacc[2 * h], sacc[2 * h + 1]),
+                                cute.arch.fmax(sacc[4 + 2 * h], sacc[4 + 2 * h + 1]))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            m_old = row_m[h]
+            m_new = cute.arch.fmax(m_old, mx)
+            m_use = cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new)
+            scale[h] = ptx.ex2(m_old - m_use)
+            row_m[h] = m_new
+            psum = Float32(0.0)
+            for j in cutlass.range_constexpr(2):
+                for e2 in cutlass.range_constexpr(2):
+                    p = ptx.ex2(sacc[4 * j + 2 * h + e2] - m_use)
+                    sacc[4 * j + 2 * h + e2] = p
+                    psum = psum + p
+            row_l[h] = row_l[h] * scale[h] + psum
+        for dd in cutlass.range_constexpr(D // 8):
+            for e in cutlass.range_constexpr(4):
+                acc[dd * 4 + e] = acc[dd * 4 + e] * scale[e // 2]
+        # P as the A operand of O += P V (k = 16 tokens)
+        pa = (
+            ptx.pack2(sacc[0], sacc[1], dt),
+            ptx.pack2(sacc[2], sacc[3], dt),
+            ptx.pack2(sacc[4], sacc[5], dt),
+            ptx.pack2(sacc[6], sacc[7], dt),
+        )
+        v_row = (m % 2) * 8 + lane % 8
+        for dp in cutlass.range_constexpr(D // 16):
+            vb = ptx.ldmatrix_x4(sV + v_row * RB + ((2 * dp + m // 2) * 8) * 2, trans=True)
+            for j in cutlass.range_constexpr(2):
+                dd = 2 * dp + j
+                c = ptx.mma_m16n8k16(pa, (vb[2 * j], vb[2 * j + 1]),
+                                     (acc[dd * 4], acc[dd * 4 + 1], acc[dd * 4 + 2], acc[dd * 4 + 3]), dt)
+                for e in cutlass.range_constexpr(4):
+                    acc[dd * 4 + e] = c[e]
+
+    @cute.jit
+    def _rope_rows(self, s_base, n_pairs: cutlass.Constexpr, tid, nthr: cutlass.Constexpr, pos0, pos_step: cutlass.Constexpr,
+                   rcp_scale, log2_theta):
+        """Rotate-half RoPE in place on 16-bit rows in smem, pairs (d, d + D/2); row r is at position pos0 + pos_step*r."""
+        D, RB, dt = self.D, self.RB, self.dtype
+        half = D // 2
+        two_pi = 6.283185307179586
+        for it in cutlass.range_constexpr((n_pairs + nthr - 1) // nthr):
+            idx = it * nthr + tid
+            if idx < n_pairs:
+                row = idx // half
+                d = idx % half
+                a1 = s_base + row * RB + d * 2
+                a2 = a1 + half * 2
+                x1 = ptx.b16_to_f32(ptx.ld_shared_u16(a1), dt)
+                x2 = ptx.b16_to_f32(ptx.ld_shared_u16(a2), dt)
+                freq = rcp_scale * ptx.ex2(Float32(d) * Float32(-2.0 / D) * log2_theta)
+                ang = Float32(pos0 + pos_step * row) * freq
+                ang = ang - two_pi * ptx.rint(ang * (1.0 / two_pi))
+                sn, cs = ptx.sin_cos(ang)
+                ptx.st_shared_u16(a1, ptx.f32_to_16(x1 * cs - x2 * sn, dt))
+                ptx.st_shared_u16(a2, ptx.f32_to_16(x2 * cs + x1 * sn, dt))
+
+
+def compile(cfg: PagedDecodeConfig, *, keep_ptx_dir: str | None = None):
+    """Compile :class:`PagedDecodeKernel` for ``cfg`` from fake tensors (no GPU needed).
+
+    Returns the tvm-ffi callable ``f(q, k, v, indices, work, o, lse, part_o, part_lse,
+    counters, sinks, alibi_slopes, sm_scale, soft_cap, rope_rcp_scale, rope_log2_theta)``;
+    it launches on torch's current stream.  Shapes are dynamic except ``page_size``,
+    ``head_dim`` (static) and the unit stride of the last dim.
+    """
+    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor, make_fake_compact_tensor
+
+    dt = cfg.cutlass_dtype
+    D = cfg.head_dim
+
+    def sym():
+        return cute.sym_int()
+
+    def s64(div=1):
+        return cute.sym_int64(divisibility=div)
+
+    B, Hq, P, Hkv, NNZ, W, NP, NC = (sym() for _ in range(8))
+    q = make_fake_tensor(dt, (B, Hq, D), (s64(8), s64(8), 1), assumed_align=16)
+    k = make_fake_tensor(dt, (P, cfg.page_size, Hkv, D), (s64(8), s64(8), s64(8), 1), assumed_align=16)
+    v = make_fake_tensor(dt, (P, cfg.page_size, Hkv, D), (s64(8), s64(8), s64(8), 1), assumed_align=16)
+    idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
+    work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
+    o = make_fake_compact_tensor(dt, (B, Hq, D), stride_order=(2, 1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(Float32, (B, Hq), stride_order=(1, 0), assumed_align=4)
+    po = make_fake_compact_tensor(Float32, (NP, Hq, D), stride_order=(2, 1, 0), assumed_align=16)
+    plse = make_fake_compact_tensor(Float32, (NP, Hq), stride_order=(1, 0), assumed_align=4)
+    cnt = make_fake_compact_tensor(Int32, (NC,), assumed_align=4)
+    sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
+    alibi = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
+    opts = f"--enable-tvm-ffi --gpu-arch {cfg.arch}"
+    if keep_ptx_dir is not None:
+        opts += f" --keep-ptx --dump-dir {keep_ptx_dir}"
+    return cute.compile(
+        PagedDecodeKernel(cfg), q, k, v, idx, work, o, lse, po, plse, cnt, sinks, alibi,
+        Float32(1.0), Float32(0.0), Float32(1.0), Float32(1.0),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=opts,
+    )

