@@ -10,6 +10,7 @@ as they are verified.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -37,6 +38,9 @@ def decode_config(
 ) -> PagedDecodeConfig:
     """The paged-decode kernel configuration for a problem (tuning knobs chosen here)."""
     arch = arch or target_arch()
+    tune = os.environ.get("CUTEDSL_ATTN_DECODE_TUNE")  # "warps,stages": tuning experiments only
+    if tune and num_warps is None and num_stages is None:
+        num_warps, num_stages = (int(x) for x in tune.split(","))
     if num_stages is None:
         num_stages = 2 if head_dim >= 256 else 3
     return PagedDecodeConfig(

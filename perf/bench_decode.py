@@ -106,6 +106,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", default="", help="extra 'warps,stages' configs of our kernel, e.g. '4,2;8,2'")
     args = ap.parse_args()
     import cutedsl_attn as ca
 
@@ -138,6 +139,14 @@ def main():
         row["ours_tbs"] = kv_bytes / t / 1e12
         row["ours_host_us"] = host_time(lambda: w.run(q, cache, out=out)) * 1e6
         ref_o = out.clone()
+        for var in [v for v in args.variants.split(";") if v]:
+            os.environ["CUTEDSL_ATTN_DECODE_TUNE"] = var
+            wv = ca.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+            wv.plan(indptr.to(DEV), indices, last.to(DEV), HQ, HKV, D, ps, q_data_type=DT)
+            del os.environ["CUTEDSL_ATTN_DECODE_TUNE"]
+            ov = wv.run(q, cache)
+            row[f"v{var}_relerr"] = ((ov.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
+            row[f"v{var}_us"] = timed(lambda: wv.run(q, cache, out=ov)) * 1e6
         if flashinfer is not None:
             for tc in (True, False):
                 name = "fi_tc" if tc else "fi_cc"
@@ -188,6 +197,10 @@ def main():
               f"{100 * r['ours_tbs'] / rd:.0f}% | {ratio('fi_tc_us')} | {ratio('fi_cc_us')} | {ratio('fa4_us')} | "
               f"{r['ours_host_us']:.1f} / {r.get('fi_host_us', float('nan')):.1f} |")
     print("(ratios are peer time / our time: > 1 means we are faster)")
+    if args.variants:
+        print("variants (warps,stages): us")
+        for r in rows:
+            print((r["batch"], r["kv_len"], r["page"]), {k: round(v, 1) for k, v in r.items() if k.startswith("v") and k.endswith("_us")})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import cutedsl_attn as ca
-from cutedsl_attn.ref import attention as ref
+from cutedsl_attn import ref
 
 DEV = torch.device("cuda")
 TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3}

@@ -28,7 +28,6 @@ from ._common import (
     check_head_dim,
     check_heads,
     check_kv_layout,
-    check_last_dim_contiguous,
     check_pos_encoding_mode,
     check_tensor,
     split_paged_kv_cache,
@@ -264,7 +263,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             kv_lens = seq_lens.to("cpu", torch.int64)
             if (kv_lens < 0).any():
                 raise ValueError("seq_lens must be >= 0")
-            if int(kv_lens.max(initial=0) if kv_lens.numel() else 0) > block_tables.shape[1] * page_size:
+            if kv_lens.numel() and int(kv_lens.max()) > block_tables.shape[1] * page_size:
                 raise ValueError("block_tables is too narrow for seq_lens: need ceil(seq_len/page_size) columns")
             flat = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
             flat = flat.reshape(-1)
@@ -329,6 +328,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             num_sms=sms, ctas_per_sm=slots_per_sm,
             fixed_split_tokens=fixed_split_size * page_size if fixed_split_size else None,
             disable_split_kv=disable_split_kv, num_rows=n_rows,
+            max_splits_per_request=(cfg.smem_kv_bytes // 4) // group,
         )
 
         # --- device buffers (fixed addresses in CUDA-graph mode)
@@ -368,11 +368,35 @@ class BatchDecodeWithPagedKVCacheWrapper:
             rope_rcp_scale=1.0 / float(rope_scale if rope_scale is not None else 1.0),
             rope_log2_theta=math.log2(float(rope_theta if rope_theta is not None else 1e4)),
             indices=flat, work=work_dev, part_o=part_o, part_lse=part_lse, slopes=slopes, dummy=dummy,
+            lse_scratch=torch.empty((B, num_qo_heads), dtype=torch.float32, device=self.device),
             cfg=cfg, kv_lens=wp.kv_lens, num_work=wp.num_work, split_tokens=wp.split_tokens,
         )
         self._kernels = {}
 
     begin_forward = plan
+
+    def _split_cache(self, paged_kv_cache):
+        """(k, v) NHD-ordered views of the cache, validated against the plan; memoised on the tensor."""
+        p = self._plan
+        memo = getattr(paged_kv_cache, "_cda_kv", None) if isinstance(paged_kv_cache, torch.Tensor) else None
+        if memo is not None and memo[0] == self._kv_layout and memo[1] == paged_kv_cache.shape:
+            k, v = memo[2], memo[3]
+        else:
+            k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
+            if isinstance(paged_kv_cache, torch.Tensor):
+                paged_kv_cache._cda_kv = (self._kv_layout, paged_kv_cache.shape, k, v)
+        expect = (p["page_size"], p["num_kv_heads"], p["head_dim"])
+        if k.shape[1:] != expect or v.shape[1:] != expect or k.dtype != p["dtype"] or v.dtype != p["dtype"]:
+            for n, t in (("k_cache", k), ("v_cache", v)):
+                if t.dtype != p["dtype"]:
+                    raise ValueError(f"The dtype of {n} ({t.dtype}) does not match the kv_data_type "
+                                     f"specified in plan ({p['dtype']})")
+                if t.shape[1:] != expect:
+                    raise ValueError(f"{n} has shape {tuple(t.shape)} (as NHD), expected [pages, {expect[0]}, "
+                                     f"{expect[1]}, {expect[2]}] for kv_layout={self._kv_layout}")
+        if k.device != self.device:
+            raise ValueError(f"the kv cache is on {k.device}, expected {self.device}")
+        return k, v
 
     def _kernel(self, use_sinks: bool):
         k = self._kernels.get(use_sinks)
@@ -443,45 +467,46 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if window_left is not None and window_left != p["window_left"]:
             raise ValueError(f"window_left={window_left} at run() differs from plan() ({p['window_left']})")
         B, Hq, D, dt = p["B"], p["num_qo_heads"], p["head_dim"], p["dtype"]
-        check_tensor("q", q, shape=(B, Hq, D))
+        # Cheap checks here; alignment and unit last-dim strides are checked by the
+        # compiled kernel's tvm-ffi entry before the launch (ValueError, translated below).
+        if not isinstance(q, torch.Tensor) or q.shape != (B, Hq, D):
+            check_tensor("q", q, shape=(B, Hq, D))
         if q.dtype != dt:
             raise ValueError(f"The dtype of q ({q.dtype}) does not match the q_data_type specified in plan ({dt})")
         if q.device != self.device:
             raise ValueError(f"q is on {q.device}, the wrapper on {self.device}")
-        check_last_dim_contiguous("q", q)
-        k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        ps, hkv = p["page_size"], p["num_kv_heads"]
-        for n, t in (("k_cache", k), ("v_cache", v)):
-            if t.dtype != dt:
-                raise ValueError(f"The dtype of {n} ({t.dtype}) does not match the kv_data_type specified in plan ({dt})")
-            if t.shape[1:] != (ps, hkv, D):
-                raise ValueError(
-                    f"{n} has shape {tuple(t.shape)} (as NHD), expected [pages, {ps}, {hkv}, {D}] for kv_layout={self._kv_layout}"
-                )
-            if t.device != self.device:
-                raise ValueError(f"{n} is on {t.device}, expected {self.device}")
-            check_last_dim_contiguous(n, t)
+        k, v = self._split_cache(paged_kv_cache)
         if out is None:
             out = torch.empty((B, Hq, D), dtype=dt, device=self.device)
         else:
             check_tensor("out", out, shape=(B, Hq, D), dtype=dt, device=self.device)
-            if not out.is_contiguous():
-                raise ValueError("out must be contiguous")
         if lse is None:
-            lse = torch.empty((B, Hq), dtype=torch.float32, device=self.device)
+            lse = torch.empty((B, Hq), dtype=torch.float32, device=self.device) if return_lse else p["lse_scratch"]
         else:
             check_tensor("lse", lse, shape=(B, Hq), dtype=torch.float32, device=self.device)
-            if not lse.is_contiguous():
-                raise ValueError("lse must be contiguous")
         if sinks is not None:
             check_tensor("sinks", sinks, shape=(Hq,), device=self.device)
             if sinks.dtype != torch.float32:
                 raise ValueError(f"sinks must be float32, got {sinks.dtype}")
-        sm_scale = p["sm_scale"] * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
-        fn = self._kernel(sinks is not None)
-        fn(q, k, v, p["indices"], p["work"], out, lse, p["part_o"], p["part_lse"], self._counters,
-           sinks if sinks is not None else p["dummy"], p["slopes"],
-           sm_scale, p["soft_cap"], p["rope_rcp_scale"], p["rope_log2_theta"])
+        sm_scale = p["sm_scale"]
+        if q_scale is not None:
+            sm_scale *= q_scale
+        if k_scale is not None:
+            sm_scale *= k_scale
+        fn = self._kernels.get(sinks is not None) or self._kernel(sinks is not None)
+        try:
+            fn(q, k, v, p["indices"], p["work"], out, lse, p["part_o"], p["part_lse"], self._counters,
+               p["dummy"] if sinks is None else sinks, p["slopes"],
+               sm_scale, p["soft_cap"], p["rope_rcp_scale"], p["rope_log2_theta"])
+        except ValueError as e:  # the tvm-ffi entry's layout checks, in FlashInfer's names
+            msg = str(e)
+            for kname, uname in (("mQ", "q"), ("mK", "k_cache"), ("mV", "v_cache"), ("mO", "out"), ("mLSE", "lse"),
+                                 ("mSinks", "sinks"), ("mIdx", "indices")):
+                msg = msg.replace(kname + ".", uname + ".").replace(kname + " ", uname + " ")
+            raise ValueError(
+                f"{msg} (inputs must have a contiguous last dim, 16-byte aligned pointers and strides; "
+                "out and lse contiguous)"
+            ) from None
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

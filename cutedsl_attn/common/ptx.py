@@ -192,3 +192,12 @@ def b16_to_f32(x, dtype):
 def rint(x):
     """Round to nearest integer (``cvt.rni.f32.f32``)."""
     return _inline("cvt.rni.f32.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
+
+
+def ld_global_cg_v4_f32(addr):
+    """Four fp32 from a 16-byte aligned address, bypassing L1 (``ld.global.cg.v4.f32``)."""
+    return _inline(
+        "ld.global.cg.v4.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+        write_only_types=[Float32] * 4,
+        read_only_args=[Int64(addr)],
+    )

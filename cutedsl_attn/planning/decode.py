@@ -98,6 +98,7 @@ def plan_paged_decode(
     fixed_split_tokens: int | None = None,
     disable_split_kv: bool = False,
     num_rows: int | None = None,
+    max_splits_per_request: int | None = None,
 ) -> DecodeWorkPlan:
     """Build the decode work table.
 
@@ -114,6 +115,8 @@ def plan_paged_decode(
       disable_split_kv: never split (one work item per request).
       num_rows: pad the table to this many rows (CUDA-graph mode); ``ValueError`` if the
         plan needs more.
+      max_splits_per_request: the kernel's limit on pieces per request (its merge keeps
+        one LSE per piece and query head in shared memory); ``ValueError`` above it.
 
     Items are ordered longest first so the longest run starts earliest.
     """
@@ -146,6 +149,11 @@ def plan_paged_decode(
         if n == 1:
             rows.append([b, s0, L, L, int(page_offsets[b]), 1, 0, 0])
             continue
+        if max_splits_per_request is not None and n > max_splits_per_request:
+            raise ValueError(
+                f"request {b} ({n_eff} tokens) would be split into {n} pieces of {per} tokens; the kernel "
+                f"merges at most {max_splits_per_request}: use a larger fixed_split_size"
+            )
         for i in range(n):
             a = s0 + i * per
             rows.append([b, a, min(L, a + per), L, int(page_offsets[b]), n, part, i])

@@ -5,7 +5,7 @@ cross-compiled and its PTX checked (no Blackwell GPU was available).
 
 Work decomposition (planned on the host by :mod:`cutedsl_attn.planning`):
 
-* one CTA per (work item, kv head); a work item is a token range ``[tok_start,
+* one CTA per (kv head, work item), kv heads fastest in the grid; a work item is a token range ``[tok_start,
   tok_end)`` of one request (a request is split across several items when the
   batch is too small to fill the GPU, "split-KV");
 * the CTA's ``num_warps`` warps each stream 16-token chunks of that range
@@ -166,7 +166,8 @@ class PagedDecodeKernel:
             mQ, mK, mV, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, mSinks, mAlibi,
             sm_scale, soft_cap, rope_rcp_scale, rope_log2_theta,
         ).launch(
-            grid=(mWork.shape[0], mK.shape[2], 1),
+            # kv heads fastest: the CTAs reading the heads of one token row run side by side
+            grid=(mK.shape[2], mWork.shape[0], 1),
             block=(self.NT, 1, 1),
             smem=self.cfg.smem_bytes,
             stream=stream,
@@ -181,7 +182,7 @@ class PagedDecodeKernel:
         D, G, NW, S, NT, RB, TILE = self.D, self.G, self.NW, self.S, self.NT, self.RB, self.TILE
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        wi, kvh, _ = cute.arch.block_idx()
+        kvh, wi, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp = tidx // 32
         g = lane // 4
@@ -241,7 +242,7 @@ class PagedDecodeKernel:
             self._merge_warps(mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sKV,
                               b, part, head0, final, tidx, lane, warp)
             if n_splits > 1:
-                self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag,
+                self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sKV,
                                    b, kvh, mK.shape[2], part0, n_splits, head0, tidx)
 
     @cute.jit
@@ -370,7 +371,7 @@ class PagedDecodeKernel:
                 mPO[part, head0 + r, d] = o
 
     @cute.jit
-    def _merge_splits(self, mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, b, kvh, num_kv_heads, part0,
+    def _merge_splits(self, mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sBuf, b, kvh, num_kv_heads, part0,
                       n_splits, head0, tidx):
         """Split-KV: the last CTA of (request, kv head) to finish merges all partials."""
         D, G, NT = self.D, self.G, self.NT
@@ -386,37 +387,58 @@ class PagedDecodeKernel:
             ptx.fence_gpu()
             plse_base = mPLSE.iterator.toint()
             po_base = mPO.iterator.toint()
+            n_lse = n_splits * G
+            # (1) every partial LSE of the group -> smem, all threads, independent loads
+            for e in cutlass.range((n_lse + NT - 1 - tidx) // NT, unroll=4):
+                li = tidx + e * NT
+                ptx.st_shared_f32(sBuf + li * 4, ptx.ld_global_cg_f32(
+                    plse_base + (Int64(part0 + li // G) * hq_total + head0 + li % G) * 4))
+            cute.arch.sync_threads()
+            # (2) per row: max, denominator (with the sink), LSE
             if tidx < G:
                 big_m = Float32(NEG_INF)
-                for p in cutlass.range(n_splits, unroll=1):
-                    big_m = cute.arch.fmax(big_m, ptx.ld_global_cg_f32(
-                        plse_base + (Int64(part0 + p) * hq_total + head0 + tidx) * 4))
+                for p in cutlass.range(n_splits, unroll=4):
+                    big_m = cute.arch.fmax(big_m, ptx.ld_shared_f32(sBuf + (p * G + tidx) * 4))
                 sink_l2 = Float32(NEG_INF)
                 if const_expr(self.cfg.use_sinks):
                     sink_l2 = mSinks[head0 + tidx] * LOG2E
                 m_all = cute.arch.fmax(big_m, sink_l2)
                 m_use = Float32(cutlass.select_(m_all == Float32(NEG_INF), Float32(0.0), m_all))
                 tot = ptx.ex2(sink_l2 - m_use)
-                for p in cutlass.range(n_splits, unroll=1):
-                    tot = tot + ptx.ex2(ptx.ld_global_cg_f32(
-                        plse_base + (Int64(part0 + p) * hq_total + head0 + tidx) * 4) - m_use)
+                for p in cutlass.range(n_splits, unroll=4):
+                    tot = tot + ptx.ex2(ptx.ld_shared_f32(sBuf + (p * G + tidx) * 4) - m_use)
                 inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0)))
                 ptx.st_shared_f32(sRow + tidx * 8, m_use)
                 ptx.st_shared_f32(sRow + tidx * 8 + 4, inv)
                 mLSE[b, head0 + tidx] = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot), Float32(NEG_INF)))
             cute.arch.sync_threads()
-            for e in cutlass.range((G * D + NT - 1 - tidx) // NT, unroll=1):
-                idx = tidx + e * NT
-                r = idx // D
-                d = idx % D
-                m_r = ptx.ld_shared_f32(sRow + r * 8)
-                inv_r = ptx.ld_shared_f32(sRow + r * 8 + 4)
-                o = Float32(0.0)
-                for p in cutlass.range(n_splits, unroll=1):
-                    prow = Int64(part0 + p) * hq_total + head0 + r
-                    wgt = ptx.ex2(ptx.ld_global_cg_f32(plse_base + prow * 4) - m_r)
-                    o = o + wgt * ptx.ld_global_cg_f32(po_base + (prow * D + d) * 4)
-                mO[b, head0 + r, d] = (o * inv_r).to(self.dtype)
+            # (3) LSE -> merge weights in place
+            for e in cutlass.range((n_lse + NT - 1 - tidx) // NT, unroll=1):
+                li = tidx + e * NT
+                r = li % G
+                ptx.st_shared_f32(sBuf + li * 4, ptx.ex2(ptx.ld_shared_f32(sBuf + li * 4) - ptx.ld_shared_f32(sRow + r * 8))
+                                  * ptx.ld_shared_f32(sRow + r * 8 + 4))
+            cute.arch.sync_threads()
+            # (4) O = sum_p w_p O_p, 4 columns per thread, loads unrolled so several are in flight
+            for e in cutlass.range((G * (D // 4) + NT - 1 - tidx) // NT, unroll=1):
+                vi = tidx + e * NT
+                r = vi // (D // 4)
+                c4 = vi % (D // 4)
+                o0 = Float32(0.0)
+                o1 = Float32(0.0)
+                o2 = Float32(0.0)
+                o3 = Float32(0.0)
+                for p in cutlass.range(n_splits, unroll=8):
+                    wgt = ptx.ld_shared_f32(sBuf + (p * G + r) * 4)
+                    x = ptx.ld_global_cg_v4_f32(po_base + ((Int64(part0 + p) * hq_total + head0 + r) * D + c4 * 4) * 4)
+                    o0 = o0 + wgt * x[0]
+                    o1 = o1 + wgt * x[1]
+                    o2 = o2 + wgt * x[2]
+                    o3 = o3 + wgt * x[3]
+                mO[b, head0 + r, c4 * 4] = o0.to(self.dtype)
+                mO[b, head0 + r, c4 * 4 + 1] = o1.to(self.dtype)
+                mO[b, head0 + r, c4 * 4 + 2] = o2.to(self.dtype)
+                mO[b, head0 + r, c4 * 4 + 3] = o3.to(self.dtype)
             if tidx == 0:
                 ptx.st_global_u32(cnt_addr, 0)
 
