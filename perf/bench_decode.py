@@ -106,7 +106,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--variants", default="", help="extra 'warps,stages' configs of our kernel, e.g. '4,2;8,2'")
+    ap.add_argument("--variants", default="", help="extra 'warps,stages[,min_waves]' configs of our kernel, e.g. '4,2;8,3,4'")
     args = ap.parse_args()
     import cutedsl_attn as ca
 
@@ -140,10 +140,14 @@ def main():
         row["ours_host_us"] = host_time(lambda: w.run(q, cache, out=out)) * 1e6
         ref_o = out.clone()
         for var in [v for v in args.variants.split(";") if v]:
-            os.environ["CUTEDSL_ATTN_DECODE_TUNE"] = var
+            parts = var.split(",")
+            os.environ["CUTEDSL_ATTN_DECODE_TUNE"] = ",".join(parts[:2])
+            if len(parts) > 2:
+                os.environ["CUTEDSL_ATTN_DECODE_MIN_WAVES"] = parts[2]
             wv = ca.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
             wv.plan(indptr.to(DEV), indices, last.to(DEV), HQ, HKV, D, ps, q_data_type=DT)
-            del os.environ["CUTEDSL_ATTN_DECODE_TUNE"]
+            os.environ.pop("CUTEDSL_ATTN_DECODE_TUNE")
+            os.environ.pop("CUTEDSL_ATTN_DECODE_MIN_WAVES", None)
             ov = wv.run(q, cache)
             row[f"v{var}_relerr"] = ((ov.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
             row[f"v{var}_us"] = timed(lambda: wv.run(q, cache, out=ov)) * 1e6

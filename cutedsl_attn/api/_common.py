@@ -1,7 +1,8 @@
 """Argument checks and conversions shared by the FlashInfer-shaped API functions.
 
-Every check raises before any kernel launch: ``TypeError`` for a wrong type or
-dtype, ``ValueError`` for a wrong value or shape, ``NotImplementedError`` for a
+Every check raises before any kernel launch: ``TypeError`` for a wrong Python
+type, ``ValueError`` for a wrong value, shape, dtype or device (as FlashInfer's
+``check_shape_dtype_device``), ``NotImplementedError`` for a
 documented FlashInfer feature this package does not serve yet (the message says
 what is supported).
 """
@@ -59,7 +60,10 @@ def check_heads(num_qo_heads: int, num_kv_heads: int) -> int:
         )
     group = num_qo_heads // num_kv_heads
     if group > 16:
-        raise NotImplementedError(f"GQA group size {group} is not supported; supported: 1..16")
+        raise NotImplementedError(
+            f"num_qo_heads / num_kv_heads = {num_qo_heads} / {num_kv_heads} = {group} query heads per kv head (GQA group size) "
+            "is not supported; supported: 1..16"
+        )
     return group
 
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 import warnings
 from functools import partialmethod
 
@@ -34,6 +36,8 @@ from ._common import (
 )
 
 _SUPPORTED_BACKENDS = ("auto", "cute")
+_KERNEL_ARG_RE = re.compile(r"argument #(\d+)")
+_KERNEL_ARG_NAMES = {0: "q", 1: "k_cache", 2: "v_cache", 3: "indices", 5: "out", 6: "lse", 10: "sinks"}
 _FLASHINFER_BACKENDS = ("fa2", "fa3", "trtllm-gen", "cute-dsl", "cudnn", "cutile", "prims-ts", "xqa")
 _PLAN_POSITIONAL = (
     "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "o_data_type",
@@ -121,6 +125,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._kernels: dict[bool, object] = {}
         self._work_dev = None
         self._counters = None
+        self._table_buf = None
+        self._dummy = None
+        self._slopes = None
+        self._lse_scratch = None
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -188,7 +196,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
           block_tables, seq_lens: dense page table ``[B, max_pages]`` int32 and ``[B]`` lengths
             (tokens); used instead of the CSR arrays when given (then indptr/indices/last_page_len
             may be None).
-          fixed_split_size: split every request into pieces of this many pages.
+          fixed_split_size: split every request into pieces of about this many pages (pieces are
+            evened out within a request and rounded up to 16-token multiples; the split of a request
+            does not depend on the rest of the batch).
           disable_split_kv: one CTA per (request, kv head), no split-KV.
           q_len_per_req: only 1 is supported.  is_causal: must be None/False for q_len 1... (a
             single query row sees every key either way).
@@ -268,6 +278,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             flat = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
             flat = flat.reshape(-1)
             page_offsets = torch.arange(B, dtype=torch.int64) * block_tables.shape[1]
+            copies = [("block_tables", flat)]
         else:
             for n, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
                 check_tensor(n, t, ndim=1)
@@ -294,15 +305,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
             kv_lens = kv_lens_from_csr(indptr_h, lpl_h, page_size)
             page_offsets = indptr_h[:-1]
             flat = indices
-            if self._use_cuda_graph:
-                if indices.shape[0] > self._indices_buf.shape[0]:
-                    raise ValueError(
-                        f"indices ({indices.shape[0]}) does not fit paged_kv_indices_buffer ({self._indices_buf.shape[0]})"
-                    )
-                self._indices_buf[: indices.shape[0]].copy_(indices, non_blocking=non_blocking)
-                self._indptr_buf.copy_(indptr, non_blocking=non_blocking)
-                self._last_page_len_buf.copy_(last_page_len, non_blocking=non_blocking)
-                flat = self._indices_buf
+            copies = [("indices", indices), ("indptr", indptr), ("last_page_len", last_page_len)]
+            if self._use_cuda_graph and indices.shape[0] > self._indices_buf.shape[0]:
+                raise ValueError(
+                    f"indices ({indices.shape[0]}) does not fit paged_kv_indices_buffer ({self._indices_buf.shape[0]})"
+                )
         if self._use_cuda_graph and B != self._fixed_batch_size:
             raise ValueError(
                 f"The batch size should be fixed in cudagraph mode, the runtime batch size {B} "
@@ -329,9 +336,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
             fixed_split_tokens=fixed_split_size * page_size if fixed_split_size else None,
             disable_split_kv=disable_split_kv, num_rows=n_rows,
             max_splits_per_request=(cfg.smem_kv_bytes // 4) // group,
+            min_waves=float(os.environ.get("CUTEDSL_ATTN_DECODE_MIN_WAVES", "0")),  # tuning experiments
         )
 
-        # --- device buffers (fixed addresses in CUDA-graph mode)
+        # --- device buffers (fixed addresses in CUDA-graph mode); every check is done by now
+        if self._use_cuda_graph:
+            src = dict(copies)
+            if "block_tables" in src:
+                bt = src["block_tables"]
+                if self._table_buf is None:
+                    self._table_buf = torch.empty_like(bt)
+                if bt.numel() > self._table_buf.numel():
+                    raise ValueError("block_tables grew beyond the first plan's size (not allowed in CUDA-graph mode)")
+                self._table_buf[: bt.numel()].copy_(bt, non_blocking=non_blocking)
+                flat = self._table_buf
+            else:
+                self._indices_buf[: src["indices"].shape[0]].copy_(src["indices"], non_blocking=non_blocking)
+                self._indptr_buf.copy_(src["indptr"], non_blocking=non_blocking)
+                self._last_page_len_buf.copy_(src["last_page_len"], non_blocking=non_blocking)
+                flat = self._indices_buf
         n_rows_dev = wp.work.shape[0]
         if self._use_cuda_graph:
             if self._work_dev is None or self._work_dev.shape[0] < n_rows_dev:
@@ -358,9 +381,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
         off = (po_bytes + 255) // 256 * 256
         part_lse = ws[off: off + n_part * num_qo_heads * 4].view(torch.float32).view(n_part, num_qo_heads)
 
-        dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
-        slopes = (alibi_slopes(num_qo_heads).to(self.device, torch.float32)
-                  if pos_encoding_mode == "ALIBI" else dummy)
+        # wrapper-owned, allocated once per shape so captured graphs keep valid addresses
+        if self._dummy is None:
+            self._dummy = torch.zeros(1, dtype=torch.float32, device=self.device)
+        dummy = self._dummy
+        if pos_encoding_mode == "ALIBI":
+            if self._slopes is None or self._slopes.numel() != num_qo_heads:
+                self._slopes = torch.empty(num_qo_heads, dtype=torch.float32, device=self.device)
+            self._slopes.copy_(alibi_slopes(num_qo_heads))
+            slopes = self._slopes
+        else:
+            slopes = dummy
+        if self._lse_scratch is None or self._lse_scratch.shape != (B, num_qo_heads):
+            self._lse_scratch = torch.empty((B, num_qo_heads), dtype=torch.float32, device=self.device)
         self._plan = dict(
             B=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
             group=group, dtype=q_dt, pos_encoding_mode=pos_encoding_mode, window_left=window_left, soft_cap=cap,
@@ -368,7 +401,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             rope_rcp_scale=1.0 / float(rope_scale if rope_scale is not None else 1.0),
             rope_log2_theta=math.log2(float(rope_theta if rope_theta is not None else 1e4)),
             indices=flat, work=work_dev, part_o=part_o, part_lse=part_lse, slopes=slopes, dummy=dummy,
-            lse_scratch=torch.empty((B, num_qo_heads), dtype=torch.float32, device=self.device),
+            lse_scratch=self._lse_scratch,
             cfg=cfg, kv_lens=wp.kv_lens, num_work=wp.num_work, split_tokens=wp.split_tokens,
         )
         self._kernels = {}
@@ -376,15 +409,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
     begin_forward = plan
 
     def _split_cache(self, paged_kv_cache):
-        """(k, v) NHD-ordered views of the cache, validated against the plan; memoised on the tensor."""
+        """(k, v) NHD-ordered views of the cache, validated against the plan.
+
+        A ``(k_cache, v_cache)`` tuple in NHD needs no view and has the lowest host cost."""
         p = self._plan
-        memo = getattr(paged_kv_cache, "_cda_kv", None) if isinstance(paged_kv_cache, torch.Tensor) else None
-        if memo is not None and memo[0] == self._kv_layout and memo[1] == paged_kv_cache.shape:
-            k, v = memo[2], memo[3]
+        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2 and self._kv_layout == "NHD" \
+                and isinstance(paged_kv_cache[0], torch.Tensor) and paged_kv_cache[0].dim() == 4:
+            k, v = paged_kv_cache
         else:
             k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-            if isinstance(paged_kv_cache, torch.Tensor):
-                paged_kv_cache._cda_kv = (self._kv_layout, paged_kv_cache.shape, k, v)
         expect = (p["page_size"], p["num_kv_heads"], p["head_dim"])
         if k.shape[1:] != expect or v.shape[1:] != expect or k.dtype != p["dtype"] or v.dtype != p["dtype"]:
             for n, t in (("k_cache", k), ("v_cache", v)):
@@ -499,7 +532,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                p["dummy"] if sinks is None else sinks, p["slopes"],
                sm_scale, p["soft_cap"], p["rope_rcp_scale"], p["rope_log2_theta"])
         except ValueError as e:  # the tvm-ffi entry's layout checks, in FlashInfer's names
-            msg = str(e)
+            msg = _KERNEL_ARG_RE.sub(lambda m: f"argument {_KERNEL_ARG_NAMES.get(int(m.group(1)), m.group(1))}",
+                                     str(e).split(" when calling")[0])
             for kname, uname in (("mQ", "q"), ("mK", "k_cache"), ("mV", "v_cache"), ("mO", "out"), ("mLSE", "lse"),
                                  ("mSinks", "sinks"), ("mIdx", "indices")):
                 msg = msg.replace(kname + ".", uname + ".").replace(kname + " ", uname + " ")
@@ -592,7 +626,7 @@ def single_decode_with_kv_cache(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise NotImplementedError(f"q/k/v dtypes must match (got {q.dtype}, {k.dtype}, {v.dtype})")
     dev = q.device
-    key = (dev, hq, hkv, d, q.dtype, pos_encoding_mode, window_left, bool(logits_soft_cap))
+    key = (dev, hq, hkv, d, q.dtype)  # one wrapper per shape; plan() runs on every call
     entry = _single_cache.get(key)
     if entry is None:
         ws = torch.empty(32 * 1024 * 1024, dtype=torch.uint8, device=dev)

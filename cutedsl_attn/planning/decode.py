@@ -52,13 +52,16 @@ def kv_lens_from_csr(indptr: torch.Tensor, last_page_len: torch.Tensor, page_siz
 
 
 def choose_num_splits(
-    eff_lens: list[int], num_kv_heads: int, slots: int, *, min_split: int = 64, max_splits: int = 128
+    eff_lens: list[int], num_kv_heads: int, slots: int, *, min_split: int = 64, max_splits: int = 128,
+    min_waves: float = 0.0,
 ) -> int:
     """Split length in tokens (0 = no split) that best fills ``slots`` concurrent CTAs.
 
     Mirrors FA3's wave-efficiency rule: among split counts for the longest request,
-    take the smallest whose wave efficiency (CTAs / (waves * slots)) is within 10% of
+    take the smallest whose wave efficiency (CTAs / (waves * slots)) is within 5% of
     the best one; splits are multiples of ``CHUNK`` tokens and at least ``min_split``.
+    ``min_waves`` > 0 only accepts split counts that give at least that many waves of CTAs
+    (a tuning knob: more, shorter CTAs shrink the tail of the last wave).
     """
     if not eff_lens:
         return 0
@@ -81,8 +84,11 @@ def choose_num_splits(
         return 0
     top = max(e for e, _, _ in best)
     for eff, n, split in best:
-        if eff >= 0.9 * top:
+        ctas = sum(max(1, -(-L // split)) for L in eff_lens) * num_kv_heads
+        if eff >= 0.95 * top and ctas >= min_waves * slots:
             return 0 if n == 1 else split
+    if min_waves > 0:
+        return best[-1][2]
     return 0
 
 
@@ -99,6 +105,7 @@ def plan_paged_decode(
     disable_split_kv: bool = False,
     num_rows: int | None = None,
     max_splits_per_request: int | None = None,
+    min_waves: float = 0.0,
 ) -> DecodeWorkPlan:
     """Build the decode work table.
 
@@ -110,11 +117,14 @@ def plan_paged_decode(
         before ``kv_len-1-w`` are never read.  ``-1`` disables.
       num_sms, ctas_per_sm: the GPU's SM count and the kernel's occupancy; together the
         number of CTAs one wave holds, which the split heuristic fills.
-      fixed_split_tokens: split every request into pieces of this many tokens
-        (FlashInfer's ``fixed_split_size``, converted to tokens by the caller).
+      fixed_split_tokens: split every request into pieces of about this many tokens
+        (FlashInfer's ``fixed_split_size``, converted to tokens by the caller); pieces are
+        evened out within the request and rounded up to multiples of 16 tokens, so a
+        request's split never depends on the rest of the batch.
       disable_split_kv: never split (one work item per request).
       num_rows: pad the table to this many rows (CUDA-graph mode); ``ValueError`` if the
         plan needs more.
+      min_waves: see :func:`choose_num_splits`.
       max_splits_per_request: the kernel's limit on pieces per request (its merge keeps
         one LSE per piece and query head in shared memory); ``ValueError`` above it.
 
@@ -133,7 +143,7 @@ def plan_paged_decode(
         if split <= 0:
             raise ValueError(f"fixed_split_size must be positive, got {fixed_split_tokens}")
     else:
-        split = choose_num_splits(eff, num_kv_heads, max(1, num_sms * ctas_per_sm))
+        split = choose_num_splits(eff, num_kv_heads, max(1, num_sms * ctas_per_sm), min_waves=min_waves)
 
     rows: list[list[int]] = []
     part = 0

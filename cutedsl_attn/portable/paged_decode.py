@@ -216,13 +216,8 @@ class PagedDecodeKernel:
                 sc_in = sm_scale / soft_cap
                 sc_out = soft_cap * LOG2E
 
-            self._load_q(mQ, sQ, b, head0, kv_len, tidx, rope_rcp_scale, rope_log2_theta)
+            self._issue_q(mQ, sQ, b, head0, tidx)
             qf = cute.make_rmem_tensor(((D // 16) * 4,), Int32)
-            if const_expr(cfg.q_in_registers):
-                for kk in cutlass.range_constexpr(D // 16):
-                    qr = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, kk))
-                    for e in cutlass.range_constexpr(4):
-                        qf[kk * 4 + e] = qr[e]
 
             # ALiBi slopes (log2 units) for rows g and g+8
             slope = cute.make_rmem_tensor((2,), Float32)
@@ -246,8 +241,11 @@ class PagedDecodeKernel:
                                    b, kvh, mK.shape[2], part0, n_splits, head0, tidx)
 
     @cute.jit
-    def _load_q(self, mQ, sQ, b, head0, kv_len, tidx, rope_rcp_scale, rope_log2_theta):
-        """Q rows of the group -> smem (16 rows, zero-filled past G), RoPE'd at kv_len-1."""
+    def _issue_q(self, mQ, sQ, b, head0, tidx):
+        """cp.async the group's Q rows -> smem (16 rows, zero-filled past G); one commit group.
+
+        The wait happens in :meth:`_mainloop` after the K/V prologue is issued, so the Q
+        latency overlaps the first K/V loads."""
         D, G, NT, RB = self.D, self.G, self.NT, self.RB
         q_base = mQ.iterator.toint()
         for it in cutlass.range_constexpr((2 * D + NT - 1) // NT):
@@ -259,11 +257,6 @@ class PagedDecodeKernel:
                 goff = Int64(b) * mQ.stride[0] + Int64(head) * mQ.stride[1] + col * 8
                 ptx.cp_async_16(sQ + row * RB + col * 16, q_base + goff * 2, cutlass.select_(row < G, 16, 0))
         ptx.cp_async_commit()
-        ptx.cp_async_wait(0)
-        cute.arch.sync_threads()
-        if const_expr(self.rope):
-            self._rope_rows(sQ, 16 * (D // 2), tidx, NT, kv_len - 1, 0, rope_rcp_scale, rope_log2_theta)
-            cute.arch.sync_threads()
 
     @cute.jit
     def _mainloop(self, mK, mV, mIdx, qf, acc, row_m, row_l, slope, sQ, sKV, t0, t1, kv_len, page_off, kvh,
@@ -289,6 +282,19 @@ class PagedDecodeKernel:
                 self._load_chunk(mK, mV, mIdx, k_base, v_base, warp_kv + s * 2 * TILE,
                                  t0 + (warp + s * NW) * CHUNK, t1, page_off, kvh, lane)
             ptx.cp_async_commit()
+
+        # Q (the oldest commit group) has landed once at most S-1 groups are pending
+        ptx.cp_async_wait(S - 1)
+        cute.arch.sync_threads()
+        if const_expr(self.rope):
+            self._rope_rows(sQ, 16 * (D // 2), warp * 32 + lane, self.NT, kv_len - 1, 0, rope_rcp_scale,
+                            rope_log2_theta)
+            cute.arch.sync_threads()
+        if const_expr(self.cfg.q_in_registers):
+            for kk in cutlass.range_constexpr(D // 16):
+                qr = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, kk))
+                for e in cutlass.range_constexpr(4):
+                    qf[kk * 4 + e] = qr[e]
 
         for i in cutlass.range(my_n, unroll=1):
             j = i + S - 1

@@ -1,0 +1,99 @@
+"""Command line of cutedsl_attn (``python -m cutedsl_attn`` or the ``cutedsl-attn`` script).
+
+Subcommands::
+
+    ptx  decode [--head-dim 128 --page-size 16 --group-size 4 --dtype bfloat16 --arch sm_90a ...]
+         print the PTX of a kernel config, cross-compiled for --arch (no GPU needed)
+    sass decode [same options]
+         print its SASS (needs cuobjdump or nvdisasm from a CUDA toolkit)
+    demo [--cpu] [...]
+         run cutedsl_attn.demo (Llama-3-8B-shaped decode step + real-model check on a
+         GPU; cross-compile + instruction summary without one)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_kernel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("op", choices=["decode"], help="kernel family (decode: the paged-decode kernel)")
+    p.add_argument("--arch", default="sm_90a",
+                   help="target architecture: sm_90a (default), sm_100a, sm_103a, hopper, blackwell")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float16")
+    p.add_argument("--head-dim", type=int, default=128, help="32, 64, 128 (default) or 256")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--group-size", type=int, default=4, help="query heads per kv head, 1..16 (default 4)")
+    p.add_argument("--pos-encoding-mode", default="NONE", choices=["NONE", "ROPE_LLAMA", "ALIBI"])
+    p.add_argument("--soft-cap", action="store_true", help="compile the logits soft-cap variant")
+    p.add_argument("--sinks", action="store_true", help="compile the attention-sink variant")
+    p.add_argument("--num-warps", type=int, default=None, help="warps per CTA (default: dispatch's choice)")
+    p.add_argument("--num-stages", type=int, default=None, help="cp.async ring depth (default: dispatch's choice)")
+    p.add_argument("--summary", action="store_true",
+                   help="print an instruction summary instead of the full text (ptx only)")
+    p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m cutedsl_attn",
+        description="cutedsl_attn tools: inspect compiled kernels (ptx, sass) and run the demo.",
+    )
+    sub = ap.add_subparsers(dest="command", metavar="{ptx,sass,demo}")
+    sub.required = True
+    p = sub.add_parser("ptx", help="print the PTX of a kernel config (cross-compiles; no GPU needed)",
+                       description="Print the PTX of a kernel config compiled for --arch (no GPU needed).")
+    _add_kernel_args(p)
+    s = sub.add_parser("sass", help="print the SASS of a kernel config (needs cuobjdump/nvdisasm)",
+                       description="Print the SASS of a kernel config (cuobjdump/nvdisasm on its cubin).")
+    _add_kernel_args(s)
+    sub.add_parser("demo", help="run cutedsl_attn.demo (GPU: Llama-3-8B decode step + real-model check; "
+                                "no GPU: cross-compile and summarise the PTX)", add_help=False)
+    return ap
+
+
+def _kernel_config(args) -> dict:
+    return dict(
+        dtype=args.dtype, head_dim=args.head_dim, page_size=args.page_size, group_size=args.group_size,
+        pos_encoding_mode=args.pos_encoding_mode, use_soft_cap=args.soft_cap, use_sinks=args.sinks,
+        num_warps=args.num_warps, num_stages=args.num_stages,
+    )
+
+
+def _emit(text: str, output) -> None:
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def main(argv=None) -> int:
+    """Entry point; returns the process exit status (0 ok, 1 demo failure, 2 usage/tool error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    # `demo` forwards everything after it to cutedsl_attn.demo (its own --help too).
+    if argv and argv[0] == "demo":
+        from . import demo
+
+        return int(demo.main(argv[1:]) or 0)
+    args = ap.parse_args(argv)
+    from . import inspect as ci
+
+    try:
+        if args.command == "ptx":
+            text = ci.ptx(args.op, args.arch, **_kernel_config(args))
+            if args.summary:
+                text = ci.format_summary(ci.instruction_summary(text), nonzero_only=True)
+            _emit(text, args.output)
+        else:  # sass
+            _emit(ci.sass(args.op, args.arch, **_kernel_config(args)), args.output)
+    except (ValueError, TypeError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

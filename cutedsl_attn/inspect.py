@@ -1,0 +1,470 @@
+"""Look at what the kernels compile to: PTX, SASS and an instruction summary.
+
+Everything here works on a machine without a GPU: kernels are cross-compiled for
+an explicit target architecture (``sm_90a``, ``sm_100a``, ``sm_103a``), which is
+how the SM100 builds of this package are checked.
+
+Example::
+
+    from cutedsl_attn import inspect as ci
+    text = ci.ptx("decode", "sm_100a", head_dim=128, page_size=16, group_size=4)
+    print(ci.instruction_summary(text))
+
+Command line: ``python -m cutedsl_attn ptx decode --head-dim 128 --arch sm_100a``.
+
+Config keys of op ``"decode"`` (the paged-decode kernel,
+:class:`cutedsl_attn.portable.paged_decode.PagedDecodeConfig`, with the defaults
+of :func:`cutedsl_attn.dispatch.decode_config` for anything not given):
+
+==================== ============================================== ===========
+key                  values                                         default
+==================== ============================================== ===========
+``dtype``            ``"bfloat16"``/``"bf16"``, ``"float16"``/       ``bfloat16``
+                     ``"fp16"``/``"half"``, or a torch dtype
+``head_dim``         32, 64, 128, 256                               128
+``page_size``        >= 1                                           16
+``group_size``       query heads per kv head, 1..16                 4
+``pos_encoding_mode`` ``"NONE"``, ``"ROPE_LLAMA"``, ``"ALIBI"``      ``NONE``
+``use_soft_cap``     bool                                           False
+``use_sinks``        bool                                           False
+``num_warps``        1, 2, 4, 8                                     dispatch's
+``num_stages``       2..6                                           dispatch's
+==================== ============================================== ===========
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import inspect as _pyinspect
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections import Counter
+
+__all__ = ["OPS", "DEFAULTS", "config", "ptx", "sass", "instruction_summary", "format_summary", "SUMMARY_KEYS"]
+
+#: Kernel families this module can build.
+OPS = ("decode",)
+
+#: Default config of each op (what ``ptx(op)`` compiles when no key is given).
+DEFAULTS = {
+    "decode": dict(
+        dtype="bfloat16", head_dim=128, page_size=16, group_size=4, pos_encoding_mode="NONE",
+        use_soft_cap=False, use_sinks=False, num_warps=None, num_stages=None,
+    ),
+}
+
+_DTYPE_ALIASES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
+}
+
+_compile_lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------- configs
+def _dtype_name(value) -> str:
+    key = str(value).strip().lower() if not isinstance(value, str) else value.strip().lower()
+    if key in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[key]
+    raise ValueError(f"dtype must be one of 'bfloat16' ('bf16') or 'float16' ('fp16', 'half'), got {value!r}")
+
+
+def config(op: str = "decode", arch: str = "sm_90a", **cfg):
+    """The kernel configuration object that :func:`ptx` / :func:`sass` compile.
+
+    Args:
+      op: kernel family, one of :data:`OPS` (``"decode"``: the paged-decode kernel).
+      arch: target architecture, any spelling accepted by
+        :func:`cutedsl_attn.compile.normalize_arch` (``"sm_90a"``, ``"sm_100a"``,
+        ``"sm_103a"``, ``"hopper"``, ``"blackwell"``, ...).  Always explicit: the
+        environment (``CUTEDSL_ATTN_ARCH``) and the local GPU are not consulted.
+      **cfg: config keys (see the module docstring); unset keys take :data:`DEFAULTS`.
+
+    Returns:
+      A frozen config dataclass (for ``"decode"``:
+      :class:`~cutedsl_attn.portable.paged_decode.PagedDecodeConfig`).
+
+    Raises:
+      ValueError: unknown ``op``, unknown ``arch``, or a value the kernel does not
+        support (bad dtype, head_dim, group_size, ...).
+      TypeError: an unknown config key.
+    """
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; supported: {OPS}")
+    from .compile import normalize_arch
+
+    arch = normalize_arch(arch)
+    unknown = sorted(set(cfg) - set(DEFAULTS[op]))
+    if unknown:
+        raise TypeError(f"unknown config key(s) for op {op!r}: {unknown}; known: {sorted(DEFAULTS[op])}")
+    merged = {**DEFAULTS[op], **{k: v for k, v in cfg.items() if v is not None or DEFAULTS[op][k] is None}}
+    import torch
+
+    from . import dispatch
+
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[_dtype_name(merged["dtype"])]
+    for k in ("head_dim", "page_size", "group_size"):
+        if isinstance(merged[k], bool) or not isinstance(merged[k], int):
+            raise ValueError(f"{k} must be an int, got {merged[k]!r}")
+    if merged["pos_encoding_mode"] not in ("NONE", "ROPE_LLAMA", "ALIBI"):
+        raise ValueError(
+            f"pos_encoding_mode must be 'NONE', 'ROPE_LLAMA' or 'ALIBI', got {merged['pos_encoding_mode']!r}"
+        )
+    return dispatch.decode_config(
+        dtype=torch_dtype,
+        head_dim=merged["head_dim"],
+        page_size=merged["page_size"],
+        group_size=merged["group_size"],
+        pos_encoding_mode=merged["pos_encoding_mode"],
+        use_soft_cap=bool(merged["use_soft_cap"]),
+        use_sinks=bool(merged["use_sinks"]),
+        arch=arch,
+        num_warps=merged["num_warps"],
+        num_stages=merged["num_stages"],
+    )
+
+
+def _builder(op: str):
+    if op == "decode":
+        from .portable import paged_decode
+
+        return paged_decode.compile
+    raise ValueError(f"unknown op {op!r}; supported: {OPS}")  # pragma: no cover - config() checks first
+
+
+# ----------------------------------------------------------------------------- compile + artifacts
+def _read_artifact(value, dump_dir: str, ext: str, binary: bool):
+    """``compiled.artifacts.PTX/CUBIN`` holds the content, or a path when the dump failed."""
+    if isinstance(value, bytes) and binary and len(value) > 64:
+        return value
+    if isinstance(value, str) and not binary and ".target" in value:
+        return value
+    candidates = []
+    if isinstance(value, str) and len(value) < 4096 and os.path.isfile(value):
+        candidates.append(value)
+    candidates += sorted(glob.glob(os.path.join(dump_dir, f"*.{ext}")))
+    for path in candidates:
+        with open(path, "rb" if binary else "r") as f:
+            return f.read()
+    return None
+
+
+def _keep_cubin_patch():
+    """Context manager adding ``--keep-cubin`` to ``cute.compile`` options for one build.
+
+    Used only when the kernel's ``compile()`` has no ``keep_cubin`` parameter (the portable
+    decode kernel's has none yet); only a call whose options carry ``--dump-dir`` is changed.
+    """
+    import contextlib
+
+    import cutlass.cute as cute
+
+    @contextlib.contextmanager
+    def patch():
+        orig = cute.compile
+
+        class _Wrapped:
+            def __getitem__(self, item):  # cute.compile[opts](...) form
+                return orig[item]
+
+            def __call__(self, *args, **kwargs):
+                opts = kwargs.get("options")
+                # only the build that dumps into our directory (another thread's plain compile is left alone)
+                if isinstance(opts, str) and "--dump-dir" in opts and "--keep-cubin" not in opts:
+                    kwargs["options"] = opts + " --keep-cubin"
+                return orig(*args, **kwargs)
+
+        cute.compile = _Wrapped()
+        try:
+            yield
+        finally:
+            cute.compile = orig
+
+    return patch()
+
+
+def _compile_artifacts(op: str, cfg, want_cubin: bool):
+    build = _builder(op)
+    with _compile_lock, tempfile.TemporaryDirectory(prefix="cutedsl_attn_inspect_") as d:
+        params = _pyinspect.signature(build).parameters
+        if want_cubin and "keep_cubin" in params:
+            compiled = build(cfg, keep_ptx_dir=d, keep_cubin=True)
+        elif want_cubin:
+            with _keep_cubin_patch():
+                compiled = build(cfg, keep_ptx_dir=d)
+        else:
+            compiled = build(cfg, keep_ptx_dir=d)
+        arts = compiled.artifacts
+        ptx_text = _read_artifact(getattr(arts, "PTX", None), d, "ptx", binary=False)
+        cubin = _read_artifact(getattr(arts, "CUBIN", None), d, "cubin", binary=True) if want_cubin else None
+    if ptx_text is None:
+        raise RuntimeError(f"the compiler produced no PTX for {cfg} (dump directory was empty)")
+    if want_cubin and cubin is None:
+        raise RuntimeError(f"the compiler produced no cubin for {cfg} (--keep-cubin wrote nothing)")
+    return ptx_text, cubin
+
+
+def _cache_key(op, arch, cfg):
+    c = config(op, arch, **cfg)
+    return op, c
+
+
+@functools.lru_cache(maxsize=64)
+def _ptx_cached(op, cfg) -> str:
+    return _compile_artifacts(op, cfg, want_cubin=False)[0]
+
+
+@functools.lru_cache(maxsize=16)
+def _cubin_cached(op, cfg) -> bytes:
+    return _compile_artifacts(op, cfg, want_cubin=True)[1]
+
+
+def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
+    """PTX text of one kernel configuration, cross-compiled for ``arch`` (no GPU needed).
+
+    Args:
+      op: kernel family, one of :data:`OPS`.
+      arch: target, e.g. ``"sm_90a"`` (default), ``"sm_100a"``, ``"sm_103a"``.
+      **config_kw: config keys (``dtype``, ``head_dim``, ``page_size``, ``group_size``,
+        ``pos_encoding_mode``, ``use_soft_cap``, ``use_sinks``, ``num_warps``,
+        ``num_stages``); see the module docstring for values and defaults.
+
+    Returns:
+      The PTX module text (starts with the NVVM header, has ``.target <arch>``).
+      Results are memoised per (op, config) in this process; a first call costs one
+      compile (~2-5 s).
+
+    Raises:
+      ValueError: unknown op / arch / unsupported config value.
+      TypeError: unknown config key.
+      RuntimeError: the compiler wrote no PTX.
+      Any compiler error (the DSL's own exception types).
+    """
+    op_, cfg = _cache_key(op, arch, config_kw)
+    return _ptx_cached(op_, cfg)
+
+
+def _find_tool(name: str):
+    path = shutil.which(name)
+    if path:
+        return path
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            cand = os.path.join(root, "bin", name)
+            if os.path.isfile(cand) and os.access(cand, os.X_OK):
+                return cand
+    return None
+
+
+def sass(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
+    """SASS (machine code) of one kernel configuration, disassembled from its cubin.
+
+    Compiles like :func:`ptx` with ``--keep-cubin`` and runs ``cuobjdump --dump-sass``
+    (or ``nvdisasm`` when cuobjdump is missing) on the cubin.  The tools come from a
+    CUDA toolkit on ``PATH``, ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin`` or
+    ``/usr/local/cuda/bin``; no GPU is needed.
+
+    Args:
+      op, arch, **config_kw: as :func:`ptx`.
+
+    Returns:
+      The disassembly text.
+
+    Raises:
+      RuntimeError: neither ``cuobjdump`` nor ``nvdisasm`` is installed (checked before
+        compiling), the compiler wrote no cubin, or the disassembler failed (its
+        stderr is in the message; an old toolkit may not know a newer arch).
+      ValueError, TypeError: as :func:`ptx`.
+    """
+    op_, cfg = _cache_key(op, arch, config_kw)
+    cuobjdump, nvdisasm = _find_tool("cuobjdump"), _find_tool("nvdisasm")
+    if cuobjdump is None and nvdisasm is None:
+        raise RuntimeError(
+            "sass() needs cuobjdump or nvdisasm from a CUDA toolkit (searched PATH, $CUDA_HOME/bin, "
+            "$CUDA_PATH/bin, /usr/local/cuda/bin) and found neither; use ptx() instead or install the "
+            "CUDA toolkit's binary utilities"
+        )
+    cubin = _cubin_cached(op_, cfg)
+    with tempfile.TemporaryDirectory(prefix="cutedsl_attn_sass_") as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        errors = []
+        for tool, args in ((cuobjdump, ["--dump-sass"]), (nvdisasm, [])):
+            if tool is None:
+                continue
+            r = subprocess.run([tool, *args, path], capture_output=True, text=True)
+            if r.returncode == 0 and r.stdout.strip():
+                return r.stdout
+            errors.append(f"{os.path.basename(tool)} exited {r.returncode}: {r.stderr.strip()[:2000]}")
+    raise RuntimeError(f"could not disassemble the {cfg.arch} cubin: " + "; ".join(errors))
+
+
+# ----------------------------------------------------------------------------- summary
+#: Keys of :func:`instruction_summary`, in display order, with what each counts.
+SUMMARY_KEYS = {
+    "mma.sync": "warp-level tensor-core MMA (mma.sync.aligned.*, SM80 class)",
+    "mma.sync.bf16": "  of which bf16 inputs",
+    "mma.sync.f16": "  of which f16 inputs",
+    "wgmma": "warpgroup MMA (wgmma.mma_async, SM90)",
+    "tcgen05": "5th-gen tensor-core ops (tcgen05.*, SM100)",
+    "tcgen05.mma": "  of which tcgen05.mma",
+    "ldmatrix": "ldmatrix (all)",
+    "ldmatrix.trans": "  of which .trans",
+    "stmatrix": "stmatrix",
+    "cp.async": "async global->shared copies (cp.async.ca/cg, SM80 class)",
+    "cp.async.commit_group": "cp.async.commit_group",
+    "cp.async.wait_group": "cp.async.wait_group / wait_all",
+    "cp.async.bulk": "bulk async copies (cp.async.bulk.*, TMA class, non-tensor)",
+    "cp.async.bulk.tensor": "TMA tensor copies (cp.async.bulk.tensor.*)",
+    "mbarrier": "mbarrier.*",
+    "ld.global": "global loads (ld.global.*)",
+    "st.global": "global stores (st.global.*)",
+    "ld.shared": "shared loads (ld.shared.*)",
+    "st.shared": "shared stores (st.shared.*)",
+    "ld.local": "local-memory loads (ld.local: stack/spill traffic in PTX)",
+    "st.local": "local-memory stores (st.local)",
+    "atom": "atomics (atom.*)",
+    "atom.global.add": "  of which atom.global.add",
+    "red": "reductions without return (red.*)",
+    "shfl.sync": "warp shuffles (shfl.sync.*)",
+    "bar.sync": "CTA barriers (bar.sync / barrier.sync)",
+    "fence": "memory fences (fence.*, membar.*)",
+    "ex2": "ex2.approx (exp2)",
+    "lg2": "lg2.approx",
+    "rcp": "rcp.*",
+    "tanh": "tanh.approx",
+    "sin/cos": "sin.approx / cos.approx",
+    "cvt": "conversions (cvt.*)",
+    "ret": "kernel exits (ret / exit)",
+    "total": "all instructions",
+}
+
+_LABEL = re.compile(r"^[$%]?[A-Za-z_][\w$]*:(?!:)")  # PTX identifiers have no dots; "::" is a qualifier
+_PRED = re.compile(r"^@!?%\w+\s+")
+
+
+def _mnemonics(ptx_text: str):
+    """Yield the opcode (with modifiers) of every instruction statement in ``ptx_text``."""
+    text = re.sub(r"/\*.*?\*/", " ", ptx_text, flags=re.S)
+    for line in text.splitlines():
+        line = line.split("//", 1)[0]
+        for stmt in line.split(";"):
+            s = stmt.strip().lstrip("{}").strip()
+            while _LABEL.match(s):
+                s = _LABEL.sub("", s, count=1).strip()
+            if not s or s[0] in ".{}()[" or s.startswith(("$", "//")):
+                continue  # directives (.reg, .param, .version, ...), braces, stray operands
+            s = _PRED.sub("", s)
+            op = s.split(None, 1)[0].rstrip(",")
+            if not op or not (op[0].isalpha()):
+                continue
+            yield op
+
+
+def instruction_summary(ptx_text: str) -> dict[str, int]:
+    """Static counts of the PTX instructions that matter for attention kernels.
+
+    Counts instruction *statements* in the text (a loop body counts once, however
+    often it runs), after stripping comments, labels and predicates; directives
+    (``.reg``, ``.param``, ...) are not instructions.
+
+    Args:
+      ptx_text: a PTX module, e.g. from :func:`ptx`.
+
+    Returns:
+      ``dict`` with every key of :data:`SUMMARY_KEYS` (0 when absent), in that
+      order: ``mma.sync`` (and its ``.bf16`` / ``.f16`` split), ``wgmma``,
+      ``tcgen05``, ``ldmatrix`` (``ldmatrix.trans``), ``cp.async`` (element copies,
+      not commit/wait or bulk), ``cp.async.bulk.tensor``, ``ld.local``/``st.local``
+      (local memory: a PTX-level sign of register arrays spilled to the stack; the
+      register allocator's own spills only show in SASS as ``LDL``/``STL``),
+      ``atom`` (``atom.global.add``), ``ex2``, ... and ``total``.
+
+    Raises:
+      TypeError: ``ptx_text`` is not a ``str``.
+    """
+    if not isinstance(ptx_text, str):
+        raise TypeError(f"ptx_text must be a str, got {type(ptx_text).__name__}")
+    counts = dict.fromkeys(SUMMARY_KEYS, 0)
+    c = Counter(_mnemonics(ptx_text))
+    for op, n in c.items():
+        parts = op.split(".")
+        head = parts[0]
+        counts["total"] += n
+        if op.startswith("mma.sync") or head == "mma":
+            counts["mma.sync"] += n
+            if "bf16" in parts:
+                counts["mma.sync.bf16"] += n
+            elif "f16" in parts:
+                counts["mma.sync.f16"] += n
+        elif head == "wgmma":
+            if op.startswith("wgmma.mma_async"):
+                counts["wgmma"] += n
+        elif head == "tcgen05":
+            counts["tcgen05"] += n
+            if op.startswith("tcgen05.mma"):
+                counts["tcgen05.mma"] += n
+        elif head == "ldmatrix":
+            counts["ldmatrix"] += n
+            if "trans" in parts:
+                counts["ldmatrix.trans"] += n
+        elif head == "stmatrix":
+            counts["stmatrix"] += n
+        elif op.startswith("cp.async.bulk.tensor"):
+            counts["cp.async.bulk.tensor"] += n
+        elif op.startswith("cp.async.bulk"):
+            if not any(p in ("commit_group", "wait_group", "wait_group.read") for p in parts):
+                counts["cp.async.bulk"] += n
+        elif op.startswith("cp.async.commit_group"):
+            counts["cp.async.commit_group"] += n
+        elif op.startswith(("cp.async.wait_group", "cp.async.wait_all")):
+            counts["cp.async.wait_group"] += n
+        elif op.startswith(("cp.async.ca", "cp.async.cg")):
+            counts["cp.async"] += n
+        elif head == "mbarrier":
+            counts["mbarrier"] += n
+        elif head in ("ld", "st") and len(parts) > 1:
+            space = next((p for p in parts[1:] if p in ("global", "shared", "local", "param", "const")), None)
+            key = f"{head}.{space}"
+            if key in counts:
+                counts[key] += n
+        elif head == "atom":
+            counts["atom"] += n
+            if len(parts) > 2 and parts[1] == "global" and "add" in parts:
+                counts["atom.global.add"] += n
+        elif head == "red":
+            counts["red"] += n
+        elif head == "shfl":
+            counts["shfl.sync"] += n
+        elif op.startswith(("bar.sync", "barrier.sync", "bar.cta.sync", "barrier.cta.sync")) or op == "bar.sync":
+            counts["bar.sync"] += n
+        elif head in ("fence", "membar"):
+            counts["fence"] += n
+        elif head == "ex2":
+            counts["ex2"] += n
+        elif head == "lg2":
+            counts["lg2"] += n
+        elif head == "rcp":
+            counts["rcp"] += n
+        elif head == "tanh":
+            counts["tanh"] += n
+        elif head in ("sin", "cos"):
+            counts["sin/cos"] += n
+        elif head == "cvt":
+            counts["cvt"] += n
+        elif head in ("ret", "exit"):
+            counts["ret"] += n
+    return counts
+
+
+def format_summary(summary: dict[str, int], *, nonzero_only: bool = True) -> str:
+    """A two-column text table of :func:`instruction_summary` output."""
+    rows = [(k, v) for k, v in summary.items() if v or not nonzero_only or k == "total"]
+    w = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"  {k:<{w}}  {v:>6}" for k, v in rows)

@@ -1,0 +1,959 @@
+"""CPU tests of the decode API's argument handling (no GPU, no kernel compile).
+
+Every documented error of ``BatchDecodeWithPagedKVCacheWrapper`` (constructor,
+``plan``, ``run``) and ``single_decode_with_kv_cache`` must raise the documented
+exception type, with a message naming the argument, before any kernel launch.
+The kernel factory ``dispatch.paged_decode_kernel`` is replaced by a recorder, so
+these tests also check what a *valid* call hands to the kernel (tensor shapes,
+scalars, the work table) and that an invalid call never reaches it.
+
+Wrapper, workspace and all tensors live on the CPU; ``plan()`` needs a target
+architecture for its kernel config, given through ``CUTEDSL_ATTN_ARCH``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import pytest
+import torch
+
+import cutedsl_attn as ca
+from cutedsl_attn import dispatch
+from cutedsl_attn.api import decode as api_decode
+from cutedsl_attn.planning.decode import WORK_COLS, kv_lens_from_csr, max_items, plan_paged_decode
+from cutedsl_attn.ref import alibi_slopes
+
+BF16, FP16 = torch.bfloat16, torch.float16
+ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "part_o", "part_lse", "counters", "sinks", "slopes",
+             "sm_scale", "soft_cap", "rope_rcp_scale", "rope_log2_theta")
+N_KERNEL_ARGS = len(ARG_NAMES)
+
+
+# ----------------------------------------------------------------------------- fixtures and helpers
+@pytest.fixture(autouse=True)
+def _arch(monkeypatch):
+    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
+
+
+class Recorder:
+    """Stands in for ``dispatch.paged_decode_kernel``: records configs and launches."""
+
+    def __init__(self):
+        self.cfgs = []
+        self.calls = []
+
+    def __call__(self, cfg):
+        self.cfgs.append(cfg)
+
+        def launch(*args):
+            assert len(args) == N_KERNEL_ARGS
+            self.calls.append((cfg, args))
+            args[5].fill_(1.0)  # o
+            args[6].fill_(0.5)  # lse
+
+        return launch
+
+    def named(self, i):
+        cfg, a = self.calls[i]
+        return cfg, dict(zip(ARG_NAMES, a))
+
+    @property
+    def last(self):
+        return self.named(-1)
+
+
+@pytest.fixture
+def rec(monkeypatch):
+    r = Recorder()
+    monkeypatch.setattr(dispatch, "paged_decode_kernel", r)
+    return r
+
+
+def csr(lens, page_size, *, spare=3, seed=0):
+    """Scattered CSR page table for ``lens`` (int32 CPU tensors) and the pool size."""
+    g = torch.Generator().manual_seed(seed)
+    npages = [-(-L // page_size) for L in lens]
+    pool = sum(npages) + spare
+    indices = torch.randperm(pool, generator=g)[: sum(npages)].to(torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(npages, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([L - (n - 1) * page_size if n else 0 for L, n in zip(lens, npages)], dtype=torch.int32)
+    return indptr, indices, last, pool
+
+
+def ws(nbytes=8 << 20):
+    return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def problem(lens=(37, 1, 300, 16), hq=8, hkv=2, d=64, ps=16, dtype=BF16, layout="NHD"):
+    indptr, indices, last, pool = csr(list(lens), ps)
+    shape = (pool, 2, ps, hkv, d) if layout == "NHD" else (pool, 2, hkv, ps, d)
+    cache = torch.randn(shape).to(dtype)
+    q = torch.randn(len(lens), hq, d).to(dtype)
+    return dict(indptr=indptr, indices=indices, last=last, cache=cache, q=q, hq=hq, hkv=hkv, d=d, ps=ps,
+                dtype=dtype, lens=list(lens), layout=layout)
+
+
+def planned(p=None, layout=None, **plan_kw):
+    p = p or problem(layout=layout or "NHD")
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), p["layout"])
+    plan_kw.setdefault("q_data_type", p["dtype"])
+    w.plan(p["indptr"], p["indices"], p["last"], p["hq"], p["hkv"], p["d"], p["ps"], **plan_kw)
+    return w, p
+
+
+def plan_args(p):
+    return (p["indptr"], p["indices"], p["last"], p["hq"], p["hkv"], p["d"], p["ps"])
+
+
+def graph_buffers(batch, max_pages=64):
+    return (torch.zeros(batch + 1, dtype=torch.int32), torch.zeros(max_pages, dtype=torch.int32),
+            torch.zeros(batch, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------- constructor
+@pytest.mark.parametrize("layout", ["nhd", "NDH", "", None])
+def test_ctor_bad_kv_layout(layout):
+    with pytest.raises(KeyError, match="kv_layout"):
+        ca.BatchDecodeWithPagedKVCacheWrapper(ws(), layout)
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "trtllm-gen", "cudnn", "cute-dsl", "prims-ts", "xqa"])
+def test_ctor_flashinfer_backend_not_available(backend):
+    with pytest.raises(NotImplementedError, match="backend"):
+        ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", backend=backend)
+
+
+def test_ctor_unknown_backend():
+    with pytest.raises(ValueError, match="backend"):
+        ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", backend="triton-magic")
+
+
+@pytest.mark.parametrize("backend", ["auto", "cute"])
+def test_ctor_supported_backends(backend):
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "HND", backend=backend, use_tensor_cores=True)
+    assert w.use_tensor_cores and not w.is_cuda_graph_enabled
+
+
+def test_ctor_jit_args():
+    with pytest.raises(NotImplementedError, match="jit_args"):
+        ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", jit_args=["x"])
+
+
+def test_ctor_workspace_type_and_alignment():
+    with pytest.raises(TypeError, match="float_workspace_buffer"):
+        ca.BatchDecodeWithPagedKVCacheWrapper(bytearray(1024), "NHD")
+    with pytest.raises(ValueError, match="float_workspace_buffer"):
+        ca.BatchDecodeWithPagedKVCacheWrapper(ws()[1:], "NHD")
+
+
+@pytest.mark.parametrize("missing", [0, 1, 2])
+def test_ctor_cuda_graph_needs_buffers(missing):
+    bufs = list(graph_buffers(4))
+    bufs[missing] = None
+    with pytest.raises(ValueError, match=["paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                                          "paged_kv_last_page_len_buffer"][missing]):
+        ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=bufs[0],
+                                              paged_kv_indices_buffer=bufs[1],
+                                              paged_kv_last_page_len_buffer=bufs[2])
+
+
+def test_ctor_cuda_graph_buffer_dtype():
+    ip, ix, lp = graph_buffers(4)
+    with pytest.raises(ValueError, match="paged_kv_indices_buffer"):
+        ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=ip,
+                                              paged_kv_indices_buffer=ix.long(), paged_kv_last_page_len_buffer=lp)
+
+
+def test_ctor_cuda_graph_mismatched_buffer_lengths():
+    ip, ix, lp = graph_buffers(4)
+    with pytest.raises(ValueError, match="paged_kv_indptr_buffer"):
+        ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=ip[:-1],
+                                              paged_kv_indices_buffer=ix, paged_kv_last_page_len_buffer=lp)
+    with pytest.raises(ValueError, match="paged_kv_indptr_buffer"):
+        ca.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws(), ip, ix, lp[:-1])
+
+
+# ----------------------------------------------------------------------------- plan()
+def _plan_raises(exc, match, p=None, args=None, **kw):
+    p = p or problem()
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    kw.setdefault("q_data_type", p["dtype"])
+    with pytest.raises(exc, match=match):
+        w.plan(*(args or plan_args(p)), **kw)
+    return w, p
+
+
+def _replace(p, **kw):
+    a = dict(zip(("indptr", "indices", "last", "hq", "hkv", "d", "ps"), plan_args(p)))
+    a.update(kw)
+    return tuple(a.values())
+
+
+@pytest.mark.parametrize("hq,hkv", [(12, 8), (8, 3), (5, 2)])
+def test_plan_heads_not_multiple(hq, hkv):
+    p = problem()
+    _plan_raises(ValueError, "num_qo_heads", p, _replace(p, hq=hq, hkv=hkv))
+
+
+@pytest.mark.parametrize("hq,hkv", [(0, 1), (8, 0), (-8, 2)])
+def test_plan_heads_not_positive(hq, hkv):
+    p = problem()
+    _plan_raises(ValueError, "num_qo_heads", p, _replace(p, hq=hq, hkv=hkv))
+
+
+def test_plan_group_too_large():
+    p = problem()
+    # the message says "GQA group size 32"; it does not spell num_qo_heads / num_kv_heads
+    _plan_raises(NotImplementedError, "group size", p, _replace(p, hq=64, hkv=2))
+
+
+@pytest.mark.parametrize("d", [16, 48, 96, 512])
+def test_plan_unsupported_head_dim(d):
+    p = problem()
+    _plan_raises(NotImplementedError, "head_dim", p, _replace(p, d=d))
+
+
+@pytest.mark.parametrize("ps", [0, -16])
+def test_plan_bad_page_size(ps):
+    p = problem()
+    _plan_raises(ValueError, "page_size", p, _replace(p, ps=ps))
+
+
+@pytest.mark.parametrize("bad", [0, 17, -1])
+def test_plan_last_page_len_outside_range(bad):
+    p = problem()
+    last = p["last"].clone()
+    last[2] = bad
+    _plan_raises(ValueError, "last_page_len", p, _replace(p, last=last))
+
+
+def test_plan_zero_page_request_allows_last_page_len_zero(rec):
+    p = problem(lens=(0, 5, 0))
+    w, _ = planned(p)
+    o = w.run(p["q"], p["cache"])
+    assert o.shape == p["q"].shape and len(rec.calls) == 1
+
+
+def test_plan_non_monotone_indptr():
+    p = problem()
+    ip = p["indptr"].clone()
+    a, b = int(ip[1]), int(ip[2])
+    ip[1], ip[2] = b, a
+    assert b > a
+    _plan_raises(ValueError, "indptr", p, _replace(p, indptr=ip))
+
+
+def test_plan_indptr_length():
+    p = problem()
+    _plan_raises(ValueError, "indptr", p, _replace(p, indptr=p["indptr"][:-1]))
+    _plan_raises(ValueError, "indptr", p, _replace(p, indptr=torch.cat([p["indptr"], p["indptr"][-1:]])))
+
+
+def test_plan_indptr_exceeds_indices():
+    p = problem()
+    _plan_raises(ValueError, "indices", p, _replace(p, indices=p["indices"][:-2]))
+
+
+@pytest.mark.parametrize("name", ["indptr", "indices", "last"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_plan_page_table_dtype(name, dtype):
+    p = problem()
+    arg = {"last": "last_page_len"}.get(name, name)
+    _plan_raises((TypeError, ValueError), arg, p, _replace(p, **{name: p[name].to(dtype)}))
+
+
+@pytest.mark.parametrize("name", ["indptr", "indices", "last"])
+def test_plan_page_table_not_tensor_or_wrong_ndim(name):
+    p = problem()
+    arg = {"last": "last_page_len"}.get(name, name)
+    _plan_raises(TypeError, arg, p, _replace(p, **{name: p[name].tolist()}))
+    _plan_raises(ValueError, arg, p, _replace(p, **{name: p[name].view(1, -1)}))
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(q_data_type=BF16, kv_data_type=FP16), NotImplementedError, "dtype"),
+    (dict(q_data_type=FP16, o_data_type=BF16), NotImplementedError, "dtype"),
+    (dict(q_data_type=torch.float8_e4m3fn), NotImplementedError, "q_data_type"),
+    (dict(q_data_type=BF16, kv_data_type=torch.float8_e4m3fn), NotImplementedError, "kv_data_type"),
+    (dict(q_data_type="float8_e5m2"), NotImplementedError, "q_data_type"),
+    (dict(q_data_type=torch.float32), NotImplementedError, "q_data_type"),
+    (dict(q_data_type="int8"), TypeError, "q_data_type"),
+    (dict(q_data_type=BF16, kv_data_type="nonsense"), TypeError, "kv_data_type"),
+])
+def test_plan_dtypes(kw, exc, match):
+    _plan_raises(exc, match, **kw)
+
+
+def test_plan_deprecated_data_type_alone_does_not_plan_bf16():
+    # FlashInfer trap (flashinfer_api.md section 6.5): data_type fills only unset q/kv and
+    # q_data_type defaults to float16, so data_type=bf16 alone cannot give a bf16 plan.
+    p = problem()
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    with pytest.raises((NotImplementedError, ValueError)):
+        w.plan(*plan_args(p), data_type=BF16)
+        w.run(p["q"], p["cache"])
+
+
+def test_plan_data_type_fills_unset_q_and_kv(rec):
+    p = problem()
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    w.plan(*plan_args(p), q_data_type=None, data_type="bfloat16")
+    w.run(p["q"], p["cache"])
+    assert rec.calls[-1][0].dtype == "bfloat16"
+
+
+def test_plan_q_len_per_req():
+    _plan_raises(NotImplementedError, "q_len_per_req", q_len_per_req=2)
+
+
+@pytest.mark.parametrize("wr", [1, 7, -1])
+def test_plan_window_right(wr):
+    _plan_raises(NotImplementedError, "window_right", window_right=wr)
+
+
+@pytest.mark.parametrize("wl", [-2, 1.5, "3"])
+def test_plan_bad_window_left(wl):
+    _plan_raises(ValueError, "window_left", window_left=wl)
+
+
+def test_plan_soft_cap_with_alibi():
+    _plan_raises(NotImplementedError, "logits_soft_cap", pos_encoding_mode="ALIBI", logits_soft_cap=30.0)
+
+
+def test_plan_negative_soft_cap():
+    _plan_raises(ValueError, "logits_soft_cap", logits_soft_cap=-1.0)
+
+
+@pytest.mark.parametrize("mode", ["ROPE", "rope_llama", "alibi", ""])
+def test_plan_bad_pos_encoding_mode(mode):
+    _plan_raises(KeyError, "pos_encoding_mode", pos_encoding_mode=mode)
+
+
+@pytest.mark.parametrize("fs", [0, -4])
+def test_plan_fixed_split_size_not_positive(fs):
+    _plan_raises(ValueError, "fixed_split_size", fixed_split_size=fs)
+
+
+def test_plan_workspace_too_small():
+    p = problem(lens=(5000, 5000), hq=32, hkv=8, d=128)
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(4096, dtype=torch.uint8), "NHD")
+    with pytest.raises(ValueError, match="float_workspace_buffer"):
+        w.plan(*plan_args(p), q_data_type=BF16)
+
+
+def test_plan_indices_on_other_device():
+    p = problem()
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    w.device = torch.device("meta")  # pretend the wrapper lives elsewhere
+    with pytest.raises(ValueError, match="indices"):
+        w.plan(*plan_args(p), q_data_type=BF16)
+
+
+def test_plan_positional_options_deprecated(rec):
+    p = problem()
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    with pytest.warns(DeprecationWarning, match="positional"):
+        #             pos_encoding_mode, window_left, logits_soft_cap, q_data_type
+        w.plan(*plan_args(p), "ROPE_LLAMA", 20, 5.0, BF16)
+    w.run(p["q"], p["cache"], window_left=20)
+    cfg, a = rec.last
+    assert cfg.pos_encoding_mode == "ROPE_LLAMA" and cfg.use_soft_cap and cfg.dtype == "bfloat16"
+    assert a["soft_cap"] == 5.0
+    with pytest.raises(ValueError, match="window_left"):
+        w.run(p["q"], p["cache"], window_left=-1)
+
+
+def test_plan_too_many_positional():
+    p = problem()
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    with pytest.raises(TypeError, match="positional"):
+        w.plan(*plan_args(p), *([None] * 17))
+
+
+def test_plan_block_tables_without_seq_lens():
+    p = problem()
+    bt = torch.zeros(4, 32, dtype=torch.int32)
+    _plan_raises(ValueError, "block_tables", p, (None, None, None, p["hq"], p["hkv"], p["d"], p["ps"]),
+                 block_tables=bt)
+    _plan_raises(ValueError, "seq_lens", p, (None, None, None, p["hq"], p["hkv"], p["d"], p["ps"]),
+                 seq_lens=torch.tensor(p["lens"], dtype=torch.int32))
+
+
+def test_plan_block_tables_too_narrow():
+    p = problem()  # longest request 300 tokens = 19 pages of 16
+    bt = torch.zeros(4, 18, dtype=torch.int32)
+    _plan_raises(ValueError, "block_tables", p, (None, None, None, p["hq"], p["hkv"], p["d"], p["ps"]),
+                 block_tables=bt, seq_lens=torch.tensor(p["lens"], dtype=torch.int32))
+
+
+def test_plan_block_tables_bad_shapes():
+    p = problem()
+    args = (None, None, None, p["hq"], p["hkv"], p["d"], p["ps"])
+    sl = torch.tensor(p["lens"], dtype=torch.int32)
+    _plan_raises((TypeError, ValueError), "block_tables", p, args, block_tables=torch.zeros(4, 32, dtype=torch.int64),
+                 seq_lens=sl)
+    _plan_raises(ValueError, "block_tables", p, args, block_tables=torch.zeros(4 * 32, dtype=torch.int32), seq_lens=sl)
+    _plan_raises(ValueError, "seq_lens", p, args, block_tables=torch.zeros(3, 32, dtype=torch.int32), seq_lens=sl)
+    _plan_raises(ValueError, "seq_lens", p, args, block_tables=torch.zeros(4, 32, dtype=torch.int32),
+                 seq_lens=torch.tensor([1, -1, 2, 3], dtype=torch.int32))
+
+
+def _graph_wrapper(batch, max_pages=64):
+    ip, ix, lp = graph_buffers(batch, max_pages)
+    return ca.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws(), ip, ix, lp, "NHD"), (ip, ix, lp)
+
+
+
+
+def test_plan_cuda_graph_batch_size_change_before_any_plan():
+    w, _ = _graph_wrapper(3)
+    p = problem()  # batch 4
+    with pytest.raises(ValueError, match="batch size"):
+        w.plan(*plan_args(p), q_data_type=BF16)
+
+
+def test_plan_cuda_graph_batch_size_change_keeps_buffers():
+    w, (ip, ix, lp) = _graph_wrapper(4)
+    p = problem()
+    w.plan(*plan_args(p), q_data_type=BF16)
+    before = (ip.clone(), ix.clone(), lp.clone())
+    p2 = problem(lens=(10, 20, 30))
+    with pytest.raises(ValueError, match="batch size"):
+        w.plan(*plan_args(p2), q_data_type=BF16)
+    assert all(torch.equal(a, b) for a, b in zip(before, (ip, ix, lp)))
+
+
+def test_plan_cuda_graph_indices_do_not_fit():
+    w, _ = _graph_wrapper(4, max_pages=8)
+    p = problem()
+    with pytest.raises(ValueError, match="paged_kv_indices_buffer"):
+        w.plan(*plan_args(p), q_data_type=BF16)
+
+
+def test_plan_cuda_graph_heads_cannot_change():
+    w, _ = _graph_wrapper(4)
+    p = problem()
+    w.plan(*plan_args(p), q_data_type=BF16)
+    p2 = problem(hq=16, hkv=4)
+    with pytest.raises(ValueError, match="num_qo_heads"):
+        w.plan(*plan_args(p2), q_data_type=BF16)
+
+
+# ----------------------------------------------------------------------------- run(): errors
+def _run_raises(exc, match, rec, w=None, p=None, q=None, cache=None, **kw):
+    if w is None:
+        w, p = planned()
+    with pytest.raises(exc, match=match):
+        w.run(p["q"] if q is None else q, p["cache"] if cache is None else cache, **kw)
+    assert rec.calls == [], "an invalid run() reached the kernel"
+
+
+def test_run_before_plan(rec):
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    p = problem()
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(p["q"], p["cache"])
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("shape_change", ["batch", "heads", "dim", "ndim"])
+def test_run_q_shape(rec, shape_change):
+    w, p = planned()
+    q = p["q"]
+    q = {"batch": q[:-1], "heads": q[:, :-1], "dim": torch.zeros(4, 8, 32, dtype=BF16), "ndim": q[0]}[shape_change]
+    _run_raises(ValueError, "q", rec, w, p, q=q)
+
+
+def test_run_q_dtype(rec):
+    w, p = planned()
+    _run_raises(ValueError, "q", rec, w, p, q=p["q"].to(FP16))
+
+
+def test_run_q_not_tensor(rec):
+    w, p = planned()
+    _run_raises(TypeError, "q", rec, w, p, q=p["q"].tolist())
+
+
+def _rejected_or_handed_over(rec, w, p, name, bad):
+    """Layout problems (unit last-dim stride, 16-byte alignment, contiguous out/lse) are checked
+    either by run() itself or by the compiled kernel's tvm-ffi entry, which rejects them with a
+    ValueError before the launch.  On the CPU the entry is replaced by the recorder, so: run()
+    either raises a ValueError naming the argument, or hands the offending tensor itself (not a
+    silent copy) to the kernel entry."""
+    kw = {name: bad} if name in ("out", "lse") else {}
+    try:
+        w.run(p["q"] if name != "q" else bad, p["cache"] if name != "cache" else bad, **kw)
+    except ValueError as e:
+        assert rec.calls == [], "an invalid run() reached the kernel"
+        assert {"cache": "k_cache"}.get(name, name) in str(e)
+        return
+    a = rec.last[1]
+    if name == "cache":
+        assert a["k"].data_ptr() == bad[:, 0].data_ptr() and a["k"].stride() == bad[:, 0].stride()
+    else:
+        t = a[{"q": "q", "out": "o", "lse": "lse"}[name]]
+        assert t.data_ptr() == bad.data_ptr() and t.stride() == bad.stride()
+
+
+def test_run_q_strided_last_dim(rec):
+    w, p = planned()
+    _rejected_or_handed_over(rec, w, p, "q", torch.zeros(4, 8, 128, dtype=BF16)[:, :, ::2])
+
+
+def test_run_q_misaligned(rec):
+    w, p = planned()
+    _rejected_or_handed_over(rec, w, p, "q", torch.zeros(4 * 8 * 64 + 1, dtype=BF16)[1:].view(4, 8, 64))
+
+
+class _EntryRejects(Recorder):
+    """A kernel whose tvm-ffi entry rejects one argument, with the entry's own message format."""
+
+    def __init__(self, arg_index, pname):
+        super().__init__()
+        self.msg = (f"Mismatched {pname}.strides[2] on argument #{arg_index} when calling: "
+                    f"`__call__(mQ: Tensor, mK: Tensor, mV: Tensor, mIdx: Tensor, mWork: Tensor, mO: Tensor, "
+                    f"mLSE: Tensor, ...)`, expected 1")
+
+    def __call__(self, cfg):
+        def launch(*args):
+            raise ValueError(self.msg)
+
+        return launch
+
+
+ENTRY_ARGS = [(0, "mQ", "q"), (1, "mK", "k_cache"), (2, "mV", "v_cache"), (5, "mO", "out"), (6, "mLSE", "lse")]
+
+
+@pytest.mark.parametrize("arg_index,pname,uname", ENTRY_ARGS)
+def test_run_kernel_entry_errors_name_the_argument(monkeypatch, arg_index, pname, uname):
+    monkeypatch.setattr(dispatch, "paged_decode_kernel", _EntryRejects(arg_index, pname))
+    _assert_entry_error_names(uname)
+
+
+def _assert_entry_error_names(uname):
+    """The head of the message (before the entry's long signature) names the FlashInfer argument."""
+    w, p = planned()
+    with pytest.raises(ValueError) as ei:
+        w.run(p["q"], p["cache"])
+    head = str(ei.value).split(" when calling", 1)[0]
+    assert re.search(rf"\b{uname}\b", head), head
+
+
+@pytest.mark.parametrize("arg_index,pname,uname", ENTRY_ARGS)
+def test_run_kernel_entry_alignment_errors_name_the_argument(monkeypatch, arg_index, pname, uname):
+    rej = _EntryRejects(arg_index, pname)
+    rej.msg = (f"Misaligned Tensor data on argument #{arg_index} when calling: `__call__(mQ: Tensor([n0, n1, 64], "
+               f"bfloat16), mK: Tensor([n2, 16, n3, 64], bfloat16), mV: Tensor([n2, 16, n3, 64], bfloat16), "
+               f"mIdx: Tensor([n4], int32), mWork: Tensor([n5, 8], int32), mO: Tensor([n0, n1, 64], bfloat16), "
+               f"mLSE: Tensor([n0, n1], float32), ...)`, expected data alignment=16 bytes")
+    monkeypatch.setattr(dispatch, "paged_decode_kernel", rej)
+    _assert_entry_error_names(uname)
+
+
+@pytest.mark.parametrize("what", ["page_size", "heads", "dim", "layout", "4d_combined"])
+def test_run_kv_cache_shape(rec, what):
+    w, p = planned()
+    c = p["cache"]
+    bad = {
+        "page_size": c[:, :, :8],
+        "heads": c[:, :, :, :1],
+        "dim": torch.zeros(c.shape[0], 2, 16, 2, 32, dtype=BF16),
+        "layout": c.transpose(2, 3),  # HND cache handed to an NHD wrapper
+        "4d_combined": c[:, :, 0],
+    }[what]
+    _run_raises(ValueError, "cache", rec, w, p, cache=bad)
+
+
+def test_run_kv_cache_tuple_forms(rec):
+    w, p = planned()
+    k, v = p["cache"][:, 0], p["cache"][:, 1]
+    _run_raises(ValueError, "paged_kv_cache", rec, w, p, cache=(k, v, v))
+    _run_raises(TypeError, "k_cache", rec, w, p, cache=(k.tolist(), v))
+    _run_raises(ValueError, "v_cache", rec, w, p, cache=(k, v[:, :8]))
+
+
+def test_run_kv_cache_dtype(rec):
+    w, p = planned()
+    k, v = p["cache"][:, 0], p["cache"][:, 1]
+    _run_raises(ValueError, "k_cache", rec, w, p, cache=(k.to(FP16), v))
+    _run_raises(ValueError, "v_cache", rec, w, p, cache=(k, v.to(FP16)))
+
+
+def test_run_kv_cache_strided_last_dim(rec):
+    w, p = planned()
+    big = torch.zeros(p["cache"].shape[:-1] + (128,), dtype=BF16)[..., ::2]
+    _rejected_or_handed_over(rec, w, p, "cache", big)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "type"])
+def test_run_out(rec, bad):
+    w, p = planned()
+    q = p["q"]
+    out = {"shape": torch.empty(4, 8, 32, dtype=BF16), "dtype": torch.empty_like(q, dtype=FP16),
+           "type": q.tolist()}[bad]
+    _run_raises(TypeError if bad == "type" else ValueError, "out", rec, w, p, out=out)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_run_lse(rec, bad):
+    w, p = planned()
+    lse = {"shape": torch.empty(4, 8, 1), "dtype": torch.empty(4, 8, dtype=BF16)}[bad]
+    _run_raises(ValueError, "lse", rec, w, p, lse=lse)
+
+
+def test_run_out_and_lse_not_contiguous(rec):
+    w, p = planned()
+    _rejected_or_handed_over(rec, w, p, "out", torch.empty(8, 4, 64, dtype=BF16).transpose(0, 1))
+    rec.calls.clear()
+    _rejected_or_handed_over(rec, w, p, "lse", torch.empty(8, 4).t())
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "2d"])
+def test_run_sinks(rec, bad):
+    w, p = planned()
+    sinks = {"shape": torch.zeros(4), "dtype": torch.zeros(8, dtype=BF16), "2d": torch.zeros(2, 4)}[bad]
+    _run_raises(ValueError, "sinks", rec, w, p, sinks=sinks)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(enable_pdl=True), NotImplementedError, "enable_pdl"),
+    (dict(kv_cache_sf=torch.zeros(1)), NotImplementedError, "kv_cache_sf"),
+    (dict(skip_softmax_threshold_scale_factor=0.5), NotImplementedError, "skip_softmax_threshold_scale_factor"),
+    (dict(q_len_per_req=2), ValueError, "q_len_per_req"),
+    (dict(window_left=10), ValueError, "window_left"),
+])
+def test_run_unsupported_options(rec, kw, exc, match):
+    _run_raises(exc, match, rec, **kw)
+
+
+def test_run_window_left_differs_from_plan(rec):
+    w, p = planned(window_left=50)
+    _run_raises(ValueError, "window_left", rec, w, p, window_left=49)
+    _run_raises(ValueError, "window_left", rec, w, p, window_left=-1)
+    w.run(p["q"], p["cache"], window_left=50)  # the planned value is fine
+    assert len(rec.calls) == 1
+
+
+def test_run_extra_positional(rec):
+    w, p = planned()
+    with pytest.raises(TypeError):
+        w.run(p["q"], p["cache"], 1.0)
+    assert rec.calls == []
+
+
+# ----------------------------------------------------------------------------- run(): valid launches
+def _expected_work(p, window_left=-1, **kw):
+    cfg = dispatch.decode_config(dtype=p["dtype"], head_dim=p["d"], page_size=p["ps"],
+                                 group_size=p["hq"] // p["hkv"], arch="sm_90a")
+    kv_lens = kv_lens_from_csr(p["indptr"].long(), p["last"].long(), p["ps"])
+    return plan_paged_decode(kv_lens, p["indptr"][:-1].long(), num_kv_heads=p["hkv"], page_size=p["ps"],
+                             window_left=window_left, num_sms=dispatch.num_sms(None),
+                             ctas_per_sm=dispatch.paged_decode_ctas_per_sm(cfg), **kw)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_valid_run_reaches_kernel_with_right_arguments(rec, layout):
+    p = problem(layout=layout)
+    w, _ = planned(p)
+    out = w.run(p["q"], p["cache"])
+    assert len(rec.calls) == 1
+    cfg, a = rec.last
+    B, hq, hkv, d, ps = len(p["lens"]), p["hq"], p["hkv"], p["d"], p["ps"]
+    assert (cfg.dtype, cfg.head_dim, cfg.page_size, cfg.group_size) == ("bfloat16", d, ps, hq // hkv)
+    assert (cfg.pos_encoding_mode, cfg.use_soft_cap, cfg.use_sinks, cfg.arch) == ("NONE", False, False, "sm_90a")
+    assert a["q"] is p["q"]
+    pool = p["cache"].shape[0]
+    for n, idx in (("k", 0), ("v", 1)):
+        t = a[n]
+        assert t.shape == (pool, ps, hkv, d) and t.stride(-1) == 1
+        # the kernel sees an NHD-ordered view of the caller's memory, whatever the layout
+        src = p["cache"][:, idx] if layout == "NHD" else p["cache"][:, idx].transpose(1, 2)
+        assert t.data_ptr() == src.data_ptr() and t.stride() == src.stride()
+    assert torch.equal(a["indices"], p["indices"])
+    wp = _expected_work(p)
+    assert a["work"].dtype == torch.int32 and a["work"].shape[1] == WORK_COLS
+    assert torch.equal(a["work"].cpu(), wp.work)
+    assert a["o"] is out and out.shape == (B, hq, d) and out.dtype == BF16 and out.is_contiguous()
+    assert a["lse"].shape == (B, hq) and a["lse"].dtype == torch.float32
+    n_part = max(1, wp.num_partials)
+    assert a["part_o"].shape == (n_part, hq, d) and a["part_o"].dtype == torch.float32
+    assert a["part_lse"].shape == (n_part, hq) and a["part_lse"].dtype == torch.float32
+    assert a["counters"].dtype == torch.int32 and a["counters"].numel() >= B * hkv
+    assert int(a["counters"].abs().sum()) == 0
+    assert math.isclose(a["sm_scale"], 1 / math.sqrt(d), rel_tol=1e-12)
+    assert a["soft_cap"] == 0.0 and a["rope_rcp_scale"] == 1.0
+    assert math.isclose(a["rope_log2_theta"], math.log2(1e4), rel_tol=1e-12)
+    assert torch.equal(out, torch.ones_like(out))  # what the recorder wrote
+
+
+def test_valid_run_scalars(rec):
+    p = problem()
+    w, _ = planned(p, sm_scale=0.3, logits_soft_cap=25.0, pos_encoding_mode="ROPE_LLAMA", rope_scale=4.0,
+                   rope_theta=5e5)
+    o, lse = w.run(p["q"], p["cache"], q_scale=0.5, k_scale=3.0, v_scale=2.0, return_lse=True)
+    cfg, a = rec.last
+    assert cfg.pos_encoding_mode == "ROPE_LLAMA" and cfg.use_soft_cap
+    assert math.isclose(a["sm_scale"], 0.3 * 0.5 * 3.0, rel_tol=1e-12)
+    assert a["soft_cap"] == 25.0
+    assert math.isclose(a["rope_rcp_scale"], 0.25, rel_tol=1e-12)
+    assert math.isclose(a["rope_log2_theta"], math.log2(5e5), rel_tol=1e-12)
+    assert torch.equal(o, torch.full_like(o, 2.0))  # v_scale multiplies the kernel's output
+    assert lse is a["lse"] and torch.equal(lse, torch.full_like(lse, 0.5))
+
+
+def test_valid_run_alibi_slopes(rec):
+    p = problem()
+    w, _ = planned(p, pos_encoding_mode="ALIBI")
+    w.run(p["q"], p["cache"])
+    cfg, a = rec.last
+    assert cfg.pos_encoding_mode == "ALIBI" and not cfg.use_soft_cap
+    assert a["slopes"].dtype == torch.float32
+    assert torch.allclose(a["slopes"], alibi_slopes(p["hq"]).float())
+
+
+def test_valid_run_window_left_in_work_table(rec):
+    p = problem()
+    w, _ = planned(p, window_left=20)
+    w.run(p["q"], p["cache"])
+    _, a = rec.last
+    assert torch.equal(a["work"], _expected_work(p, window_left=20).work)
+
+
+@pytest.mark.parametrize("kw", [dict(disable_split_kv=True), dict(fixed_split_size=2)])
+def test_valid_run_split_options_in_work_table(rec, kw):
+    p = problem(lens=(1000, 33, 700, 2))
+    w, _ = planned(p, **kw)
+    w.run(p["q"], p["cache"])
+    _, a = rec.last
+    exp = dict(disable_split_kv=True) if "disable_split_kv" in kw else dict(fixed_split_tokens=2 * p["ps"])
+    assert torch.equal(a["work"], _expected_work(p, **exp).work)
+
+
+def test_valid_run_sinks_selects_sink_kernel(rec):
+    p = problem()
+    w, _ = planned(p)
+    sinks = torch.randn(p["hq"])
+    w.run(p["q"], p["cache"])
+    w.run(p["q"], p["cache"], sinks=sinks)
+    w.run(p["q"], p["cache"], sinks=sinks)
+    assert [c.use_sinks for c in rec.cfgs] == [False, True]  # one kernel per variant, cached
+    cfg, a = rec.last
+    assert cfg.use_sinks and a["sinks"] is sinks
+    assert rec.calls[0][1][10] is not sinks
+
+
+def test_valid_run_given_out_and_lse_and_aliases(rec):
+    p = problem()
+    w, _ = planned(p)
+    out = torch.empty_like(p["q"])
+    lse = torch.empty(len(p["lens"]), p["hq"])
+    r = w.run_return_lse(p["q"], p["cache"], out=out, lse=lse)
+    assert r[0] is out and r[1] is lse
+    assert w.forward(p["q"], p["cache"]).shape == out.shape
+    assert isinstance(w.forward_return_lse(p["q"], p["cache"]), tuple)
+    assert all(c[1][5].shape == out.shape for c in rec.calls)
+    w.end_forward()
+
+
+def test_valid_run_tuple_cache_and_page_size_one(rec):
+    p = problem(lens=(3, 9, 1), ps=1)
+    w, _ = planned(p)
+    k, v = p["cache"][:, 0], p["cache"][:, 1]
+    w.run(p["q"], (k, v))
+    w.run(p["q"], (k[:, 0], v[:, 0]))  # page_size 1: 3-D [pages, H, D]
+    w.run(p["q"], p["cache"][:, :, 0])  # page_size 1: 4-D combined [pages, 2, H, D]
+    for i in range(len(rec.calls)):
+        a = rec.named(i)[1]
+        assert a["k"].shape == (p["cache"].shape[0], 1, p["hkv"], p["d"])
+
+
+def test_replan_resets_kernel_and_buffers(rec):
+    p = problem()
+    w, _ = planned(p)
+    w.run(p["q"], p["cache"])
+    p2 = problem(lens=(5, 6), hq=4, hkv=4, d=128, dtype=FP16)
+    w.plan(*plan_args(p2), q_data_type=FP16)
+    w.run(p2["q"], p2["cache"])
+    assert [(c.head_dim, c.group_size, c.dtype) for c in rec.cfgs] == [(64, 4, "bfloat16"), (128, 1, "float16")]
+    with pytest.raises(ValueError, match="q"):
+        w.run(p["q"], p["cache"])
+    assert len(rec.calls) == 2
+
+
+def test_reset_workspace_buffer_requires_replan(rec):
+    w, p = planned()
+    w.reset_workspace_buffer(ws(16 << 20))
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(p["q"], p["cache"])
+    assert rec.calls == []
+
+
+# ----------------------------------------------------------------------------- CUDA-graph mode
+def test_cuda_graph_replan_keeps_kernel_buffers(rec):
+    w, (ip, ix, lp) = _graph_wrapper(4, max_pages=256)
+    p = problem()
+    w.plan(*plan_args(p), q_data_type=BF16)
+    w.run(p["q"], p["cache"])
+    p2 = problem(lens=(700, 2, 90, 1000))
+    p2["cache"] = torch.randn(256, 2, 16, 2, 64).to(BF16)
+    w.plan(*plan_args(p2), q_data_type=BF16)
+    w.run(p2["q"], p2["cache"])
+    (_, a1), (_, a2) = rec.named(0), rec.named(1)
+    for n in ("indices", "work", "part_o", "part_lse", "counters"):
+        assert a1[n].data_ptr() == a2[n].data_ptr(), f"{n} moved between plans"
+    assert a1["work"].shape == a2["work"].shape
+    assert a1["indices"].data_ptr() == ix.data_ptr()
+    assert torch.equal(ip, p2["indptr"]) and torch.equal(lp, p2["last"])
+    assert torch.equal(ix[: p2["indices"].numel()], p2["indices"])
+    # fixed grid: rows past the plan's items are padding (batch_idx -1, empty range)
+    wp = _expected_work(p2, num_rows=a2["work"].shape[0])
+    assert torch.equal(a2["work"], wp.work)
+    pad = a2["work"][wp.num_work:]
+    assert (pad[:, 0] == -1).all() and (pad[:, 1] == pad[:, 2]).all()
+    n_rows = max_items(4, p2["hkv"], dispatch.num_sms(None) * dispatch.paged_decode_ctas_per_sm(rec.cfgs[-1]))
+    assert a2["work"].shape[0] == n_rows
+
+
+def test_cuda_graph_replan_keeps_alibi_slopes(rec):
+    w, _ = _graph_wrapper(4, max_pages=256)
+    p = problem()
+    keep = []
+    for _ in range(3):
+        w.plan(*plan_args(p), q_data_type=BF16, pos_encoding_mode="ALIBI")
+        w.run(p["q"], p["cache"])
+        keep.append(rec.last[1]["slopes"].data_ptr())
+    assert len(set(keep)) == 1
+
+
+# ----------------------------------------------------------------------------- single_decode_with_kv_cache
+def _single(kv_len=40, hq=8, hkv=2, d=64, dtype=BF16, layout="NHD"):
+    q = torch.randn(hq, d).to(dtype)
+    shape = (kv_len, hkv, d) if layout == "NHD" else (hkv, kv_len, d)
+    return q, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+
+
+def test_single_bad_layout(rec):
+    q, k, v = _single()
+    with pytest.raises(KeyError, match="kv_layout"):
+        ca.single_decode_with_kv_cache(q, k, v, kv_layout="BAD")
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("q3d", ValueError, "q"),
+    ("k2d", ValueError, "k"),
+    ("kv_shape", ValueError, "k and v"),
+    ("head_dim", ValueError, "head_dim"),
+    ("dtype", NotImplementedError, "dtype"),
+    ("q_type", TypeError, "q"),
+    ("pos", KeyError, "pos_encoding_mode"),
+    ("heads", ValueError, "num_qo_heads"),
+    ("group", NotImplementedError, "group"),
+    ("d48", NotImplementedError, "head_dim"),
+    ("cap_alibi", NotImplementedError, "logits_soft_cap"),
+])
+def test_single_errors(rec, case, exc, match):
+    q, k, v = _single()
+    kw = {}
+    if case == "q3d":
+        q = q[None]
+    elif case == "k2d":
+        k = k[0]
+    elif case == "kv_shape":
+        v = v[:-1]
+    elif case == "head_dim":
+        q = torch.randn(8, 128).to(BF16)
+    elif case == "dtype":
+        k = k.to(FP16)
+    elif case == "q_type":
+        q = q.tolist()
+    elif case == "pos":
+        kw["pos_encoding_mode"] = "XPOS"
+    elif case == "heads":
+        q = torch.randn(9, 64).to(BF16)
+    elif case == "group":
+        q, k, v = _single(hq=34, hkv=2)
+    elif case == "d48":
+        q, k, v = _single(d=48)
+    elif case == "cap_alibi":
+        kw.update(pos_encoding_mode="ALIBI", logits_soft_cap=10.0)
+    with pytest.raises(exc, match=match):
+        ca.single_decode_with_kv_cache(q, k, v, **kw)
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_single_valid_launch(rec, layout):
+    q, k, v = _single(kv_len=37, layout=layout)
+    o, lse = ca.single_decode_with_kv_cache(q, k, v, kv_layout=layout, sm_scale=0.2, q_scale=2.0,
+                                            logits_soft_cap=7.0, return_lse=True)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (q.shape[0],)
+    cfg, a = rec.last
+    assert cfg.page_size == 1 and cfg.group_size == 4 and cfg.use_soft_cap
+    assert a["q"].shape == (1, 8, 64)
+    kn = k if layout == "NHD" else k.transpose(0, 1)
+    assert a["k"].shape == (37, 1, 2, 64) and a["k"].data_ptr() == k.data_ptr()
+    assert a["k"][:, 0].stride() == kn.stride()
+    assert math.isclose(a["sm_scale"], 0.4, rel_tol=1e-12) and a["soft_cap"] == 7.0
+    work = a["work"]
+    covered = sorted(t for r in work.tolist() if r[0] == 0 for t in range(r[1], r[2]))
+    assert covered == list(range(37))
+    idx = a["indices"]
+    assert idx.numel() >= 37 and torch.equal(idx[:37], torch.arange(37, dtype=torch.int32))
+    o2 = ca.single_decode_with_kv_cache(q, k, v, kv_layout=layout)
+    assert o2.shape == q.shape
+    assert math.isclose(rec.last[1]["sm_scale"], 1 / 8, rel_tol=1e-12)
+
+
+def test_single_empty_kv(rec):
+    q, k, v = _single(kv_len=0)
+    o = ca.single_decode_with_kv_cache(q, k, v)
+    assert o.shape == q.shape
+    _, a = rec.last
+    assert a["work"].tolist()[0][:3] == [0, 0, 0]
+
+
+def test_no_warning_on_keyword_plan(rec):
+    p = problem()
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        w.plan(*plan_args(p), q_data_type=BF16, pos_encoding_mode="NONE")
+    assert api_decode.BatchDecodeWithPagedKVCacheWrapper.begin_forward is api_decode.BatchDecodeWithPagedKVCacheWrapper.plan
+
+
+def test_cuda_graph_replan_keeps_lse_scratch(rec):
+    w, _ = _graph_wrapper(4, max_pages=256)
+    p = problem()
+    keep = []
+    for _ in range(3):
+        w.plan(*plan_args(p), q_data_type=BF16)
+        w.run(p["q"], p["cache"])
+        keep.append(rec.last[1]["lse"].data_ptr())
+    assert len(set(keep)) == 1
+
+
+# ----------------------------------------------------------------------------- lifetime of caller tensors
+def _cache_freed_after_run(rec, make_arg):
+    import gc
+    import weakref
+
+    w, p = planned()
+    cache = p.pop("cache")
+    ref = weakref.ref(cache)
+    w.run(p["q"], make_arg(cache))
+    rec.calls.clear()
+    del cache
+    gc.collect()
+    return ref() is None
+
+
+def test_run_does_not_keep_tuple_cache_alive(rec):
+    assert _cache_freed_after_run(rec, lambda c: (c[:, 0], c[:, 1]))
+
+
+def test_run_does_not_keep_combined_cache_alive(rec):
+    assert _cache_freed_after_run(rec, lambda c: c)

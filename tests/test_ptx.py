@@ -1,0 +1,249 @@
+"""Cross-compile the paged-decode kernel without a GPU and check its PTX; the CLI and the demo's CPU path.
+
+Each config is compiled once per target (``sm_90a``, ``sm_100a``) through
+``cutedsl_attn.inspect.ptx`` (memoised in-process); a compile costs ~1-2 s on CI.
+The assertions state what the portable kernel is built from: warp-level
+``mma.sync.m16n8k16`` tensor-core MMAs of the right input type, ``ldmatrix``
+(``.trans`` for V), ``cp.async.cg`` global->shared copies, an ``atom.global.add``
+split-KV counter, and no local-memory traffic (no spilled arrays) up to head_dim 128.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cutedsl_attn import inspect as ci
+
+REPO = Path(__file__).resolve().parent.parent
+ARCHS = ("sm_90a", "sm_100a")
+
+CONFIGS = {
+    "bf16_hd128_ps16_g4": dict(dtype="bfloat16", head_dim=128, page_size=16, group_size=4),
+    "fp16_hd64_ps1_g1_w2s4": dict(dtype="float16", head_dim=64, page_size=1, group_size=1, num_warps=2,
+                                  num_stages=4),
+    "bf16_hd256_g8_sinks_cap": dict(dtype="bfloat16", head_dim=256, page_size=16, group_size=8, use_sinks=True,
+                                    use_soft_cap=True),
+    "bf16_hd128_rope": dict(dtype="bfloat16", head_dim=128, page_size=16, group_size=4,
+                            pos_encoding_mode="ROPE_LLAMA"),
+    "fp16_hd64_alibi_g2": dict(dtype="float16", head_dim=64, page_size=16, group_size=2, pos_encoding_mode="ALIBI"),
+    "bf16_hd32_g1": dict(dtype="bfloat16", head_dim=32, page_size=16, group_size=1),
+}
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("CUTEDSL_ATTN_ARCH", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # behave as on a machine without a GPU
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+# ----------------------------------------------------------------------------- PTX of each config
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_decode_ptx(name, arch):
+    cfg = CONFIGS[name]
+    text = ci.ptx("decode", arch, **cfg)
+    s = ci.instruction_summary(text)
+    ab = "bf16" if cfg["dtype"] == "bfloat16" else "f16"
+    other = "f16" if ab == "bf16" else "bf16"
+
+    assert re.search(rf"^\.target\s+{arch}\s*$", text, re.M), "wrong or missing .target"
+    assert len(re.findall(r"^\.(?:visible\s+)?\.entry\s+\S*PagedDecodeKernel", text, re.M)) == 1
+    nw = cfg.get("num_warps", 4)
+    assert re.search(rf"\.reqntid\s+{32 * nw}, 1, 1", text), "block size does not match num_warps"
+    # tensor cores: m16n8k16, fp32 accumulate, inputs of the config's dtype only
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32" in text
+    assert f".{other}.{other}.f32" not in text
+    assert s["mma.sync"] == s[f"mma.sync.{ab}"] >= cfg["head_dim"] // 8 * 2
+    # Q K^T and P V both have D/8 n-tiles of 8: as many mma.sync for each
+    assert s["mma.sync"] % (cfg["head_dim"] // 8) == 0
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in text
+    assert 0 < s["ldmatrix.trans"] < s["ldmatrix"]
+    assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16", text), "16-byte cp.async.cg"
+    assert s["cp.async"] > 0 and s["cp.async.commit_group"] > 0 and s["cp.async.wait_group"] > 0
+    assert "atom.global.add" in text and s["atom.global.add"] >= 1
+    assert s["ex2"] > 0 and s["bar.sync"] > 0 and s["shfl.sync"] > 0
+    # nothing Hopper/Blackwell-specific in the portable kernel
+    assert s["wgmma"] == s["tcgen05"] == s["cp.async.bulk.tensor"] == 0
+    if cfg["head_dim"] <= 128:
+        assert s["ld.local"] == 0 and s["st.local"] == 0, "local-memory traffic (spilled arrays)"
+        assert not re.search(r"^\s*\.local\b", text, re.M), "local-memory array declared"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_ptx_feature_code(arch):
+    base = ci.instruction_summary(ci.ptx("decode", arch, **CONFIGS["bf16_hd128_ps16_g4"]))
+    rope = ci.instruction_summary(ci.ptx("decode", arch, **CONFIGS["bf16_hd128_rope"]))
+    capped = ci.ptx("decode", arch, **CONFIGS["bf16_hd256_g8_sinks_cap"])
+    assert base["sin/cos"] == 0 and rope["sin/cos"] > 0, "ROPE_LLAMA rotates q and k (sin/cos)"
+    assert base["tanh"] == 0
+    cs = ci.instruction_summary(capped)
+    assert cs["tanh"] > 0 or cs["ex2"] > base["ex2"], "soft cap needs a tanh"
+
+
+def test_same_config_both_archs_differ_only_in_target():
+    a, b = (ci.ptx("decode", arch, **CONFIGS["bf16_hd32_g1"]) for arch in ARCHS)
+    assert ci.instruction_summary(a)["mma.sync"] == ci.instruction_summary(b)["mma.sync"]
+    assert ".target sm_90a" in a and ".target sm_100a" in b
+
+
+def test_ptx_is_memoised():
+    cfg = CONFIGS["bf16_hd32_g1"]
+    assert ci.ptx("decode", "sm_90a", **cfg) is ci.ptx("decode", "hopper", **cfg)
+
+
+# ----------------------------------------------------------------------------- inspect API errors (no compile)
+def test_config_defaults_and_arch():
+    cfg = ci.config("decode", "blackwell")
+    assert (cfg.dtype, cfg.head_dim, cfg.page_size, cfg.group_size, cfg.arch) == ("bfloat16", 128, 16, 4, "sm_100a")
+    assert ci.config("decode", "sm_90a", dtype="fp16", head_dim=256).num_stages == 2
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(op="prefill"), ValueError, "op"),
+    (dict(arch="sm_80"), ValueError, "sm_80"),
+    (dict(head_dims=128), TypeError, "head_dims"),
+    (dict(dtype="float32"), ValueError, "dtype"),
+    (dict(head_dim=48), ValueError, "head_dim"),
+    (dict(group_size=17), ValueError, "group_size"),
+    (dict(pos_encoding_mode="XPOS"), ValueError, "pos_encoding_mode"),
+    (dict(num_warps=3), ValueError, "num_warps"),
+    (dict(page_size="16"), ValueError, "page_size"),
+])
+def test_ptx_bad_arguments(kw, exc, match):
+    op = kw.pop("op", "decode")
+    arch = kw.pop("arch", "sm_90a")
+    with pytest.raises(exc, match=match):
+        ci.ptx(op, arch, **kw)
+
+
+def test_sass_without_tools_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(ci, "_find_tool", lambda name: None)
+    with pytest.raises(RuntimeError, match="cuobjdump"):
+        ci.sass("decode", "sm_90a")
+
+
+def test_cubin_builds_without_gpu():
+    """sass() disassembles the cubin kept by --keep-cubin; the cubin itself needs no GPU or toolkit."""
+    cubin = ci._cubin_cached("decode", ci.config("decode", "sm_100a", **CONFIGS["bf16_hd32_g1"]))
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF" and len(cubin) > 1000
+
+
+@pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
+                    reason="no cuobjdump/nvdisasm here")
+def test_sass_with_tools():
+    text = ci.sass("decode", "sm_90a", **CONFIGS["bf16_hd32_g1"])
+    assert "HMMA" in text and "LDSM" in text
+
+
+# ----------------------------------------------------------------------------- instruction_summary (synthetic)
+SYNTH = """
+//
+// Generated by NVIDIA NVVM Compiler
+.version 9.4
+.target sm_100a
+.visible .entry k(
+\t.param .u64 p0
+)
+{
+\t.reg .pred \t%p<3>;
+\t.reg .b32 \t%r<10>;
+$L__BB0_1:
+\t// begin inline asm
+\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %r1, %r2, %r3, %r4 }, { %r1, %r2, %r3, %r4 }, { %r1, %r2 }, { %r1, %r2, %r3, %r4 };
+\t// end inline asm
+\t@%p1 ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 { %r1, %r2, %r3, %r4 }, [%r5];
+\t@!%p2 bra \t$L__BB0_1;
+\tcp.async.cg.shared.global [%r1], [%rd1], 16, %r2; cp.async.commit_group;
+\tcp.async.wait_group 0;
+\tcp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2, %r3}], [%r4];
+\twgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%r1}, %rd1, %rd2, p, 1, 1, 1, 1;
+\twgmma.fence.sync.aligned;
+\ttcgen05.mma.cta_group::1.kind::f16 [%r1], %rd1, %rd2, %r2, p;
+\ttcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%r1], 32;
+\tld.local.u32 %r1, [%rd1]; st.local.u32 [%rd1], %r1;
+\tatom.global.add.u32 %r1, [%rd1], 1;
+\tatom.shared.add.u32 %r1, [%r2], 1;
+\t{ .reg .b32 t; ex2.approx.ftz.f32 %r1, %r2; }
+\tshfl.sync.bfly.b32 %r1, %r2, 1, 31, -1;
+\tbar.sync \t0;
+\tld.global.nc.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];
+\tst.shared.f32 [%r1], %r2;
+\t/* mma.sync.aligned.m16n8k16 in a block comment */
+\tret;
+}
+"""
+
+
+def test_instruction_summary_synthetic():
+    s = ci.instruction_summary(SYNTH)
+    assert list(s) == list(ci.SUMMARY_KEYS)
+    expect = {
+        "mma.sync": 1, "mma.sync.bf16": 1, "mma.sync.f16": 0, "ldmatrix": 1, "ldmatrix.trans": 1, "cp.async": 1,
+        "cp.async.commit_group": 1, "cp.async.wait_group": 1, "cp.async.bulk.tensor": 1, "wgmma": 1,
+        "tcgen05": 2, "tcgen05.mma": 1, "ld.local": 1, "st.local": 1, "atom": 2, "atom.global.add": 1, "ex2": 1,
+        "shfl.sync": 1, "bar.sync": 1, "ld.global": 1, "st.shared": 1, "ret": 1,
+    }
+    for k, v in expect.items():
+        assert s[k] == v, (k, s[k], v)
+    # bra, wgmma.fence and the .reg inside the braces are instructions/directives not in the table
+    assert s["total"] == 21
+
+
+def test_instruction_summary_rejects_non_text():
+    with pytest.raises(TypeError):
+        ci.instruction_summary(b".target sm_90a")
+
+
+def test_format_summary():
+    txt = ci.format_summary(ci.instruction_summary(SYNTH))
+    assert "mma.sync" in txt and "total" in txt and "mma.sync.f16" not in txt
+
+
+# ----------------------------------------------------------------------------- command line and demo (subprocess)
+def _run(args, timeout=300):
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_ptx_prints_ptx():
+    r = _run(["-m", "cutedsl_attn", "ptx", "decode", "--head-dim", "32", "--page-size", "16", "--group-size", "1",
+              "--dtype", "bfloat16", "--arch", "sm_100a"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"^\.target sm_100a$", r.stdout, re.M)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in r.stdout
+    assert r.stdout.lstrip().startswith("//")
+
+
+def test_cli_help_and_errors():
+    r = _run(["-m", "cutedsl_attn", "--help"])
+    assert r.returncode == 0 and "ptx" in r.stdout and "demo" in r.stdout and "sass" in r.stdout
+    from cutedsl_attn.__main__ import build_parser, main
+
+    h = build_parser().format_help()
+    assert "ptx" in h and "demo" in h
+    assert main(["ptx", "decode", "--head-dim", "48"]) == 2  # bad config: clear error, no traceback
+    with pytest.raises(SystemExit):
+        main(["ptx", "prefill"])
+    assert main(["ptx", "decode", "--head-dim", "32", "--group-size", "1", "--summary"]) == 0
+
+
+def test_demo_cpu_path():
+    r = _run(["-m", "cutedsl_attn.demo"], timeout=600)
+    out = r.stdout
+    assert r.returncode == 0, (out + r.stderr)[-4000:]
+    assert "No CUDA GPU" in out
+    for arch in ARCHS:
+        assert f"PASS: cross-compile for {arch}" in out
+    assert "PTX instruction summary" in out
+    assert re.search(r"^\s+mma\.sync\s+\d+\s+\d+", out, re.M)
+    assert re.search(r"^\s+ld\.local\s+0\s+0", out, re.M)
+    assert "split-KV plan" in out and "ALL PASS" in out
