@@ -9,6 +9,7 @@ as they are verified.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -55,6 +56,17 @@ def decode_config(
         num_stages=num_stages,
         arch=arch,
     )
+
+
+def decode_config_for_split(cfg: PagedDecodeConfig) -> PagedDecodeConfig | None:
+    """The configuration to use instead of ``cfg`` when the plan splits requests (None: keep ``cfg``).
+
+    Measured on the H200 (perf/RESULTS.md): with split-KV, 8 warps x 3 stages per CTA
+    (one CTA per SM) beat 4 x 3 by 12-16% on (1, 8192) and matched it elsewhere.
+    """
+    if os.environ.get("CUTEDSL_ATTN_DECODE_TUNE") or cfg.head_dim > 128 or cfg.num_warps != 4:
+        return None
+    return dataclasses.replace(cfg, num_warps=8)
 
 
 def paged_decode_kernel(cfg: PagedDecodeConfig):

@@ -113,7 +113,7 @@ def split_paged_kv_cache(paged_kv_cache, kv_layout: str):
             raise ValueError(
                 f"paged_kv_cache must be a (k, v) tuple or a 5-D tensor [pages, 2, ...], got shape {tuple(c.shape)}"
             )
-        k, v = c[:, 0], c[:, 1]
+        k, v = c.unbind(1)
     if k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"k/v caches must be 4-D, got {tuple(k.shape)} and {tuple(v.shape)}")
     if kv_layout == "HND":

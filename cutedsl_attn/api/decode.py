@@ -323,21 +323,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if fixed_split_size is not None and fixed_split_size <= 0:
             raise ValueError(f"fixed_split_size must be a positive number of pages, got {fixed_split_size}")
 
+        sms = dispatch.num_sms(self.device.index if self.device.type == "cuda" else None)
+        min_waves = float(os.environ.get("CUTEDSL_ATTN_DECODE_MIN_WAVES", "0"))  # tuning experiments only
+
+        def make_plan(cfg):
+            slots = sms * dispatch.paged_decode_ctas_per_sm(cfg)
+            return plan_paged_decode(
+                kv_lens, page_offsets, num_kv_heads=num_kv_heads, page_size=page_size, window_left=window_left,
+                num_sms=sms, ctas_per_sm=dispatch.paged_decode_ctas_per_sm(cfg),
+                fixed_split_tokens=fixed_split_size * page_size if fixed_split_size else None,
+                disable_split_kv=disable_split_kv,
+                num_rows=max_items(B, num_kv_heads, slots) if self._use_cuda_graph else None,
+                max_splits_per_request=(cfg.smem_kv_bytes // 4) // group,
+                min_waves=min_waves,
+            )
+
         cfg = dispatch.decode_config(
             dtype=q_dt, head_dim=head_dim, page_size=page_size, group_size=group,
             pos_encoding_mode=pos_encoding_mode, use_soft_cap=cap > 0, use_sinks=False,
         )
-        slots_per_sm = dispatch.paged_decode_ctas_per_sm(cfg)
-        sms = dispatch.num_sms(self.device.index if self.device.type == "cuda" else None)
-        n_rows = max_items(B, num_kv_heads, sms * slots_per_sm) if self._use_cuda_graph else None
-        wp = plan_paged_decode(
-            kv_lens, page_offsets, num_kv_heads=num_kv_heads, page_size=page_size, window_left=window_left,
-            num_sms=sms, ctas_per_sm=slots_per_sm,
-            fixed_split_tokens=fixed_split_size * page_size if fixed_split_size else None,
-            disable_split_kv=disable_split_kv, num_rows=n_rows,
-            max_splits_per_request=(cfg.smem_kv_bytes // 4) // group,
-            min_waves=float(os.environ.get("CUTEDSL_ATTN_DECODE_MIN_WAVES", "0")),  # tuning experiments
-        )
+        wp = make_plan(cfg)
+        # (not in CUDA-graph mode: a captured graph keeps the kernel and buffer sizes of its capture)
+        alt = dispatch.decode_config_for_split(cfg) if wp.split_tokens > 0 and not self._use_cuda_graph else None
+        if alt is not None:
+            # split-KV (small batch, long requests): fewer, wider CTAs keep more chunks in flight
+            cfg, wp = alt, make_plan(alt)
 
         # --- device buffers (fixed addresses in CUDA-graph mode); every check is done by now
         if self._use_cuda_graph:
