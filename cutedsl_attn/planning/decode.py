@@ -16,6 +16,7 @@ split into ``num_splits > 1`` items writes fp32 partials ``part_base + split_idx
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -51,45 +52,67 @@ def kv_lens_from_csr(indptr: torch.Tensor, last_page_len: torch.Tensor, page_siz
     return torch.where(npages > 0, lens, torch.zeros_like(lens))
 
 
+CTA_OVERHEAD_TOKENS = 64  # fixed cost of one CTA (Q load, prologue, merges) in token-equivalents
+
+
+def split_pieces(length: int, split: int) -> list[int]:
+    """Token counts of the pieces a request of ``length`` tokens is cut into for ``split`` (0: none).
+
+    The pieces are evened out and rounded up to multiples of ``CHUNK`` (the last may be shorter).
+    """
+    if split <= 0 or length <= split:
+        return [length]
+    n = -(-length // split)
+    per = -(-(-(-length // n)) // CHUNK) * CHUNK
+    n = -(-length // per)
+    return [min(per, length - i * per) for i in range(n)]
+
+
+def _lpt_makespan(pieces: list[int], workers: int) -> int:
+    """Makespan of longest-first greedy scheduling of ``pieces`` (+ per-CTA overhead) on ``workers``."""
+    if len(pieces) <= workers:
+        return max(pieces) + CTA_OVERHEAD_TOKENS
+    heap = [0] * workers
+    for x in sorted(pieces, reverse=True):
+        heapq.heapreplace(heap, heap[0] + x + CTA_OVERHEAD_TOKENS)
+    return max(heap)
+
+
 def choose_num_splits(
     eff_lens: list[int], num_kv_heads: int, slots: int, *, min_split: int = 64, max_splits: int = 128,
     min_waves: float = 0.0,
 ) -> int:
-    """Split length in tokens (0 = no split) that best fills ``slots`` concurrent CTAs.
+    """Split length in tokens (0 = no split) that minimises the modelled decode time.
 
-    Mirrors FA3's wave-efficiency rule: among split counts for the longest request,
-    take the smallest whose wave efficiency (CTAs / (waves * slots)) is within 5% of
-    the best one; splits are multiples of ``CHUNK`` tokens and at least ``min_split``.
-    ``min_waves`` > 0 only accepts split counts that give at least that many waves of CTAs
-    (a tuning knob: more, shorter CTAs shrink the tail of the last wave).
+    Every kv head sees the same pieces, so the model schedules one head's pieces on
+    ``slots // num_kv_heads`` workers, longest first (the kernel's work table is
+    ordered that way), each piece costing its tokens plus ``CTA_OVERHEAD_TOKENS``.
+    Candidates cut the longest request into 1, 2, ... pieces (multiples of ``CHUNK``,
+    at least ``min_split`` tokens, at most ``max_items`` work items); the fewest
+    pieces within 2% of the best makespan wins.  ``min_waves`` > 0 (a tuning knob)
+    only accepts splits giving at least that many waves of CTAs.
     """
     if not eff_lens:
         return 0
     longest = max(eff_lens)
-    if longest <= min_split:
-        return 0
-    best: list[tuple[float, int, int]] = []
-    for n in range(1, max_splits + 1):
-        split = max(min_split, -(-longest // n))
-        split = -(-split // CHUNK) * CHUNK
-        items = sum(max(1, -(-L // split)) for L in eff_lens)
-        if items > max_items(len(eff_lens), num_kv_heads, slots):
-            break
-        ctas = items * num_kv_heads
-        waves = -(-ctas // slots)
-        best.append((ctas / (waves * slots), n, split))
-        if split == min_split:
-            break
-    if not best:
-        return 0
-    top = max(e for e, _, _ in best)
-    for eff, n, split in best:
-        ctas = sum(max(1, -(-L // split)) for L in eff_lens) * num_kv_heads
-        if eff >= 0.95 * top and ctas >= min_waves * slots:
-            return 0 if n == 1 else split
-    if min_waves > 0:
-        return best[-1][2]
-    return 0
+    workers = max(1, slots // max(1, num_kv_heads))
+    limit = max_items(len(eff_lens), num_kv_heads, slots)
+    cands: list[tuple[int, int, int]] = [(_lpt_makespan(list(eff_lens), workers), len(eff_lens), 0)]
+    if longest > min_split:
+        for n in range(2, max_splits + 1):
+            split = max(min_split, -(-longest // n))
+            split = -(-split // CHUNK) * CHUNK
+            pieces = [p for L in eff_lens for p in split_pieces(L, split)]
+            if len(pieces) > limit:
+                break
+            cands.append((_lpt_makespan(pieces, workers), len(pieces), split))
+            if split == min_split:
+                break
+    best = min(c[0] for c in cands)
+    for ms, items, split in cands:
+        if ms <= 1.02 * best and items * num_kv_heads >= min_waves * slots:
+            return split
+    return cands[-1][2] if min_waves > 0 else 0
 
 
 def plan_paged_decode(
@@ -149,24 +172,20 @@ def plan_paged_decode(
     part = 0
     for b in range(B):
         L, s0, n_eff = lens[b], starts[b], eff[b]
-        n = max(1, -(-n_eff // split)) if split > 0 else 1
-        if n == 1:
-            rows.append([b, s0, L, L, int(page_offsets[b]), 1, 0, 0])
-            continue
-        per = -(-n_eff // n)
-        per = -(-per // CHUNK) * CHUNK
-        n = -(-n_eff // per)
+        pieces = split_pieces(n_eff, split)
+        n = len(pieces)
         if n == 1:
             rows.append([b, s0, L, L, int(page_offsets[b]), 1, 0, 0])
             continue
         if max_splits_per_request is not None and n > max_splits_per_request:
             raise ValueError(
-                f"request {b} ({n_eff} tokens) would be split into {n} pieces of {per} tokens; the kernel "
+                f"request {b} ({n_eff} tokens) would be split into {n} pieces of {pieces[0]} tokens; the kernel "
                 f"merges at most {max_splits_per_request}: use a larger fixed_split_size"
             )
-        for i in range(n):
-            a = s0 + i * per
-            rows.append([b, a, min(L, a + per), L, int(page_offsets[b]), n, part, i])
+        a = s0
+        for i, plen in enumerate(pieces):
+            rows.append([b, a, a + plen, L, int(page_offsets[b]), n, part, i])
+            a += plen
         part += n
     rows.sort(key=lambda r: r[2] - r[1], reverse=True)
     num_work = len(rows)
