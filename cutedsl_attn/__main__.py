@@ -18,12 +18,19 @@ import sys
 
 
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("op", choices=["decode"], help="kernel family (decode: the paged-decode kernel)")
+    p.add_argument("op", choices=["decode", "prefill"],
+                   help="kernel family (decode: the paged-decode kernel; prefill: the portable prefill kernel)")
     p.add_argument("--arch", default="sm_90a",
                    help="target architecture: sm_90a (default), sm_100a, sm_103a, hopper, blackwell")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float16")
-    p.add_argument("--head-dim", type=int, default=128, help="32, 64, 128 (default) or 256")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--head-dim", type=int, default=128,
+                   help="decode: 32, 64, 128 (default) or 256; prefill: head_dim_qk 64/128/192/256")
+    p.add_argument("--head-dim-vo", type=int, default=None, help="prefill: head_dim_vo (default: --head-dim)")
+    p.add_argument("--causal", action="store_true", help="prefill: bottom-right causal variant")
+    p.add_argument("--window", action="store_true", help="prefill: window_left variant")
+    p.add_argument("--custom-mask", action="store_true", help="prefill: packed custom-mask variant")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (decode default 16; prefill default 0 = ragged KV)")
     p.add_argument("--group-size", type=int, default=4, help="query heads per kv head, 1..16 (default 4)")
     p.add_argument("--pos-encoding-mode", default="NONE", choices=["NONE", "ROPE_LLAMA", "ALIBI"])
     p.add_argument("--soft-cap", action="store_true", help="compile the logits soft-cap variant")
@@ -54,8 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _kernel_config(args) -> dict:
+    if args.op == "prefill":
+        if args.pos_encoding_mode != "NONE" or args.num_warps or args.num_stages:
+            raise ValueError("prefill: --pos-encoding-mode, --num-warps and --num-stages are not configurable")
+        return dict(
+            dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_vo=args.head_dim_vo, group_size=args.group_size,
+            page_size=args.page_size or 0, causal=args.causal, use_window=args.window,
+            use_soft_cap=args.soft_cap, use_sinks=args.sinks, use_custom_mask=args.custom_mask,
+        )
+    if args.head_dim_vo or args.causal or args.window or args.custom_mask:
+        raise ValueError("decode: --head-dim-vo, --causal, --window and --custom-mask apply to prefill only")
     return dict(
-        dtype=args.dtype, head_dim=args.head_dim, page_size=args.page_size, group_size=args.group_size,
+        dtype=args.dtype, head_dim=args.head_dim, page_size=16 if args.page_size is None else args.page_size,
+        group_size=args.group_size,
         pos_encoding_mode=args.pos_encoding_mode, use_soft_cap=args.soft_cap, use_sinks=args.sinks,
         num_warps=args.num_warps, num_stages=args.num_stages,
     )
@@ -82,6 +100,8 @@ def main(argv=None) -> int:
     from . import inspect as ci
 
     try:
+        if args.command in ("ptx", "sass"):
+            _kernel_config(args)  # validates the flags for the op
         if args.command == "ptx":
             text = ci.ptx(args.op, args.arch, **_kernel_config(args))
             if args.summary:

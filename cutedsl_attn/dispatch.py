@@ -86,3 +86,35 @@ def num_sms(device_index: int | None = None) -> int:
         return 132
     idx = torch.cuda.current_device() if device_index is None else device_index
     return torch.cuda.get_device_properties(idx).multi_processor_count
+
+
+# ---------------------------------------------------------------------------- prefill
+def prefill_config(
+    *,
+    dtype: torch.dtype,
+    head_dim_qk: int,
+    head_dim_vo: int,
+    group_size: int,
+    page_size: int = 0,
+    causal: bool = False,
+    use_window: bool = False,
+    use_soft_cap: bool = False,
+    use_sinks: bool = False,
+    use_custom_mask: bool = False,
+    arch: str | None = None,
+):
+    """The prefill kernel configuration for a problem (portable SM80-class kernel on every arch today)."""
+    from .portable import prefill as _pf
+
+    return _pf.PrefillConfig(
+        dtype=_TORCH_TO_NAME[dtype], head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group_size,
+        page_size=page_size, causal=causal, use_window=use_window, use_soft_cap=use_soft_cap,
+        use_sinks=use_sinks, use_custom_mask=use_custom_mask, arch=arch or target_arch(),
+    )
+
+
+def prefill_kernel(cfg):
+    """Compiled (and cached) prefill callable for ``cfg``; see ``cutedsl_attn.portable.prefill.compile``."""
+    from .portable import prefill as _pf
+
+    return get_compiled("prefill", cfg, _pf.compile)

@@ -48,13 +48,17 @@ from collections import Counter
 __all__ = ["OPS", "DEFAULTS", "config", "ptx", "sass", "instruction_summary", "format_summary", "SUMMARY_KEYS"]
 
 #: Kernel families this module can build.
-OPS = ("decode",)
+OPS = ("decode", "prefill")
 
 #: Default config of each op (what ``ptx(op)`` compiles when no key is given).
 DEFAULTS = {
     "decode": dict(
         dtype="bfloat16", head_dim=128, page_size=16, group_size=4, pos_encoding_mode="NONE",
         use_soft_cap=False, use_sinks=False, num_warps=None, num_stages=None,
+    ),
+    "prefill": dict(
+        dtype="bfloat16", head_dim_qk=128, head_dim_vo=None, group_size=4, page_size=0, causal=False,
+        use_window=False, use_soft_cap=False, use_sinks=False, use_custom_mask=False,
     ),
 }
 
@@ -78,7 +82,8 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
     """The kernel configuration object that :func:`ptx` / :func:`sass` compile.
 
     Args:
-      op: kernel family, one of :data:`OPS` (``"decode"``: the paged-decode kernel).
+      op: kernel family, one of :data:`OPS` (``"decode"``: the paged-decode kernel;
+        ``"prefill"``: the portable prefill kernel, keys as :data:`DEFAULTS`).
       arch: target architecture, any spelling accepted by
         :func:`cutedsl_attn.compile.normalize_arch` (``"sm_90a"``, ``"sm_100a"``,
         ``"sm_103a"``, ``"hopper"``, ``"blackwell"``, ...).  Always explicit: the
@@ -108,6 +113,14 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
     from . import dispatch
 
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[_dtype_name(merged["dtype"])]
+    if op == "prefill":
+        dqk = merged["head_dim_qk"]
+        return dispatch.prefill_config(
+            dtype=torch_dtype, head_dim_qk=dqk, head_dim_vo=merged["head_dim_vo"] or dqk,
+            group_size=merged["group_size"], page_size=merged["page_size"], causal=bool(merged["causal"]),
+            use_window=bool(merged["use_window"]), use_soft_cap=bool(merged["use_soft_cap"]),
+            use_sinks=bool(merged["use_sinks"]), use_custom_mask=bool(merged["use_custom_mask"]), arch=arch,
+        )
     for k in ("head_dim", "page_size", "group_size"):
         if isinstance(merged[k], bool) or not isinstance(merged[k], int):
             raise ValueError(f"{k} must be an int, got {merged[k]!r}")
@@ -134,6 +147,10 @@ def _builder(op: str):
         from .portable import paged_decode
 
         return paged_decode.compile
+    if op == "prefill":
+        from .portable import prefill
+
+        return prefill.compile
     raise ValueError(f"unknown op {op!r}; supported: {OPS}")  # pragma: no cover - config() checks first
 
 

@@ -247,3 +247,32 @@ def test_demo_cpu_path():
     assert re.search(r"^\s+mma\.sync\s+\d+\s+\d+", out, re.M)
     assert re.search(r"^\s+ld\.local\s+0\s+0", out, re.M)
     assert "split-KV plan" in out and "ALL PASS" in out
+
+
+# ----------------------------------------------------------------------------- prefill kernel
+PREFILL_CONFIGS = {
+    "bf16_hd128_g4_causal": dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True),
+    "fp16_hd192_128_paged16_mask_sinks": dict(dtype="float16", head_dim_qk=192, head_dim_vo=128, group_size=1,
+                                              page_size=16, use_custom_mask=True, use_sinks=True,
+                                              use_window=True, use_soft_cap=True),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(PREFILL_CONFIGS))
+def test_prefill_ptx(name, arch):
+    cfg = PREFILL_CONFIGS[name]
+    text = ci.ptx("prefill", arch, **cfg)
+    s = ci.instruction_summary(text)
+    ab = "bf16" if cfg["dtype"] == "bfloat16" else "f16"
+    dqk = cfg["head_dim_qk"]
+    dvo = cfg.get("head_dim_vo", dqk)
+    assert re.search(rf"^\.target\s+{arch}\s*$", text, re.M)
+    assert len(re.findall(r"^\.(?:visible\s+)?\.entry\s+\S*PrefillKernel", text, re.M)) == 1
+    mma = re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(\w+)\.(\w+)\.f32", text)
+    # per 64-token tile and warp: QK (dqk/16 k-steps x 8 n-tiles) + PV (4 k-steps x dvo/8 n-tiles)
+    assert len(mma) == (dqk // 16) * 8 + 4 * (dvo // 8)
+    assert all(a == ab and b == ab for a, b in mma)
+    assert len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16", text)) == 4 * (dvo // 16)
+    assert s.get("cp.async", 0) > 0 and "cp.async.cg.shared.global" in text
+    assert s.get("ld.local", 0) == 0 and s.get("st.local", 0) == 0, "register spills"

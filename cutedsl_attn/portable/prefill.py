@@ -1,0 +1,442 @@
+"""Portable prefill / append attention kernel (SM80-class: ``cp.async``, ``ldmatrix``, ``mma.sync``).
+
+Runs on SM90 and SM100 alike and backs every prefill path until the SM90 (TMA +
+wgmma) kernel lands.  Verified on an H200 (SM90); SM100 builds are cross-compiled
+and PTX-checked only.
+
+Decomposition (planned on the host by :mod:`cutedsl_attn.planning.prefill`): one CTA
+per (kv head, tile of ``tile_m`` packed query rows of one request).  The query heads
+that share a kv head are packed into the rows (packed row ``r`` = query token
+``r // group_size``, head ``kv_head * group_size + r % group_size``), so each K/V tile
+is loaded once for the whole group.  Each warp owns 16 packed rows; K/V tiles of
+``tile_n`` tokens stream through a 2-stage ``cp.async`` ring shared by the CTA (rows
+gathered through the page table when the cache is paged).  S = Q K^T and O += P V are
+``mma.m16n8k16`` (P re-used from the S accumulators as the A operand); online
+softmax in fp32 with exp2.
+
+Conventions (FlashInfer): causal is bottom-right (key ``j`` is visible to query ``i``
+iff ``j <= i + kv_len - qo_len``); ``window_left = w`` keeps ``w + 1`` keys; a custom
+mask (packed bits, little-endian, 1 = visible) replaces causal; soft cap
+``cap * tanh(s / cap)`` on scaled logits; sinks are natural-log logits (not scaled)
+in the denominator and the LSE; LSE is base 2; rows with no visible key give O = 0,
+LSE = -inf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from ..common import ptx
+
+LOG2E = 1.4426950408889634
+NEG_INF = float("-inf")
+
+# work-table columns (int32), written by cutedsl_attn.planning.prefill
+W_BATCH, W_ROW0, W_QO_LEN, W_KV_LEN, W_Q_START, W_KV_START, W_MASK_OFF = range(7)
+WORK_COLS = 8
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Compile-time configuration of :class:`PrefillKernel` (also its cache key).
+
+    Lengths, offsets, head counts, strides, ``sm_scale``, the soft-cap value and
+    ``window_left`` are run-time arguments.
+    """
+
+    dtype: str  # "bfloat16" | "float16"
+    head_dim_qk: int
+    head_dim_vo: int
+    group_size: int
+    page_size: int = 0  # 0: ragged (contiguous) KV
+    causal: bool = False
+    use_window: bool = False
+    use_soft_cap: bool = False
+    use_sinks: bool = False
+    use_custom_mask: bool = False
+    num_warps: int = 4
+    tile_n: int = 64
+    num_stages: int = 2
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float16"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.head_dim_qk not in (64, 128, 192, 256) or self.head_dim_vo not in (64, 128, 256):
+            raise ValueError(
+                f"head_dim_qk must be 64/128/192/256 and head_dim_vo 64/128/256, got {self.head_dim_qk}/{self.head_dim_vo}"
+            )
+        if not 1 <= self.group_size <= 16:
+            raise ValueError(f"group_size must be in [1, 16], got {self.group_size}")
+        if self.page_size < 0:
+            raise ValueError(f"page_size must be >= 0 (0 = ragged), got {self.page_size}")
+        if self.num_warps not in (4, 8) or self.tile_n not in (32, 64) or self.num_stages != 2:
+            raise ValueError("num_warps must be 4 or 8, tile_n 32 or 64, num_stages 2")
+
+    @property
+    def cutlass_dtype(self):
+        return cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
+
+    @property
+    def tile_m(self) -> int:
+        return 16 * self.num_warps
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def row_bytes_qk(self) -> int:
+        return self.head_dim_qk * 2 + 16  # 16B pad: conflict-free ldmatrix
+
+    @property
+    def row_bytes_vo(self) -> int:
+        return self.head_dim_vo * 2 + 16
+
+    @property
+    def smem_bytes(self) -> int:
+        return (self.tile_m * self.row_bytes_qk
+                + self.num_stages * self.tile_n * (self.row_bytes_qk + self.row_bytes_vo))
+
+    @property
+    def q_in_registers(self) -> bool:
+        return self.head_dim_qk <= 128
+
+
+class PrefillKernel:
+    """CuTe DSL portable prefill; see the module docstring.  Build with :func:`compile`."""
+
+    def __init__(self, cfg: PrefillConfig):
+        self.cfg = cfg
+        self.dtype = cfg.cutlass_dtype
+        self.DQ, self.DV, self.G = cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size
+        self.NW, self.NT, self.TM, self.TN = cfg.num_warps, cfg.num_threads, cfg.tile_m, cfg.tile_n
+        self.PS = cfg.page_size
+        self.RQ, self.RV = cfg.row_bytes_qk, cfg.row_bytes_vo
+        self.paged = cfg.page_size > 0
+        self.mask_causal = cfg.causal and not cfg.use_custom_mask
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mIdx: cute.Tensor, mWork: cute.Tensor,
+                 mO: cute.Tensor, mLSE: cute.Tensor, mMask: cute.Tensor, mSinks: cute.Tensor,
+                 sm_scale: Float32, soft_cap: Float32, window_left: Int32, stream):
+        hkv = mK.shape[3 if self.paged else 1]
+        self.kernel(mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks, sm_scale, soft_cap, window_left).launch(
+            grid=(hkv, mWork.shape[0], 1), block=(self.NT, 1, 1), smem=self.cfg.smem_bytes, stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks,
+               sm_scale: Float32, soft_cap: Float32, window_left: Int32):
+        cfg = self.cfg
+        DQ, G, TM, TN, RQ, RV = self.DQ, self.G, self.TM, self.TN, self.RQ, self.RV
+        tidx, _, _ = cute.arch.thread_idx()
+        kvh, wi, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = tidx // 32
+
+        smem = cute.arch.get_dyn_smem(cutlass.Int8, alignment=128).toint()
+        sQ = smem
+        sK = sQ + TM * RQ
+        sV = sK + 2 * TN * RQ
+
+        b = mWork[wi, W_BATCH]
+        if b >= 0:
+            row0 = mWork[wi, W_ROW0]
+            qo_len = mWork[wi, W_QO_LEN]
+            kv_len = mWork[wi, W_KV_LEN]
+            q_start = mWork[wi, W_Q_START]
+            kv_start = mWork[wi, W_KV_START]
+            mask_off = mWork[wi, W_MASK_OFF]
+
+            sc_in = sm_scale * LOG2E
+            sc_out = Float32(1.0)
+            if const_expr(cfg.use_soft_cap):
+                sc_in = sm_scale / soft_cap
+                sc_out = soft_cap * LOG2E
+
+            # kv token range any row of this tile can see
+            last_row = cutlass.min(row0 + TM, qo_len * G) - 1
+            hi = kv_len
+            if const_expr(self.mask_causal):
+                hi = cutlass.min(kv_len, last_row // G + kv_len - qo_len + 1)
+            lo = Int32(0)
+            if const_expr(cfg.use_window):
+                if window_left >= 0:
+                    lo = cutlass.max(row0 // G + kv_len - qo_len - window_left, 0)
+            hi = cutlass.max(hi, 0)
+            blk_lo = lo // TN
+            n_blk = cutlass.max((hi + TN - 1) // TN - blk_lo, 0)
+
+            self._issue_q(mQ, sQ, row0, qo_len, q_start, kvh, tidx)
+            if n_blk > 0:
+                self._issue_kv(mK, mV, mIdx, sK, sV, blk_lo * TN, kv_len, kv_start, kvh, tidx)
+            ptx.cp_async_commit()
+
+            acc = cute.make_rmem_tensor(((self.DV // 8) * 4,), Float32)
+            row_m = cute.make_rmem_tensor((2,), Float32)
+            row_l = cute.make_rmem_tensor((2,), Float32)
+            self._mainloop(mK, mV, mIdx, mMask, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len, kv_start,
+                           mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, tidx, lane, warp)
+            self._epilogue(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
+
+    # ------------------------------------------------------------------ loads
+    @cute.jit
+    def _issue_q(self, mQ, sQ, row0, qo_len, q_start, kvh, tidx):
+        """cp.async the tile's packed Q rows (zero-filled past the request) into smem."""
+        DQ, G, NT, TM, RQ = self.DQ, self.G, self.NT, self.TM, self.RQ
+        cpr = DQ // 8
+        q_base = mQ.iterator.toint()
+        for it in cutlass.range_constexpr((TM * cpr + NT - 1) // NT):
+            idx = it * NT + tidx
+            if idx < TM * cpr:
+                r = idx // cpr
+                col = idx % cpr
+                pr = row0 + r
+                tok = pr // G
+                valid = tok < qo_len
+                tok_c = cutlass.min(tok, qo_len - 1)
+                goff = Int64(q_start + tok_c) * mQ.stride[0] + Int64(kvh * G + pr % G) * mQ.stride[1] + col * 8
+                ptx.cp_async_16(sQ + r * RQ + col * 16, q_base + goff * 2, cutlass.select_(valid, 16, 0))
+        ptx.cp_async_commit()
+
+    @cute.jit
+    def _issue_kv(self, mK, mV, mIdx, sK, sV, tok0, kv_len, kv_start, kvh, tidx):
+        """cp.async one K tile and one V tile (tokens tok0..tok0+tile_n, zero-filled past kv_len)."""
+        self._issue_rows(mK, mIdx, sK, self.DQ, self.RQ, tok0, kv_len, kv_start, kvh, tidx)
+        self._issue_rows(mV, mIdx, sV, self.DV, self.RV, tok0, kv_len, kv_start, kvh, tidx)
+
+    @cute.jit
+    def _issue_rows(self, mX, mIdx, s_dst, D: cutlass.Constexpr, RB: cutlass.Constexpr, tok0, kv_len, kv_start,
+                    kvh, tidx):
+        NT, TN, PS = self.NT, self.TN, self.PS
+        cpr = D // 8
+        base = mX.iterator.toint()
+        for it in cutlass.range_constexpr((TN * cpr + NT - 1) // NT):
+            idx = it * NT + tidx
+            if idx < TN * cpr:
+                r = idx // cpr
+                col = idx % cpr
+                tok = tok0 + r
+                valid = tok < kv_len
+                tok_c = cutlass.min(tok, kv_len - 1)
+                if const_expr(self.paged):
+                    page = mIdx[kv_start + tok_c // PS]
+                    goff = (Int64(page) * mX.stride[0] + Int64(tok_c % PS) * mX.stride[1]
+                            + Int64(kvh) * mX.stride[2] + col * 8)
+                else:
+                    goff = Int64(kv_start + tok_c) * mX.stride[0] + Int64(kvh) * mX.stride[1] + col * 8
+                ptx.cp_async_16(s_dst + r * RB + col * 16, base + goff * 2, cutlass.select_(valid, 16, 0))
+
+    # ------------------------------------------------------------------ main loop
+    @cute.jit
+    def _mainloop(self, mK, mV, mIdx, mMask, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len, kv_start,
+                  mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, tidx, lane, warp):
+        DQ, DV, G, TN, RQ, RV = self.DQ, self.DV, self.G, self.TN, self.RQ, self.RV
+        g = lane // 4
+        t = lane % 4
+        m = lane // 8
+        for i in cutlass.range_constexpr((DV // 8) * 4):
+            acc[i] = Float32(0.0)
+        # per-lane rows g and g+8 of this warp: query token index and its bottom-right position
+        qtok = cute.make_rmem_tensor((2,), Int32)
+        qpos = cute.make_rmem_tensor((2,), Int32)
+        for h in cutlass.range_constexpr(2):
+            row_m[h] = Float32(NEG_INF)
+            row_l[h] = Float32(0.0)
+            tk = (row0 + warp * 16 + g + 8 * h) // G
+            qtok[h] = cutlass.min(tk, qo_len - 1)
+            qpos[h] = tk + kv_len - qo_len
+
+        # Q has landed once at most one group (the first K/V tile) is pending
+        ptx.cp_async_wait(1)
+        cute.arch.sync_threads()
+        qf = cute.make_rmem_tensor(((DQ // 16) * 4,), Int32)
+        if const_expr(self.cfg.q_in_registers):
+            for kk in cutlass.range_constexpr(DQ // 16):
+                qr = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, warp, kk))
+                for e in cutlass.range_constexpr(4):
+                    qf[kk * 4 + e] = qr[e]
+
+        sacc = cute.make_rmem_tensor(((TN // 8) * 4,), Float32)
+        for it in cutlass.range(n_blk, unroll=1):
+            st = it % 2
+            if it + 1 < n_blk:
+                nst = (it + 1) % 2
+                self._issue_kv(mK, mV, mIdx, sK + nst * TN * RQ, sV + nst * TN * RV, (blk_lo + it + 1) * TN,
+                               kv_len, kv_start, kvh, tidx)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait(1)
+            cute.arch.sync_threads()
+            sK_st = sK + st * TN * RQ
+            sV_st = sV + st * TN * RV
+            tok0 = (blk_lo + it) * TN
+
+            # S = Q K^T over tile_n tokens
+            for i in cutlass.range_constexpr((TN // 8) * 4):
+                sacc[i] = Float32(0.0)
+            for kk in cutlass.range_constexpr(DQ // 16):
+                if const_expr(self.cfg.q_in_registers):
+                    a = (qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3])
+                else:
+                    a = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, warp, kk))
+                for j2 in cutlass.range_constexpr(TN // 16):
+                    kb = ptx.ldmatrix_x4(sK_st + (j2 * 16 + (m // 2) * 8 + lane % 8) * RQ + (kk * 16 + (m % 2) * 8) * 2)
+                    for jj in cutlass.range_constexpr(2):
+                        n8 = 2 * j2 + jj
+                        c = ptx.mma_m16n8k16(a, (kb[2 * jj], kb[2 * jj + 1]),
+                                             (sacc[4 * n8], sacc[4 * n8 + 1], sacc[4 * n8 + 2], sacc[4 * n8 + 3]),
+                                             self.dtype)
+                        for e in cutlass.range_constexpr(4):
+                            sacc[4 * n8 + e] = c[e]
+
+            # logits (log2 units) and masks
+            for n8 in cutlass.range_constexpr(TN // 8):
+                for e in cutlass.range_constexpr(4):
+                    h = e // 2
+                    j = tok0 + n8 * 8 + 2 * t + (e % 2)
+                    x = sacc[4 * n8 + e] * sc_in
+                    if const_expr(self.cfg.use_soft_cap):
+                        x = ptx.tanh(x) * sc_out
+                    ok = j < kv_len
+                    if const_expr(self.mask_causal):
+                        ok = ok & (j <= qpos[h])
+                    if const_expr(self.cfg.use_window):
+                        ok = ok & ((window_left < 0) | (j >= qpos[h] - window_left))
+                    if const_expr(self.cfg.use_custom_mask):
+                        jc = cutlass.min(j, kv_len - 1)
+                        bit = Int64(mask_off) + Int64(qtok[h]) * kv_len + jc
+                        byte = Int32(mMask[bit // 8])
+                        ok = ok & (((byte >> Int32(bit % 8)) & 1) != 0)
+                    sacc[4 * n8 + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
+
+            # online softmax for rows g (h=0) and g+8 (h=1)
+            scale = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                mx = Float32(NEG_INF)
+                for n8 in cutlass.range_constexpr(TN // 8):
+                    mx = cute.arch.fmax(mx, cute.arch.fmax(sacc[4 * n8 + 2 * h], sacc[4 * n8 + 2 * h + 1]))
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+                m_new = cute.arch.fmax(row_m[h], mx)
+                m_use = Float32(cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new))
+                scale[h] = ptx.ex2(row_m[h] - m_use)
+                row_m[h] = m_new
+                psum = Float32(0.0)
+                for n8 in cutlass.range_constexpr(TN // 8):
+                    for e2 in cutlass.range_constexpr(2):
+                        p = ptx.ex2(sacc[4 * n8 + 2 * h + e2] - m_use)
+                        sacc[4 * n8 + 2 * h + e2] = p
+                        psum = psum + p
+                row_l[h] = row_l[h] * scale[h] + psum
+            for dd in cutlass.range_constexpr(DV // 8):
+                for e in cutlass.range_constexpr(4):
+                    acc[dd * 4 + e] = acc[dd * 4 + e] * scale[e // 2]
+
+            # O += P V, 16 tokens per k-step
+            for kt in cutlass.range_constexpr(TN // 16):
+                pa = (
+                    ptx.pack2(sacc[8 * kt], sacc[8 * kt + 1], self.dtype),
+                    ptx.pack2(sacc[8 * kt + 2], sacc[8 * kt + 3], self.dtype),
+                    ptx.pack2(sacc[8 * kt + 4], sacc[8 * kt + 5], self.dtype),
+                    ptx.pack2(sacc[8 * kt + 6], sacc[8 * kt + 7], self.dtype),
+                )
+                v_row = kt * 16 + (m % 2) * 8 + lane % 8
+                for dp in cutlass.range_constexpr(DV // 16):
+                    vb = ptx.ldmatrix_x4(sV_st + v_row * RV + ((2 * dp + m // 2) * 8) * 2, trans=True)
+                    for jj in cutlass.range_constexpr(2):
+                        dd = 2 * dp + jj
+                        c = ptx.mma_m16n8k16(pa, (vb[2 * jj], vb[2 * jj + 1]),
+                                             (acc[dd * 4], acc[dd * 4 + 1], acc[dd * 4 + 2], acc[dd * 4 + 3]),
+                                             self.dtype)
+                        for e in cutlass.range_constexpr(4):
+                            acc[dd * 4 + e] = c[e]
+            cute.arch.sync_threads()  # the stage is refilled next iteration
+        ptx.cp_async_wait(0)
+        for h in cutlass.range_constexpr(2):
+            x = row_l[h]
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+            x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+            row_l[h] = x
+
+    @cute.jit
+    def _q_frag_addr(self, sQ, lane, warp, kk: cutlass.Constexpr):
+        m = lane // 8
+        row = warp * 16 + (m % 2) * 8 + lane % 8
+        return sQ + row * self.RQ + (kk * 16 + (m // 2) * 8) * 2
+
+    # ------------------------------------------------------------------ epilogue
+    @cute.jit
+    def _epilogue(self, mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp):
+        """Normalise (sinks folded in), write O (2 values per store) and the LSE for the warp's rows."""
+        DV, G = self.DV, self.G
+        g = lane // 4
+        t = lane % 4
+        hq = mO.shape[1]
+        o_base = mO.iterator.toint()
+        for h in cutlass.range_constexpr(2):
+            pr = row0 + warp * 16 + g + 8 * h
+            if pr < qo_len * G:
+                tok = q_start + pr // G
+                head = kvh * G + pr % G
+                sink_l2 = Float32(NEG_INF)
+                if const_expr(self.cfg.use_sinks):
+                    sink_l2 = mSinks[head] * LOG2E
+                m_all = cute.arch.fmax(row_m[h], sink_l2)
+                m_use = Float32(cutlass.select_(m_all == Float32(NEG_INF), Float32(0.0), m_all))
+                w_keys = ptx.ex2(row_m[h] - m_use)
+                tot = row_l[h] * w_keys + ptx.ex2(sink_l2 - m_use)
+                inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0))) * w_keys
+                row_addr = o_base + ((Int64(tok) * hq + head) * DV) * 2
+                for dd in cutlass.range_constexpr(DV // 8):
+                    v = ptx.pack2(acc[dd * 4 + 2 * h] * inv, acc[dd * 4 + 2 * h + 1] * inv, self.dtype)
+                    ptx.st_global_u32(row_addr + (dd * 8 + 2 * t) * 2, v)
+                if t == 0:
+                    mLSE[tok, head] = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot),
+                                                              Float32(NEG_INF)))
+
+
+def compile(cfg: PrefillConfig, *, keep_ptx_dir: str | None = None):
+    """Compile :class:`PrefillKernel` for ``cfg`` from fake tensors (no GPU needed).
+
+    Returns the tvm-ffi callable ``f(q, k, v, indices, work, o, lse, mask, sinks, sm_scale,
+    soft_cap, window_left)`` launching on torch's current stream (see the module docstring
+    and ``cutedsl_attn.planning.prefill`` for the work table).
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    dt = cfg.cutlass_dtype
+
+    def sym():
+        return cute.sym_int()
+
+    def s64():
+        return cute.sym_int64(divisibility=8)
+
+    TQ, Hq, Hkv, NNZ, W, NB = (sym() for _ in range(6))
+    q = make_fake_tensor(dt, (TQ, Hq, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
+    if cfg.page_size > 0:
+        P = sym()
+        k = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_qk), (s64(), s64(), s64(), 1), assumed_align=16)
+        v = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_vo), (s64(), s64(), s64(), 1), assumed_align=16)
+    else:
+        TK = sym()
+        k = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
+        v = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_vo), (s64(), s64(), 1), assumed_align=16)
+    idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
+    work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
+    o = make_fake_compact_tensor(dt, (TQ, Hq, cfg.head_dim_vo), stride_order=(2, 1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(Float32, (TQ, Hq), stride_order=(1, 0), assumed_align=4)
+    mask = make_fake_compact_tensor(cutlass.Uint8, (NB,), assumed_align=1)
+    sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
+    opts = f"--enable-tvm-ffi --gpu-arch {cfg.arch}"
+    if keep_ptx_dir is not None:
+        opts += f" --keep-ptx --dump-dir {keep_ptx_dir}"
+    return cute.compile(
+        PrefillKernel(cfg), q, k, v, idx, work, o, lse, mask, sinks, Float32(1.0), Float32(0.0), Int32(-1),
+        make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
+    )
