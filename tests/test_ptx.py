@@ -108,7 +108,7 @@ def test_config_defaults_and_arch():
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    (dict(op="prefill"), ValueError, "op"),
+    (dict(op="mla"), ValueError, "op"),
     (dict(arch="sm_80"), ValueError, "sm_80"),
     (dict(head_dims=128), TypeError, "head_dims"),
     (dict(dtype="float32"), ValueError, "dtype"),
