@@ -232,7 +232,9 @@ def test_cli_help_and_errors():
     assert "ptx" in h and "demo" in h
     assert main(["ptx", "decode", "--head-dim", "48"]) == 2  # bad config: clear error, no traceback
     with pytest.raises(SystemExit):
-        main(["ptx", "prefill"])
+        main(["ptx", "mla"])
+    assert main(["ptx", "prefill", "--num-warps", "8"]) == 2  # decode-only flag on prefill
+    assert main(["ptx", "decode", "--causal"]) == 2  # prefill-only flag on decode
     assert main(["ptx", "decode", "--head-dim", "32", "--group-size", "1", "--summary"]) == 0
 
 
