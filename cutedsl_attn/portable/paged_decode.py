@@ -40,6 +40,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common import ptx
+from ..common import softmax as sm
 
 LOG2E = 1.4426950408889634
 NEG_INF = float("-inf")
@@ -313,13 +314,7 @@ class PagedDecodeKernel:
                                 sc_in, sc_out, lane, g, t)
             cute.arch.sync_warp()
         ptx.cp_async_wait(0)
-
-        # quad-reduce the thread-local row sums
-        for h in cutlass.range_constexpr(2):
-            x = row_l[h]
-            x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
-            x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
-            row_l[h] = x
+        sm.quad_sum_rows(row_l)
 
     @cute.jit
     def _merge_warps(self, mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sO,
@@ -505,35 +500,11 @@ class PagedDecodeKernel:
                 if const_expr(self.alibi):
                     x = x + slope[e // 2] * Float32(tok - (kv_len - 1))
                 sacc[4 * j + e] = cutlass.select_(tok < t1, x, Float32(NEG_INF))
-        # online softmax, rows g (h=0) and g+8 (h=1)
+        # online softmax for rows g and g+8, rescale O, P as the A operand of O += P V (k = 16 tokens)
         scale = cute.make_rmem_tensor((2,), Float32)
-        for h in cutlass.range_constexpr(2):
-            mx = cute.arch.fmax(cute.arch.fmax(sacc[2 * h], sacc[2 * h + 1]),
-                                cute.arch.fmax(sacc[4 + 2 * h], sacc[4 + 2 * h + 1]))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-            m_old = row_m[h]
-            m_new = cute.arch.fmax(m_old, mx)
-            m_use = cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new)
-            scale[h] = ptx.ex2(m_old - m_use)
-            row_m[h] = m_new
-            psum = Float32(0.0)
-            for j in cutlass.range_constexpr(2):
-                for e2 in cutlass.range_constexpr(2):
-                    p = ptx.ex2(sacc[4 * j + 2 * h + e2] - m_use)
-                    sacc[4 * j + 2 * h + e2] = p
-                    psum = psum + p
-            row_l[h] = row_l[h] * scale[h] + psum
-        for dd in cutlass.range_constexpr(D // 8):
-            for e in cutlass.range_constexpr(4):
-                acc[dd * 4 + e] = acc[dd * 4 + e] * scale[e // 2]
-        # P as the A operand of O += P V (k = 16 tokens)
-        pa = (
-            ptx.pack2(sacc[0], sacc[1], dt),
-            ptx.pack2(sacc[2], sacc[3], dt),
-            ptx.pack2(sacc[4], sacc[5], dt),
-            ptx.pack2(sacc[6], sacc[7], dt),
-        )
+        sm.online_softmax_step(sacc, 2, row_m, row_l, scale)
+        sm.rescale_rows(acc, D // 8, scale)
+        pa = sm.p_as_a_operand(sacc, 0, dt)
         v_row = (m % 2) * 8 + lane % 8
         for dp in cutlass.range_constexpr(D // 16):
             vb = ptx.ldmatrix_x4(sV + v_row * RB + ((2 * dp + m // 2) * 8) * 2, trans=True)

@@ -31,6 +31,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common import ptx
+from ..common import softmax as sm
 
 LOG2E = 1.4426950408889634
 NEG_INF = float("-inf")
@@ -314,37 +315,14 @@ class PrefillKernel:
                         ok = ok & (((byte >> Int32(bit % 8)) & 1) != 0)
                     sacc[4 * n8 + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
 
-            # online softmax for rows g (h=0) and g+8 (h=1)
+            # online softmax for rows g and g+8, then rescale O
             scale = cute.make_rmem_tensor((2,), Float32)
-            for h in cutlass.range_constexpr(2):
-                mx = Float32(NEG_INF)
-                for n8 in cutlass.range_constexpr(TN // 8):
-                    mx = cute.arch.fmax(mx, cute.arch.fmax(sacc[4 * n8 + 2 * h], sacc[4 * n8 + 2 * h + 1]))
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-                mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-                m_new = cute.arch.fmax(row_m[h], mx)
-                m_use = Float32(cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new))
-                scale[h] = ptx.ex2(row_m[h] - m_use)
-                row_m[h] = m_new
-                psum = Float32(0.0)
-                for n8 in cutlass.range_constexpr(TN // 8):
-                    for e2 in cutlass.range_constexpr(2):
-                        p = ptx.ex2(sacc[4 * n8 + 2 * h + e2] - m_use)
-                        sacc[4 * n8 + 2 * h + e2] = p
-                        psum = psum + p
-                row_l[h] = row_l[h] * scale[h] + psum
-            for dd in cutlass.range_constexpr(DV // 8):
-                for e in cutlass.range_constexpr(4):
-                    acc[dd * 4 + e] = acc[dd * 4 + e] * scale[e // 2]
+            sm.online_softmax_step(sacc, TN // 8, row_m, row_l, scale)
+            sm.rescale_rows(acc, DV // 8, scale)
 
             # O += P V, 16 tokens per k-step
             for kt in cutlass.range_constexpr(TN // 16):
-                pa = (
-                    ptx.pack2(sacc[8 * kt], sacc[8 * kt + 1], self.dtype),
-                    ptx.pack2(sacc[8 * kt + 2], sacc[8 * kt + 3], self.dtype),
-                    ptx.pack2(sacc[8 * kt + 4], sacc[8 * kt + 5], self.dtype),
-                    ptx.pack2(sacc[8 * kt + 6], sacc[8 * kt + 7], self.dtype),
-                )
+                pa = sm.p_as_a_operand(sacc, kt, self.dtype)
                 v_row = kt * 16 + (m % 2) * 8 + lane % 8
                 for dp in cutlass.range_constexpr(DV // 16):
                     vb = ptx.ldmatrix_x4(sV_st + v_row * RV + ((2 * dp + m // 2) * 8) * 2, trans=True)
@@ -357,11 +335,7 @@ class PrefillKernel:
                             acc[dd * 4 + e] = c[e]
             cute.arch.sync_threads()  # the stage is refilled next iteration
         ptx.cp_async_wait(0)
-        for h in cutlass.range_constexpr(2):
-            x = row_l[h]
-            x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
-            x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
-            row_l[h] = x
+        sm.quad_sum_rows(row_l)
 
     @cute.jit
     def _q_frag_addr(self, sQ, lane, warp, kk: cutlass.Constexpr):
@@ -386,18 +360,13 @@ class PrefillKernel:
                 sink_l2 = Float32(NEG_INF)
                 if const_expr(self.cfg.use_sinks):
                     sink_l2 = mSinks[head] * LOG2E
-                m_all = cute.arch.fmax(row_m[h], sink_l2)
-                m_use = Float32(cutlass.select_(m_all == Float32(NEG_INF), Float32(0.0), m_all))
-                w_keys = ptx.ex2(row_m[h] - m_use)
-                tot = row_l[h] * w_keys + ptx.ex2(sink_l2 - m_use)
-                inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0))) * w_keys
+                inv, lse = sm.finalize_row(row_m[h], row_l[h], sink_l2)
                 row_addr = o_base + ((Int64(tok) * hq + head) * DV) * 2
                 for dd in cutlass.range_constexpr(DV // 8):
                     v = ptx.pack2(acc[dd * 4 + 2 * h] * inv, acc[dd * 4 + 2 * h + 1] * inv, self.dtype)
                     ptx.st_global_u32(row_addr + (dd * 8 + 2 * t) * 2, v)
                 if t == 0:
-                    mLSE[tok, head] = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot),
-                                                              Float32(NEG_INF)))
+                    mLSE[tok, head] = lse
 
 
 def compile(cfg: PrefillConfig, *, keep_ptx_dir: str | None = None):

@@ -1,0 +1,96 @@
+"""Online softmax on ``mma.m16n8k16`` accumulator fragments, shared by every kernel.
+
+Called while a CuTe DSL kernel is traced (plain Python helpers: their loops unroll at
+trace time, and they hold no dynamic control flow).  A warp's S tile is ``n_tiles`` n8 tiles
+of the C fragment (``sacc[4*n + e]``: rows ``g`` for ``e`` in {0, 1}, ``g + 8`` for
+``e`` in {2, 3}, see :mod:`cutedsl_attn.common.ptx`); each lane keeps the running
+max ``row_m[h]`` and a thread-local partial sum ``row_l[h]`` for its two rows
+``h = 0`` (row g) and ``h = 1`` (row g + 8).  Logits are already in log2 units (the
+softmax scale times log2 e is folded in before), so every exponential is one
+``ex2``.  A fully masked row keeps ``m = -inf`` and contributes nothing (the
+``-inf - -inf`` case is guarded).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from . import ptx
+
+NEG_INF = float("-inf")
+LOG2E = 1.4426950408889634
+
+
+def _finite_or_zero(x):
+    return Float32(cutlass.select_(x == Float32(NEG_INF), Float32(0.0), x))
+
+
+def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale):
+    """Turn ``sacc`` (log2-unit logits, -inf where masked) into probabilities in place.
+
+    Updates ``row_m``/``row_l`` and writes the factor ``scale[h]`` by which the
+    output accumulator rows must be multiplied (see :func:`rescale_rows`).
+    """
+    for h in range(2):
+        mx = Float32(NEG_INF)
+        for n in range(n_tiles):
+            mx = cute.arch.fmax(mx, cute.arch.fmax(sacc[4 * n + 2 * h], sacc[4 * n + 2 * h + 1]))
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+        m_new = cute.arch.fmax(row_m[h], mx)
+        m_use = _finite_or_zero(m_new)
+        scale[h] = ptx.ex2(row_m[h] - m_use)
+        row_m[h] = m_new
+        psum = Float32(0.0)
+        for n in range(n_tiles):
+            for e in range(2):
+                p = ptx.ex2(sacc[4 * n + 2 * h + e] - m_use)
+                sacc[4 * n + 2 * h + e] = p
+                psum = psum + p
+        row_l[h] = row_l[h] * scale[h] + psum
+
+
+def rescale_rows(acc, n_tiles: int, scale):
+    """Multiply the accumulator's row g by ``scale[0]`` and row g + 8 by ``scale[1]``."""
+    for n in range(n_tiles):
+        for e in range(4):
+            acc[4 * n + e] = acc[4 * n + e] * scale[e // 2]
+
+
+def quad_sum_rows(row_l):
+    """Reduce the thread-local row sums over the 4 lanes that share a row."""
+    for h in range(2):
+        x = row_l[h]
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+        row_l[h] = x
+
+
+def p_as_a_operand(sacc, k_step: int, dtype):
+    """The probabilities of n8 tiles ``2*k_step`` and ``2*k_step + 1`` as the A fragment of a k16 MMA."""
+    b = 8 * k_step
+    return (
+        ptx.pack2(sacc[b], sacc[b + 1], dtype),
+        ptx.pack2(sacc[b + 2], sacc[b + 3], dtype),
+        ptx.pack2(sacc[b + 4], sacc[b + 5], dtype),
+        ptx.pack2(sacc[b + 6], sacc[b + 7], dtype),
+    )
+
+
+def finalize_row(m, l, sink_log2):
+    """(factor, lse) for a row with running max ``m`` and full sum ``l`` (log2 units).
+
+    ``sink_log2`` is the sink logit in log2 units (``-inf`` for none): it joins the
+    denominator with a zero value row.  ``factor`` multiplies the unnormalised output
+    (``sum_j 2^(s_j - m) v_j``); ``lse`` is base 2; a row with nothing visible gives
+    factor 0 and lse -inf (or the sink).
+    """
+    m_use = _finite_or_zero(cute.arch.fmax(m, sink_log2))
+    w_keys = ptx.ex2(m - m_use)
+    tot = l * w_keys + ptx.ex2(sink_log2 - m_use)
+    pos = tot > Float32(0.0)
+    factor = Float32(cutlass.select_(pos, ptx.rcp(tot), Float32(0.0))) * w_keys
+    lse = Float32(cutlass.select_(pos, m_use + ptx.lg2(tot), Float32(NEG_INF)))
+    return factor, lse
