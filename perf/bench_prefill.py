@@ -1,0 +1,159 @@
+"""Prefill benchmark: cutedsl_attn vs FlashAttention-4, FlashInfer 0.7.2 (ragged fa3) and cuDNN SDPA, same process.
+
+Timing as perf/bench_decode.py (L2 flushed, GPU sleep before each call, CUDA events,
+median).  FLOPs as FlashInfer's benchmarks: full = 2*H*(Dqk+Dvo)*Lq*Lkv per request,
+causal = H*(Dqk+Dvo)*Lq*(2*Lkv - Lq).  The ceiling is a bf16 8192^3 torch matmul in
+the same run.
+
+Usage: python perf/bench_prefill.py [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+DEV = torch.device("cuda")
+DT = torch.bfloat16
+_flush = None
+
+
+def timed(fn, reps=10, sleep_cycles=400_000):
+    global _flush
+    if _flush is None:
+        _flush = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
+    fn()
+    fn()
+    ts = []
+    for _ in range(reps):
+        _flush.zero_()
+        torch.cuda._sleep(sleep_cycles)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(ts)
+
+
+def flops(lens, hq, dqk, dvo, causal):
+    tot = 0
+    for L in lens:
+        tot += hq * (dqk + dvo) * L * (2 * L - L) if causal else 2 * hq * (dqk + dvo) * L * L
+    return tot
+
+
+CASES = [
+    # name, lens, hq, hkv, d, causal
+    ("B2x8192 h32 d128 causal", [8192] * 2, 32, 32, 128, True),
+    ("B2x8192 h32 d128 full", [8192] * 2, 32, 32, 128, False),
+    ("B2x8192 h32/8 d128 causal", [8192] * 2, 32, 8, 128, True),
+    ("B2x8192 h64 d64 causal", [8192] * 2, 64, 64, 64, True),
+    ("B2x8192 h16 d256 causal", [8192] * 2, 16, 16, 256, True),
+    ("varlen 64x[128,4096] h32/8 d128 causal", None, 32, 8, 128, True),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    import cutedsl_attn as ca
+
+    try:
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001
+        flash_attn_func = flash_attn_varlen_func = None
+        print("FA4 unavailable:", e)
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001
+        flashinfer = None
+        print("flashinfer unavailable:", e)
+
+    a = torch.randn(8192, 8192, dtype=DT, device=DEV)
+    bm = torch.randn(8192, 8192, dtype=DT, device=DEV)
+    t = timed(lambda: a @ bm, reps=5)
+    gemm_tf = 2 * 8192**3 / t / 1e12
+    del a, bm
+    print(f"bf16 matmul 8192^3: {gemm_tf:.0f} TFLOP/s")
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for name, lens, hq, hkv, d, causal in CASES[:2] if args.quick else CASES:
+        if lens is None:
+            lens = torch.randint(128, 4097, (64,), generator=gen).tolist()
+        total = sum(lens)
+        q = torch.randn(total, hq, d, dtype=DT, device=DEV)
+        k = torch.randn(total, hkv, d, dtype=DT, device=DEV)
+        v = torch.randn(total, hkv, d, dtype=DT, device=DEV)
+        indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        fl = flops(lens, hq, d, d, causal)
+        row = dict(case=name, tflop=fl / 1e12)
+        w = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+        o = w.run(q, k, v)
+        t = timed(lambda: w.run(q, k, v, out=o))
+        row["ours_ms"], row["ours_tf"] = t * 1e3, fl / t / 1e12
+        if flash_attn_varlen_func is not None:
+            try:
+                mx = max(lens)
+
+                def fa4():
+                    return flash_attn_varlen_func(q, k, v, cu_seqlens_q=indptr, cu_seqlens_k=indptr,
+                                                  max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
+                fo = fa4()
+                fo = fo[0] if isinstance(fo, tuple) else fo
+                row["fa4_relerr"] = ((fo.float() - o.float()).norm() / o.float().norm()).item()
+                row["fa4_ms"] = timed(fa4) * 1e3
+            except Exception as e:  # noqa: BLE001
+                print("fa4 failed:", repr(e)[:300])
+        if flashinfer is not None and d == 128:
+            try:
+                fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+                fw.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+                fo = fw.run(q, k, v)
+                row["fi_relerr"] = ((fo.float() - o.float()).norm() / o.float().norm()).item()
+                row["fi_ms"] = timed(lambda: fw.run(q, k, v)) * 1e3
+            except Exception as e:  # noqa: BLE001
+                print("flashinfer failed:", repr(e)[:300])
+        if len(set(lens)) == 1:
+            try:
+                B, L = len(lens), lens[0]
+                qs = q.view(B, L, hq, d).transpose(1, 2)
+                ks = k.view(B, L, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+                vs = v.view(B, L, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, 1)
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                def cudnn():
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+                row["cudnn_ms"] = timed(cudnn) * 1e3
+            except Exception as e:  # noqa: BLE001
+                print("cudnn sdpa failed:", repr(e)[:300])
+        rows.append(row)
+        print(json.dumps(row))
+        del q, k, v
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:
+        json.dump(dict(gpu=torch.cuda.get_device_name(), gemm_tflops=gemm_tf, rows=rows), f, indent=1)
+    print(f"\nGPU {torch.cuda.get_device_name()}; bf16 GEMM ceiling {gemm_tf:.0f} TFLOP/s")
+    print("| case | ours ms | ours TFLOP/s | % GEMM | vs FA4 | vs FI fa3 | vs cuDNN |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        def ratio(k):
+            return f"{r[k] / r['ours_ms']:.2f}x" if k in r else "n/a"
+        print(f"| {r['case']} | {r['ours_ms']:.3f} | {r['ours_tf']:.0f} | {100 * r['ours_tf'] / gemm_tf:.0f}% | "
+              f"{ratio('fa4_ms')} | {ratio('fi_ms')} | {ratio('cudnn_ms')} |")
+    print("(ratios are peer time / our time: > 1 means we are faster)")
+
+
+if __name__ == "__main__":
+    main()
