@@ -3,8 +3,9 @@
 FlashInfer-shaped public API (switch ``import flashinfer`` for ``import cutedsl_attn``
 for the functions listed in ``__all__``).  Kernels are compiled at run time for the
 current GPU (or ``CUTEDSL_ATTN_ARCH`` when cross-compiling) and cached in memory and
-on disk.  What was run where: the decode kernels are run and verified on an NVIDIA
-H200 (SM90); SM100/SM103 builds are cross-compiled and PTX-checked only.
+on disk.  What was run where: the decode and prefill kernels (portable CuTe DSL) are
+run and verified on an NVIDIA H200 (SM90); SM100/SM103 builds are cross-compiled and
+PTX-checked only.
 """
 
 __version__ = "0.1.0"
@@ -15,11 +16,24 @@ from .api.decode import (
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
     single_decode_with_kv_cache,
 )
+from .api.prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
+)
+from .api.quantization import packbits, segment_packbits
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "CUDAGraphBatchDecodeWithPagedKVCacheWrapper",
     "single_decode_with_kv_cache",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+    "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
+    "packbits",
+    "segment_packbits",
     "merge_state",
     "merge_state_in_place",
     "merge_states",

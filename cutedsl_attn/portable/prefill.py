@@ -125,7 +125,7 @@ class PrefillKernel:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mIdx: cute.Tensor, mWork: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mMask: cute.Tensor, mSinks: cute.Tensor,
                  sm_scale: Float32, soft_cap: Float32, window_left: Int32, stream):
-        hkv = mK.shape[3 if self.paged else 1]
+        hkv = mK.shape[2 if self.paged else 1]
         self.kernel(mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks, sm_scale, soft_cap, window_left).launch(
             grid=(hkv, mWork.shape[0], 1), block=(self.NT, 1, 1), smem=self.cfg.smem_bytes, stream=stream,
         )

@@ -1,0 +1,310 @@
+"""GPU tests of the portable prefill kernel against the float64 oracle (run on an H200).
+
+Fresh random inputs every run (the seed is in every failure message), outputs and LSE
+poisoned with NaN before each launch, relative Frobenius error of O against
+``cutedsl_attn.ref`` (computed in float64 on the GPU: the oracle is plain torch and runs on
+any device), the LSE's -inf pattern (rows with no visible key) and its finite values.
+
+About 13 distinct kernel configurations are compiled (dtype, head dims, group, page size,
+mask flags); keep it that way, each costs a few seconds of compile time.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import cutedsl_attn as ca
+from cutedsl_attn import ref
+
+DEV = torch.device("cuda")
+TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3}
+BF16, FP16 = torch.bfloat16, torch.float16
+
+# lengths 1..4k: qo != kv, qo > kv (causal: the first qo-kv rows see nothing), an empty request (qo 0)
+# and a request with an empty KV (qo 5, kv 0)
+MIXED_QO = [1, 17, 300, 0, 64, 1000, 2048, 5]
+MIXED_KV = [1, 300, 17, 50, 64, 4000, 2048, 0]
+
+
+def new_gen():
+    seed = torch.seed() % (2**31)
+    return torch.Generator().manual_seed(seed), seed
+
+
+def rand_lens(gen, n, lo, hi):
+    return torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+
+
+def indptr(lens):
+    return torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def rel_err(x, y):
+    x, y = x.double(), y.double()
+    return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+
+
+def workspace():
+    return torch.empty(1 << 20, dtype=torch.uint8, device=DEV)
+
+
+def check(out, lse, o_ref, lse_ref, dtype, what):
+    """O within tolerance, no unwritten value, exact zeros and -inf on rows with no visible key."""
+    assert not torch.isnan(out).any(), f"{what}: unwritten output"
+    assert not torch.isnan(lse).any(), f"{what}: unwritten LSE"
+    e = rel_err(out, o_ref)
+    assert e <= TOL[dtype], f"{what}: output rel err {e}"
+    lse_c, lse_r = lse.double(), lse_ref.double()
+    fin = torch.isfinite(lse_r)
+    assert torch.equal(torch.isfinite(lse_c), fin), f"{what}: LSE -inf pattern differs"
+    assert (lse_c[~fin] == float("-inf")).all(), f"{what}: LSE of empty rows must be -inf"
+    if fin.any():
+        d = (lse_c[fin] - lse_r[fin]).abs().max().item()
+        assert d < 2e-2, f"{what}: LSE abs err {d}"
+    if (~fin).any():
+        assert (out[~fin] == 0).all(), f"{what}: rows with no visible key must be 0"
+    return e
+
+
+# ----------------------------------------------------------------------------- ragged
+def make_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout, gen):
+    hq = hkv * group
+    tq, tk = sum(qo_lens), sum(kv_lens)
+    q = torch.randn(tq, hq, dqk, generator=gen).to(dtype).to(DEV)
+    k = torch.randn(tk, hkv, dqk, generator=gen).to(dtype).to(DEV)
+    v = torch.randn(tk, hkv, dvo, generator=gen).to(dtype).to(DEV)
+    k_in, v_in = (k, v) if layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    return dict(q=q, k=k, v=v, k_in=k_in, v_in=v_in, qo_indptr=indptr(qo_lens), kv_indptr=indptr(kv_lens), hq=hq,
+                hkv=hkv, dqk=dqk, dvo=dvo, dtype=dtype, layout=layout)
+
+
+def run_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout="NHD", *, opts=None, sinks=False,
+               mask=None, run_kw=None):
+    """Plan + run with poisoned outputs, compare with ``ref.ragged_prefill``.
+
+    ``opts``: causal / window_left / logits_soft_cap / sm_scale (plan and oracle);
+    ``mask``: None, "custom" or "packed" (a random custom mask for the batch)."""
+    gen, seed = new_gen()
+    c = make_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout, gen)
+    opts = dict(opts or {})
+    ref_kw = dict(opts)
+    plan_kw = dict(opts)
+    if mask is not None:
+        n = sum(a * b for a, b in zip(qo_lens, kv_lens))
+        m = (torch.rand(n, generator=gen) > 0.3).to(DEV)
+        ref_kw["custom_mask"] = m
+        if mask == "custom":
+            plan_kw["custom_mask"] = m
+        else:
+            plan_kw["packed_custom_mask"] = ca.segment_packbits(
+                m, indptr([a * b for a, b in zip(qo_lens, kv_lens)]), bitorder="little")[0]
+    run_kw = dict(run_kw or {})
+    if sinks:
+        s = (torch.randn(c["hq"], generator=gen) * 2).to(DEV)
+        run_kw["sinks"] = s
+        ref_kw["sinks"] = s
+    w = ca.BatchPrefillWithRaggedKVCacheWrapper(workspace(), layout)
+    w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["hq"], hkv, dqk, head_dim_vo=dvo, q_data_type=dtype,
+           **plan_kw)
+    tq = c["q"].shape[0]
+    out = torch.full((tq, c["hq"], dvo), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((tq, c["hq"]), float("nan"), dtype=torch.float32, device=DEV)
+    w.run(c["q"], c["k_in"], c["v_in"], out=out, lse=lse, **run_kw)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = ref.ragged_prefill(c["q"], c["k"], c["v"], c["qo_indptr"], c["kv_indptr"], **ref_kw)
+    return check(out, lse, o_ref, lse_ref, dtype, f"seed {seed}")
+
+
+@pytest.mark.parametrize("qo,kv,hkv,group,dqk,dvo,dtype,layout,causal", [
+    (MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, "NHD", True),
+    (MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, "HND", False),
+    ("random", "append", 4, 1, 64, 64, BF16, "NHD", True),
+    ([1, 129, 700, 64], [33, 129, 1200, 1], 1, 8, 256, 256, BF16, "NHD", True),
+    ([5, 200, 333, 1], [5, 400, 2000, 0], 4, 1, 192, 128, BF16, "NHD", True),  # MLA-style prefill head dims
+    ("short", "long", 2, 4, 128, 128, BF16, "NHD", True),  # decode-like appends into long KVs
+])
+def test_ragged_sweep(qo, kv, hkv, group, dqk, dvo, dtype, layout, causal):
+    gen, _ = new_gen()
+    if qo == "random":
+        qo = rand_lens(gen, 6, 1, 1500)
+        kv = [q + x for q, x in zip(qo, rand_lens(gen, 6, 0, 1500))]
+    elif qo == "short":
+        qo = rand_lens(gen, 8, 1, 64)
+        kv = [q + x for q, x in zip(qo, rand_lens(gen, 8, 0, 4000))]
+    run_ragged(qo, kv, hkv, group, dqk, dvo, dtype, layout, opts=dict(causal=causal))
+
+
+@pytest.mark.parametrize("name,opts,mask", [
+    ("window", dict(causal=True, window_left=37), None),
+    ("window0", dict(causal=True, window_left=0), None),
+    ("window_noncausal", dict(causal=False, window_left=100), None),
+    ("softcap", dict(causal=True, logits_soft_cap=7.0), None),
+    ("sm_scale", dict(causal=True, sm_scale=0.3), None),
+    ("custom_mask", dict(causal=True), "custom"),  # the mask replaces causal
+    ("packed_custom_mask", dict(), "packed"),
+])
+def test_ragged_features(name, opts, mask):
+    run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=opts, mask=mask)
+
+
+def test_lse_base_and_layout():
+    gen, seed = new_gen()
+    c = make_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, "NHD", gen)
+    w = ca.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD")
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["hq"], 2, 128, q_data_type=BF16, causal=True)
+    o_ref, lse_ref = ref.ragged_prefill(c["q"], c["k"], c["v"], c["qo_indptr"], c["kv_indptr"], causal=True)
+    lse_hn = torch.full((c["hq"], c["q"].shape[0]), float("nan"), device=DEV)
+    out, lse = w.run(c["q"], c["k"], c["v"], return_lse=True, lse=lse_hn, lse_layout="HN", lse_base="ln")
+    torch.cuda.synchronize()
+    assert lse is lse_hn
+    check(out, lse.t() / math.log(2.0), o_ref, lse_ref, BF16, f"seed {seed}")
+
+
+# ----------------------------------------------------------------------------- paged
+def make_paged(qo_lens, kv_lens, ps, hkv, group, d, dtype, layout, gen, spare_pages=7):
+    hq = hkv * group
+    npages = [-(-L // ps) for L in kv_lens]
+    total = sum(npages) + spare_pages
+    perm = torch.randperm(total, generator=gen)
+    indices = perm[: sum(npages)].to(torch.int32)
+    last = torch.tensor([L - (n - 1) * ps if n else 0 for L, n in zip(kv_lens, npages)], dtype=torch.int32)
+    shape = (total, 2, ps, hkv, d) if layout == "NHD" else (total, 2, hkv, ps, d)
+    cache = torch.randn(shape, generator=gen).to(dtype).to(DEV)
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).to(dtype).to(DEV)
+    return dict(q=q, cache=cache, qo_indptr=indptr(qo_lens), kv_indptr=indptr(npages), indices=indices.to(DEV),
+                last=last, hq=hq, hkv=hkv, d=d, ps=ps, dtype=dtype, layout=layout)
+
+
+def paged_oracle(c, q=None, **kw):
+    q = c["q"] if q is None else q
+    return ref.paged_prefill(q, c["cache"][:, 0], c["cache"][:, 1], c["qo_indptr"], c["kv_indptr"], c["indices"],
+                             c["last"], kv_layout=c["layout"], **kw)
+
+
+@pytest.mark.parametrize("ps,hkv,group,dtype,layout,causal", [
+    (1, 2, 4, BF16, "NHD", True),
+    (16, 2, 4, BF16, "HND", True),
+    (64, 1, 8, FP16, "NHD", False),
+])
+def test_paged_sweep(ps, hkv, group, dtype, layout, causal):
+    gen, seed = new_gen()
+    c = make_paged(MIXED_QO, MIXED_KV, ps, hkv, group, 128, dtype, layout, gen)
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), layout)
+    w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], hkv, 128, ps,
+           causal=causal, q_data_type=dtype)
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
+    form = c["cache"] if ps != 16 else (c["cache"][:, 0], c["cache"][:, 1])
+    w.run(c["q"], form, out=out, lse=lse)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = paged_oracle(c, causal=causal)
+    check(out, lse, o_ref, lse_ref, dtype, f"seed {seed}")
+
+
+def test_paged_sinks_and_scales():
+    gen, seed = new_gen()
+    c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
+    sinks = (torch.randn(c["hq"], generator=gen) * 2).to(DEV)
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    w.plan(c["qo_indptr"], c["kv_indptr"], c["indices"], c["last"], c["hq"], 2, 128, 16, causal=True,
+           q_data_type=BF16)
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
+    w.run(c["q"], c["cache"], out=out, lse=lse, sinks=sinks, q_scale=0.5, k_scale=1.5)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = paged_oracle(c, causal=True, sinks=sinks, sm_scale=0.75 / math.sqrt(128))
+    check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}")
+
+
+def test_paged_block_tables():
+    gen, seed = new_gen()
+    c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
+    bt, sl = ref.csr_to_block_tables(c["kv_indptr"], c["indices"].cpu(), c["last"], 16)
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    w.plan(c["qo_indptr"], None, None, None, c["hq"], 2, 128, 16, causal=True, q_data_type=BF16,
+           block_tables=bt.to(DEV), seq_lens=sl.to(DEV))
+    out, lse = w.run_return_lse(c["q"], c["cache"])
+    torch.cuda.synchronize()
+    o_ref, lse_ref = paged_oracle(c, causal=True)
+    check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}")
+
+
+# ----------------------------------------------------------------------------- single request
+def test_single_prefill():
+    gen, seed = new_gen()
+    for layout in ("NHD", "HND"):
+        for qo_len, kv_len in ((1, 1), (77, 3000), (300, 20), (1024, 1024)):  # (300, 20): causal empty rows
+            q = torch.randn(qo_len, 8, 128, generator=gen).to(BF16).to(DEV)
+            k = torch.randn(kv_len, 2, 128, generator=gen).to(BF16).to(DEV)
+            v = torch.randn(kv_len, 2, 128, generator=gen).to(BF16).to(DEV)
+            kk, vv = (k, v) if layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+            o, lse = ca.single_prefill_with_kv_cache_return_lse(q, kk, vv, kv_layout=layout, causal=True)
+            torch.cuda.synchronize()
+            o_ref, lse_ref = ref.attention(q, k, v, causal=True)
+            check(o, lse, o_ref, lse_ref, BF16, f"seed {seed} {layout} {qo_len}x{kv_len}")
+    # a custom mask (packed inside with packbits, little-endian)
+    q = torch.randn(200, 8, 128, generator=gen).to(BF16).to(DEV)
+    k = torch.randn(333, 2, 128, generator=gen).to(BF16).to(DEV)
+    v = torch.randn(333, 2, 128, generator=gen).to(BF16).to(DEV)
+    m = (torch.rand(200, 333, generator=gen) > 0.5).to(DEV)
+    m[:3] = False  # rows with no visible key
+    o, lse = ca.single_prefill_with_kv_cache(q, k, v, custom_mask=m, return_lse=True)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = ref.attention(q, k, v, custom_mask=m)
+    check(o, lse, o_ref, lse_ref, BF16, f"seed {seed} custom mask")
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+def test_cuda_graph_replay_after_replan():
+    gen, seed = new_gen()
+    B, hkv, group, d, ps, max_pages = 4, 2, 4, 128, 16, 1024
+    hq = hkv * group
+    qo0, kv0 = [100, 1, 37, 500], [100, 3000, 37, 1000]
+    tq0 = sum(qo0)
+    bufs = dict(qo_indptr_buf=torch.empty(B + 1, dtype=torch.int32, device=DEV),
+                paged_kv_indptr_buf=torch.empty(B + 1, dtype=torch.int32, device=DEV),
+                paged_kv_indices_buf=torch.empty(max_pages, dtype=torch.int32, device=DEV),
+                paged_kv_last_page_len_buf=torch.empty(B, dtype=torch.int32, device=DEV))
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", use_cuda_graph=True, **bufs)
+    cache = torch.randn(max_pages, 2, ps, hkv, d, generator=gen).to(BF16).to(DEV)
+
+    def table(kv_lens):
+        npg = [-(-L // ps) for L in kv_lens]
+        pages = torch.randperm(max_pages, generator=gen)[: sum(npg)].to(torch.int32)
+        last = torch.tensor([L - (n - 1) * ps if n else 0 for L, n in zip(kv_lens, npg)], dtype=torch.int32)
+        return indptr(npg), pages, last
+
+    ip, pages, last = table(kv0)
+    w.plan(indptr(qo0), ip, pages.to(DEV), last, hq, hkv, d, ps, causal=True, q_data_type=BF16)
+    q = torch.randn(tq0, hq, d, generator=gen).to(BF16).to(DEV)
+    out = torch.empty(tq0, hq, d, dtype=BF16, device=DEV)
+    lse = torch.empty(tq0, hq, dtype=torch.float32, device=DEV)
+    w.run(q, cache, out=out, lse=lse)  # warm up (compile) outside capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        w.run(q, cache, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w.run(q, cache, out=out, lse=lse)
+    # new lengths (same and fewer total rows), new pages, an empty request, qo > kv: same batch size
+    for trial, (qo, kv) in enumerate([([300, 300, 37, 1], [300, 2000, 5, 4000]),
+                                      ([10, 0, 30, 40], rand_lens(gen, 4, 0, 4000)),
+                                      (qo0, kv0)]):
+        ip, pages, last = table(kv)
+        w.plan(indptr(qo), ip, pages.to(DEV), last, hq, hkv, d, ps, causal=True, q_data_type=BF16)
+        q.copy_(torch.randn(q.shape, generator=gen).to(BF16))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        tq = sum(qo)
+        c = dict(cache=cache, qo_indptr=indptr(qo), kv_indptr=ip, indices=pages, last=last, layout="NHD")
+        o_ref, lse_ref = paged_oracle(c, q=q[:tq], causal=True)
+        check(out[:tq], lse[:tq], o_ref, lse_ref, BF16, f"seed {seed} trial {trial}")
