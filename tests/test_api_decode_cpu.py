@@ -306,7 +306,35 @@ def test_plan_data_type_fills_unset_q_and_kv(rec):
 
 
 def test_plan_q_len_per_req():
-    _plan_raises(NotImplementedError, "q_len_per_req", q_len_per_req=2)
+    # as FlashInfer: more than one query row per request needs the tensor-core path
+    _plan_raises(ValueError, "use_tensor_cores", q_len_per_req=2)
+    _plan_raises(ValueError, "q_len_per_req", q_len_per_req=0)
+
+
+def test_plan_multirow_routes_to_prefill(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dispatch, "prefill_kernel", lambda cfg: (lambda *a: calls.append((cfg, a))))
+    p = problem(lens=(37, 3, 300, 16))
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True)
+    with pytest.raises(ValueError, match="kv_len must be >= q_len_per_req"):
+        w.plan(*plan_args(p), q_data_type=BF16, q_len_per_req=4)
+    with pytest.raises(NotImplementedError, match="is_causal=False"):
+        w.plan(*plan_args(p), q_data_type=BF16, q_len_per_req=2, is_causal=False)
+    w.plan(*plan_args(p), q_data_type=BF16, q_len_per_req=3)
+    B, hq, d = p["q"].shape
+    q3 = p["q"].repeat_interleave(3, dim=0)
+    with pytest.raises(ValueError, match="q"):
+        w.run(p["q"], p["cache"])  # B rows, but 3 per request were planned
+    with pytest.raises(ValueError, match="q_len_per_req"):
+        w.run(q3, p["cache"], q_len_per_req=2)
+    out = w.run(q3, p["cache"])
+    assert out.shape == (3 * B, hq, d)
+    cfg, args = calls[-1]
+    assert cfg.causal and cfg.group_size == hq // p["hkv"] and cfg.page_size == 16
+    work = args[4].cpu()
+    live = work[work[:, 0] >= 0]
+    assert sorted(set(live[:, 0].tolist())) == list(range(B))  # every request has a tile
+    assert (live[:, 2] == 3).all()  # qo_len column = q_len_per_req
 
 
 @pytest.mark.parametrize("wr", [1, 7, -1])

@@ -126,6 +126,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._work_dev = None
         self._counters = None
         self._table_buf = None
+        self._multirow = None
         self._dummy = None
         self._slopes = None
         self._lse_scratch = None
@@ -200,13 +201,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
             evened out within a request and rounded up to 16-token multiples; the split of a request
             does not depend on the rest of the batch).
           disable_split_kv: one CTA per (request, kv head), no split-KV.
-          q_len_per_req: only 1 is supported.  is_causal: must be None/False for q_len 1... (a
-            single query row sees every key either way).
+          q_len_per_req: query rows per request (speculative/MTP verify); > 1 needs
+            ``use_tensor_cores=True`` (``ValueError`` otherwise, as FlashInfer), is bottom-right causal,
+            requires every kv_len >= q_len_per_req (``ValueError``) and runs the prefill kernel.
+          is_causal: None or True; False with q_len_per_req > 1 raises ``NotImplementedError`` (for
+            one row per request causal changes nothing).
 
         Raises:
           TypeError, ValueError: malformed arguments (each message names the argument).
-          NotImplementedError: fp8/mixed dtypes, head_dim, group > 16, q_len_per_req > 1,
-            window_right != 0, soft cap together with ALIBI.
+          NotImplementedError: fp8/mixed dtypes, head_dim, group > 16, window_right != 0, soft cap
+            together with ALIBI, and (for q_len_per_req > 1) what the prefill kernel does not serve
+            (ROPE_LLAMA/ALIBI).
         """
         if args:
             if len(args) > len(_PLAN_POSITIONAL):
@@ -227,10 +232,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
         group = check_heads(num_qo_heads, num_kv_heads)
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        if q_len_per_req != 1:
-            raise NotImplementedError("q_len_per_req > 1 is not supported yet; supported: 1")
-        if is_causal:
-            pass  # one query row per request: bottom-right causal keeps every key
+        if isinstance(q_len_per_req, bool) or not isinstance(q_len_per_req, int) or q_len_per_req < 1:
+            raise ValueError(f"q_len_per_req must be an int >= 1, got {q_len_per_req!r}")
+        if q_len_per_req > 1:
+            if not self._use_tensor_cores:
+                raise ValueError(
+                    "q_len_per_req > 1 requires use_tensor_cores=True (as FlashInfer: the CUDA-core decode "
+                    "kernel serves one query row per request)"
+                )
+            if is_causal is False:
+                raise NotImplementedError(
+                    "is_causal=False with q_len_per_req > 1 is not supported: multi-row decode is bottom-right causal"
+                )
+        # with one query row per request, bottom-right causal keeps every key: is_causal changes nothing
         if window_right != 0:
             raise NotImplementedError("window_right != 0 is not supported (decode sees no keys to the right)")
         if not isinstance(window_left, int) or window_left < -1:
@@ -319,6 +333,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
             p0 = self._plan
             if (num_qo_heads, num_kv_heads, head_dim) != (p0["num_qo_heads"], p0["num_kv_heads"], p0["head_dim"]):
                 raise ValueError("num_qo_heads/num_kv_heads/head_dim cannot change between plans in CUDA-graph mode")
+
+        if self._use_cuda_graph and self._plan is not None and self._plan.get("q_len", 1) != q_len_per_req:
+            raise ValueError("q_len_per_req cannot change between plans in CUDA-graph mode (as FlashInfer)")
+        if q_len_per_req > 1:
+            if kv_lens.numel() and int(kv_lens.min()) < q_len_per_req:
+                b = int((kv_lens < q_len_per_req).nonzero()[0])
+                raise ValueError(
+                    f"every kv_len must be >= q_len_per_req ({q_len_per_req}); request {b} has {int(kv_lens[b])}"
+                )
+            self._plan_multirow(
+                B, q_len_per_req, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                block_tables, seq_lens, dict(
+                    causal=True, pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
+                    logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+                    q_data_type=q_dt, kv_data_type=kv_dt, o_data_type=o_dt, non_blocking=non_blocking,
+                ))
+            return
+        self._multirow = None
 
         if fixed_split_size is not None and fixed_split_size <= 0:
             raise ValueError(f"fixed_split_size must be a positive number of pages, got {fixed_split_size}")
@@ -418,6 +450,26 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     begin_forward = plan
 
+    def _plan_multirow(self, B, q_len, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                       page_size, block_tables, seq_lens, kw):
+        """q_len_per_req > 1 (speculative / MTP verify): the prefill kernel with the query heads of a kv head
+        packed into MMA rows, bottom-right causal, as FlashInfer's tensor-core decode does."""
+        from .prefill import BatchPrefillWithPagedKVCacheWrapper
+
+        qo_indptr = torch.arange(B + 1, dtype=torch.int32) * q_len
+        if self._multirow is None:
+            gbuf = {}
+            if self._use_cuda_graph:
+                gbuf = dict(qo_indptr_buf=torch.empty(B + 1, dtype=torch.int32, device=self.device),
+                            paged_kv_indptr_buf=self._indptr_buf, paged_kv_indices_buf=self._indices_buf,
+                            paged_kv_last_page_len_buf=self._last_page_len_buf)
+            self._multirow = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout,
+                                                                 use_cuda_graph=self._use_cuda_graph, **gbuf)
+        self._multirow.plan(qo_indptr.to(self.device), indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                            head_dim, page_size, block_tables=block_tables, seq_lens=seq_lens, **kw)
+        self._plan = dict(multirow=True, B=B, q_len=q_len, num_qo_heads=num_qo_heads, head_dim=head_dim,
+                          window_left=kw["window_left"])
+
     def _split_cache(self, paged_kv_cache):
         """(k, v) NHD-ordered views of the cache, validated against the plan.
 
@@ -472,7 +524,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         """Decode attention for the planned batch.
 
         Args:
-          q: ``[B, num_qo_heads, head_dim]`` in the planned dtype, last dim contiguous.
+          q: ``[B * q_len_per_req, num_qo_heads, head_dim]`` in the planned dtype, last dim contiguous
+            (rows of one request consecutive).
           paged_kv_cache: ``(k_cache, v_cache)`` 4-D tensors or one 5-D tensor ``[pages, 2, ...]``
             in the wrapper's ``kv_layout``; any strides with a contiguous last dim.
           q_scale, k_scale: multiply ``sm_scale``; v_scale: multiplies the output (an extra
@@ -483,7 +536,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
           window_left: if given it must equal the planned value.
           sinks: optional float32 ``[num_qo_heads]`` per-head sink logits (natural log,
             not scaled by sm_scale), included in the softmax denominator and the LSE.
-          q_len_per_req: if given, must be 1.
+          q_len_per_req: deprecated at run() (as FlashInfer); if given it must equal the planned value.
           enable_pdl, skip_softmax_threshold_scale_factor, kv_cache_sf: not supported
             (``NotImplementedError`` unless None/False).
 
@@ -505,10 +558,16 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise NotImplementedError("skip_softmax_threshold_scale_factor is not supported")
         if kv_cache_sf is not None:
             raise NotImplementedError("kv_cache_sf (NVFP4 KV) is not supported")
-        if q_len_per_req not in (None, 1):
-            raise ValueError(f"q_len_per_req={q_len_per_req} does not match the planned value 1")
+        if q_len_per_req is not None and q_len_per_req != p.get("q_len", 1):
+            raise ValueError(f"q_len_per_req={q_len_per_req} does not match the planned value {p.get('q_len', 1)}")
         if window_left is not None and window_left != p["window_left"]:
             raise ValueError(f"window_left={window_left} at run() differs from plan() ({p['window_left']})")
+        if p.get("multirow"):
+            shape = (p["B"] * p["q_len"], p["num_qo_heads"], p["head_dim"])
+            if not isinstance(q, torch.Tensor) or q.shape != shape:
+                check_tensor("q", q, shape=shape)
+            return self._multirow.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                                      lse=lse, return_lse=return_lse, sinks=sinks)
         B, Hq, D, dt = p["B"], p["num_qo_heads"], p["head_dim"], p["dtype"]
         # Cheap checks here; alignment and unit last-dim strides are checked by the
         # compiled kernel's tvm-ffi entry before the launch (ValueError, translated below).
