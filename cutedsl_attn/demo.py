@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from .timing import KernelTimer, read_bandwidth
+
 HQ, HKV, HEAD_DIM, PAGE_SIZE, NUM_LAYERS = 32, 8, 128, 16, 32
 DTYPE = torch.bfloat16
 O_TOL = 1e-2
@@ -80,29 +82,6 @@ def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
     return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
 
 
-class _Timer:
-    """CUDA-event timing with an L2 flush and a GPU sleep before every call (as perf/bench_decode.py)."""
-
-    def __init__(self, device):
-        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device=device)
-
-    def __call__(self, fn, reps: int = 20, sleep_cycles: int = 2_000_000) -> float:
-        fn()
-        fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            self.flush.zero_()
-            torch.cuda._sleep(sleep_cycles)  # lets the host queue the whole call before it starts
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b) * 1e-3)
-        return statistics.median(ts)
-
-
 class _Report:
     def __init__(self):
         self.results: list[tuple[str, bool, str]] = []
@@ -123,15 +102,7 @@ def _gpu_info(dev) -> str:
             f"{p.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA {torch.version.cuda}")
 
 
-def _read_bandwidth(timer: _Timer, device) -> float:
-    x = torch.ones((4 << 30) // 4, dtype=torch.float32, device=device)
-    t = timer(lambda: x.sum(), reps=10)
-    del x
-    torch.cuda.empty_cache()
-    return (4 << 30) / t
-
-
-def _llama_step(args, rep: _Report, timer: _Timer, dev, read_bw: float) -> None:
+def _llama_step(args, rep: _Report, timer: KernelTimer, dev, read_bw: float) -> None:
     import cutedsl_attn as ca
     from cutedsl_attn import ref
 
@@ -291,9 +262,9 @@ def _gpu_main(args) -> int:
         return 1
     print(f"kernels compiled for {arch}")
     rep = _Report()
-    timer = _Timer(dev)
+    timer = KernelTimer(dev, sleep_cycles=4_000_000)  # ~2 ms: the host queues all 32 layers first
     t0 = time.perf_counter()
-    read_bw = _read_bandwidth(timer, dev)
+    read_bw = read_bandwidth(timer)
     print(f"plain device read (4 GiB x.sum()): {read_bw / 1e12:.2f} TB/s")
     for name, part in (("Llama-3-8B decode step", lambda: _llama_step(args, rep, timer, dev, read_bw)),
                        ("real-model decode", lambda: _real_model(rep, dev))):

@@ -22,41 +22,26 @@ import time
 
 import torch
 
+from cutedsl_attn.timing import KernelTimer, copy_bandwidth, read_bandwidth
+
 SHAPES = [(64, 4096, 16), (64, 4096, 64), (128, 8192, 64), (16, 32768, 64), (1, 8192, 16), (8, 2048, 16)]
 HQ, HKV, D = 32, 8, 128
 DT = torch.bfloat16
 DEV = torch.device("cuda")
 
-_flush = None
+_timer = None
 
 
-def timed(fn, reps=20, sleep_cycles=400_000):
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
-    fn()
-    fn()
-    ts = []
-    for _ in range(reps):
-        _flush.zero_()
-        torch.cuda._sleep(sleep_cycles)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(ts)
+def timed(fn, reps=20):
+    global _timer
+    if _timer is None:
+        _timer = KernelTimer(DEV)
+    return _timer(fn, reps=reps)
 
 
 def read_ceiling():
-    x = torch.empty(4 << 30, dtype=torch.uint8, device=DEV).view(torch.float32)
-    x.normal_()
-    t = timed(lambda: x.sum(), reps=10)
-    c = torch.empty_like(x)
-    tc = timed(lambda: c.copy_(x), reps=10)
-    del x, c
-    return (4 << 30) / t / 1e12, 2 * (4 << 30) / tc / 1e12
+    timed(lambda: None, reps=1)
+    return read_bandwidth(_timer) / 1e12, copy_bandwidth(_timer) / 1e12
 
 
 def make_problem(B, L, ps, gen):

@@ -13,32 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
+from cutedsl_attn.timing import KernelTimer
+
 DEV = torch.device("cuda")
 DT = torch.bfloat16
-_flush = None
+_timer = None
 
 
-def timed(fn, reps=10, sleep_cycles=400_000):
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
-    fn()
-    fn()
-    ts = []
-    for _ in range(reps):
-        _flush.zero_()
-        torch.cuda._sleep(sleep_cycles)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3)
-    return statistics.median(ts)
+def timed(fn, reps=10):
+    global _timer
+    if _timer is None:
+        _timer = KernelTimer(DEV)
+    return _timer(fn, reps=reps)
 
 
 def flops(lens, hq, dqk, dvo, causal):
@@ -67,9 +56,9 @@ def main():
     import cutedsl_attn as ca
 
     try:
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+        from flash_attn.cute import flash_attn_varlen_func
     except Exception as e:  # noqa: BLE001
-        flash_attn_func = flash_attn_varlen_func = None
+        flash_attn_varlen_func = None
         print("FA4 unavailable:", e)
     try:
         import flashinfer

@@ -17,7 +17,6 @@ split into ``num_splits > 1`` items writes fp32 partials ``part_base + split_idx
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass
 
 import torch

@@ -32,7 +32,6 @@ and k at its token position; empty rows give O = 0 and LSE = -inf.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cutlass
@@ -180,14 +179,13 @@ class PagedDecodeKernel:
         self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, mSinks, mAlibi,
         sm_scale: Float32, soft_cap: Float32, rope_rcp_scale: Float32, rope_log2_theta: Float32,
     ):
-        D, G, NW, S, NT, RB, TILE = self.D, self.G, self.NW, self.S, self.NT, self.RB, self.TILE
+        D, G, NW = self.D, self.G, self.NW
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         kvh, wi, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp = tidx // 32
         g = lane // 4
-        t = lane % 4
 
         smem_base = cute.arch.get_dyn_smem(cutlass.Int8, alignment=128).toint()
         sQ = smem_base

@@ -134,7 +134,7 @@ class PrefillKernel:
     def kernel(self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks,
                sm_scale: Float32, soft_cap: Float32, window_left: Int32):
         cfg = self.cfg
-        DQ, G, TM, TN, RQ, RV = self.DQ, self.G, self.TM, self.TN, self.RQ, self.RV
+        G, TM, TN, RQ = self.G, self.TM, self.TN, self.RQ
         tidx, _, _ = cute.arch.thread_idx()
         kvh, wi, _ = cute.arch.block_idx()
         lane = tidx % 32

@@ -1,0 +1,60 @@
+"""GPU timing used by the benchmarks and the demo (the method of ../shared/reference/h200_anchors.md).
+
+Before every timed call the L2 is flushed (a 512 MiB memset) and the GPU sleeps so
+that the host has queued the call before it starts: CUDA events around the call then
+measure the kernels, not the host launch cost.  The median of ``reps`` calls is
+returned, in seconds.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+class KernelTimer:
+    """``timer(fn, reps=20) -> seconds``: median device time of ``fn()`` with a cold L2."""
+
+    def __init__(self, device=None, sleep_cycles: int = 400_000):
+        self.device = torch.device("cuda") if device is None else torch.device(device)
+        self.sleep_cycles = sleep_cycles
+        self._flush = None
+
+    def __call__(self, fn, reps: int = 20, sleep_cycles: int | None = None) -> float:
+        if self._flush is None:
+            self._flush = torch.empty(512 << 20, dtype=torch.uint8, device=self.device)
+        cycles = self.sleep_cycles if sleep_cycles is None else sleep_cycles
+        fn()
+        fn()
+        torch.cuda.synchronize(self.device)
+        ts = []
+        for _ in range(reps):
+            self._flush.zero_()
+            torch.cuda._sleep(cycles)  # the host queues the whole call while the GPU sleeps
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize(self.device)
+            ts.append(a.elapsed_time(b) * 1e-3)
+        return statistics.median(ts)
+
+
+def read_bandwidth(timer: KernelTimer, nbytes: int = 4 << 30) -> float:
+    """Bytes/s of a plain device read (``x.sum()`` over ``nbytes`` of fp32): the decode ceiling."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=timer.device)
+    t = timer(lambda: x.sum(), reps=10)
+    del x
+    torch.cuda.empty_cache()
+    return nbytes / t
+
+
+def copy_bandwidth(timer: KernelTimer, nbytes: int = 4 << 30) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=timer.device)
+    y = torch.empty_like(x)
+    t = timer(lambda: y.copy_(x), reps=10)
+    del x, y
+    torch.cuda.empty_cache()
+    return 2 * nbytes / t
