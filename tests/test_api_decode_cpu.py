@@ -24,6 +24,7 @@ import cutedsl_attn as ca
 from cutedsl_attn import dispatch
 from cutedsl_attn.api import decode as api_decode
 from cutedsl_attn.planning.decode import WORK_COLS, kv_lens_from_csr, max_items, plan_paged_decode
+from cutedsl_attn import ref
 from cutedsl_attn.ref import alibi_slopes
 
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -198,10 +199,10 @@ def test_plan_heads_not_multiple(hq, hkv):
     _plan_raises(ValueError, "num_qo_heads", p, _replace(p, hq=hq, hkv=hkv))
 
 
-@pytest.mark.parametrize("hq,hkv", [(0, 1), (8, 0), (-8, 2)])
-def test_plan_heads_not_positive(hq, hkv):
+@pytest.mark.parametrize("hq,hkv,name", [(0, 1, "num_qo_heads"), (8, 0, "num_kv_heads"), (-8, 2, "num_qo_heads")])
+def test_plan_heads_not_positive(hq, hkv, name):
     p = problem()
-    _plan_raises(ValueError, "num_qo_heads", p, _replace(p, hq=hq, hkv=hkv))
+    _plan_raises(ValueError, name, p, _replace(p, hq=hq, hkv=hkv))
 
 
 def test_plan_group_too_large():
@@ -372,12 +373,32 @@ def test_plan_workspace_too_small():
         w.plan(*plan_args(p), q_data_type=BF16)
 
 
-def test_plan_indices_on_other_device():
+def test_plan_indices_on_other_device_are_copied(rec):
+    # as FlashInfer 0.7.2: page indices (and block tables) given on another device are copied to the wrapper's
     p = problem()
     w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
     w.device = torch.device("meta")  # pretend the wrapper lives elsewhere
-    with pytest.raises(ValueError, match="indices"):
-        w.plan(*plan_args(p), q_data_type=BF16)
+    w.plan(*plan_args(p), q_data_type=BF16)
+    assert w._plan["indices"].device.type == "meta"
+
+
+def test_plan_csr_and_block_tables_together_rejected():
+    p = problem()
+    bt, sl = ref.csr_to_block_tables(p["indptr"], p["indices"], p["last"], p["ps"])
+    _plan_raises(ValueError, "not both", p, block_tables=bt.to(torch.int32), seq_lens=sl.to(torch.int32))
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
+    (dict(sm_scale="0.1"), TypeError, "sm_scale"),
+    (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap"),
+    (dict(rope_scale=0.0), ValueError, "rope_scale"),
+    (dict(rope_theta=-1.0), ValueError, "rope_theta"),
+    (dict(window_left=True), ValueError, "window_left"),
+    (dict(fixed_split_size=1.5), ValueError, "fixed_split_size"),
+])
+def test_plan_bad_scalars(kw, exc, match):
+    _plan_raises(exc, match, **kw)
 
 
 def test_plan_positional_options_deprecated(rec):
@@ -985,3 +1006,23 @@ def test_run_does_not_keep_tuple_cache_alive(rec):
 
 def test_run_does_not_keep_combined_cache_alive(rec):
     assert _cache_freed_after_run(rec, lambda c: c)
+
+
+def test_cuda_graph_multirow_replan_and_frozen_signature():
+    # re-planning a CUDA-graph wrapper every step is the point of graph mode; q_len_per_req,
+    # page_size, dtype and the table form are frozen by the first plan (the captured kernel)
+    ip, ix, lp = graph_buffers(2, 8)
+    g = ca.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws(), ip, ix, lp, use_tensor_cores=True)
+    indptr = torch.tensor([0, 2, 4], dtype=torch.int32)
+    idx = torch.arange(4, dtype=torch.int32)
+    lpl = torch.tensor([5, 16], dtype=torch.int32)
+    for _ in range(2):
+        g.plan(indptr, idx, lpl, 32, 8, 128, 16, q_len_per_req=2, q_data_type=BF16)
+    with pytest.raises(ValueError, match="cannot change between plans"):
+        g.plan(indptr, idx, lpl, 32, 8, 128, 16, q_len_per_req=1, q_data_type=BF16)
+    with pytest.raises(ValueError, match="cannot change between plans"):
+        g.plan(indptr, idx, lpl, 32, 8, 128, 16, q_len_per_req=2, q_data_type=torch.float16)
+    bt, sl = ref.csr_to_block_tables(indptr, idx, lpl, 16)
+    with pytest.raises(ValueError, match="cannot change between plans"):
+        g.plan(None, None, None, 32, 8, 128, 16, q_len_per_req=2, q_data_type=BF16,
+               block_tables=bt.to(torch.int32), seq_lens=sl.to(torch.int32))

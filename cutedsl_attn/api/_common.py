@@ -67,6 +67,37 @@ def check_heads(num_qo_heads: int, num_kv_heads: int) -> int:
     return group
 
 
+def check_int(name: str, value, minimum: int | None = None) -> int:
+    """An integer argument (Python or numpy int, not bool); ``ValueError`` otherwise or below ``minimum``."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_float(name: str, value, *, positive: bool) -> float | None:
+    """A finite real argument or None (Python/numpy float or int, or a 0-d tensor)."""
+    import math
+    import numbers
+
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
 def check_tensor(name: str, t, *, dtype=None, ndim=None, device=None, shape=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

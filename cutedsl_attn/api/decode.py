@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import re
+import threading
 import warnings
 from functools import partialmethod
 
@@ -31,6 +32,8 @@ from ._common import (
     check_heads,
     check_kv_layout,
     check_pos_encoding_mode,
+    check_float,
+    check_int,
     check_tensor,
     split_paged_kv_cache,
 )
@@ -126,6 +129,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._work_dev = None
         self._counters = None
         self._table_buf = None
+        self._graph_sig = None
         self._multirow = None
         self._dummy = None
         self._slopes = None
@@ -228,10 +232,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
              disable_split_kv, q_len_per_req) = (vals[n] for n in _PLAN_POSITIONAL)
 
         check_pos_encoding_mode(pos_encoding_mode)
+        num_qo_heads = check_int("num_qo_heads", num_qo_heads, 1)
+        num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+        head_dim = check_int("head_dim", head_dim, 1)
+        page_size = check_int("page_size", page_size, 1)
         check_head_dim(head_dim)
         group = check_heads(num_qo_heads, num_kv_heads)
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        sm_scale = check_float("sm_scale", sm_scale, positive=True)
+        rope_scale = check_float("rope_scale", rope_scale, positive=True)
+        rope_theta = check_float("rope_theta", rope_theta, positive=True)
+        if fixed_split_size is not None:
+            fixed_split_size = check_int("fixed_split_size", fixed_split_size, 1)
         if isinstance(q_len_per_req, bool) or not isinstance(q_len_per_req, int) or q_len_per_req < 1:
             raise ValueError(f"q_len_per_req must be an int >= 1, got {q_len_per_req!r}")
         if q_len_per_req > 1:
@@ -247,11 +258,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # with one query row per request, bottom-right causal keeps every key: is_causal changes nothing
         if window_right != 0:
             raise NotImplementedError("window_right != 0 is not supported (decode sees no keys to the right)")
-        if not isinstance(window_left, int) or window_left < -1:
-            raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
-        cap = float(logits_soft_cap) if logits_soft_cap else 0.0
+        window_left = check_int("window_left", window_left, -1)
+        cap = check_float("logits_soft_cap", logits_soft_cap, positive=False) or 0.0
         if cap < 0:
-            raise ValueError(f"logits_soft_cap must be >= 0, got {logits_soft_cap}")
+            raise ValueError(f"logits_soft_cap must be >= 0 (0 or None disables it), got {logits_soft_cap}")
         if cap > 0 and pos_encoding_mode == "ALIBI":
             raise NotImplementedError("logits_soft_cap together with ALIBI is not supported")
 
@@ -269,21 +279,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if dt not in (torch.float16, torch.bfloat16):
                 raise NotImplementedError(f"{n}={dt} is not supported; supported: torch.float16, torch.bfloat16")
         if not (q_dt == kv_dt == o_dt):
+            hint = (" (q_data_type defaults to float16 and the deprecated data_type only fills unset dtypes, "
+                    "as in FlashInfer: pass q_data_type)" if d_dt is not None else "")
             raise NotImplementedError(
-                f"mixed dtypes (q={q_dt}, kv={kv_dt}, o={o_dt}) are not supported; q, kv and o must match"
+                f"mixed dtypes (q={q_dt}, kv={kv_dt}, o={o_dt}) are not supported; q, kv and o must match{hint}"
             )
 
         # --- page table: CSR or dense block table -> (kv_lens, page_offsets, flat indices)
+        if (block_tables is not None or seq_lens is not None) and indptr is not None:
+            raise ValueError(
+                "give the page table either as CSR (indptr/indices/last_page_len) or as block_tables/seq_lens, "
+                "not both (pass None for the unused form)"
+            )
         if block_tables is not None or seq_lens is not None:
             if block_tables is None or seq_lens is None:
                 raise ValueError("block_tables and seq_lens must be given together")
-            check_tensor("block_tables", block_tables, ndim=2, device=self.device)
+            check_tensor("block_tables", block_tables, ndim=2)
+            block_tables = block_tables.to(self.device, non_blocking=non_blocking)  # as FlashInfer: host tables ok
             if block_tables.dtype not in (torch.int32,):
                 raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
             check_tensor("seq_lens", seq_lens, ndim=1)
             B = block_tables.shape[0]
             if seq_lens.shape[0] != B:
                 raise ValueError(f"seq_lens must have shape [{B}], got {tuple(seq_lens.shape)}")
+            if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool:
+                raise ValueError(f"seq_lens must be an integer tensor, got {seq_lens.dtype}")
             kv_lens = seq_lens.to("cpu", torch.int64)
             if (kv_lens < 0).any():
                 raise ValueError("seq_lens must be >= 0")
@@ -298,8 +318,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 check_tensor(n, t, ndim=1)
                 if t.dtype != torch.int32:
                     raise ValueError(f"{n} must be int32, got {t.dtype}")
-            if indices.device != self.device:
-                raise ValueError(f"indices is on {indices.device}, expected {self.device}")
+            indices = indices.to(self.device, non_blocking=non_blocking)  # as FlashInfer: host indices are copied
             B = last_page_len.shape[0]
             if indptr.shape[0] != B + 1:
                 raise ValueError(f"indptr must have B+1 = {B + 1} entries, got {indptr.shape[0]}")
@@ -329,13 +348,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 f"The batch size should be fixed in cudagraph mode, the runtime batch size {B} "
                 f"mismatches the batch size set during initialization {self._fixed_batch_size}"
             )
-        if self._use_cuda_graph and self._plan is not None:
-            p0 = self._plan
-            if (num_qo_heads, num_kv_heads, head_dim) != (p0["num_qo_heads"], p0["num_kv_heads"], p0["head_dim"]):
-                raise ValueError("num_qo_heads/num_kv_heads/head_dim cannot change between plans in CUDA-graph mode")
+        if self._use_cuda_graph:
+            # a captured graph keeps the kernel, its grid size and the buffers of its capture
+            sig = (num_qo_heads, num_kv_heads, head_dim, page_size, q_dt, pos_encoding_mode, cap > 0,
+                   q_len_per_req, "block_tables" if block_tables is not None else "csr")
+            if self._graph_sig is not None and sig != self._graph_sig:
+                raise ValueError(
+                    "in CUDA-graph mode num_qo_heads, num_kv_heads, head_dim, page_size, dtypes, pos_encoding_mode, "
+                    "whether a soft cap is used, q_len_per_req and the page-table form (CSR or block_tables) "
+                    f"cannot change between plans: first plan {self._graph_sig}, now {sig}"
+                )
 
-        if self._use_cuda_graph and self._plan is not None and self._plan.get("q_len", 1) != q_len_per_req:
-            raise ValueError("q_len_per_req cannot change between plans in CUDA-graph mode (as FlashInfer)")
         if q_len_per_req > 1:
             if kv_lens.numel() and int(kv_lens.min()) < q_len_per_req:
                 b = int((kv_lens < q_len_per_req).nonzero()[0])
@@ -349,6 +372,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
                     q_data_type=q_dt, kv_data_type=kv_dt, o_data_type=o_dt, non_blocking=non_blocking,
                 ))
+            if self._use_cuda_graph:
+                self._graph_sig = sig
             return
         self._multirow = None
 
@@ -447,6 +472,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             cfg=cfg, kv_lens=wp.kv_lens, num_work=wp.num_work, split_tokens=wp.split_tokens,
         )
         self._kernels = {}
+        if self._use_cuda_graph:
+            self._graph_sig = sig
 
     begin_forward = plan
 
@@ -467,8 +494,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                                                  use_cuda_graph=self._use_cuda_graph, **gbuf)
         self._multirow.plan(qo_indptr.to(self.device), indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                             head_dim, page_size, block_tables=block_tables, seq_lens=seq_lens, **kw)
-        self._plan = dict(multirow=True, B=B, q_len=q_len, num_qo_heads=num_qo_heads, head_dim=head_dim,
-                          window_left=kw["window_left"])
+        self._plan = dict(multirow=True, B=B, q_len=q_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                          head_dim=head_dim, window_left=kw["window_left"])
 
     def _split_cache(self, paged_kv_cache):
         """(k, v) NHD-ordered views of the cache, validated against the plan.
@@ -596,11 +623,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if k_scale is not None:
             sm_scale *= k_scale
         fn = self._kernels.get(sinks is not None) or self._kernel(sinks is not None)
+        if self.device.index is not None and self.device.index != torch.cuda.current_device():
+            with torch.cuda.device(self.device):
+                return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                                lse=lse, return_lse=return_lse, window_left=window_left, sinks=sinks)
         try:
             fn(q, k, v, p["indices"], p["work"], out, lse, p["part_o"], p["part_lse"], self._counters,
                p["dummy"] if sinks is None else sinks, p["slopes"],
                sm_scale, p["soft_cap"], p["rope_rcp_scale"], p["rope_log2_theta"])
-        except ValueError as e:  # the tvm-ffi entry's layout checks, in FlashInfer's names
+        except Exception as e:
+            if not isinstance(e, ValueError):
+                if q.device.type != "cuda":
+                    raise ValueError(
+                        f"q, the kv cache and the workspace must be CUDA tensors to launch, got {q.device}"
+                    ) from None
+                raise
+            # the tvm-ffi entry's layout checks, in FlashInfer's names
             msg = _KERNEL_ARG_RE.sub(lambda m: f"argument {_KERNEL_ARG_NAMES.get(int(m.group(1)), m.group(1))}",
                                      str(e).split(" when calling")[0])
             for kname, uname in (("mQ", "q"), ("mK", "k_cache"), ("mV", "v_cache"), ("mO", "out"), ("mLSE", "lse"),
@@ -646,7 +684,7 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
         )
 
 
-_single_cache: dict = {}
+_single_state = threading.local()  # one wrapper per (thread, device, shape): plan() + run() per call
 
 
 def single_decode_with_kv_cache(
@@ -696,10 +734,13 @@ def single_decode_with_kv_cache(
         raise NotImplementedError(f"q/k/v dtypes must match (got {q.dtype}, {k.dtype}, {v.dtype})")
     dev = q.device
     key = (dev, hq, hkv, d, q.dtype)  # one wrapper per shape; plan() runs on every call
-    entry = _single_cache.get(key)
+    cache = getattr(_single_state, "wrappers", None)
+    if cache is None:
+        cache = _single_state.wrappers = {}
+    entry = cache.get(key)
     if entry is None:
         ws = torch.empty(32 * 1024 * 1024, dtype=torch.uint8, device=dev)
-        entry = _single_cache[key] = [BatchDecodeWithPagedKVCacheWrapper(ws, "NHD"), None, -1]
+        entry = cache[key] = [BatchDecodeWithPagedKVCacheWrapper(ws, "NHD"), None, -1]
     wrapper = entry[0]
     n_idx = max(1, 1 << max(kv_len - 1, 0).bit_length())
     if entry[1] is None or entry[1].numel() < n_idx:

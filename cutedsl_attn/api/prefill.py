@@ -503,6 +503,12 @@ class _BatchPrefillBase:
                    self._dummy_f32 if sinks is None else sinks, sm_scale, p["soft_cap"], p["window_left"])
             except ValueError as e:  # the tvm-ffi entry's layout checks, in FlashInfer's names
                 raise self._entry_error(e) from None
+            except Exception:
+                if q.device.type != "cuda":
+                    raise ValueError(
+                        f"q, k, v and the workspace must be CUDA tensors to launch, got {q.device}"
+                    ) from None
+                raise
         if o_factor != 1.0:
             out.mul_(o_factor)
         if want_lse:
@@ -960,9 +966,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         if block_tables is not None:
             if seq_lens is None:
                 raise ValueError("block_tables and seq_lens must be given together")
-            check_tensor("block_tables", block_tables, ndim=2, device=self.device)
+            check_tensor("block_tables", block_tables, ndim=2)
             if block_tables.dtype != torch.int32:
                 raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+            block_tables = block_tables.to(self.device, non_blocking=non_blocking)  # as FlashInfer: host ok
             if block_tables.shape[0] != B:
                 raise ValueError(f"block_tables must have B = len(qo_indptr) - 1 = {B} rows, "
                                  f"got {block_tables.shape[0]}")
@@ -986,8 +993,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 check_tensor(n, t, ndim=1)
                 if t.dtype != torch.int32:
                     raise ValueError(f"{n} must be int32, got {t.dtype}")
-            if paged_kv_indices.device != self.device:
-                raise ValueError(f"paged_kv_indices is on {paged_kv_indices.device}, expected {self.device}")
+            # as FlashInfer 0.7.2: page indices on the host (or another device) are copied to the wrapper's
+            paged_kv_indices = paged_kv_indices.to(self.device, non_blocking=non_blocking)
             ip_h = _indptr_host("paged_kv_indptr", paged_kv_indptr, length=B + 1)
             if paged_kv_last_page_len.shape[0] != B:
                 raise ValueError(f"paged_kv_last_page_len must have B = {B} entries, "

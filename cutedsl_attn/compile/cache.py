@@ -836,9 +836,15 @@ def _resolve_arch(cfg, arch: Optional[str]) -> Tuple[str, bool]:
     return target_arch(), False
 
 
+# The DSL's compiler keeps per-process state (an MLIR context/session) that is not safe to
+# use from several threads at once: every build in this process is serialised.
+_compile_lock = threading.RLock()
+
+
 def _build(build, cfg, stats):
     t0 = time.perf_counter()
-    fn = build(cfg)
+    with _compile_lock:
+        fn = build(cfg)
     dt = time.perf_counter() - t0
     if fn is None:
         raise TypeError("get_compiled: build(cfg) returned None (it must return the compiled callable)")
