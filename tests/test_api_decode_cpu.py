@@ -343,9 +343,9 @@ def test_plan_window_right(wr):
     _plan_raises(NotImplementedError, "window_right", window_right=wr)
 
 
-@pytest.mark.parametrize("wl", [-2, 1.5, "3"])
-def test_plan_bad_window_left(wl):
-    _plan_raises(ValueError, "window_left", window_left=wl)
+@pytest.mark.parametrize("wl,exc", [(-2, ValueError), (1.5, TypeError), ("3", TypeError), (True, TypeError)])
+def test_plan_bad_window_left(wl, exc):
+    _plan_raises(exc, "window_left", window_left=wl)
 
 
 def test_plan_soft_cap_with_alibi():
@@ -394,8 +394,8 @@ def test_plan_csr_and_block_tables_together_rejected():
     (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap"),
     (dict(rope_scale=0.0), ValueError, "rope_scale"),
     (dict(rope_theta=-1.0), ValueError, "rope_theta"),
-    (dict(window_left=True), ValueError, "window_left"),
-    (dict(fixed_split_size=1.5), ValueError, "fixed_split_size"),
+    (dict(fixed_split_size=1.5), TypeError, "fixed_split_size"),
+    (dict(fixed_split_size=0), ValueError, "fixed_split_size"),
 ])
 def test_plan_bad_scalars(kw, exc, match):
     _plan_raises(exc, match, **kw)

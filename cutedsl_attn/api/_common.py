@@ -68,11 +68,11 @@ def check_heads(num_qo_heads: int, num_kv_heads: int) -> int:
 
 
 def check_int(name: str, value, minimum: int | None = None) -> int:
-    """An integer argument (Python or numpy int, not bool); ``ValueError`` otherwise or below ``minimum``."""
+    """An integer argument (Python or numpy int, not bool): ``TypeError`` otherwise, ``ValueError`` below ``minimum``."""
     import numbers
 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise TypeError(f"{name} must be an int, got {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 import re
 import warnings
 from functools import partialmethod
@@ -37,6 +36,7 @@ from ..planning.prefill import max_tiles, plan_prefill
 from ._common import (
     canonical_dtype,
     check_heads,
+    check_int,
     check_kv_layout,
     check_pos_encoding_mode,
     check_tensor,
@@ -74,12 +74,7 @@ def _check_backend(backend: str) -> None:
 
 
 def _check_int(name: str, x) -> int:
-    if isinstance(x, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        return operator.index(x)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}") from None
+    return check_int(name, x)
 
 
 def _check_head_dims(head_dim_qk, head_dim_vo) -> tuple[int, int]:
