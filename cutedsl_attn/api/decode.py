@@ -377,17 +377,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return
         self._multirow = None
 
-        if fixed_split_size is not None and fixed_split_size <= 0:
-            raise ValueError(f"fixed_split_size must be a positive number of pages, got {fixed_split_size}")
-
         sms = dispatch.num_sms(self.device.index if self.device.type == "cuda" else None)
         min_waves = float(os.environ.get("CUTEDSL_ATTN_DECODE_MIN_WAVES", "0"))  # tuning experiments only
 
         def make_plan(cfg):
-            slots = sms * dispatch.paged_decode_ctas_per_sm(cfg)
+            per_sm = dispatch.paged_decode_ctas_per_sm(cfg)
+            slots = sms * per_sm
             return plan_paged_decode(
                 kv_lens, page_offsets, num_kv_heads=num_kv_heads, page_size=page_size, window_left=window_left,
-                num_sms=sms, ctas_per_sm=dispatch.paged_decode_ctas_per_sm(cfg),
+                num_sms=sms, ctas_per_sm=per_sm,
                 fixed_split_tokens=fixed_split_size * page_size if fixed_split_size else None,
                 disable_split_kv=disable_split_kv,
                 num_rows=max_items(B, num_kv_heads, slots) if self._use_cuda_graph else None,
