@@ -150,3 +150,50 @@ def split_paged_kv_cache(paged_kv_cache, kv_layout: str):
     if kv_layout == "HND":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     return k, v
+
+
+_KERNEL_ARG_RE = None
+
+
+def kernel_entry_error(e: Exception, positions: dict[int, str], renames: dict[str, str]) -> ValueError:
+    """A ValueError from a compiled kernel's tvm-ffi entry check, in the API's argument names.
+
+    The entry names arguments by position (``argument #3``) and by the kernel's parameter
+    names (``mK``); ``positions`` and ``renames`` map both to the FlashInfer names.
+    """
+    import re
+
+    global _KERNEL_ARG_RE
+    if _KERNEL_ARG_RE is None:
+        _KERNEL_ARG_RE = re.compile(r"argument #(\d+)")
+    msg = _KERNEL_ARG_RE.sub(lambda m: f"argument {positions.get(int(m.group(1)), m.group(1))}",
+                             str(e).split(" when calling")[0])
+    for kname, uname in renames.items():
+        msg = msg.replace(kname + ".", uname + ".").replace(kname + " ", uname + " ")
+    return ValueError(
+        f"{msg} (inputs must have a contiguous last dim, 16-byte aligned pointers and strides; out and lse "
+        "contiguous)"
+    )
+
+
+def paged_kv_views(paged_kv_cache, kv_layout: str, *, page_size: int, num_kv_heads: int, head_dims, dtype, device):
+    """(k, v) NHD-ordered 4-D views of a paged cache in any FlashInfer form, checked against a plan.
+
+    ``head_dims`` is ``(head_dim_qk, head_dim_vo)``.  A ``(k_cache, v_cache)`` tuple in NHD
+    needs no view (the lowest host cost).  Raises ``ValueError`` naming ``k_cache``/``v_cache``.
+    """
+    c = paged_kv_cache
+    if (type(c) is tuple and len(c) == 2 and kv_layout == "NHD" and isinstance(c[0], torch.Tensor)
+            and isinstance(c[1], torch.Tensor) and c[0].dim() == 4 and c[1].dim() == 4):
+        k, v = c
+    else:
+        k, v = split_paged_kv_cache(c, kv_layout)
+    for n, t, d in (("k_cache", k, head_dims[0]), ("v_cache", v, head_dims[1])):
+        if t.dtype != dtype:
+            raise ValueError(f"The dtype of {n} ({t.dtype}) does not match the kv_data_type specified in plan ({dtype})")
+        if t.shape[1:] != (page_size, num_kv_heads, d):
+            raise ValueError(f"{n} has shape {tuple(t.shape)} (as NHD), expected [pages, {page_size}, "
+                             f"{num_kv_heads}, {d}] for kv_layout={kv_layout}")
+        if t.device != device:
+            raise ValueError(f"the kv cache is on {t.device}, expected {device}")
+    return k, v

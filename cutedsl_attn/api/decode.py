@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import threading
 import warnings
 from functools import partialmethod
@@ -35,12 +34,14 @@ from ._common import (
     check_float,
     check_int,
     check_tensor,
-    split_paged_kv_cache,
+    kernel_entry_error,
+    paged_kv_views,
 )
 
 _SUPPORTED_BACKENDS = ("auto", "cute")
-_KERNEL_ARG_RE = re.compile(r"argument #(\d+)")
 _KERNEL_ARG_NAMES = {0: "q", 1: "k_cache", 2: "v_cache", 3: "indices", 5: "out", 6: "lse", 10: "sinks"}
+_KERNEL_RENAMES = {"mQ": "q", "mK": "k_cache", "mV": "v_cache", "mO": "out", "mLSE": "lse", "mSinks": "sinks",
+                   "mIdx": "indices"}
 _FLASHINFER_BACKENDS = ("fa2", "fa3", "trtllm-gen", "cute-dsl", "cudnn", "cutile", "prims-ts", "xqa")
 _PLAN_POSITIONAL = (
     "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "o_data_type",
@@ -496,27 +497,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
                           head_dim=head_dim, window_left=kw["window_left"])
 
     def _split_cache(self, paged_kv_cache):
-        """(k, v) NHD-ordered views of the cache, validated against the plan.
-
-        A ``(k_cache, v_cache)`` tuple in NHD needs no view and has the lowest host cost."""
+        """(k, v) NHD-ordered views of the cache, validated against the plan."""
         p = self._plan
-        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2 and self._kv_layout == "NHD" \
-                and isinstance(paged_kv_cache[0], torch.Tensor) and paged_kv_cache[0].dim() == 4:
-            k, v = paged_kv_cache
-        else:
-            k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        expect = (p["page_size"], p["num_kv_heads"], p["head_dim"])
-        if k.shape[1:] != expect or v.shape[1:] != expect or k.dtype != p["dtype"] or v.dtype != p["dtype"]:
-            for n, t in (("k_cache", k), ("v_cache", v)):
-                if t.dtype != p["dtype"]:
-                    raise ValueError(f"The dtype of {n} ({t.dtype}) does not match the kv_data_type "
-                                     f"specified in plan ({p['dtype']})")
-                if t.shape[1:] != expect:
-                    raise ValueError(f"{n} has shape {tuple(t.shape)} (as NHD), expected [pages, {expect[0]}, "
-                                     f"{expect[1]}, {expect[2]}] for kv_layout={self._kv_layout}")
-        if k.device != self.device:
-            raise ValueError(f"the kv cache is on {k.device}, expected {self.device}")
-        return k, v
+        return paged_kv_views(paged_kv_cache, self._kv_layout, page_size=p["page_size"],
+                              num_kv_heads=p["num_kv_heads"], head_dims=(p["head_dim"], p["head_dim"]),
+                              dtype=p["dtype"], device=self.device)
 
     def _kernel(self, use_sinks: bool):
         k = self._kernels.get(use_sinks)
@@ -637,15 +622,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     ) from None
                 raise
             # the tvm-ffi entry's layout checks, in FlashInfer's names
-            msg = _KERNEL_ARG_RE.sub(lambda m: f"argument {_KERNEL_ARG_NAMES.get(int(m.group(1)), m.group(1))}",
-                                     str(e).split(" when calling")[0])
-            for kname, uname in (("mQ", "q"), ("mK", "k_cache"), ("mV", "v_cache"), ("mO", "out"), ("mLSE", "lse"),
-                                 ("mSinks", "sinks"), ("mIdx", "indices")):
-                msg = msg.replace(kname + ".", uname + ".").replace(kname + " ", uname + " ")
-            raise ValueError(
-                f"{msg} (inputs must have a contiguous last dim, 16-byte aligned pointers and strides; "
-                "out and lse contiguous)"
-            ) from None
+            raise kernel_entry_error(e, _KERNEL_ARG_NAMES, _KERNEL_RENAMES) from None
         if v_scale is not None and v_scale != 1.0:
             out.mul_(v_scale)
         return (out, lse) if return_lse else out

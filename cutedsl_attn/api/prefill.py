@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import warnings
 from functools import partialmethod
 
@@ -40,7 +39,8 @@ from ._common import (
     check_kv_layout,
     check_pos_encoding_mode,
     check_tensor,
-    split_paged_kv_cache,
+    kernel_entry_error,
+    paged_kv_views,
 )
 from .quantization import segment_packbits
 
@@ -60,7 +60,6 @@ _LN2 = math.log(2.0)
 _SUPPORTED_BACKENDS = ("auto", "cute")
 _FLASHINFER_BACKENDS = ("fa2", "fa3", "cudnn", "trtllm-gen", "cute-dsl", "cute-dsl-prims", "cutlass", "fmha_v2",
                         "cutile")
-_KERNEL_ARG_RE = re.compile(r"argument #(\d+)")
 
 
 # ----------------------------------------------------------------------------- shared checks
@@ -529,17 +528,11 @@ class _BatchPrefillBase:
             raise ValueError(f"q is on {q.device}, the wrapper on {self.device}")
 
     def _entry_error(self, e: ValueError) -> ValueError:
-        names = {0: "q", 1: self._k_names[0], 2: self._k_names[1], 3: "indices", 4: "work", 5: "out", 6: "lse",
-                 7: "custom_mask", 8: "sinks"}
-        msg = _KERNEL_ARG_RE.sub(lambda m: f"argument {names.get(int(m.group(1)), m.group(1))}",
-                                 str(e).split(" when calling")[0])
-        for kname, uname in (("mQ", "q"), ("mK", self._k_names[0]), ("mV", self._k_names[1]), ("mO", "out"),
-                             ("mLSE", "lse"), ("mSinks", "sinks"), ("mIdx", "indices"), ("mMask", "custom_mask")):
-            msg = msg.replace(kname + ".", uname + ".").replace(kname + " ", uname + " ")
-        return ValueError(
-            f"{msg} (inputs must have a contiguous last dim, 16-byte aligned pointers and strides; out and lse "
-            "contiguous)"
-        )
+        k_name, v_name = self._k_names
+        return kernel_entry_error(
+            e, {0: "q", 1: k_name, 2: v_name, 3: "indices", 4: "work", 5: "out", 6: "lse", 7: "custom_mask", 8: "sinks"},
+            {"mQ": "q", "mK": k_name, "mV": v_name, "mO": "out", "mLSE": "lse", "mSinks": "sinks", "mIdx": "indices",
+             "mMask": "custom_mask"})
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
@@ -1042,23 +1035,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     def _split_cache(self, paged_kv_cache):
         """(k, v) NHD-ordered views of the cache, validated against the plan."""
         p = self._plan
-        if type(paged_kv_cache) is tuple and len(paged_kv_cache) == 2 and self._kv_layout == "NHD" \
-                and isinstance(paged_kv_cache[0], torch.Tensor) and paged_kv_cache[0].dim() == 4 \
-                and isinstance(paged_kv_cache[1], torch.Tensor) and paged_kv_cache[1].dim() == 4:
-            k, v = paged_kv_cache
-        else:
-            k, v = split_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        ps, hkv = p["page_size"], p["num_kv_heads"]
-        for n, t, d in (("k_cache", k, p["head_dim_qk"]), ("v_cache", v, p["head_dim_vo"])):
-            if t.dtype != p["dtype"]:
-                raise ValueError(f"The dtype of {n} ({t.dtype}) does not match the kv_data_type specified in plan "
-                                 f"({p['dtype']})")
-            if t.shape[1:] != (ps, hkv, d):
-                raise ValueError(f"{n} has shape {tuple(t.shape)} (as NHD), expected [pages, {ps}, {hkv}, {d}] for "
-                                 f"kv_layout={self._kv_layout}")
-            if t.device != self.device:
-                raise ValueError(f"the kv cache is on {t.device}, expected {self.device}")
-        return k, v
+        return paged_kv_views(paged_kv_cache, self._kv_layout, page_size=p["page_size"],
+                              num_kv_heads=p["num_kv_heads"], head_dims=(p["head_dim_qk"], p["head_dim_vo"]),
+                              dtype=p["dtype"], device=self.device)
 
     def run(
         self,
