@@ -71,6 +71,7 @@ def cp_async_16(smem_addr, gmem_addr, src_bytes):
 
 
 def cp_async_commit():
+    """Close this thread's current group of ``cp.async`` copies (``cp.async.commit_group``)."""
     _inline("cp.async.commit_group;")
 
 
@@ -130,18 +131,22 @@ def rcp(x):
 
 
 def ld_shared_f32(addr):
+    """fp32 load from a shared-window byte address (Int32)."""
     return _inline("ld.shared.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[Int32(addr)])
 
 
 def st_shared_f32(addr, v):
+    """fp32 store to a shared-window byte address (Int32)."""
     _inline("st.shared.f32 [{$r0}], {$r1};", read_only_args=[Int32(addr), Float32(v)])
 
 
 def ld_shared_u16(addr):
+    """16-bit load from shared memory, zero-extended into an Int32."""
     return _inline("ld.shared.u16 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int32(addr)])
 
 
 def st_shared_u16(addr, v):
+    """Store the low 16 bits of ``v`` to shared memory."""
     _inline("st.shared.u16 [{$r0}], {$r1};", read_only_args=[Int32(addr), Int32(v)])
 
 
@@ -160,6 +165,7 @@ def atomic_add_global_u32(addr, v):
 
 
 def st_global_u32(addr, v):
+    """32-bit store to a global byte address (Int64)."""
     _inline("st.global.u32 [{$r0}], {$r1};", read_only_args=[Int64(addr), Int32(v)])
 
 

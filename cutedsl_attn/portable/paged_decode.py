@@ -179,6 +179,7 @@ class PagedDecodeKernel:
         self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, mSinks, mAlibi,
         sm_scale: Float32, soft_cap: Float32, rope_rcp_scale: Float32, rope_log2_theta: Float32,
     ):
+        """Device entry: one CTA per (kv head, work item); see the module docstring."""
         D, G, NW = self.D, self.G, self.NW
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()

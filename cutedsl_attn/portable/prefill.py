@@ -133,6 +133,7 @@ class PrefillKernel:
     @cute.kernel
     def kernel(self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks,
                sm_scale: Float32, soft_cap: Float32, window_left: Int32):
+        """Device entry: one CTA per (kv head, tile of packed query rows); see the module docstring."""
         cfg = self.cfg
         G, TM, TN, RQ = self.G, self.TM, self.TN, self.RQ
         tidx, _, _ = cute.arch.thread_idx()
