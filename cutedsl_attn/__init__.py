@@ -11,6 +11,7 @@ PTX-checked only.
 __version__ = "0.1.0"
 
 from .api.cascade import merge_state, merge_state_in_place, merge_states
+from .api.cudnn import cudnn_batch_prefill_with_kv_cache
 from .api.decode import (
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
@@ -32,6 +33,7 @@ __all__ = [
     "BatchPrefillWithRaggedKVCacheWrapper",
     "single_prefill_with_kv_cache",
     "single_prefill_with_kv_cache_return_lse",
+    "cudnn_batch_prefill_with_kv_cache",
     "packbits",
     "segment_packbits",
     "merge_state",

@@ -19,12 +19,13 @@ import sys
 
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=["decode", "prefill"],
-                   help="kernel family (decode: the paged-decode kernel; prefill: the portable prefill kernel)")
+                   help="kernel family (decode: the paged-decode kernel; prefill: the prefill kernel dispatch picks "
+                        "for --arch, see --kernel)")
     p.add_argument("--arch", default="sm_90a",
                    help="target architecture: sm_90a (default), sm_100a, sm_103a, hopper, blackwell")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float16")
     p.add_argument("--head-dim", type=int, default=128,
-                   help="decode: 32, 64, 128 (default) or 256; prefill: head_dim_qk 64/128/192/256")
+                   help="decode: 32, 64, 128 (default) or 256; prefill: head_dim_qk 32/64/128/192/256")
     p.add_argument("--head-dim-vo", type=int, default=None, help="prefill: head_dim_vo (default: --head-dim)")
     p.add_argument("--causal", action="store_true", help="prefill: bottom-right causal variant")
     p.add_argument("--window", action="store_true", help="prefill: window_left variant")
@@ -37,6 +38,8 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", action="store_true", help="compile the attention-sink variant")
     p.add_argument("--num-warps", type=int, default=None, help="warps per CTA (default: dispatch's choice)")
     p.add_argument("--num-stages", type=int, default=None, help="cp.async ring depth (default: dispatch's choice)")
+    p.add_argument("--kernel", default=None, choices=["auto", "portable", "sm90"],
+                   help="prefill: auto (default; SM90 TMA+wgmma kernel on sm_90a where it applies), portable or sm90")
     p.add_argument("--summary", action="store_true",
                    help="print an instruction summary instead of the full text (ptx only)")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
@@ -62,15 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _kernel_config(args) -> dict:
     if args.op == "prefill":
-        if args.pos_encoding_mode != "NONE" or args.num_warps or args.num_stages:
-            raise ValueError("prefill: --pos-encoding-mode, --num-warps and --num-stages are not configurable")
+        if args.num_warps or args.num_stages:
+            raise ValueError("prefill: --num-warps and --num-stages are not configurable")
         return dict(
             dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_vo=args.head_dim_vo, group_size=args.group_size,
             page_size=args.page_size or 0, causal=args.causal, use_window=args.window,
             use_soft_cap=args.soft_cap, use_sinks=args.sinks, use_custom_mask=args.custom_mask,
+            pos_encoding_mode=args.pos_encoding_mode, kernel=args.kernel or "auto",
         )
-    if args.head_dim_vo or args.causal or args.window or args.custom_mask:
-        raise ValueError("decode: --head-dim-vo, --causal, --window and --custom-mask apply to prefill only")
+    if args.head_dim_vo or args.causal or args.window or args.custom_mask or args.kernel:
+        raise ValueError("decode: --head-dim-vo, --causal, --window, --custom-mask and --kernel apply to prefill only")
     return dict(
         dtype=args.dtype, head_dim=args.head_dim, page_size=16 if args.page_size is None else args.page_size,
         group_size=args.group_size,

@@ -89,7 +89,7 @@ def num_sms(device_index: int | None = None) -> int:
 
 
 # ---------------------------------------------------------------------------- prefill
-def prefill_config(
+def _portable_prefill_config(
     *,
     dtype: torch.dtype,
     head_dim_qk: int,
@@ -101,20 +101,54 @@ def prefill_config(
     use_soft_cap: bool = False,
     use_sinks: bool = False,
     use_custom_mask: bool = False,
+    pos_encoding_mode: str = "NONE",
     arch: str | None = None,
 ):
-    """The prefill kernel configuration for a problem (portable SM80-class kernel on every arch today)."""
+    """The portable (SM80-class) prefill kernel configuration for a problem."""
     from .portable import prefill as _pf
 
     return _pf.PrefillConfig(
         dtype=_TORCH_TO_NAME[dtype], head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group_size,
         page_size=page_size, causal=causal, use_window=use_window, use_soft_cap=use_soft_cap,
-        use_sinks=use_sinks, use_custom_mask=use_custom_mask, arch=arch or target_arch(),
+        use_sinks=use_sinks, use_custom_mask=use_custom_mask, pos_encoding_mode=pos_encoding_mode,
+        arch=arch or target_arch(),
     )
 
 
-def prefill_kernel(cfg):
-    """Compiled (and cached) prefill callable for ``cfg``; see ``cutedsl_attn.portable.prefill.compile``."""
-    from .portable import prefill as _pf
+def prefill_config(**kwargs):
+    """The prefill kernel configuration for a problem (keyword arguments of the portable configuration).
 
+    On SM90 the TMA + wgmma kernel (:mod:`cutedsl_attn.sm90.prefill`) serves every problem it
+    supports (ragged K/V, no custom mask, no positional encoding, ``group_size`` dividing 128);
+    everything else, and every other arch, runs the portable kernel.  The environment variable
+    ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the portable kernel (benchmarks compare both).
+    """
+    cfg = _portable_prefill_config(**kwargs)
+    if os.environ.get("CUTEDSL_ATTN_PREFILL_KERNEL", "auto") == "portable":
+        return cfg
+    from .sm90 import prefill as _sm90
+
+    if _sm90.unsupported_reason(cfg) is None:
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(_sm90.Sm90PrefillConfig)
+                  if hasattr(cfg, f.name) and f.name not in ("tile_n", "num_stages", "num_wg")}
+        tiles = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size)
+        tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE")  # "key=value,...": tuning experiments only
+        if tune:
+            for kv in tune.split(","):
+                key, val = kv.split("=")
+                tiles[key] = type(getattr(_sm90.Sm90PrefillConfig, key))(int(val))
+        return _sm90.Sm90PrefillConfig(**fields, **tiles)
+    return cfg
+
+
+def prefill_kernel(cfg):
+    """Compiled (and cached) prefill callable for ``cfg`` (a portable or an SM90 configuration).
+
+    Both share one signature and work table; see ``cutedsl_attn.portable.prefill.compile``.
+    """
+    from .portable import prefill as _pf
+    from .sm90 import prefill as _sm90
+
+    if isinstance(cfg, _sm90.Sm90PrefillConfig):
+        return get_compiled("prefill_sm90", cfg, _sm90.compile)
     return get_compiled("prefill", cfg, _pf.compile)

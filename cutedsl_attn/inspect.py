@@ -58,7 +58,8 @@ DEFAULTS = {
     ),
     "prefill": dict(
         dtype="bfloat16", head_dim_qk=128, head_dim_vo=None, group_size=4, page_size=0, causal=False,
-        use_window=False, use_soft_cap=False, use_sinks=False, use_custom_mask=False,
+        use_window=False, use_soft_cap=False, use_sinks=False, use_custom_mask=False, pos_encoding_mode="NONE",
+        kernel="auto",
     ),
 }
 
@@ -83,7 +84,9 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
 
     Args:
       op: kernel family, one of :data:`OPS` (``"decode"``: the paged-decode kernel;
-        ``"prefill"``: the portable prefill kernel, keys as :data:`DEFAULTS`).
+        ``"prefill"``: the prefill kernel the dispatch layer picks for ``arch`` (the SM90 TMA + wgmma
+        kernel on ``sm_90a`` where it applies, else the portable one; ``kernel="portable"`` or
+        ``"sm90"`` forces one), keys as :data:`DEFAULTS`).
       arch: target architecture, any spelling accepted by
         :func:`cutedsl_attn.compile.normalize_arch` (``"sm_90a"``, ``"sm_100a"``,
         ``"sm_103a"``, ``"hopper"``, ``"blackwell"``, ...).  Always explicit: the
@@ -115,12 +118,24 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[_dtype_name(merged["dtype"])]
     if op == "prefill":
         dqk = merged["head_dim_qk"]
-        return dispatch.prefill_config(
+        kernel = merged["kernel"]
+        if kernel not in ("auto", "portable", "sm90"):
+            raise ValueError(f"kernel must be 'auto', 'portable' or 'sm90', got {kernel!r}")
+        kw = dict(
             dtype=torch_dtype, head_dim_qk=dqk, head_dim_vo=merged["head_dim_vo"] or dqk,
             group_size=merged["group_size"], page_size=merged["page_size"], causal=bool(merged["causal"]),
             use_window=bool(merged["use_window"]), use_soft_cap=bool(merged["use_soft_cap"]),
-            use_sinks=bool(merged["use_sinks"]), use_custom_mask=bool(merged["use_custom_mask"]), arch=arch,
+            use_sinks=bool(merged["use_sinks"]), use_custom_mask=bool(merged["use_custom_mask"]),
+            pos_encoding_mode=merged["pos_encoding_mode"], arch=arch,
         )
+        if kernel == "portable":
+            return dispatch._portable_prefill_config(**kw)
+        cfg = dispatch.prefill_config(**kw)
+        if kernel == "sm90" and type(cfg).__name__ != "Sm90PrefillConfig":
+            from .sm90.prefill import unsupported_reason
+
+            raise ValueError(f"the SM90 prefill kernel cannot serve this config: {unsupported_reason(cfg)}")
+        return cfg
     for k in ("head_dim", "page_size", "group_size"):
         if isinstance(merged[k], bool) or not isinstance(merged[k], int):
             raise ValueError(f"{k} must be an int, got {merged[k]!r}")
@@ -142,15 +157,16 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
     )
 
 
-def _builder(op: str):
+def _builder(op: str, cfg=None):
     if op == "decode":
         from .portable import paged_decode
 
         return paged_decode.compile
     if op == "prefill":
         from .portable import prefill
+        from .sm90 import prefill as sm90_prefill
 
-        return prefill.compile
+        return sm90_prefill.compile if isinstance(cfg, sm90_prefill.Sm90PrefillConfig) else prefill.compile
     raise ValueError(f"unknown op {op!r}; supported: {OPS}")  # pragma: no cover - config() checks first
 
 
@@ -206,7 +222,7 @@ def _keep_cubin_patch():
 
 
 def _compile_artifacts(op: str, cfg, want_cubin: bool):
-    build = _builder(op)
+    build = _builder(op, cfg)
     with _compile_lock, tempfile.TemporaryDirectory(prefix="cutedsl_attn_inspect_") as d:
         params = _pyinspect.signature(build).parameters
         if want_cubin and "keep_cubin" in params:

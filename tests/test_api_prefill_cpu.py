@@ -31,6 +31,13 @@ from cutedsl_attn.planning.prefill import PAD_ROW, WORK_COLS, max_tiles, plan_pr
 BF16, FP16 = torch.bfloat16, torch.float16
 ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "mask", "sinks", "sm_scale", "soft_cap", "window_left")
 N_KERNEL_ARGS = len(ARG_NAMES)
+# the portable kernel (configs with a pos_encoding_mode field) also takes the ALiBi slopes and the RoPE scalars
+POS_ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "mask", "sinks", "alibi", "sm_scale", "soft_cap",
+                 "window_left", "rope_rcp_scale", "rope_log2_theta")
+
+
+def arg_names(cfg):
+    return POS_ARG_NAMES if hasattr(cfg, "pos_encoding_mode") else ARG_NAMES
 LN2 = math.log(2.0)
 Ragged = ca.BatchPrefillWithRaggedKVCacheWrapper
 Paged = ca.BatchPrefillWithPagedKVCacheWrapper
@@ -53,7 +60,7 @@ class Recorder:
         self.cfgs.append(cfg)
 
         def launch(*args):
-            assert len(args) == N_KERNEL_ARGS
+            assert len(args) == len(arg_names(cfg))
             self.calls.append((cfg, args))
             args[5].fill_(1.0)  # o
             args[6].fill_(0.5)  # lse ([tokens, heads])
@@ -62,7 +69,7 @@ class Recorder:
 
     def named(self, i):
         cfg, a = self.calls[i]
-        return cfg, dict(zip(ARG_NAMES, a))
+        return cfg, dict(zip(arg_names(cfg), a))
 
     @property
     def last(self):
@@ -140,8 +147,10 @@ def planned_paged(p=None, *, wrapper_kw=None, **plan_kw):
     return w, p
 
 
-def expected_work(qo, kv, kv_starts, group, *, mask_bits=None, causal=False, window_left=-1, num_rows=None):
-    work, n = plan_prefill(qo, kv, indptr(qo)[:-1], kv_starts, mask_bits, group_size=group, tile_m=64,
+def expected_work(qo, kv, kv_starts, group, *, mask_bits=None, causal=False, window_left=-1, num_rows=None,
+                  tile_m=64):
+    """The work table plan() must produce; ``tile_m`` is the planned kernel's (64: portable, 128: SM90)."""
+    work, n = plan_prefill(qo, kv, indptr(qo)[:-1], kv_starts, mask_bits, group_size=group, tile_m=tile_m,
                            num_rows=num_rows, causal=causal, window_left=window_left)
     return work, n
 
@@ -163,7 +172,7 @@ def test_ctor_bad_kv_layout(cls, layout):
 
 
 @pytest.mark.parametrize("cls", WRAPPERS)
-@pytest.mark.parametrize("backend", ["fa2", "fa3", "cudnn", "trtllm-gen", "cute-dsl", "cute-dsl-prims", "cutlass"])
+@pytest.mark.parametrize("backend", ["fa2", "fa3", "trtllm-gen", "cute-dsl", "cute-dsl-prims", "cutlass"])
 def test_ctor_flashinfer_backend_not_available(cls, backend):
     with pytest.raises(NotImplementedError, match="backend"):
         cls(ws(), "NHD", backend=backend)
@@ -328,7 +337,7 @@ def test_plan_group_too_large():
     _ragged_plan_raises(NotImplementedError, "group size", p, _replace_ragged(p, hq=64, hkv=2))
 
 
-@pytest.mark.parametrize("d", [16, 32, 96, 512])
+@pytest.mark.parametrize("d", [16, 48, 96, 512])
 def test_plan_unsupported_head_dim_qk(d):
     p = ragged_problem()
     _ragged_plan_raises(NotImplementedError, "head_dim_qk", p, _replace_ragged(p, dqk=d))
@@ -336,7 +345,7 @@ def test_plan_unsupported_head_dim_qk(d):
     _paged_plan_raises(NotImplementedError, "head_dim_qk", p, _replace_paged(p, d=d))
 
 
-@pytest.mark.parametrize("d", [32, 192, 512])
+@pytest.mark.parametrize("d", [48, 192, 512])
 def test_plan_unsupported_head_dim_vo(d):
     _ragged_plan_raises(NotImplementedError, "head_dim_vo", head_dim_vo=d)
     _paged_plan_raises(NotImplementedError, "head_dim_vo", head_dim_vo=d)
@@ -364,9 +373,21 @@ def test_plan_dtypes(which, kw, exc, match):
 
 
 @pytest.mark.parametrize("which", BOTH_PLANS)
-@pytest.mark.parametrize("mode", ["ROPE_LLAMA", "ALIBI"])
-def test_plan_pos_encoding_not_served(which, mode):
-    _plan_raises_either(which, NotImplementedError, "pos_encoding_mode", pos_encoding_mode=mode)
+def test_plan_alibi_with_soft_cap_not_served(which):
+    _plan_raises_either(which, NotImplementedError, "logits_soft_cap", pos_encoding_mode="ALIBI", logits_soft_cap=30.0)
+
+
+@pytest.mark.parametrize("which", BOTH_PLANS)
+@pytest.mark.parametrize("name,value,exc", [
+    ("rope_scale", 0.0, ValueError), ("rope_scale", -2.0, ValueError), ("rope_scale", float("inf"), ValueError),
+    ("rope_scale", float("nan"), ValueError), ("rope_scale", 1e-320, ValueError), ("rope_scale", "2", TypeError),
+    ("rope_theta", 0.0, ValueError), ("rope_theta", -1e4, ValueError), ("rope_theta", float("inf"), ValueError),
+    ("rope_theta", True, TypeError), ("rope_theta", [1e4], TypeError),
+])
+@pytest.mark.parametrize("mode", ["ROPE_LLAMA", "NONE"])
+def test_plan_bad_rope_params(which, name, value, exc, mode):
+    # validated whatever the mode (as the decode wrapper does); the message names the argument
+    _plan_raises_either(which, exc, name, pos_encoding_mode=mode, **{name: value})
 
 
 @pytest.mark.parametrize("mode", ["ROPE", "rope_llama", "alibi", ""])
@@ -808,7 +829,7 @@ def test_ragged_valid_launch(rec, layout):
         src = p[n] if layout == "NHD" else p[n].transpose(0, 1)
         assert a[n].shape == (sum(KV), hkv, d) and a[n].data_ptr() == src.data_ptr() and a[n].stride() == src.stride()
     assert a["indices"].dtype == torch.int32 and a["indices"].numel() == 1  # ragged: dummy
-    work, n = expected_work(QO, KV, indptr(KV)[:-1], 4)
+    work, n = expected_work(QO, KV, indptr(KV)[:-1], 4, tile_m=cfg.tile_m)
     assert a["work"].dtype == torch.int32 and a["work"].shape[1] == WORK_COLS
     assert torch.equal(a["work"], work) and w._plan["num_work"] == n
     assert a["o"] is out and out.shape == (T, hq, d) and out.dtype == BF16 and out.is_contiguous()
@@ -1055,8 +1076,14 @@ def test_deprecated_forward_overrides_plan_options(rec):
     with pytest.warns(DeprecationWarning):
         w.forward(p["q"], p["cache"], causal=True, v_scale=2.0)
     assert rec.last[0].causal
-    with pytest.warns(DeprecationWarning), pytest.raises(NotImplementedError, match="pos_encoding_mode"):
-        w.forward(p["q"], p["cache"], pos_encoding_mode="ROPE_LLAMA")
+    with pytest.warns(DeprecationWarning):
+        w.forward(p["q"], p["cache"], pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5)
+    cfg, a = rec.last
+    assert cfg.pos_encoding_mode == "ROPE_LLAMA" and math.isclose(a["rope_log2_theta"], math.log2(5e5))
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError, match="pos_encoding_mode"):
+        w.forward(p["q"], p["cache"], pos_encoding_mode="XPOS")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="rope_scale"):
+        w.forward(p["q"], p["cache"], pos_encoding_mode="ROPE_LLAMA", rope_scale=-1.0)
 
 
 def test_run_does_not_keep_caller_tensors_alive(rec):
@@ -1075,7 +1102,8 @@ def test_graph_ragged_replan_keeps_buffers(rec):
     B = 4
     bufs = ragged_graph_buffers(B)
     w = Ragged(ws(), "NHD", use_cuda_graph=True, **bufs)
-    n_rows = max_tiles(sum(QO), B, 4, 64)
+    tm = dispatch.prefill_config(dtype=BF16, head_dim_qk=64, head_dim_vo=64, group_size=4, causal=True).tile_m
+    n_rows = max_tiles(sum(QO), B, 4, tm)
     works = []
     problems = [ragged_problem(), ragged_problem(qo=(1, 40, 30, 7), kv=(100, 40, 1, 7)),  # same total rows (78)
                 ragged_problem(qo=(1, 1, 1, 1), kv=(1, 1, 1, 1))]  # fewer rows are fine
@@ -1083,7 +1111,7 @@ def test_graph_ragged_replan_keeps_buffers(rec):
         w.plan(*ragged_args(p), q_data_type=BF16, causal=True)
         w.run(p["q"], p["k"], p["v"])
         works.append(rec.last[1]["work"].clone())
-        exp, n = expected_work(p["qo"], p["kv"], indptr(p["kv"])[:-1], 4, causal=True, num_rows=n_rows)
+        exp, n = expected_work(p["qo"], p["kv"], indptr(p["kv"])[:-1], 4, causal=True, num_rows=n_rows, tile_m=tm)
         assert torch.equal(works[-1], exp) and w._plan["num_work"] == n
         assert all(tuple(r) == PAD_ROW for r in works[-1][n:].tolist())
         assert torch.equal(bufs["qo_indptr_buf"], p["qo_indptr"]) and torch.equal(bufs["kv_indptr_buf"], p["kv_indptr"])
@@ -1147,7 +1175,9 @@ def test_graph_paged_replan_keeps_buffers(rec):
     for n, src in (("qo_indptr_buf", "qo_indptr"), ("paged_kv_indptr_buf", "kv_indptr"),
                    ("paged_kv_last_page_len_buf", "last")):
         assert torch.equal(bufs[n], p2[src])
-    work, _ = expected_work(p2["qo"], p2["kv"], p2["kv_indptr"][:-1], 4, num_rows=max_tiles(sum(QO), B, 4, 64))
+    tm = w._plan["cfg"].tile_m
+    work, _ = expected_work(p2["qo"], p2["kv"], p2["kv_indptr"][:-1], 4, num_rows=max_tiles(sum(QO), B, 4, tm),
+                            tile_m=tm)
     assert torch.equal(a2["work"], work)
 
 
@@ -1192,7 +1222,9 @@ def _single(qo_len=37, kv_len=50, hq=8, hkv=2, dqk=64, dvo=None, dtype=BF16, lay
     ("dtype", NotImplementedError, "dtype"),
     ("q_type", TypeError, "q"),
     ("pos", KeyError, "pos_encoding_mode"),
-    ("rope", NotImplementedError, "pos_encoding_mode"),
+    ("rope_scale", ValueError, "rope_scale"),
+    ("rope_theta", ValueError, "rope_theta"),
+    ("alibi_cap", NotImplementedError, "logits_soft_cap"),
     ("heads", ValueError, "num_qo_heads"),
     ("group", NotImplementedError, "group"),
     ("d48", NotImplementedError, "head_dim_qk"),
@@ -1228,8 +1260,12 @@ def test_single_errors(rec, case, exc, match):
         q = q.tolist()
     elif case == "pos":
         kw["pos_encoding_mode"] = "XPOS"
-    elif case == "rope":
-        kw["pos_encoding_mode"] = "ROPE_LLAMA"
+    elif case == "rope_scale":
+        kw.update(pos_encoding_mode="ROPE_LLAMA", rope_scale=0.0)
+    elif case == "rope_theta":
+        kw.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=float("nan"))
+    elif case == "alibi_cap":
+        kw.update(pos_encoding_mode="ALIBI", logits_soft_cap=5.0)
     elif case == "heads":
         q = torch.randn(37, 9, 64).to(BF16)
     elif case == "group":
@@ -1275,7 +1311,7 @@ def test_single_valid_launch(rec, layout):
     kn = k if layout == "NHD" else k.transpose(0, 1)
     assert a["k"].shape == (20, 2, 64) and a["k"].data_ptr() == k.data_ptr() and a["k"].stride() == kn.stride()
     assert math.isclose(a["sm_scale"], 0.4, rel_tol=1e-12) and (a["soft_cap"], a["window_left"]) == (7.0, 5)
-    work, _ = expected_work([37], [20], [0], 4, causal=True, window_left=5)
+    work, _ = expected_work([37], [20], [0], 4, causal=True, window_left=5, tile_m=cfg.tile_m)
     assert torch.equal(a["work"], work)
     o2 = ca.single_prefill_with_kv_cache(q, k, v, kv_layout=layout)
     assert o2.shape == q.shape and math.isclose(rec.last[1]["sm_scale"], 1 / 8, rel_tol=1e-12)
@@ -1308,3 +1344,128 @@ def test_public_names():
     for n in ("BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
               "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse"):
         assert n in ca.__all__ and getattr(ca, n) is getattr(api_prefill, n)
+
+
+# ============================================================================= positional encodings (ROPE_LLAMA, ALIBI)
+def _alibi_ref(hq):
+    from cutedsl_attn.ref import alibi_slopes
+
+    return alibi_slopes(hq).float()
+
+
+@pytest.mark.parametrize("which", BOTH_PLANS)
+def test_pos_rope_valid_launch(rec, which):
+    w, p = (planned_ragged if which == "ragged" else planned_paged)(
+        pos_encoding_mode="ROPE_LLAMA", rope_scale=4.0, rope_theta=5e5, causal=True)
+    w.run(p["q"], p["k"], p["v"]) if which == "ragged" else w.run(p["q"], p["cache"])
+    cfg, a = rec.last
+    assert cfg.pos_encoding_mode == "ROPE_LLAMA" and cfg.causal
+    assert a["rope_rcp_scale"] == 0.25 and math.isclose(a["rope_log2_theta"], math.log2(5e5), rel_tol=1e-15)
+    assert a["alibi"].numel() == 1 and a["alibi"].dtype == torch.float32  # not read by a RoPE kernel
+    # the defaults (FlashInfer): rope_scale 1, rope_theta 1e4
+    w, p = (planned_ragged if which == "ragged" else planned_paged)(pos_encoding_mode="ROPE_LLAMA")
+    w.run(p["q"], p["k"], p["v"]) if which == "ragged" else w.run(p["q"], p["cache"])
+    _, a = rec.last
+    assert a["rope_rcp_scale"] == 1.0 and math.isclose(a["rope_log2_theta"], math.log2(1e4), rel_tol=1e-15)
+
+
+@pytest.mark.parametrize("which", BOTH_PLANS)
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (12, 4), (5, 5)])
+def test_pos_alibi_valid_launch(rec, which, hq, hkv):
+    mk = ragged_problem if which == "ragged" else paged_problem
+    w, p = (planned_ragged if which == "ragged" else planned_paged)(mk(hq=hq, hkv=hkv), pos_encoding_mode="ALIBI",
+                                                                   causal=True, window_left=7)
+    w.run(p["q"], p["k"], p["v"]) if which == "ragged" else w.run(p["q"], p["cache"])
+    cfg, a = rec.last
+    assert cfg.pos_encoding_mode == "ALIBI" and cfg.group_size == hq // hkv and cfg.use_window
+    # FlashInfer's get_alibi_slopes(num_qo_heads), natural-log units, indexed by the query head
+    assert a["alibi"].dtype == torch.float32 and torch.equal(a["alibi"], _alibi_ref(hq))
+    assert (a["rope_rcp_scale"], a["rope_log2_theta"]) == (1.0, math.log2(1e4))
+    # a re-plan with the same heads keeps the slopes buffer; NONE hands the kernel the dummy
+    ptr = a["alibi"].data_ptr()
+    w.plan(*(ragged_args(p) if which == "ragged" else paged_args(p)), q_data_type=BF16, pos_encoding_mode="ALIBI")
+    w.run(p["q"], p["k"], p["v"]) if which == "ragged" else w.run(p["q"], p["cache"])
+    assert rec.last[1]["alibi"].data_ptr() == ptr
+
+
+def test_pos_modes_are_compile_keys(rec):
+    p = paged_problem()
+    cfgs = []
+    for mode in ("NONE", "ROPE_LLAMA", "ALIBI"):
+        w, _ = planned_paged(p, pos_encoding_mode=mode)
+        w.run(p["q"], p["cache"])
+        cfgs.append(rec.last[0])
+    assert [c.pos_encoding_mode for c in cfgs] == ["NONE", "ROPE_LLAMA", "ALIBI"] and len(set(cfgs)) == 3
+    assert rec.named(0)[1]["alibi"].numel() == 1  # NONE: the dummy
+
+
+def test_pos_alibi_graph_mode_keeps_slopes_address(rec):
+    bufs = paged_graph_buffers(4)
+    w = Paged(ws(), "NHD", use_cuda_graph=True, **bufs)
+    ptrs = []
+    for kv in (KV, (9, 40, 100, 3)):
+        p = paged_problem(kv=kv)
+        w.plan(*paged_args(p), q_data_type=BF16, pos_encoding_mode="ALIBI", causal=True)
+        w.run(p["q"], p["cache"])
+        ptrs.append(rec.last[1]["alibi"].data_ptr())
+        assert torch.equal(rec.last[1]["alibi"], _alibi_ref(p["hq"]))
+    assert ptrs[0] == ptrs[1]
+
+
+@pytest.mark.parametrize("mode", ["ROPE_LLAMA", "ALIBI"])
+def test_pos_single_prefill(rec, mode):
+    q, k, v = _single(qo_len=37, kv_len=50, hq=8, hkv=2, dqk=128)
+    o, lse = ca.single_prefill_with_kv_cache_return_lse(q, k, v, causal=True, pos_encoding_mode=mode,
+                                                        rope_scale=2.0, rope_theta=1e6)
+    assert o.shape == q.shape and lse.shape == (37, 8)
+    cfg, a = rec.last
+    assert cfg.pos_encoding_mode == mode and cfg.causal
+    assert a["rope_rcp_scale"] == 0.5 and math.isclose(a["rope_log2_theta"], math.log2(1e6), rel_tol=1e-15)
+    if mode == "ALIBI":
+        assert torch.equal(a["alibi"], _alibi_ref(8))
+
+
+def test_pos_encoding_positional_plan_argument(rec):
+    # FlashInfer's positional order: ..., custom_mask, packed_custom_mask, causal, pos_encoding_mode
+    p = ragged_problem()
+    w = Ragged(ws(), "NHD")
+    w.plan(*ragged_args(p), None, None, None, True, "ALIBI", q_data_type=BF16)
+    w.run(p["q"], p["k"], p["v"])
+    assert rec.last[0].pos_encoding_mode == "ALIBI" and rec.last[0].causal
+
+
+def test_pos_rejected_plan_never_launches(rec):
+    for kw in (dict(pos_encoding_mode="ALIBI", logits_soft_cap=1.0), dict(pos_encoding_mode="rope"),
+               dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=-1.0)):
+        w = Ragged(ws(), "NHD")
+        with pytest.raises((NotImplementedError, KeyError, ValueError)):
+            w.plan(*ragged_args(ragged_problem()), q_data_type=BF16, **kw)
+        with pytest.raises(RuntimeError, match="plan"):
+            w.run(torch.zeros(1), torch.zeros(1), torch.zeros(1))
+    assert rec.calls == []
+
+
+def test_pos_kernel_without_pos_args(rec, monkeypatch):
+    """A config without a pos_encoding_mode field (a kernel with the 12-argument signature, e.g. the SM90 one)
+    gets no positional-encoding arguments, and the deprecated forward() cannot switch it to RoPE/ALiBi."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class NoPosCfg:
+        causal: bool = False
+        use_window: bool = False
+        use_soft_cap: bool = False
+        use_sinks: bool = False
+        tile_m: int = 64
+
+    monkeypatch.setattr(dispatch, "prefill_config", lambda **kw: NoPosCfg(
+        causal=kw["causal"], use_window=kw["use_window"], use_soft_cap=kw["use_soft_cap"]))
+    w, p = planned_ragged(causal=True)
+    w.run(p["q"], p["k"], p["v"])
+    cfg, a = rec.last
+    assert isinstance(cfg, NoPosCfg) and len(rec.calls[-1][1]) == N_KERNEL_ARGS and "alibi" not in a
+    with pytest.warns(DeprecationWarning), pytest.raises(NotImplementedError, match="plan"):
+        w.forward(p["q"], p["k"], p["v"], pos_encoding_mode="ALIBI")
+    with pytest.warns(DeprecationWarning):
+        w.forward(p["q"], p["k"], p["v"], causal=True, window_left=3)
+    assert rec.last[0].use_window and len(rec.calls[-1][1]) == N_KERNEL_ARGS

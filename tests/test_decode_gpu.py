@@ -188,9 +188,9 @@ def test_cuda_graph_replay_after_replan():
 
 
 def test_real_activations_minilm():
-    from cutedsl_attn.realmodel import decode_cases, load_minilm_decode_fixture
+    from cutedsl_attn.realmodel import decode_cases, load_minilm_fixture
 
-    fx = load_minilm_decode_fixture()
+    fx = load_minilm_fixture()  # decode = each sentence's last token over all its keys
     n_layers = 0
     for case in decode_cases(fx, page_size=16, dtype=torch.bfloat16, device=DEV):
         ws = torch.empty(16 << 20, dtype=torch.uint8, device=DEV)

@@ -252,8 +252,8 @@ def test_demo_cpu_path():
 
 
 # ----------------------------------------------------------------------------- prefill kernel
-PREFILL_CONFIGS = {
-    "bf16_hd128_g4_causal": dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True),
+PREFILL_CONFIGS = {  # the portable kernel (the SM90 one has its own tests below)
+    "bf16_hd128_g4_causal": dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True, kernel="portable"),
     "fp16_hd192_128_paged16_mask_sinks": dict(dtype="float16", head_dim_qk=192, head_dim_vo=128, group_size=1,
                                               page_size=16, use_custom_mask=True, use_sinks=True,
                                               use_window=True, use_soft_cap=True),
@@ -278,3 +278,119 @@ def test_prefill_ptx(name, arch):
     assert len(re.findall(r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16", text)) == 4 * (dvo // 16)
     assert s.get("cp.async", 0) > 0 and "cp.async.cg.shared.global" in text
     assert s.get("ld.local", 0) == 0 and s.get("st.local", 0) == 0, "register spills"
+
+
+# ----------------------------------------------------------------------------- SM90 prefill kernel
+SM90_PREFILL_CONFIGS = {
+    # name: (config keys, tile_n)
+    "bf16_hd128_g4_causal": (dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True), 128),
+    "fp16_hd64_full_softcap_sinks": (dict(dtype="float16", head_dim_qk=64, group_size=1, use_soft_cap=True,
+                                          use_sinks=True), 128),
+    "bf16_hd256_window": (dict(dtype="bfloat16", head_dim_qk=256, group_size=2, causal=True, use_window=True), 64),
+    "bf16_hd192_128_g8": (dict(dtype="bfloat16", head_dim_qk=192, head_dim_vo=128, group_size=8, causal=True), 128),
+}
+
+
+@pytest.mark.parametrize("name", list(SM90_PREFILL_CONFIGS))
+def test_sm90_prefill_ptx(name):
+    """The dispatch layer picks the SM90 kernel on sm_90a; its PTX is warp-specialised TMA + wgmma."""
+    keys, tile_n = SM90_PREFILL_CONFIGS[name]
+    cfg = ci.config("prefill", "sm_90a", **keys)
+    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.tile_n == tile_n and cfg.tile_m == 128
+    text = ci.ptx("prefill", "sm_90a", **keys)
+    s = ci.instruction_summary(text)
+    ab = "bf16" if keys["dtype"] == "bfloat16" else "f16"
+    dqk = keys["head_dim_qk"]
+    dvo = keys.get("head_dim_vo", dqk)
+    assert re.search(r"^\.target\s+sm_90a\s*$", text, re.M)
+    assert re.search(r"\.reqntid\s+384, 1, 1", text), "1 producer + 2 consumer warpgroups"
+    qk = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k16\.f32\.{ab}\.{ab}", text)
+    pv = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{dvo}k16\.f32\.{ab}\.{ab}", text)
+    # each GEMM is issued in two places (first block, main loop); QK: dqk/16 k-steps, PV: tile_n/16
+    if tile_n != dvo:
+        assert len(qk) == 2 * (dqk // 16) and len(pv) == 2 * (tile_n // 16)
+    else:
+        assert len(qk) == 2 * (dqk // 16) + 2 * (tile_n // 16)
+    assert s["mma.sync"] == 0 and s["tcgen05"] == 0
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd", text)) >= 2, "K and V arrive by TMA"
+    assert "mbarrier.try_wait.parity" in text or "mbarrier.try_wait" in text
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", text)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", text)
+    assert "bar.arrive" in text, "ping-pong hand-off between the consumer warpgroups"
+    assert s.get("ld.local", 0) == 0 and s.get("st.local", 0) == 0, "register spills"
+
+
+def test_sm90_prefill_routing():
+    """What the SM90 kernel does not serve goes to the portable kernel; it never builds for Blackwell."""
+    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig
+
+    base = dict(dtype="bfloat16", head_dim_qk=128, group_size=4)
+    for over in (dict(page_size=16), dict(use_custom_mask=True), dict(pos_encoding_mode="ROPE_LLAMA"),
+                 dict(pos_encoding_mode="ALIBI"), dict(group_size=3), dict(head_dim_qk=32)):
+        cfg = ci.config("prefill", "sm_90a", **{**base, **over})
+        assert type(cfg).__name__ == "PrefillConfig", over
+    assert type(ci.config("prefill", "sm_100a", **base)).__name__ == "PrefillConfig"
+    assert type(ci.config("prefill", "sm_90a", **base, kernel="portable")).__name__ == "PrefillConfig"
+    with pytest.raises(ValueError, match="SM90 prefill kernel cannot serve"):
+        ci.config("prefill", "sm_90a", **base, page_size=16, kernel="sm90")
+    with pytest.raises(ValueError, match="sm_90a only"):
+        Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, arch="sm_100a")
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=256, head_dim_vo=256, group_size=1, tile_n=128, num_stages=3)
+
+
+# ----------------------------------------------------------------------------- prefill positional encodings
+# Portable-kernel configs built directly (the API routes every ROPE_LLAMA / ALIBI problem to this kernel).
+PREFILL_POS_BASE = dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=4, page_size=16, causal=True)
+
+
+def _prefill_pos_ptx(arch, mode, **over):
+    from cutedsl_attn.portable.prefill import PrefillConfig
+
+    cfg = PrefillConfig(**{**PREFILL_POS_BASE, **over}, pos_encoding_mode=mode, arch=arch)
+    return ci._ptx_cached("prefill", cfg)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_ptx_pos_encodings(arch):
+    texts = {mode: _prefill_pos_ptx(arch, mode) for mode in ("NONE", "ROPE_LLAMA", "ALIBI")}
+    s = {mode: ci.instruction_summary(t) for mode, t in texts.items()}
+    for mode, t in texts.items():
+        assert re.search(rf"^\.target\s+{arch}\s*$", t, re.M), mode
+        assert len(re.findall(r"^\.(?:visible\s+)?\.entry\s+\S*PrefillKernel", t, re.M)) == 1
+        # the entry takes 15 parameters: 10 tensors (struct params) and 5 scalars
+        entry = re.search(r"\.entry\s+\S+\(\s*(.*?)\)", t, re.S).group(1)
+        assert entry.count(".param") == 15, mode
+        # tensor-core work identical in every mode: QK (8 k-steps x 8 n-tiles) + PV (4 k-steps x 16 n-tiles)
+        assert s[mode]["mma.sync"] == s[mode]["mma.sync.bf16"] == 8 * 8 + 4 * 16, mode
+        assert s[mode]["ld.local"] == 0 and s[mode]["st.local"] == 0, f"{mode}: register spills"
+        assert s[mode]["wgmma"] == s[mode]["tcgen05"] == 0
+    # NONE and ALIBI compute no rotation; ROPE_LLAMA rotates Q once and each K tile (sin/cos), behind two
+    # extra CTA barriers (after the Q pass and after each K pass)
+    assert s["NONE"]["sin/cos"] == s["ALIBI"]["sin/cos"] == 0
+    assert s["ROPE_LLAMA"]["sin/cos"] > 0 and s["ROPE_LLAMA"]["bar.sync"] == s["NONE"]["bar.sync"] + 2
+    assert "cvt.rni.f32.f32" in texts["ROPE_LLAMA"] and "cvt.rni.f32.f32" not in texts["NONE"]  # range reduction
+    # ALIBI: same exponentials as NONE (the bias is an FMA on the logit), a few more instructions
+    assert s["ALIBI"]["ex2"] == s["NONE"]["ex2"] and s["ALIBI"]["total"] > s["NONE"]["total"]
+
+
+def test_prefill_ptx_rope_hd192_and_alibi_ragged():
+    # head_dim 192/128: Q re-read from smem per tile and a per-pair frequency (D/2 = 96 does not divide the
+    # 128 threads); ALIBI on a ragged fp16 group-1 config with a window
+    rope = ci.instruction_summary(_prefill_pos_ptx("sm_100a", "ROPE_LLAMA", dtype="float16", head_dim_qk=192,
+                                                   group_size=1, page_size=0))
+    assert rope["sin/cos"] > 0 and rope["mma.sync"] == rope["mma.sync.f16"] == 12 * 8 + 4 * 16
+    alibi = ci.instruction_summary(_prefill_pos_ptx("sm_100a", "ALIBI", dtype="float16", head_dim_qk=64,
+                                                    head_dim_vo=64, group_size=1, page_size=0, use_window=True))
+    assert alibi["sin/cos"] == 0 and alibi["ld.local"] == alibi["st.local"] == 0
+    assert alibi["mma.sync"] == 4 * 8 + 4 * 8
+
+
+def test_prefill_config_pos_encoding_mode():
+    from cutedsl_attn.portable.prefill import PrefillConfig
+
+    with pytest.raises(ValueError, match="pos_encoding_mode"):
+        PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, pos_encoding_mode="XPOS")
+    base = dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
+    assert PrefillConfig(**base).pos_encoding_mode == "NONE"
+    assert len({PrefillConfig(**base, pos_encoding_mode=m) for m in ("NONE", "ROPE_LLAMA", "ALIBI")}) == 3

@@ -11,6 +11,18 @@ causal is bottom-right aligned (key ``j`` is visible to query row ``i`` iff
 included in the softmax denominator and in the LSE; the LSE is base 2 (``lse_base="ln"``
 converts); rows with no visible key give O = 0 and LSE = -inf.
 
+Positional encodings (``pos_encoding_mode``), applied inside the kernel; query token ``i``
+of a request sits at position ``pos_i = i + kv_len - qo_len``, key ``j`` at ``j``:
+``"ROPE_LLAMA"`` rotates q and k (non-interleaved "rotate half", pairs ``(d, d + D/2)``,
+``freq_d = rope_theta^(-2d/D) / rope_scale``, defaults ``rope_scale=1``,
+``rope_theta=1e4``; FlashInfer's ``prefill.cuh``); ``"ALIBI"`` adds
+``slope_h * (j - pos_i)`` to the scaled logit, with FlashInfer's
+``get_alibi_slopes(num_qo_heads)``.  FlashInfer's FA2 kernel uses ``j - i`` (the un-offset
+row index) instead: a per-row constant, so the output is the same and only the LSE differs,
+by ``slope_h * (kv_len - qo_len) * log2(e)``; ``j - pos_i`` is what the decode kernel and
+the oracle (``cutedsl_attn.ref``) use.  ALIBI together with ``logits_soft_cap`` is not
+served (FlashInfer's kernel applies ``sm_scale`` twice in that combination).
+
 What runs where: the kernel behind every call here is the portable CuTe DSL prefill
 kernel (``cutedsl_attn.portable.prefill``: ``cp.async`` + ``ldmatrix`` + ``mma.sync``, the
 query heads of a kv head packed into the MMA rows), verified on an NVIDIA H200 (SM90);
@@ -32,8 +44,10 @@ import torch
 from .. import dispatch
 from ..planning.decode import kv_lens_from_csr
 from ..planning.prefill import max_tiles, plan_prefill
+from ..ref.attention import alibi_slopes
 from ._common import (
     canonical_dtype,
+    check_float,
     check_heads,
     check_int,
     check_kv_layout,
@@ -51,8 +65,8 @@ __all__ = [
     "single_prefill_with_kv_cache_return_lse",
 ]
 
-SUPPORTED_HEAD_DIMS_QK = (64, 128, 192, 256)
-SUPPORTED_HEAD_DIMS_VO = (64, 128, 256)
+SUPPORTED_HEAD_DIMS_QK = (32, 64, 128, 192, 256)
+SUPPORTED_HEAD_DIMS_VO = (32, 64, 128, 256)
 LSE_BASES = ("log2", "ln")
 LSE_LAYOUTS = ("NH", "HN")
 _LN2 = math.log(2.0)
@@ -105,14 +119,16 @@ def _check_dtypes(q_data_type, kv_data_type, o_data_type) -> torch.dtype:
 
 
 def _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale,
-                   head_dim_qk) -> tuple[int, float, float]:
-    """(window_left, soft_cap, sm_scale) after validating the shared plan options."""
+                   head_dim_qk, rope_scale=None, rope_theta=None) -> tuple[int, float, float, float, float]:
+    """(window_left, soft_cap, sm_scale, rope_rcp_scale, rope_log2_theta) after validating the shared plan
+    options.  ``rope_scale``/``rope_theta`` (None -> 1.0 / 1e4) are checked whatever the mode."""
     check_pos_encoding_mode(pos_encoding_mode)
-    if pos_encoding_mode != "NONE":
-        raise NotImplementedError(
-            f"pos_encoding_mode={pos_encoding_mode!r} is not supported by the prefill kernel yet; supported: 'NONE' "
-            "(apply RoPE to q/k before the call)"
-        )
+    rs = check_float("rope_scale", rope_scale, positive=True)
+    rt = check_float("rope_theta", rope_theta, positive=True)
+    rope_rcp_scale = 1.0 / (1.0 if rs is None else rs)
+    rope_log2_theta = math.log2(1e4 if rt is None else rt)
+    if not math.isfinite(rope_rcp_scale) or rope_rcp_scale == 0.0:
+        raise ValueError(f"rope_scale must be a finite value > 0 whose reciprocal is finite, got {rope_scale}")
     if use_fp16_qk_reduction:
         raise NotImplementedError("use_fp16_qk_reduction=True is not supported (q.k is reduced in fp32)")
     if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
@@ -130,7 +146,17 @@ def _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left, logits
         scale = float(sm_scale)
         if not math.isfinite(scale):
             raise ValueError(f"sm_scale must be finite, got {sm_scale}")
-    return window_left, cap, scale
+    if cap > 0 and pos_encoding_mode == "ALIBI":
+        # FlashInfer's FA2 variant multiplies by sm_scale twice in this combination (variants.cuh)
+        raise NotImplementedError("logits_soft_cap together with pos_encoding_mode='ALIBI' is not supported")
+    return window_left, cap, scale, rope_rcp_scale, rope_log2_theta
+
+
+def _takes_pos_args(cfg) -> bool:
+    """Whether the kernel of ``cfg`` takes the positional-encoding arguments (``alibi_slopes`` after ``sinks``;
+    ``rope_rcp_scale``, ``rope_log2_theta`` after ``window_left``): the configs that have a
+    ``pos_encoding_mode`` field (the portable kernel, ``cutedsl_attn.portable.prefill.compile``)."""
+    return any(f.name == "pos_encoding_mode" for f in dataclasses.fields(cfg))
 
 
 def _reject_multi_item(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr) -> None:
@@ -217,7 +243,11 @@ class _BatchPrefillBase:
     def _init_common(self, float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, jit_kwargs,
                      variant_owns_mask) -> None:
         check_kv_layout(kv_layout)
-        _check_backend(backend)
+        if backend == "cudnn":  # cuDNN frontend graphs: cutedsl_attn/api/cudnn.py
+            from .cudnn import check_wrapper_init
+            check_wrapper_init(use_cuda_graph)
+        else:
+            _check_backend(backend)
         if jit_args is not None:
             raise NotImplementedError("jit_args is not supported; kernels are extended through their Python config")
         if jit_kwargs is not None:
@@ -244,6 +274,7 @@ class _BatchPrefillBase:
         self._dummy_i32 = None
         self._dummy_u8 = None
         self._dummy_f32 = None
+        self._alibi_buf = None
 
     def _check_mask_buffers(self, custom_mask_buf, mask_indptr_buf, batch_size) -> None:
         if not self._use_cuda_graph:
@@ -273,8 +304,8 @@ class _BatchPrefillBase:
     def _plan_common(self, *, qo_h, kv_lens, kv_starts, total_kv, page_size, flat_indices, table, num_qo_heads,
                      num_kv_heads,
                      head_dim_qk, head_dim_vo, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
-                     use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, q_data_type, kv_data_type,
-                     o_data_type, non_blocking, graph_copies) -> None:
+                     use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
+                     q_data_type, kv_data_type, o_data_type, non_blocking, graph_copies) -> None:
         """Everything after the index arrays are parsed: options, mask, config, work table, buffers.
 
         ``flat_indices``: the flat page-id array the kernel reads (None when ragged); ``table``:
@@ -282,8 +313,14 @@ class _BatchPrefillBase:
         ``graph_copies``: ``[(dst_buffer, src_tensor), ...]`` of the caller-visible CUDA-graph
         buffers, written only after every check has passed (a rejected plan leaves them intact).
         """
-        window_left, cap, scale = _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left,
-                                                 logits_soft_cap, sm_scale, head_dim_qk)
+        if self._backend == "cudnn":  # cuDNN frontend graphs (cutedsl_attn/api/cudnn.py) take every argument
+            kw = dict(locals())
+            del kw["self"]
+            from .cudnn import plan_wrapper
+            return plan_wrapper(self, **kw)
+        window_left, cap, scale, rope_rcp_scale, rope_log2_theta = _check_options(
+            pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, head_dim_qk,
+            rope_scale, rope_theta)
         dt = _check_dtypes(q_data_type, kv_data_type, o_data_type)
         num_qo_heads = _check_int("num_qo_heads", num_qo_heads)
         num_kv_heads = _check_int("num_kv_heads", num_kv_heads)
@@ -346,7 +383,7 @@ class _BatchPrefillBase:
         cfg = dispatch.prefill_config(
             dtype=dt, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group, page_size=page_size,
             causal=bool(causal) and not use_mask, use_window=window_left >= 0, use_soft_cap=cap > 0,
-            use_sinks=False, use_custom_mask=use_mask,
+            use_sinks=False, use_custom_mask=use_mask, pos_encoding_mode=pos_encoding_mode,
         )
         tile_m = cfg.tile_m
         num_rows = None
@@ -414,14 +451,27 @@ class _BatchPrefillBase:
             work_dev = work.to(dev, non_blocking=non_blocking)
             if self._lse_scratch is None or self._lse_scratch.shape != (total_q, num_qo_heads):
                 self._lse_scratch = torch.empty((total_q, num_qo_heads), dtype=torch.float32, device=dev)
+        alibi = self._alibi_slopes(pos_encoding_mode, num_qo_heads, non_blocking)
         self._plan = dict(
             B=B, total_q=total_q, total_kv=total_kv,
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
             page_size=page_size, group=group, dtype=dt, causal=bool(causal), use_mask=use_mask,
             window_left=window_left, soft_cap=cap, sm_scale=scale, cfg=cfg, work=work_dev, num_work=num_work,
             indices=indices, mask=mask, lse_scratch=self._lse_scratch[:total_q],
+            pos_encoding_mode=pos_encoding_mode, alibi=alibi, rope_rcp_scale=rope_rcp_scale,
+            rope_log2_theta=rope_log2_theta, pos_args=_takes_pos_args(cfg),
         )
         self._kernels = {}
+
+    def _alibi_slopes(self, pos_encoding_mode, num_qo_heads, non_blocking):
+        """The kernel's ALiBi slopes argument: FlashInfer's slopes in a wrapper-owned ``[Hq]`` fp32 buffer
+        (kept across plans: a fixed address in CUDA-graph mode), or the 1-element dummy."""
+        if pos_encoding_mode != "ALIBI":
+            return self._dummy_f32
+        if self._alibi_buf is None or self._alibi_buf.shape[0] != num_qo_heads:
+            self._alibi_buf = torch.empty(num_qo_heads, dtype=torch.float32, device=self.device)
+        self._alibi_buf.copy_(alibi_slopes(num_qo_heads), non_blocking=non_blocking)
+        return self._alibi_buf
 
     def _kernel(self, use_sinks: bool):
         k = self._kernels.get(use_sinks)
@@ -433,26 +483,46 @@ class _BatchPrefillBase:
         return k
 
     def _override_options(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
-                          sm_scale) -> None:
+                          sm_scale, rope_scale, rope_theta) -> None:
         """The deprecated ``forward`` API: its options replace the planned ones (FlashInfer semantics)."""
         warnings.warn("forward()/forward_return_lse() are deprecated (as in FlashInfer); use run()/run_return_lse()",
                       DeprecationWarning, stacklevel=3)
         p = self._plan
         if p is None:
             raise RuntimeError("plan() must be called before forward()")
-        window_left, cap, scale = _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left,
-                                                 logits_soft_cap, sm_scale, p["head_dim_qk"])
-        cfg = dataclasses.replace(p["cfg"], causal=bool(causal) and not p["use_mask"], use_window=window_left >= 0,
-                                  use_soft_cap=cap > 0)
+        if self._backend == "cudnn":
+            raise NotImplementedError("the deprecated forward()/forward_return_lse() are not supported with "
+                                      "backend='cudnn'; plan() with the options, then run()")
+        window_left, cap, scale, rope_rcp_scale, rope_log2_theta = _check_options(
+            pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, p["head_dim_qk"],
+            rope_scale, rope_theta)
+        repl = dict(causal=bool(causal) and not p["use_mask"], use_window=window_left >= 0, use_soft_cap=cap > 0)
+        if _takes_pos_args(p["cfg"]):
+            repl["pos_encoding_mode"] = pos_encoding_mode
+        elif pos_encoding_mode != "NONE":
+            # the plan chose a kernel without positional encodings (and sized the work table for its tiles)
+            raise NotImplementedError(
+                f"forward(pos_encoding_mode={pos_encoding_mode!r}) after a plan with pos_encoding_mode='NONE' that "
+                f"was served by {type(p['cfg']).__name__} is not supported; pass pos_encoding_mode to plan()"
+            )
+        cfg = dataclasses.replace(p["cfg"], **repl)
         if cfg != p["cfg"]:
             self._kernels = {}
-        p.update(cfg=cfg, causal=bool(causal), window_left=window_left, soft_cap=cap, sm_scale=scale)
+        alibi = self._alibi_slopes(pos_encoding_mode, p["num_qo_heads"], True)
+        p.update(cfg=cfg, causal=bool(causal), window_left=window_left, soft_cap=cap, sm_scale=scale,
+                 pos_encoding_mode=pos_encoding_mode, alibi=alibi, rope_rcp_scale=rope_rcp_scale,
+                 rope_log2_theta=rope_log2_theta, pos_args=_takes_pos_args(cfg))
 
     # ------------------------------------------------------------------ run (shared part)
     def _launch(self, q, k, v, *, q_scale, k_scale, v_scale, o_scale, out, lse, return_lse, lse_base, lse_layout,
                 sinks, enable_pdl, kv_cache_sf):
         """Cheap checks of the rest against the plan (q and k/v are checked by the caller), then one kernel
         launch (no host synchronisation)."""
+        if self._backend == "cudnn":  # cuDNN frontend graphs: cutedsl_attn/api/cudnn.py
+            from .cudnn import run_wrapper
+            return run_wrapper(self, q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, o_scale=o_scale,
+                               out=out, lse=lse, return_lse=return_lse, lse_base=lse_base, lse_layout=lse_layout,
+                               sinks=sinks, enable_pdl=enable_pdl, kv_cache_sf=kv_cache_sf)
         p = self._plan
         if enable_pdl:
             raise NotImplementedError("enable_pdl=True is not supported (no programmatic dependent launch yet)")
@@ -475,6 +545,11 @@ class _BatchPrefillBase:
             if sinks.dtype != torch.float32:
                 raise ValueError(f"sinks must be float32, got {sinks.dtype}")
         sm_scale = p["sm_scale"] * _scale("q_scale", q_scale) * _scale("k_scale", k_scale)
+        if sm_scale <= 0.0 and getattr(p["cfg"], "positive_scale_only", False) and p["soft_cap"] <= 0:
+            raise NotImplementedError(
+                f"the SM90 prefill kernel needs sm_scale * q_scale * k_scale > 0 (got {sm_scale}); set "
+                "CUTEDSL_ATTN_PREFILL_KERNEL=portable before plan() for a non-positive scale"
+            )
         o_div = _scale("o_scale", o_scale)
         if o_div == 0.0:
             raise ValueError("o_scale must be nonzero (the output is divided by it)")
@@ -492,9 +567,14 @@ class _BatchPrefillBase:
                 lse_out = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
         if TQ > 0 or self._use_cuda_graph:
             fn = self._kernels.get(sinks is not None) or self._kernel(sinks is not None)
+            tensors = (q, k, v, p["indices"], p["work"], out, lse_k, p["mask"],
+                       self._dummy_f32 if sinks is None else sinks)
             try:
-                fn(q, k, v, p["indices"], p["work"], out, lse_k, p["mask"],
-                   self._dummy_f32 if sinks is None else sinks, sm_scale, p["soft_cap"], p["window_left"])
+                if p["pos_args"]:  # the portable kernel: + ALiBi slopes, RoPE 1/scale and log2(theta)
+                    fn(*tensors, p["alibi"], sm_scale, p["soft_cap"], p["window_left"], p["rope_rcp_scale"],
+                       p["rope_log2_theta"])
+                else:  # a kernel without positional encodings (the SM90 kernel's signature)
+                    fn(*tensors, sm_scale, p["soft_cap"], p["window_left"])
             except ValueError as e:  # the tvm-ffi entry's layout checks, in FlashInfer's names
                 raise self._entry_error(e) from None
             except Exception:
@@ -530,9 +610,10 @@ class _BatchPrefillBase:
     def _entry_error(self, e: ValueError) -> ValueError:
         k_name, v_name = self._k_names
         return kernel_entry_error(
-            e, {0: "q", 1: k_name, 2: v_name, 3: "indices", 4: "work", 5: "out", 6: "lse", 7: "custom_mask", 8: "sinks"},
+            e, {0: "q", 1: k_name, 2: v_name, 3: "indices", 4: "work", 5: "out", 6: "lse", 7: "custom_mask", 8: "sinks",
+                9: "alibi_slopes"},
             {"mQ": "q", "mK": k_name, "mV": v_name, "mO": "out", "mLSE": "lse", "mSinks": "sinks", "mIdx": "indices",
-             "mMask": "custom_mask"})
+             "mMask": "custom_mask", "mAlibi": "alibi_slopes"})
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
@@ -552,8 +633,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         ``kv_indptr_buf`` (int32 ``[B+1]`` on the device), plus ``custom_mask_buf`` (uint8,
         large enough for every plan's packed mask) and ``mask_indptr_buf`` (int32 ``[B+1]``)
         for plans with a custom mask.  The first plan fixes the maximum ``qo_indptr[-1]``.
-      backend: ``"auto"`` or ``"cute"`` (both the CuTe DSL kernel); FlashInfer's other names
-        raise ``NotImplementedError``.
+      backend: ``"auto"`` or ``"cute"`` (both the CuTe DSL kernel), or ``"cudnn"`` (a cuDNN
+        frontend SDPA graph, :mod:`cutedsl_attn.api.cudnn`; needs ``nvidia-cudnn-frontend``, no
+        CUDA-graph mode, custom masks / RoPE / ALiBi / soft cap / non-causal window / sinks / fp8
+        raise ``NotImplementedError``); FlashInfer's other names raise ``NotImplementedError``.
       jit_args, jit_kwargs, variant_owns_mask: not supported (``NotImplementedError``).
 
     Raises:
@@ -648,13 +731,21 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             bytes: ``sum_b ceil(qo_len_b * kv_len_b / 8)`` bytes); wins over ``custom_mask``.  For
             one request it equals ``packbits(mask, bitorder="little")``.
           causal: bottom-right causal mask (ignored with a custom mask).
-          pos_encoding_mode: ``"NONE"`` only (``ROPE_LLAMA``/``ALIBI``: ``NotImplementedError``;
-            other strings: ``KeyError``).
+          pos_encoding_mode: ``"NONE"``, ``"ROPE_LLAMA"`` or ``"ALIBI"``, applied in the kernel (other
+            strings: ``KeyError``, as FlashInfer).  Query token ``i`` of a request is at position
+            ``i + kv_len - qo_len``, key ``j`` at ``j``.  ``ROPE_LLAMA``: non-interleaved ("rotate
+            half") RoPE of q and k, pairs ``(d, d + D/2)``, ``freq_d = rope_theta^(-2d/D) / rope_scale``.
+            ``ALIBI``: ``slope_h * (j - (i + kv_len - qo_len))`` added to the scaled logit, slopes of
+            FlashInfer's ``get_alibi_slopes(num_qo_heads)``; the output equals FlashInfer's, the LSE
+            differs from FlashInfer's (which uses ``j - i``) by ``slope_h * (kv_len - qo_len) * log2 e``
+            (see the module docstring).  ``ALIBI`` with ``logits_soft_cap > 0``: ``NotImplementedError``.
           use_fp16_qk_reduction: must be False (``NotImplementedError``).
           window_left: inclusive left window, ``w`` keeps ``w+1`` keys; -1 disables.
           logits_soft_cap: ``cap*tanh(s/cap)`` on scaled logits when > 0; None/0 disables.
           sm_scale: softmax scale, default ``1/sqrt(head_dim_qk)``.
-          rope_scale, rope_theta: accepted, unused (no RoPE is applied with ``"NONE"``).
+          rope_scale, rope_theta: RoPE interpolation factor and base (None -> 1.0 and 1e4), used with
+            ``"ROPE_LLAMA"``; always validated: a finite value > 0 (``ValueError`` otherwise, ``TypeError``
+            for a non-number).
           q_data_type, kv_data_type, o_data_type: fp16/bf16, all equal (kv and o default to q,
             q to float16 as in FlashInfer).  fp8: ``NotImplementedError``.
           non_blocking: host-to-device copies of the plan are asynchronous.
@@ -671,7 +762,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
           TypeError, ValueError: malformed arguments (each message names the argument), CUDA-graph
             limits (batch size, total rows, mask buffer size).
           KeyError: unknown ``pos_encoding_mode``.
-          NotImplementedError: the unsupported options above, head dims, group > 16.
+          NotImplementedError: the unsupported options above, head dims, group > 16, ALIBI with a soft cap.
         """
         qo_h = _indptr_host("qo_indptr", qo_indptr)
         B = qo_h.shape[0] - 1
@@ -705,8 +796,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
             custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
             pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
-            window_left=window_left, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
-            kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking, graph_copies=copies,
+            window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking,
+            graph_copies=copies,
         )
 
     begin_forward = plan
@@ -793,17 +885,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     def forward(self, q, k, v, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, window_left=-1,
                 logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None):
-        """Deprecated (FlashInfer): ``run(q, k, v)`` after replacing the planned ``causal``, ``window_left``,
-        ``logits_soft_cap`` and ``sm_scale`` with these arguments (defaults included)."""
+        """Deprecated (FlashInfer): ``run(q, k, v)`` after replacing the planned ``causal``, ``pos_encoding_mode``,
+        ``window_left``, ``logits_soft_cap``, ``sm_scale``, ``rope_scale`` and ``rope_theta`` with these arguments
+        (defaults included)."""
         self._override_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
-                               sm_scale)
+                               sm_scale, rope_scale, rope_theta)
         return self.run(q, k, v)
 
     def forward_return_lse(self, q, k, v, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
                            window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None):
         """Deprecated (FlashInfer): :meth:`forward` returning ``(out, lse)``."""
         self._override_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
-                               sm_scale)
+                               sm_scale, rope_scale, rope_theta)
         return self.run_return_lse(q, k, v)
 
 
@@ -825,7 +918,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         ``paged_kv_last_page_len_buf`` (``[B]``), int32 on the device, plus
         ``custom_mask_buf``/``mask_indptr_buf`` for plans with a custom mask.  The first plan
         fixes the maximum ``qo_indptr[-1]``.
-      backend: ``"auto"`` or ``"cute"``; FlashInfer's other names raise ``NotImplementedError``.
+      backend: ``"auto"`` or ``"cute"``, or ``"cudnn"`` (as the ragged wrapper); FlashInfer's other
+        names raise ``NotImplementedError``.
       jit_args, jit_kwargs, variant_owns_mask: not supported (``NotImplementedError``).
 
     Raises:
@@ -1026,8 +1120,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
             custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
             pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
-            window_left=window_left, logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
-            kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking, graph_copies=copies,
+            window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking,
+            graph_copies=copies,
         )
 
     begin_forward = plan
@@ -1109,9 +1204,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
                 rope_theta=None):
         """Deprecated (FlashInfer): ``run(q, paged_kv_cache, k_scale=, v_scale=)`` after replacing the planned
-        ``causal``, ``window_left``, ``logits_soft_cap`` and ``sm_scale`` with these arguments (defaults included)."""
+        ``causal``, ``pos_encoding_mode``, ``window_left``, ``logits_soft_cap``, ``sm_scale``, ``rope_scale`` and
+        ``rope_theta`` with these arguments (defaults included)."""
         self._override_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
-                               sm_scale)
+                               sm_scale, rope_scale, rope_theta)
         return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale)
 
     def forward_return_lse(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE",
@@ -1119,7 +1215,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                            logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None):
         """Deprecated (FlashInfer): :meth:`forward` returning ``(out, lse)``."""
         self._override_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
-                               sm_scale)
+                               sm_scale, rope_scale, rope_theta)
         return self.run_return_lse(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -1167,7 +1263,9 @@ def single_prefill_with_kv_cache(
       causal: bottom-right causal mask (rows with no visible key give O = 0, LSE = -inf).
       kv_layout: ``"NHD"`` or ``"HND"`` (``KeyError`` otherwise).
       pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
-        rope_scale, rope_theta: as :meth:`BatchPrefillWithRaggedKVCacheWrapper.plan`.
+        rope_scale, rope_theta: as :meth:`BatchPrefillWithRaggedKVCacheWrapper.plan`
+        (``"ROPE_LLAMA"``: q row ``i`` at position ``i + kv_len - qo_len``, key ``j`` at ``j``;
+        ``"ALIBI"``: bias ``slope_h * (j - (i + kv_len - qo_len))``, FlashInfer's slopes).
       backend: ``"auto"`` or ``"cute"``; ``"fa2"``/``"fa3"``: ``NotImplementedError``.
       return_lse: also return the base-2 LSE ``[qo_len, num_qo_heads]`` (float32).
       kv_cache_sf: NVFP4 scale factors, not supported (``NotImplementedError``).
@@ -1177,9 +1275,10 @@ def single_prefill_with_kv_cache(
       ``o`` ``[qo_len, num_qo_heads, head_dim_vo]`` in q's dtype, or ``(o, lse)``.
 
     Raises:
-      TypeError, ValueError: malformed arguments (naming them).  KeyError: bad ``kv_layout`` or
-      ``pos_encoding_mode``.  NotImplementedError: the unsupported options above, head dims,
-      group > 16.
+      TypeError, ValueError: malformed arguments (naming them), e.g. ``rope_scale``/``rope_theta``
+      not a finite value > 0.  KeyError: bad ``kv_layout`` or ``pos_encoding_mode``.
+      NotImplementedError: the unsupported options above, head dims, group > 16, ALIBI with a
+      soft cap.
 
     Served by a cached :class:`BatchPrefillWithRaggedKVCacheWrapper` (one request), planned on
     every call (host work, no synchronisation).

@@ -27,10 +27,16 @@ def _finite_or_zero(x):
     return Float32(cutlass.select_(x == Float32(NEG_INF), Float32(0.0), x))
 
 
-def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale):
-    """Turn ``sacc`` (log2-unit logits, -inf where masked) into probabilities in place.
+def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=None):
+    """Turn ``sacc`` (logits, -inf where masked) into probabilities in place.
 
-    Updates ``row_m``/``row_l`` and writes the factor ``scale[h]`` by which the
+    Without ``logit_scale`` the logits are already in log2 units.  With it (a positive
+    Float32, e.g. ``sm_scale * log2(e)``) they are raw ``q.k`` products: the running max is
+    kept in log2 units and each probability is one ``fma`` + ``ex2``
+    (``2^(s * logit_scale - m)``), saving the separate scaling pass.  ``logit_scale`` must
+    be > 0 (the max of the raw values is the max of the scaled ones).
+
+    Updates ``row_m``/``row_l`` (log2 units) and writes the factor ``scale[h]`` by which the
     output accumulator rows must be multiplied (see :func:`rescale_rows`).
     """
     for h in range(2):
@@ -39,6 +45,8 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale):
             mx = cute.arch.fmax(mx, cute.arch.fmax(sacc[4 * n + 2 * h], sacc[4 * n + 2 * h + 1]))
         mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
         mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+        if logit_scale is not None:
+            mx = mx * logit_scale
         m_new = cute.arch.fmax(row_m[h], mx)
         m_use = _finite_or_zero(m_new)
         scale[h] = ptx.ex2(row_m[h] - m_use)
@@ -46,7 +54,10 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale):
         psum = Float32(0.0)
         for n in range(n_tiles):
             for e in range(2):
-                p = ptx.ex2(sacc[4 * n + 2 * h + e] - m_use)
+                if logit_scale is not None:
+                    p = ptx.ex2(sacc[4 * n + 2 * h + e] * logit_scale - m_use)
+                else:
+                    p = ptx.ex2(sacc[4 * n + 2 * h + e] - m_use)
                 sacc[4 * n + 2 * h + e] = p
                 psum = psum + p
         row_l[h] = row_l[h] * scale[h] + psum

@@ -20,6 +20,24 @@ mask (packed bits, little-endian, 1 = visible) replaces causal; soft cap
 ``cap * tanh(s / cap)`` on scaled logits; sinks are natural-log logits (not scaled)
 in the denominator and the LSE; LSE is base 2; rows with no visible key give O = 0,
 LSE = -inf.
+
+Positional encodings (``PrefillConfig.pos_encoding_mode``; query token ``i`` of a request
+sits at position ``pos_i = i + kv_len - qo_len``, key ``j`` at ``j``):
+
+* ``"ROPE_LLAMA"`` (FlashInfer ``prefill.cuh`` / ``pos_enc.cuh``): non-interleaved
+  ("rotate half") RoPE, pair ``(d, d + D/2)`` rotated by ``pos * freq_d`` with
+  ``freq_d = rope_rcp_scale * 2^(-2d/D * rope_log2_theta)`` (= ``theta^(-2d/D) / scale``).
+  The tile's Q rows are rotated in place in shared memory once, after they land; each
+  K tile is rotated in place after it lands, before the QK MMA (a barrier-separated pass
+  of all threads over the tile; fp32 math, rounded back to the 16-bit input type, as
+  FlashInfer does).  Angles are range-reduced to [-pi, pi] before ``sin/cos.approx``.
+* ``"ALIBI"``: ``slope_h * (j - pos_i)`` (natural-log units, ``slopes`` = FlashInfer's
+  ``get_alibi_slopes(num_qo_heads)``, a run-time ``[Hq]`` fp32 tensor) is added to the
+  scaled (and soft-capped) logit, in log2 units here (slope * log2 e), before masking.
+  FlashInfer's FA2 kernel uses the un-offset row index ``i`` instead of ``pos_i``: a
+  per-row constant, so O is identical and only the LSE differs (by
+  ``slope_h * (kv_len - qo_len) * log2 e``); ``pos_i`` makes the bias translation
+  invariant (the same as the decode kernel's ``j - (kv_len - 1)``, and the oracle's).
 """
 
 from __future__ import annotations
@@ -45,8 +63,8 @@ WORK_COLS = 8
 class PrefillConfig:
     """Compile-time configuration of :class:`PrefillKernel` (also its cache key).
 
-    Lengths, offsets, head counts, strides, ``sm_scale``, the soft-cap value and
-    ``window_left`` are run-time arguments.
+    Lengths, offsets, head counts, strides, ``sm_scale``, the soft-cap value,
+    ``window_left``, the RoPE parameters and the ALiBi slopes are run-time arguments.
     """
 
     dtype: str  # "bfloat16" | "float16"
@@ -59,6 +77,7 @@ class PrefillConfig:
     use_soft_cap: bool = False
     use_sinks: bool = False
     use_custom_mask: bool = False
+    pos_encoding_mode: str = "NONE"  # "NONE" | "ROPE_LLAMA" | "ALIBI"
     num_warps: int = 4
     tile_n: int = 64
     num_stages: int = 2
@@ -67,14 +86,17 @@ class PrefillConfig:
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float16"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
-        if self.head_dim_qk not in (64, 128, 192, 256) or self.head_dim_vo not in (64, 128, 256):
+        if self.head_dim_qk not in (32, 64, 128, 192, 256) or self.head_dim_vo not in (32, 64, 128, 256):
             raise ValueError(
-                f"head_dim_qk must be 64/128/192/256 and head_dim_vo 64/128/256, got {self.head_dim_qk}/{self.head_dim_vo}"
+                f"head_dim_qk must be 32/64/128/192/256 and head_dim_vo 32/64/128/256, got {self.head_dim_qk}/{self.head_dim_vo}"
             )
         if not 1 <= self.group_size <= 16:
             raise ValueError(f"group_size must be in [1, 16], got {self.group_size}")
         if self.page_size < 0:
             raise ValueError(f"page_size must be >= 0 (0 = ragged), got {self.page_size}")
+        if self.pos_encoding_mode not in ("NONE", "ROPE_LLAMA", "ALIBI"):
+            raise ValueError(
+                f"pos_encoding_mode must be NONE, ROPE_LLAMA or ALIBI, got {self.pos_encoding_mode!r}")
         if self.num_warps not in (4, 8) or self.tile_n not in (32, 64) or self.num_stages != 2:
             raise ValueError("num_warps must be 4 or 8, tile_n 32 or 64, num_stages 2")
 
@@ -120,20 +142,40 @@ class PrefillKernel:
         self.RQ, self.RV = cfg.row_bytes_qk, cfg.row_bytes_vo
         self.paged = cfg.page_size > 0
         self.mask_causal = cfg.causal and not cfg.use_custom_mask
+        self.rope = cfg.pos_encoding_mode == "ROPE_LLAMA"
+        self.alibi = cfg.pos_encoding_mode == "ALIBI"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mIdx: cute.Tensor, mWork: cute.Tensor,
-                 mO: cute.Tensor, mLSE: cute.Tensor, mMask: cute.Tensor, mSinks: cute.Tensor,
-                 sm_scale: Float32, soft_cap: Float32, window_left: Int32, stream):
+                 mO: cute.Tensor, mLSE: cute.Tensor, mMask: cute.Tensor, mSinks: cute.Tensor, mAlibi: cute.Tensor,
+                 sm_scale: Float32, soft_cap: Float32, window_left: Int32, rope_rcp_scale: Float32,
+                 rope_log2_theta: Float32, stream):
         hkv = mK.shape[2 if self.paged else 1]
-        self.kernel(mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks, sm_scale, soft_cap, window_left).launch(
+        self.kernel(mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks, mAlibi, sm_scale, soft_cap, window_left,
+                    rope_rcp_scale, rope_log2_theta).launch(
             grid=(hkv, mWork.shape[0], 1), block=(self.NT, 1, 1), smem=self.cfg.smem_bytes, stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks,
-               sm_scale: Float32, soft_cap: Float32, window_left: Int32):
-        """Device entry: one CTA per (kv head, tile of packed query rows); see the module docstring."""
+    def kernel(self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks, mAlibi,
+               sm_scale: Float32, soft_cap: Float32, window_left: Int32, rope_rcp_scale: Float32,
+               rope_log2_theta: Float32):
+        """Device entry: one CTA per (kv head, tile of packed query rows); see the module docstring.
+
+        Arguments (all but the scalars are ``cute.Tensor``):
+
+        * ``mQ`` ``[total_q, Hq, Dqk]``; ``mK``/``mV`` ragged ``[total_kv, Hkv, D]`` or paged
+          ``[pages, page_size, Hkv, D]`` (any strides, last dim contiguous); ``mIdx`` int32 flat
+          page ids (paged only); ``mWork`` int32 ``[W, 8]`` work table
+          (:mod:`cutedsl_attn.planning.prefill`); ``mO`` ``[total_q, Hq, Dvo]``; ``mLSE`` fp32
+          ``[total_q, Hq]`` (base 2); ``mMask`` uint8 packed custom mask (``use_custom_mask``);
+          ``mSinks`` fp32 ``[Hq]`` (``use_sinks``); ``mAlibi`` fp32 ``[Hq]`` ALiBi slopes in
+          natural-log units (``pos_encoding_mode == "ALIBI"``).  Tensors a config does not use
+          are not read (a 1-element dummy is fine).
+        * ``sm_scale``; ``soft_cap`` (``use_soft_cap``); ``window_left`` (``use_window``; -1
+          disables); ``rope_rcp_scale = 1 / rope_scale`` and ``rope_log2_theta = log2(rope_theta)``
+          (``ROPE_LLAMA``).
+        """
         cfg = self.cfg
         G, TM, TN, RQ = self.G, self.TM, self.TN, self.RQ
         tidx, _, _ = cute.arch.thread_idx()
@@ -182,8 +224,9 @@ class PrefillKernel:
             acc = cute.make_rmem_tensor(((self.DV // 8) * 4,), Float32)
             row_m = cute.make_rmem_tensor((2,), Float32)
             row_l = cute.make_rmem_tensor((2,), Float32)
-            self._mainloop(mK, mV, mIdx, mMask, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len, kv_start,
-                           mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, tidx, lane, warp)
+            self._mainloop(mK, mV, mIdx, mMask, mAlibi, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len,
+                           kv_start, mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, rope_rcp_scale,
+                           rope_log2_theta, tidx, lane, warp)
             self._epilogue(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
 
     # ------------------------------------------------------------------ loads
@@ -236,8 +279,9 @@ class PrefillKernel:
 
     # ------------------------------------------------------------------ main loop
     @cute.jit
-    def _mainloop(self, mK, mV, mIdx, mMask, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len, kv_start,
-                  mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, tidx, lane, warp):
+    def _mainloop(self, mK, mV, mIdx, mMask, mAlibi, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len,
+                  kv_start, mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, rope_rcp_scale,
+                  rope_log2_theta, tidx, lane, warp):
         DQ, DV, G, TN, RQ, RV = self.DQ, self.DV, self.G, self.TN, self.RQ, self.RV
         g = lane // 4
         t = lane % 4
@@ -253,10 +297,19 @@ class PrefillKernel:
             tk = (row0 + warp * 16 + g + 8 * h) // G
             qtok[h] = cutlass.min(tk, qo_len - 1)
             qpos[h] = tk + kv_len - qo_len
+        # ALiBi slopes (log2 units) of rows g and g+8: query head kv_head * G + packed_row % G
+        slope = cute.make_rmem_tensor((2,), Float32)
+        if const_expr(self.alibi):
+            for h in cutlass.range_constexpr(2):
+                slope[h] = mAlibi[kvh * G + (row0 + warp * 16 + g + 8 * h) % G] * LOG2E
 
         # Q has landed once at most one group (the first K/V tile) is pending
         ptx.cp_async_wait(1)
         cute.arch.sync_threads()
+        if const_expr(self.rope):
+            # packed row r is query token (row0 + r) // G at position token + kv_len - qo_len
+            self._rope_rows(sQ, self.TM, row0, kv_len - qo_len, True, tidx, rope_rcp_scale, rope_log2_theta)
+            cute.arch.sync_threads()
         qf = cute.make_rmem_tensor(((DQ // 16) * 4,), Int32)
         if const_expr(self.cfg.q_in_registers):
             for kk in cutlass.range_constexpr(DQ // 16):
@@ -277,6 +330,10 @@ class PrefillKernel:
             sK_st = sK + st * TN * RQ
             sV_st = sV + st * TN * RV
             tok0 = (blk_lo + it) * TN
+            if const_expr(self.rope):
+                # key row r of the tile is token tok0 + r (rows past kv_len are zero-filled: stay zero)
+                self._rope_rows(sK_st, TN, 0, tok0, False, tidx, rope_rcp_scale, rope_log2_theta)
+                cute.arch.sync_threads()
 
             # S = Q K^T over tile_n tokens
             for i in cutlass.range_constexpr((TN // 8) * 4):
@@ -304,6 +361,8 @@ class PrefillKernel:
                     x = sacc[4 * n8 + e] * sc_in
                     if const_expr(self.cfg.use_soft_cap):
                         x = ptx.tanh(x) * sc_out
+                    if const_expr(self.alibi):
+                        x = x + slope[h] * Float32(j - qpos[h])
                     ok = j < kv_len
                     if const_expr(self.mask_causal):
                         ok = ok & (j <= qpos[h])
@@ -337,6 +396,54 @@ class PrefillKernel:
             cute.arch.sync_threads()  # the stage is refilled next iteration
         ptx.cp_async_wait(0)
         sm.quad_sum_rows(row_l)
+
+    @cute.jit
+    def _rope_rows(self, s_base, n_rows: cutlass.Constexpr, row0, pos_off, packed_q: cutlass.Constexpr, tidx,
+                   rcp_scale, log2_theta):
+        """Rotate-half RoPE in place on ``n_rows`` 16-bit rows (stride ``row_bytes_qk``) in smem, by all threads.
+
+        Row ``r`` sits at position ``(row0 + r) // G + pos_off`` when ``packed_q`` (packed query
+        rows), else ``pos_off + r`` (key rows).  Pair ``(d, d + D/2)``, angle ``pos * freq_d``,
+        ``freq_d = rcp_scale * 2^(-2d/D * log2_theta)``; fp32 math, one rounding per element."""
+        DQ, NT = self.DQ, self.NT
+        half = DQ // 2
+        n_pairs = n_rows * half
+        fixed_d = NT % half == 0  # every pass of the threads hits the same d: one freq per thread
+        freq0 = Float32(0.0)
+        if const_expr(fixed_d):
+            freq0 = rcp_scale * ptx.ex2(Float32(tidx % half) * Float32(-2.0 / DQ) * log2_theta)
+        for it in cutlass.range_constexpr((n_pairs + NT - 1) // NT):
+            idx = it * NT + tidx
+            if const_expr(n_pairs % NT == 0):
+                self._rope_pair(s_base, idx, freq0, row0, pos_off, packed_q, fixed_d, rcp_scale, log2_theta)
+            else:
+                if idx < n_pairs:
+                    self._rope_pair(s_base, idx, freq0, row0, pos_off, packed_q, fixed_d, rcp_scale, log2_theta)
+
+    @cute.jit
+    def _rope_pair(self, s_base, idx, freq0, row0, pos_off, packed_q: cutlass.Constexpr, fixed_d: cutlass.Constexpr,
+                   rcp_scale, log2_theta):
+        """Pair number ``idx`` of :meth:`_rope_rows` (row ``idx // (D/2)``, dim ``idx % (D/2)``)."""
+        DQ, G, RQ, dt = self.DQ, self.G, self.RQ, self.dtype
+        half = DQ // 2
+        two_pi = 6.283185307179586
+        row = idx // half
+        d = idx % half
+        freq = freq0
+        if const_expr(not fixed_d):
+            freq = rcp_scale * ptx.ex2(Float32(d) * Float32(-2.0 / DQ) * log2_theta)
+        pos = pos_off + row
+        if const_expr(packed_q):
+            pos = (row0 + row) // G + pos_off
+        a1 = s_base + row * RQ + d * 2
+        a2 = a1 + half * 2
+        x1 = ptx.b16_to_f32(ptx.ld_shared_u16(a1), dt)
+        x2 = ptx.b16_to_f32(ptx.ld_shared_u16(a2), dt)
+        ang = Float32(pos) * freq
+        ang = ang - two_pi * ptx.rint(ang * (1.0 / two_pi))
+        sn, cs = ptx.sin_cos(ang)
+        ptx.st_shared_u16(a1, ptx.f32_to_16(x1 * cs - x2 * sn, dt))
+        ptx.st_shared_u16(a2, ptx.f32_to_16(x2 * cs + x1 * sn, dt))
 
     @cute.jit
     def _q_frag_addr(self, sQ, lane, warp, kk: cutlass.Constexpr):
@@ -373,8 +480,9 @@ class PrefillKernel:
 def compile(cfg: PrefillConfig, *, keep_ptx_dir: str | None = None):
     """Compile :class:`PrefillKernel` for ``cfg`` from fake tensors (no GPU needed).
 
-    Returns the tvm-ffi callable ``f(q, k, v, indices, work, o, lse, mask, sinks, sm_scale,
-    soft_cap, window_left)`` launching on torch's current stream (see the module docstring
+    Returns the tvm-ffi callable ``f(q, k, v, indices, work, o, lse, mask, sinks, alibi_slopes,
+    sm_scale, soft_cap, window_left, rope_rcp_scale, rope_log2_theta)`` launching on torch's
+    current stream (see :meth:`PrefillKernel.kernel` for the arguments, the module docstring
     and ``cutedsl_attn.planning.prefill`` for the work table).
     """
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
@@ -403,10 +511,11 @@ def compile(cfg: PrefillConfig, *, keep_ptx_dir: str | None = None):
     lse = make_fake_compact_tensor(Float32, (TQ, Hq), stride_order=(1, 0), assumed_align=4)
     mask = make_fake_compact_tensor(cutlass.Uint8, (NB,), assumed_align=1)
     sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
+    alibi = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
     opts = f"--enable-tvm-ffi --gpu-arch {cfg.arch}"
     if keep_ptx_dir is not None:
         opts += f" --keep-ptx --dump-dir {keep_ptx_dir}"
     return cute.compile(
-        PrefillKernel(cfg), q, k, v, idx, work, o, lse, mask, sinks, Float32(1.0), Float32(0.0), Int32(-1),
-        make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
+        PrefillKernel(cfg), q, k, v, idx, work, o, lse, mask, sinks, alibi, Float32(1.0), Float32(0.0), Int32(-1),
+        Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
     )

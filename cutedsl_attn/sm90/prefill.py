@@ -1,0 +1,554 @@
+"""SM90 (Hopper) prefill / append attention: TMA + wgmma, warp-specialised.
+
+One CTA per (kv head, tile of ``tile_m = 128`` packed query rows of one request), the
+same decomposition and work table as the portable kernel
+(:mod:`cutedsl_attn.planning.prefill`), so the API layer plans once for either.
+
+CTA organisation (384 threads, three warpgroups):
+
+* warpgroup 0, the producer: one elected thread of warp 0 streams K and V tiles of
+  ``tile_n`` tokens into a ``num_stages``-deep shared-memory ring with TMA
+  (``cp.async.bulk.tensor``), one mbarrier pipeline for K and one for V
+  (``cutlass.pipeline.PipelineTmaAsync``).  KV blocks are walked right to left, so the
+  block that needs the sequence-end / causal-diagonal mask comes first.  The
+  producer gives its registers to the consumers (``setmaxnreg``).
+* warpgroups 1 and 2, the consumers: 64 rows each.  Q (packed GQA rows, zero-filled
+  past the request) is gathered once per tile with ``cp.async`` into the 128B-swizzled
+  layout wgmma reads; then per KV block: ``S = Q K^T`` (wgmma, both operands in shared
+  memory), mask + online softmax in fp32 with ``exp2`` on the accumulator registers,
+  ``P`` converted in registers and used as the register A operand of ``O += P V``
+  (RS wgmma, V read transposed from its row-major tile).  The wgmma accumulator of one
+  warp has the ``mma.m16n8`` C layout repeated over n8 tiles, so the softmax helpers
+  of :mod:`cutedsl_attn.common.softmax` are shared with the portable kernels.
+* Intra-warpgroup overlap: the ``S`` GEMM of block ``j + 1`` is issued before the
+  ``P V`` GEMM of block ``j`` and runs while the softmax of ``j + 1`` waits on it,
+  so the tensor cores stay busy across the softmax (FA3's schedule).
+
+Conventions (FlashInfer, identical to the portable kernel): bottom-right causal,
+``window_left = w`` keeps ``w + 1`` keys, soft cap ``cap * tanh(s / cap)`` on scaled
+logits, sinks in natural-log units, LSE base 2, empty rows give O = 0 and LSE = -inf.
+
+Scope: ragged (contiguous, ``[tokens, heads, dim]``) K/V; ``tile_m`` must be a multiple
+of ``group_size``; no custom mask, no positional encoding (those run on the portable
+kernel: :func:`supports` says which).  Verified on an H200 (SM90); it does not build
+for SM100.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common import ptx
+from ..common import softmax as sm
+
+LOG2E = 1.4426950408889634
+NEG_INF = float("-inf")
+
+# work-table columns (int32), written by cutedsl_attn.planning.prefill
+W_BATCH, W_ROW0, W_QO_LEN, W_KV_LEN, W_Q_START, W_KV_START, W_MASK_OFF = range(7)
+WORK_COLS = 8
+
+_SMEM_LIMIT = 227 * 1024
+
+
+@dataclass(frozen=True)
+class Sm90PrefillConfig:
+    """Compile-time configuration of :class:`Sm90PrefillKernel` (also its cache key).
+
+    Field names match :class:`cutedsl_attn.portable.prefill.PrefillConfig` so the API
+    layer treats both alike.  Lengths, offsets, head counts, strides, ``sm_scale``, the
+    soft-cap value and ``window_left`` are run-time arguments.
+    """
+
+    dtype: str  # "bfloat16" | "float16"
+    head_dim_qk: int
+    head_dim_vo: int
+    group_size: int
+    page_size: int = 0  # only 0 (ragged K/V)
+    causal: bool = False
+    use_window: bool = False
+    use_soft_cap: bool = False
+    use_sinks: bool = False
+    use_custom_mask: bool = False  # not supported here (see supports())
+    tile_n: int = 128
+    num_stages: int = 2
+    num_wg: int = 2  # consumer warpgroups (64 query rows each)
+    pingpong: bool = True  # consumer warpgroups take turns issuing GEMMs (softmax of one overlaps the other's)
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        reason = unsupported_reason(self)
+        if reason:
+            raise ValueError(f"Sm90PrefillConfig: {reason}")
+
+    @property
+    def cutlass_dtype(self):
+        return cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
+
+    @property
+    def tile_m(self) -> int:
+        return 64 * self.num_wg
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_wg + 1)
+
+    @property
+    def positive_scale_only(self) -> bool:
+        """Without a soft cap the softmax scale is folded into the exponent after the row max of the
+        raw logits, which is only the max of the scaled ones for a positive scale (the API checks)."""
+        return not self.use_soft_cap
+
+    @property
+    def registers(self) -> tuple[int, int]:
+        """(consumer, producer) registers per thread after ``setmaxnreg``."""
+        return (240, 24) if self.num_wg == 2 else (160, 32)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of Q, the K/V rings and the barriers (each buffer 1 KiB aligned)."""
+        e = 2
+        q = self.tile_m * self.head_dim_qk * e
+        k = self.num_stages * self.tile_n * self.head_dim_qk * e
+        v = self.num_stages * self.tile_n * self.head_dim_vo * e
+        return 1024 + q + k + v + 1024
+
+
+def unsupported_reason(cfg) -> str | None:
+    """Why the SM90 kernel cannot serve ``cfg`` (a prefill config of either kernel), or None."""
+    if cfg.dtype not in ("bfloat16", "float16"):
+        return f"dtype must be 'bfloat16' or 'float16', got {cfg.dtype!r}"
+    if not str(cfg.arch).startswith("sm_90"):
+        return f"the SM90 kernel builds for sm_90a only, got arch {cfg.arch!r}"
+    if cfg.head_dim_qk not in (64, 128, 192, 256) or cfg.head_dim_vo not in (64, 128, 256):
+        return f"head_dim_qk must be 64/128/192/256 and head_dim_vo 64/128/256, got {cfg.head_dim_qk}/{cfg.head_dim_vo}"
+    if cfg.page_size != 0:
+        return "paged K/V is served by the portable kernel"
+    if cfg.use_custom_mask:
+        return "custom masks are served by the portable kernel"
+    if getattr(cfg, "pos_encoding_mode", "NONE") != "NONE":
+        return "positional encodings are served by the portable kernel"
+    if cfg.group_size < 1 or 128 % cfg.group_size != 0:
+        return f"group_size must divide 128, got {cfg.group_size}"
+    tile_n = getattr(cfg, "tile_n", 128)
+    if isinstance(cfg, Sm90PrefillConfig):
+        if tile_n not in (64, 128, 176) or tile_n % 16:
+            return f"tile_n must be 64, 128 or 176, got {tile_n}"
+        if cfg.num_stages not in (2, 3):
+            return f"num_stages must be 2 or 3, got {cfg.num_stages}"
+        if cfg.num_wg not in (2, 3) or (64 * cfg.num_wg) % cfg.group_size:
+            return f"num_wg must be 2 or 3 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
+        if cfg.smem_bytes > _SMEM_LIMIT:
+            return f"needs {cfg.smem_bytes} B of shared memory (> {_SMEM_LIMIT})"
+    return None
+
+
+def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int) -> dict:
+    """Tile choice per head dim (measured on the H200, perf/RESULTS.md): ``tile_n`` 128 up to
+    head_dim 192 and 64 for 256 (shared memory); two consumer warpgroups (128 rows) everywhere:
+    three (192 rows, 160 registers per thread) spill at head_dim 64 and ran 2x slower."""
+    d = max(head_dim_qk, head_dim_vo)
+    return {"tile_n": 64 if d > 192 else 128, "num_wg": 2}
+
+
+def _transpose_view(t):
+    """(A, B, ...) smem tensor viewed as (B, A, ...) (swizzle kept)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+class Sm90PrefillKernel:
+    """CuTe DSL SM90 prefill; see the module docstring.  Build with :func:`compile`."""
+
+    def __init__(self, cfg: Sm90PrefillConfig):
+        self.cfg = cfg
+        self.dtype = cfg.cutlass_dtype
+        self.DQ, self.DV, self.G = cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size
+        self.TM, self.TN, self.S = cfg.tile_m, cfg.tile_n, cfg.num_stages
+        self.NWG = cfg.num_wg
+        self.NCT = 128 * cfg.num_wg  # consumer threads
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mIdx: cute.Tensor, mWork: cute.Tensor,
+                 mO: cute.Tensor, mLSE: cute.Tensor, mMask: cute.Tensor, mSinks: cute.Tensor,
+                 sm_scale: Float32, soft_cap: Float32, window_left: Int32, stream):
+        DQ, DV, TM, TN, S = self.DQ, self.DV, self.TM, self.TN, self.S
+        dt = self.dtype
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_MAJOR, K_MAJOR, Float32, atom_layout_mnk=(TM // 64, 1, 1), tiler_mn=(64, TN))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(TM // 64, 1, 1), tiler_mn=(64, DV),
+            a_source=warpgroup.OperandSource.RMEM)
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, DQ), dt, 1)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, DQ), dt, S)
+        # V tile (tile_n, DV), DV contiguous, as TMA writes it; the P V GEMM reads its transpose
+        # (DV, tile_n) as an MN-major B operand
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, DV), dt, S)
+        sQ_layout = cute.select(sQ_layout, mode=[0, 1])
+
+        # K/V as (tokens, dim, kv_heads) for the TMA (dim contiguous)
+        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+        mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK_t, cute.select(sK_layout, mode=[0, 1]), (TN, DQ), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.select(sV_layout, mode=[0, 1]), (TN, DV), 1)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.k_bytes = TN * DQ * 2
+        self.v_bytes = TN * DV * 2
+        hkv = mK.shape[1]
+        self.kernel(mQ, tma_K, tma_V, tma_atom_K, tma_atom_V, mWork, mO, mLSE, mSinks, sm_scale, soft_cap,
+                    window_left, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
+            # work row fastest: the CTAs in flight share one kv head's K/V through L2
+            grid=(mWork.shape[0], hkv, 1), block=(self.cfg.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(), stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ, tma_K, tma_V, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, mWork, mO, mLSE,
+               mSinks, sm_scale: Float32, soft_cap: Float32, window_left: Int32,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+        """Device entry: one CTA per (work row, kv head) tile; see the module docstring."""
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        wi, kvh, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.NWG)  # one arrive per consumer warp
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.S, producer_group=producer,
+            consumer_group=consumers, tx_count=self.k_bytes, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=producer,
+            consumer_group=consumers, tx_count=self.v_bytes, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.registers[1])
+            if warp_idx == 0:
+                if b >= 0:
+                    self._produce(tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v, kvh,
+                                  mWork[wi, W_KV_START], blk_lo, n_blk)
+        else:
+            cute.arch.setmaxregister_increase(cfg.registers[0])
+            if b >= 0:
+                self._consume(mQ, mO, mLSE, mSinks, sQ, sK, sV, storage.sQ.data_ptr(), pipe_k, pipe_v,
+                              tiled_mma_qk, tiled_mma_pv, kvh, mWork[wi, W_ROW0], mWork[wi, W_QO_LEN],
+                              mWork[wi, W_KV_LEN], mWork[wi, W_Q_START], blk_lo, n_blk, sm_scale, soft_cap,
+                              window_left, tidx - 128)
+
+    @cute.jit
+    def _tile(self, mWork, wi, window_left):
+        """(request, KV block range) of work row ``wi``: blocks ``[blk_lo, blk_lo + n_blk)`` hold every KV
+        token some row of the tile can see; ``b < 0`` marks a padding row."""
+        cfg = self.cfg
+        G, TM, TN = self.G, self.TM, self.TN
+        b = mWork[wi, W_BATCH]
+        row0 = mWork[wi, W_ROW0]
+        qo_len = mWork[wi, W_QO_LEN]
+        kv_len = mWork[wi, W_KV_LEN]
+        last_row = cutlass.min(row0 + TM, qo_len * G) - 1
+        hi = kv_len
+        if const_expr(cfg.causal):
+            hi = cutlass.min(kv_len, last_row // G + kv_len - qo_len + 1)
+        lo = Int32(0)
+        if const_expr(cfg.use_window):
+            if window_left >= 0:
+                lo = cutlass.max(row0 // G + kv_len - qo_len - window_left, 0)
+        hi = cutlass.max(hi, 0)
+        blk_lo = lo // TN
+        n_blk = cutlass.max((hi + TN - 1) // TN - blk_lo, 0)
+        return b, blk_lo, n_blk
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def _produce(self, tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v, kvh, kv_start, blk_lo, n_blk):
+        """Warp 0: TMA the tile's K and V blocks right to left into the stage ring."""
+        TN, DQ, DV = self.TN, self.DQ, self.DV
+        gK = cute.local_tile(cute.domain_offset((kv_start, 0), tma_K[None, None, kvh]), (TN, DQ), (None, 0))
+        gV = cute.local_tile(cute.domain_offset((kv_start, 0), tma_V[None, None, kvh]), (TN, DV), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
+        for i in cutlass.range(n_blk, unroll=1):
+            n = blk_lo + n_blk - 1 - i
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_atom_K, tKgK[None, n], tKsK[None, state.index], tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index], tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def _load_q(self, mQ, sQ_addr, row0, qo_len, q_start, kvh, tid):
+        """cp.async the tile's packed Q rows into the 128B-swizzled K-major layout (zero past the request)."""
+        DQ, G, TM, NCT = self.DQ, self.G, self.TM, self.NCT
+        cpr = DQ // 8  # 16-byte chunks per row
+        q_base = mQ.iterator.toint()
+        for it in cutlass.range_constexpr((TM * cpr) // NCT):
+            idx = it * NCT + tid
+            r = idx // cpr
+            c = idx % cpr
+            pr = row0 + r
+            tok = pr // G
+            valid = tok < qo_len
+            tok_c = cutlass.min(tok, qo_len - 1)
+            goff = Int64(q_start + tok_c) * mQ.stride[0] + Int64(kvh * G + pr % G) * mQ.stride[1] + c * 8
+            # K_SW128 atom: 8 rows x 64 elements, tiled down M first; 16B chunk ^= row % 8
+            soff = (c // 8) * (TM * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+            ptx.cp_async_16(sQ_addr + soff, q_base + goff * 2, cutlass.select_(valid, 16, 0))
+        ptx.cp_async_commit()
+
+    @cute.jit
+    def _consume(self, mQ, mO, mLSE, mSinks, sQ, sK, sV, sQ_ptr, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, kvh,
+                 row0, qo_len, kv_len, q_start, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid):
+        """Consumer warpgroups: Q, then KV blocks right to left with S of block j+1 and P V of block j in
+        flight together (intra-warpgroup overlap), GEMM issue handed between warpgroups (ping-pong)."""
+        cfg = self.cfg
+        TM, TN, DV, G = self.TM, self.TN, self.DV, self.G
+        wg = cute.arch.make_warp_uniform(tid // 128)
+        wg_layout = cute.make_layout(self.NWG, stride=128)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg))
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_transpose_view(sV)))
+        acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((TM, TN)), Float32)
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((TM, DV)), Float32)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((TM, TN)))
+        acc_O.fill(0.0)
+
+        lane = tid % 32
+        warp = tid // 32  # consumer warp: rows warp*16 .. +16 of the tile
+        g = lane // 4
+        t = lane % 4
+        row_m = cute.make_rmem_tensor((2,), Float32)
+        row_l = cute.make_rmem_tensor((2,), Float32)
+        row_scale = cute.make_rmem_tensor((2,), Float32)
+        qpos = cute.make_rmem_tensor((2,), Int32)
+        for h in cutlass.range_constexpr(2):
+            row_m[h] = Float32(NEG_INF)
+            row_l[h] = Float32(0.0)
+            qpos[h] = (row0 + warp * 16 + g + 8 * h) // G + kv_len - qo_len
+
+        sc_in = sm_scale * LOG2E
+        sc_out = Float32(1.0)
+        if const_expr(cfg.use_soft_cap):
+            sc_in = sm_scale / soft_cap
+            sc_out = soft_cap * LOG2E
+        # first / last query position of the tile (blocks ending before the first need no causal mask)
+        pos_first = row0 // G + kv_len - qo_len
+        pos_last = (cutlass.min(row0 + TM, qo_len * G) - 1) // G + kv_len - qo_len
+
+        self._load_q(mQ, sQ_ptr.toint(), row0, qo_len, q_start, kvh, tid)
+        ptx.cp_async_wait(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.NCT)
+        if const_expr(cfg.pingpong):
+            if wg == self.NWG - 1:  # the first warpgroup issues first
+                cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.S)
+        if n_blk > 0:
+            n = blk_lo + n_blk - 1
+            pipe_k.consumer_wait(state)
+            self._turn_begin(wg)
+            self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
+            self._turn_end(wg)
+            warpgroup.wait_group(0)
+            pipe_k.consumer_release(state)
+            self._softmax_block(acc_S, row_m, row_l, row_scale, n * TN, kv_len, qpos, pos_first, pos_last, sc_in,
+                                sc_out, window_left, t)
+            self._to_p(acc_S, tOrP)
+            for i in cutlass.range(n_blk - 1, unroll=1):
+                state_v = state.clone()
+                state.advance()
+                n = blk_lo + n_blk - 2 - i
+                pipe_k.consumer_wait(state)
+                pipe_v.consumer_wait(state_v)
+                self._turn_begin(wg)
+                self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
+                self._gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], False)
+                self._turn_end(wg)
+                warpgroup.wait_group(1)
+                pipe_k.consumer_release(state)
+                self._softmax_block(acc_S, row_m, row_l, row_scale, n * TN, kv_len, qpos, pos_first, pos_last,
+                                    sc_in, sc_out, window_left, t)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(state_v)
+                sm.rescale_rows(acc_O, DV // 8, row_scale)
+                self._to_p(acc_S, tOrP)
+            pipe_v.consumer_wait(state)
+            self._turn_begin(wg)
+            self._gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False)
+            self._turn_end(wg)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(state)
+        sm.quad_sum_rows(row_l)
+        self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
+
+    @cute.jit
+    def _turn_begin(self, wg):
+        """Ping-pong: wait until the previous warpgroup has issued its GEMMs (named barrier 2 + wg)."""
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=2 + wg, number_of_threads=256)
+
+    @cute.jit
+    def _turn_end(self, wg):
+        """Ping-pong: hand the tensor cores to the next warpgroup."""
+        if const_expr(self.cfg.pingpong):
+            nxt = Int32(cutlass.select_(wg == self.NWG - 1, 0, wg + 1))
+            cute.arch.barrier_arrive(barrier_id=2 + nxt, number_of_threads=256)
+
+    @cute.jit
+    def _gemm(self, tiled_mma, acc, tA, tB, zero_init):
+        """Issue one warpgroup GEMM (k-blocks unrolled) and commit it; the caller waits.  ``zero_init``
+        (static or dynamic) overwrites ``acc`` instead of accumulating: the accumulators are only ever
+        written by wgmma between pipeline stages, so ptxas keeps the wgmma pipeline (no serialisation)."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _softmax_block(self, acc_S, row_m, row_l, row_scale, tok0, kv_len, qpos, pos_first, pos_last, sc_in, sc_out,
+                       window_left, t):
+        """Scale and mask S of the block starting at KV token ``tok0`` (masks only where the block needs
+        them), then the online softmax step; ``row_scale`` receives the factor for the O rows."""
+        cfg = self.cfg
+        TN = self.TN
+        n8 = TN // 8
+        need_mask = tok0 + TN > kv_len
+        if const_expr(cfg.causal):
+            need_mask = need_mask | (tok0 + TN - 1 > pos_first)
+        if const_expr(cfg.use_window):
+            need_mask = need_mask | ((window_left >= 0) & (tok0 < pos_last - window_left))
+        if need_mask:
+            for j in cutlass.range_constexpr(n8):
+                for e in cutlass.range_constexpr(4):
+                    h = e // 2
+                    kj = tok0 + j * 8 + 2 * t + (e % 2)
+                    x = acc_S[4 * j + e]
+                    if const_expr(cfg.use_soft_cap):
+                        x = ptx.tanh(x * sc_in) * sc_out
+                    ok = kj < kv_len
+                    if const_expr(cfg.causal):
+                        ok = ok & (kj <= qpos[h])
+                    if const_expr(cfg.use_window):
+                        ok = ok & ((window_left < 0) | (kj >= qpos[h] - window_left))
+                    acc_S[4 * j + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
+        else:
+            if const_expr(cfg.use_soft_cap):
+                for i in cutlass.range_constexpr(4 * n8):
+                    acc_S[i] = ptx.tanh(acc_S[i] * sc_in) * sc_out
+        # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2)
+        logit_scale = None if cfg.use_soft_cap else sc_in
+        sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale)
+
+    @cute.jit
+    def _to_p(self, acc_S, tOrP):
+        """P (fp32 accumulator registers) -> the 16-bit A fragment of the P V GEMM (same register order)."""
+        tOrP.store(cute.make_tensor(acc_S.iterator, tOrP.layout).load().to(self.dtype))
+
+    # ------------------------------------------------------------------ epilogue
+    @cute.jit
+    def _epilogue(self, mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp):
+        """Normalise (sinks folded in), write O (2 values per store) and the LSE of the thread's rows."""
+        DV, G = self.DV, self.G
+        g = lane // 4
+        t = lane % 4
+        hq = mO.shape[1]
+        o_base = mO.iterator.toint()
+        for h in cutlass.range_constexpr(2):
+            pr = row0 + warp * 16 + g + 8 * h
+            if pr < qo_len * G:
+                tok = q_start + pr // G
+                head = kvh * G + pr % G
+                sink_l2 = Float32(NEG_INF)
+                if const_expr(self.cfg.use_sinks):
+                    sink_l2 = mSinks[head] * LOG2E
+                inv, lse = sm.finalize_row(row_m[h], row_l[h], sink_l2)
+                row_addr = o_base + ((Int64(tok) * hq + head) * DV) * 2
+                # a row that saw no key (or a tile with no KV block: acc holds stale values) writes zeros
+                inv_ok = inv != Float32(0.0)
+                for dd in cutlass.range_constexpr(DV // 8):
+                    o0 = Float32(cutlass.select_(inv_ok, acc[dd * 4 + 2 * h] * inv, Float32(0.0)))
+                    o1 = Float32(cutlass.select_(inv_ok, acc[dd * 4 + 2 * h + 1] * inv, Float32(0.0)))
+                    v = ptx.pack2(o0, o1, self.dtype)
+                    ptx.st_global_u32(row_addr + (dd * 8 + 2 * t) * 2, v)
+                if t == 0:
+                    mLSE[tok, head] = lse
+
+
+def compile(cfg: Sm90PrefillConfig, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile :class:`Sm90PrefillKernel` for ``cfg`` from fake tensors (no GPU needed).
+
+    Returns the tvm-ffi callable ``f(q, k, v, indices, work, o, lse, mask, sinks, sm_scale,
+    soft_cap, window_left)``: the portable prefill kernel's signature without its positional-
+    encoding arguments, and its work table (``indices`` and ``mask`` are unused here),
+    launching on torch's current stream.
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    dt = cfg.cutlass_dtype
+
+    def sym():
+        return cute.sym_int()
+
+    def s64():
+        return cute.sym_int64(divisibility=8)
+
+    TQ, Hq, Hkv, TK, W, NB = (sym() for _ in range(6))
+    q = make_fake_tensor(dt, (TQ, Hq, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
+    k = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
+    v = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_vo), (s64(), s64(), 1), assumed_align=16)
+    idx = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
+    o = make_fake_compact_tensor(dt, (TQ, Hq, cfg.head_dim_vo), stride_order=(2, 1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(Float32, (TQ, Hq), stride_order=(1, 0), assumed_align=4)
+    mask = make_fake_compact_tensor(cutlass.Uint8, (NB,), assumed_align=1)
+    sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
+    opts = f"--enable-tvm-ffi --gpu-arch {cfg.arch}"
+    if keep_ptx_dir is not None:
+        opts += f" --keep-ptx --dump-dir {keep_ptx_dir}" + (" --keep-cubin" if keep_cubin else "")
+    return cute.compile(
+        Sm90PrefillKernel(cfg), q, k, v, idx, work, o, lse, mask, sinks, Float32(1.0), Float32(0.0),
+        Int32(-1), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
+    )

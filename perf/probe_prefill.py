@@ -1,0 +1,127 @@
+"""Prefill kernel probe: each kernel variant vs a float32 torch reference, and its time.
+
+Runs ragged batches through ``BatchPrefillWithRaggedKVCacheWrapper`` once per kernel
+choice (``CUTEDSL_ATTN_PREFILL_KERNEL`` = ``auto`` (SM90 where it applies) and
+``portable``), prints the relative error against a float32 reference and the kernel
+time (L2 flushed, launch cost excluded).  A development aid; the verdicts live in
+``tests/test_prefill_gpu.py`` and ``perf/bench_prefill.py``.
+
+Usage: python perf/probe_prefill.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from cutedsl_attn.timing import KernelTimer
+
+DEV = torch.device("cuda")
+VARIANTS = ["auto", "portable"]
+
+
+def reference(q, k, v, qo, kv, causal, scale, window_left=-1, soft_cap=0.0):
+    """float32 attention per request (FlashInfer conventions: bottom-right causal)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    out = torch.empty(q.shape[0], hq, v.shape[2], dtype=torch.float32, device=q.device)
+    for b in range(len(qo) - 1):
+        qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
+        Lq, Lk = qe - qs, ke - ks
+        if Lq == 0:
+            continue
+        qb = q[qs:qe].float().transpose(0, 1)
+        kb = k[ks:ke].float().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        vb = v[ks:ke].float().repeat_interleave(hq // hkv, 1).transpose(0, 1)
+        s = qb @ kb.transpose(1, 2) * scale
+        if soft_cap > 0:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        i = torch.arange(Lq, device=q.device)[:, None] + Lk - Lq
+        j = torch.arange(Lk, device=q.device)[None, :]
+        keep = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
+        if causal:
+            keep &= j <= i
+        if window_left >= 0:
+            keep &= j >= i - window_left
+        s = s.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        out[qs:qe] = (p @ vb).transpose(0, 1)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", default="", help="extra CUTEDSL_ATTN_PREFILL_TUNE settings, ';'-separated")
+    args = ap.parse_args()
+    global VARIANTS
+    VARIANTS = ["auto", "portable"] + [v for v in args.variants.split(";") if v]
+    import cutedsl_attn as ca
+
+    timer = KernelTimer(DEV)
+    g = torch.Generator(device="cpu").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cases = [
+        # name, qo_lens, kv_lens, hq, hkv, dqk, dvo, causal, extra
+        ("d128 causal 2x1024", [1024, 1024], [1024, 1024], 16, 16, 128, 128, True, {}),
+        ("d128 full ragged", [1, 77, 300, 0, 513], [5, 77, 900, 3, 1000], 8, 8, 128, 128, False, {}),
+        ("d128 causal gqa4 ragged", [1, 77, 300, 129], [5, 200, 300, 1000], 32, 8, 128, 128, True, {}),
+        ("d64 causal", [700, 1200], [700, 1500], 8, 8, 64, 64, True, {}),
+        ("d256 causal", [700, 333], [700, 800], 4, 4, 256, 256, True, {}),
+        ("d192/128 causal", [400, 640], [500, 640], 8, 8, 192, 128, True, {}),
+        ("d128 window 100", [600], [900], 8, 2, 128, 128, True, {"window_left": 100}),
+        ("d128 softcap 30", [500], [700], 8, 8, 128, 128, False, {"logits_soft_cap": 30.0}),
+        ("d128 gqa8 causal", [333, 1000], [333, 1000], 32, 4, 128, 128, True, {}),
+    ]
+    perf_cases = [] if args.quick else [
+        ("B2x8192 h32 d128 causal", [8192] * 2, [8192] * 2, 32, 32, 128, 128, True, {}),
+        ("B2x8192 h32 d128 full", [8192] * 2, [8192] * 2, 32, 32, 128, 128, False, {}),
+        ("B2x8192 h32/8 d128 causal", [8192] * 2, [8192] * 2, 32, 8, 128, 128, True, {}),
+        ("B2x8192 h64 d64 causal", [8192] * 2, [8192] * 2, 64, 64, 64, 64, True, {}),
+        ("B2x8192 h16 d256 causal", [8192] * 2, [8192] * 2, 16, 16, 256, 256, True, {}),
+    ]
+    rows = []
+    for name, qo_l, kv_l, hq, hkv, dqk, dvo, causal, extra in cases + perf_cases:
+        qo = [0]
+        kv = [0]
+        for a, b in zip(qo_l, kv_l):
+            qo.append(qo[-1] + a)
+            kv.append(kv[-1] + b)
+        q = torch.randn(qo[-1], hq, dqk, generator=g).to(DEV, torch.bfloat16)
+        k = torch.randn(kv[-1], hkv, dqk, generator=g).to(DEV, torch.bfloat16)
+        v = torch.randn(kv[-1], hkv, dvo, generator=g).to(DEV, torch.bfloat16)
+        scale = dqk ** -0.5
+        big = qo[-1] > 4096
+        ref = None if big else reference(q, k, v, qo, kv, causal, scale, extra.get("window_left", -1),
+                                         extra.get("logits_soft_cap", 0.0))
+        res = {}
+        for kern in VARIANTS:
+            os.environ["CUTEDSL_ATTN_PREFILL_KERNEL"] = "portable" if kern == "portable" else "auto"
+            if kern not in ("auto", "portable"):
+                os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = kern
+            else:
+                os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
+            w = ca.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=DEV))
+            w.plan(torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32), hq, hkv, dqk,
+                   head_dim_vo=dvo, causal=causal, q_data_type=torch.bfloat16, **extra)
+            kind = type(w._plan["cfg"]).__name__
+            out = torch.full((qo[-1], hq, dvo), float("nan"), dtype=torch.bfloat16, device=DEV)
+            w.run(q, k, v, out=out)
+            torch.cuda.synchronize()
+            err = float("nan")
+            if ref is not None:
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+            elif kern != "auto":
+                err = ((out.float() - res["auto"][2].float()).norm() / out.float().norm()).item()
+            t = timer(lambda: w.run(q, k, v, out=out), reps=5 if big else 10)
+            res[kern] = (kind, t, out.clone(), err)
+        ka, ta, _, ea = res["auto"]
+        kp, tp, _, ep = res["portable"]
+        others = " ".join(f"| {k} {res[k][1] * 1e3:7.3f} ms err {res[k][3]:.1e}" for k in VARIANTS[2:])
+        print(f"{name:26s} {ka[:5]} err {ea:.2e} {ta * 1e3:7.3f} ms | portable {tp * 1e3:7.3f} ms err {ep:.1e}"
+              f" {others}", flush=True)
+    os.environ.pop("CUTEDSL_ATTN_PREFILL_KERNEL", None)
+
+
+if __name__ == "__main__":
+    main()
