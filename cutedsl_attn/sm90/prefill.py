@@ -141,8 +141,8 @@ def unsupported_reason(cfg) -> str | None:
         return f"group_size must divide 128, got {cfg.group_size}"
     tile_n = getattr(cfg, "tile_n", 128)
     if isinstance(cfg, Sm90PrefillConfig):
-        if tile_n not in (64, 128, 176) or tile_n % 16:
-            return f"tile_n must be 64, 128 or 176, got {tile_n}"
+        if not 64 <= tile_n <= 192 or tile_n % 16:
+            return f"tile_n must be a multiple of 16 in [64, 192], got {tile_n}"
         if cfg.num_stages not in (2, 3):
             return f"num_stages must be 2 or 3, got {cfg.num_stages}"
         if cfg.num_wg not in (2, 3) or (64 * cfg.num_wg) % cfg.group_size:
