@@ -45,7 +45,8 @@ import tempfile
 import threading
 from collections import Counter
 
-__all__ = ["OPS", "DEFAULTS", "config", "ptx", "sass", "instruction_summary", "format_summary", "SUMMARY_KEYS"]
+__all__ = ["OPS", "DEFAULTS", "config", "ptx", "sass", "resources", "cubin_resources", "instruction_summary",
+           "format_summary", "SUMMARY_KEYS"]
 
 #: Kernel families this module can build.
 OPS = ("decode", "prefill")
@@ -280,6 +281,61 @@ def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
     """
     op_, cfg = _cache_key(op, arch, config_kw)
     return _ptx_cached(op_, cfg)
+
+
+# ELF .nv.info attributes (CUDA's EIATTR ids): kernel-wide register count and per-thread stack frame
+_EIATTR_REGCOUNT = 0x2F
+_EIATTR_FRAME_SIZE = 0x11
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """Registers per thread and stack-frame bytes per thread of the (single) kernel in ``cubin``.
+
+    Read from the ELF ``.nv.info`` section the assembler writes (no CUDA tools needed):
+    ``registers`` is the launch register count (``cuobjdump -res-usage``'s ``REG``; kernels
+    that rebalance with ``setmaxnreg`` report the launch value), ``stack_bytes`` its
+    ``STACK`` (> 0 means spills or a local array).  Raises ``ValueError`` for a blob that is
+    not a 64-bit ELF or lacks the attributes.
+    """
+    import struct
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_off = heads[shstrndx][4]
+    found: dict[str, int] = {}
+    for name, _typ, _flags, _addr, off, size in heads:
+        sec = cubin[names_off + name: cubin.index(b"\0", names_off + name)]
+        if sec != b".nv.info":
+            continue
+        i, blob = 0, cubin[off: off + size]
+        while i + 2 <= len(blob):
+            fmt, attr = blob[i], blob[i + 1]
+            if fmt == 4:  # EIFMT_SVAL: u16 size + payload
+                n = struct.unpack_from("<H", blob, i + 2)[0]
+                payload, i = blob[i + 4: i + 4 + n], i + 4 + n
+                if n == 8 and attr == _EIATTR_REGCOUNT:
+                    found["registers"] = struct.unpack("<II", payload)[1]
+                elif n == 8 and attr == _EIATTR_FRAME_SIZE:
+                    found["stack_bytes"] = struct.unpack("<II", payload)[1]
+            else:  # EIFMT_NVAL (2 bytes), EIFMT_BVAL / EIFMT_HVAL (4 bytes)
+                i += 2 if fmt == 1 else 4
+    if set(found) != {"registers", "stack_bytes"}:
+        raise ValueError(f"cubin .nv.info lacks the register/frame attributes (found {sorted(found)})")
+    return found
+
+
+def resources(op: str = "decode", arch: str = "sm_90a", **config_kw) -> dict[str, int]:
+    """``{"registers": ..., "stack_bytes": ...}`` of one kernel configuration (see :func:`cubin_resources`).
+
+    Compiles like :func:`ptx` with ``--keep-cubin`` (the DSL's own assembler: no GPU and no
+    CUDA toolkit needed), so spills are visible on a CPU-only machine.  Raises like :func:`ptx`,
+    plus ``RuntimeError`` when the compiler wrote no cubin.
+    """
+    op_, cfg = _cache_key(op, arch, config_kw)
+    return cubin_resources(_cubin_cached(op_, cfg))
 
 
 def _find_tool(name: str):

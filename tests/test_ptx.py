@@ -320,6 +320,20 @@ def test_sm90_prefill_ptx(name):
     assert s.get("ld.local", 0) == 0 and s.get("st.local", 0) == 0, "register spills"
 
 
+@pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window"])
+def test_sm90_prefill_no_spills(name):
+    """The assembled SM90 kernel keeps everything in registers (stack frame 0), read from its cubin."""
+    keys, _ = SM90_PREFILL_CONFIGS[name]
+    res = ci.resources("prefill", "sm_90a", **keys)
+    assert res["stack_bytes"] == 0, res
+    assert res["registers"] == 168, res  # 65536 / 384 threads at launch; setmaxnreg rebalances to 240/24
+
+
+def test_cubin_resources_rejects_non_elf():
+    with pytest.raises(ValueError, match="ELF"):
+        ci.cubin_resources(b"not a cubin at all")
+
+
 def test_sm90_prefill_routing():
     """What the SM90 kernel does not serve goes to the portable kernel; it never builds for Blackwell."""
     from cutedsl_attn.sm90.prefill import Sm90PrefillConfig

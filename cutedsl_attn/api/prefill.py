@@ -23,12 +23,17 @@ by ``slope_h * (kv_len - qo_len) * log2(e)``; ``j - pos_i`` is what the decode k
 the oracle (``cutedsl_attn.ref``) use.  ALIBI together with ``logits_soft_cap`` is not
 served (FlashInfer's kernel applies ``sm_scale`` twice in that combination).
 
-What runs where: the kernel behind every call here is the portable CuTe DSL prefill
-kernel (``cutedsl_attn.portable.prefill``: ``cp.async`` + ``ldmatrix`` + ``mma.sync``, the
-query heads of a kv head packed into the MMA rows), verified on an NVIDIA H200 (SM90);
-on SM100/SM103 it is only cross-compiled and PTX-checked.  There is no split-KV: each
-CTA reads the whole visible KV range of its rows, so results do not depend on the
-batch composition.
+What runs where (``cutedsl_attn.dispatch.prefill_config`` decides, once per ``plan()``):
+on SM90 the TMA + wgmma kernel (``cutedsl_attn.sm90.prefill``: a TMA producer warpgroup and
+two wgmma consumer warpgroups, 128 packed rows per CTA) serves ragged KV without a custom
+mask or positional encoding, head_dim >= 64 and a group size dividing 128; everything else
+runs the portable CuTe DSL prefill kernel (``cutedsl_attn.portable.prefill``: ``cp.async`` +
+``ldmatrix`` + ``mma.sync``, 64 packed rows per CTA).  Both pack the query heads of a kv
+head into the MMA rows and both are verified on an NVIDIA H200 (SM90); on SM100/SM103 the
+portable kernel is only cross-compiled and PTX-checked.  ``backend="cudnn"`` runs cuDNN
+frontend graphs instead (``cutedsl_attn.api.cudnn``).  There is no split-KV: each CTA
+reads the whole visible KV range of its rows, so results do not depend on the batch
+composition.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ request with ``kv_len == 0``) are written here after the graph as O = 0 and Stat
 FlashInfer's contract, whatever the engine leaves there.
 
 Status: written against cudnn-frontend 1.32.0 with the cuDNN 9.19 backend of torch 2.11+cu130;
-pending GPU verification.
+verified on an NVIDIA H200 (2026-11-29: tests/test_cudnn_gpu.py passed against the float64 oracle).
 """
 
 from __future__ import annotations
