@@ -320,6 +320,25 @@ def test_sm90_prefill_ptx(name):
     assert s.get("ld.local", 0) == 0 and s.get("st.local", 0) == 0, "register spills"
 
 
+@pytest.mark.parametrize("page_size,keys", [
+    (16, dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True)),
+    (1, dict(dtype="float16", head_dim_qk=192, head_dim_vo=128, group_size=1, use_window=True, use_sinks=True)),
+])
+def test_sm90_prefill_paged_ptx(page_size, keys):
+    """Paged K/V: the producer warpgroup gathers rows with cp.async and arrives on the stage mbarrier;
+    the consumers order those generic-proxy writes before their wgmma reads; no TMA for K/V."""
+    cfg = ci.config("prefill", "sm_90a", **keys, page_size=page_size)
+    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.registers == (232, 40)
+    text = ci.ptx("prefill", "sm_90a", **keys, page_size=page_size)
+    s = ci.instruction_summary(text)
+    assert "cp.async.mbarrier.arrive.noinc" in text and "cp.async.cg.shared.global" in text
+    assert "cp.async.bulk.tensor" not in text
+    assert "fence.proxy.async" in text
+    assert s["wgmma"] > 0 and s["mma.sync"] == 0
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", text)
+    assert ci.resources("prefill", "sm_90a", **keys, page_size=page_size)["stack_bytes"] == 0
+
+
 @pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window"])
 def test_sm90_prefill_no_spills(name):
     """The assembled SM90 kernel keeps everything in registers (stack frame 0), read from its cubin."""
@@ -339,14 +358,15 @@ def test_sm90_prefill_routing():
     from cutedsl_attn.sm90.prefill import Sm90PrefillConfig
 
     base = dict(dtype="bfloat16", head_dim_qk=128, group_size=4)
-    for over in (dict(page_size=16), dict(use_custom_mask=True), dict(pos_encoding_mode="ROPE_LLAMA"),
+    assert type(ci.config("prefill", "sm_90a", **base, page_size=16)).__name__ == "Sm90PrefillConfig"
+    for over in (dict(use_custom_mask=True), dict(pos_encoding_mode="ROPE_LLAMA"),
                  dict(pos_encoding_mode="ALIBI"), dict(group_size=3), dict(head_dim_qk=32)):
         cfg = ci.config("prefill", "sm_90a", **{**base, **over})
         assert type(cfg).__name__ == "PrefillConfig", over
     assert type(ci.config("prefill", "sm_100a", **base)).__name__ == "PrefillConfig"
     assert type(ci.config("prefill", "sm_90a", **base, kernel="portable")).__name__ == "PrefillConfig"
     with pytest.raises(ValueError, match="SM90 prefill kernel cannot serve"):
-        ci.config("prefill", "sm_90a", **base, page_size=16, kernel="sm90")
+        ci.config("prefill", "sm_90a", **base, use_custom_mask=True, kernel="sm90")
     with pytest.raises(ValueError, match="sm_90a only"):
         Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, arch="sm_100a")
     with pytest.raises(ValueError, match="shared memory"):

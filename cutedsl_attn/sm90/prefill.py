@@ -7,7 +7,8 @@ same decomposition and work table as the portable kernel
 CTA organisation (384 threads, three warpgroups):
 
 * warpgroup 0, the producer: one elected thread of warp 0 streams K and V tiles of
-  ``tile_n`` tokens into a ``num_stages``-deep shared-memory ring with TMA
+  ``tile_n`` tokens (paged: all 128 threads, see below) into a ``num_stages``-deep
+  shared-memory ring with TMA
   (``cp.async.bulk.tensor``), one mbarrier pipeline for K and one for V
   (``cutlass.pipeline.PipelineTmaAsync``).  KV blocks are walked right to left, so the
   block that needs the sequence-end / causal-diagonal mask comes first.  The
@@ -28,9 +29,12 @@ Conventions (FlashInfer, identical to the portable kernel): bottom-right causal,
 ``window_left = w`` keeps ``w + 1`` keys, soft cap ``cap * tanh(s / cap)`` on scaled
 logits, sinks in natural-log units, LSE base 2, empty rows give O = 0 and LSE = -inf.
 
-Scope: ragged (contiguous, ``[tokens, heads, dim]``) K/V; ``tile_m`` must be a multiple
-of ``group_size``; no custom mask, no positional encoding (those run on the portable
-kernel: :func:`supports` says which).  Verified on an H200 (SM90); it does not build
+K/V: ragged (contiguous, ``[tokens, heads, dim]``) through TMA, or paged
+(``[pages, page_size, heads, dim]`` plus a page table, any page size) gathered by the 128
+producer threads with ``cp.async`` into the same swizzled layout (zero-filled past the
+request), each thread arriving on the stage's mbarrier when its copies land.
+Scope: ``tile_m`` must be a multiple of ``group_size``; no custom mask, no positional
+encoding (those run on the portable kernel: :func:`unsupported_reason` says which).  Verified on an H200 (SM90); it does not build
 for SM100.
 """
 
@@ -73,7 +77,7 @@ class Sm90PrefillConfig:
     head_dim_qk: int
     head_dim_vo: int
     group_size: int
-    page_size: int = 0  # only 0 (ragged K/V)
+    page_size: int = 0  # 0: ragged K/V (TMA); > 0: paged K/V (cp.async gather by the producer warpgroup)
     causal: bool = False
     use_window: bool = False
     use_soft_cap: bool = False
@@ -111,7 +115,9 @@ class Sm90PrefillConfig:
     @property
     def registers(self) -> tuple[int, int]:
         """(consumer, producer) registers per thread after ``setmaxnreg``."""
-        return (240, 24) if self.num_wg == 2 else (160, 32)
+        if self.num_wg == 3:
+            return (160, 32)
+        return (232, 40) if self.page_size > 0 else (240, 24)  # the cp.async gather needs producer registers
 
     @property
     def smem_bytes(self) -> int:
@@ -131,8 +137,6 @@ def unsupported_reason(cfg) -> str | None:
         return f"the SM90 kernel builds for sm_90a only, got arch {cfg.arch!r}"
     if cfg.head_dim_qk not in (64, 128, 192, 256) or cfg.head_dim_vo not in (64, 128, 256):
         return f"head_dim_qk must be 64/128/192/256 and head_dim_vo 64/128/256, got {cfg.head_dim_qk}/{cfg.head_dim_vo}"
-    if cfg.page_size != 0:
-        return "paged K/V is served by the portable kernel"
     if cfg.use_custom_mask:
         return "custom masks are served by the portable kernel"
     if getattr(cfg, "pos_encoding_mode", "NONE") != "NONE":
@@ -175,6 +179,7 @@ class Sm90PrefillKernel:
         self.dtype = cfg.cutlass_dtype
         self.DQ, self.DV, self.G = cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size
         self.TM, self.TN, self.S = cfg.tile_m, cfg.tile_n, cfg.num_stages
+        self.paged = cfg.page_size > 0
         self.NWG = cfg.num_wg
         self.NCT = 128 * cfg.num_wg  # consumer threads
 
@@ -198,12 +203,14 @@ class Sm90PrefillKernel:
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, DV), dt, S)
         sQ_layout = cute.select(sQ_layout, mode=[0, 1])
 
-        # K/V as (tokens, dim, kv_heads) for the TMA (dim contiguous)
-        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
-        mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK_t, cute.select(sK_layout, mode=[0, 1]), (TN, DQ), 1)
-        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.select(sV_layout, mode=[0, 1]), (TN, DV), 1)
+        tma_atom_K = tma_K = tma_atom_V = tma_V = None
+        if const_expr(not self.paged):
+            # K/V as (tokens, dim, kv_heads) for the TMA (dim contiguous)
+            mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+            mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK_t, cute.select(sK_layout, mode=[0, 1]), (TN, DQ), 1)
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.select(sV_layout, mode=[0, 1]), (TN, DV), 1)
 
         @cute.struct
         class SharedStorage:
@@ -216,8 +223,8 @@ class Sm90PrefillKernel:
         self.shared_storage = SharedStorage
         self.k_bytes = TN * DQ * 2
         self.v_bytes = TN * DV * 2
-        hkv = mK.shape[1]
-        self.kernel(mQ, tma_K, tma_V, tma_atom_K, tma_atom_V, mWork, mO, mLSE, mSinks, sm_scale, soft_cap,
+        hkv = mK.shape[2 if self.paged else 1]
+        self.kernel(mQ, mK, mV, mIdx, tma_K, tma_V, tma_atom_K, tma_atom_V, mWork, mO, mLSE, mSinks, sm_scale, soft_cap,
                     window_left, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
             # work row fastest: the CTAs in flight share one kv head's K/V through L2
             grid=(mWork.shape[0], hkv, 1), block=(self.cfg.num_threads, 1, 1),
@@ -225,7 +232,7 @@ class Sm90PrefillKernel:
         )
 
     @cute.kernel
-    def kernel(self, mQ, tma_K, tma_V, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, mWork, mO, mLSE,
+    def kernel(self, mQ, mK, mV, mIdx, tma_K, tma_V, tma_atom_K, tma_atom_V, mWork, mO, mLSE,
                mSinks, sm_scale: Float32, soft_cap: Float32, window_left: Int32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
@@ -234,19 +241,31 @@ class Sm90PrefillKernel:
         tidx, _, _ = cute.arch.thread_idx()
         wi, kvh, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_K)
-            cpasync.prefetch_descriptor(tma_atom_V)
-
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.NWG)  # one arrive per consumer warp
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.S, producer_group=producer,
-            consumer_group=consumers, tx_count=self.k_bytes, defer_sync=True)
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=producer,
-            consumer_group=consumers, tx_count=self.v_bytes, defer_sync=True)
+        if const_expr(not self.paged):
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_atom_K)
+                cpasync.prefetch_descriptor(tma_atom_V)
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.NWG)  # lane 0 of each warp
+            pipe_k = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.S, producer_group=producer,
+                consumer_group=consumers, tx_count=self.k_bytes, defer_sync=True)
+            pipe_v = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=producer,
+                consumer_group=consumers, tx_count=self.v_bytes, defer_sync=True)
+        else:
+            # paged: the 128 producer threads gather K/V rows with cp.async; each arrives on the stage's
+            # full barrier when its copies land (cp.async.mbarrier.arrive.noinc); every consumer thread
+            # releases
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.NCT)
+            pipe_k = pipeline.PipelineCpAsync.create(
+                barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.S, producer_group=producer,
+                consumer_group=consumers, defer_sync=True)
+            pipe_v = pipeline.PipelineCpAsync.create(
+                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=producer,
+                consumer_group=consumers, defer_sync=True)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
 
@@ -257,10 +276,16 @@ class Sm90PrefillKernel:
         b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.registers[1])
-            if warp_idx == 0:
+            if const_expr(not self.paged):
+                if warp_idx == 0:
+                    if b >= 0:
+                        self._produce(tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v, kvh,
+                                      mWork[wi, W_KV_START], blk_lo, n_blk)
+            else:
                 if b >= 0:
-                    self._produce(tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v, kvh,
-                                  mWork[wi, W_KV_START], blk_lo, n_blk)
+                    self._produce_paged(mK, mV, mIdx, storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint(),
+                                        pipe_k, pipe_v, kvh, mWork[wi, W_KV_START], mWork[wi, W_KV_LEN], blk_lo,
+                                        n_blk, tidx)
         else:
             cute.arch.setmaxregister_increase(cfg.registers[0])
             if b >= 0:
@@ -311,6 +336,44 @@ class Sm90PrefillKernel:
             pipe_v.producer_acquire(state)
             cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index], tma_bar_ptr=pipe_v.producer_get_barrier(state))
             state.advance()
+
+    @cute.jit
+    def _produce_paged(self, mK, mV, mIdx, sK_addr, sV_addr, pipe_k, pipe_v, kvh, page_off, kv_len, blk_lo, n_blk,
+                       tid):
+        """Producer warpgroup, paged K/V: gather each block's rows through the page table with cp.async
+        into the same swizzled layout the TMA writes (zero past the request), right to left."""
+        TN, DQ, DV = self.TN, self.DQ, self.DV
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
+        for i in cutlass.range(n_blk, unroll=1):
+            tok0 = (blk_lo + n_blk - 1 - i) * TN
+            pipe_k.producer_acquire(state)
+            self._gather(mK, mIdx, sK_addr + state.index * (TN * DQ * 2), DQ, tok0, kv_len, page_off, kvh, tid)
+            pipe_k.producer_commit(state)
+            pipe_v.producer_acquire(state)
+            self._gather(mV, mIdx, sV_addr + state.index * (TN * DV * 2), DV, tok0, kv_len, page_off, kvh, tid)
+            pipe_v.producer_commit(state)
+            state.advance()
+
+    @cute.jit
+    def _gather(self, mX, mIdx, s_addr, D: cutlass.Constexpr, tok0, kv_len, page_off, kvh, tid):
+        """cp.async one (tile_n, D) block of a paged cache, 16 bytes per copy, 128 producer threads."""
+        TN, PS = self.TN, self.cfg.page_size
+        cpr = D // 8
+        base = mX.iterator.toint()
+        # a rolled loop: unrolled, the page-id loads and 64-bit addresses of every copy stay live and
+        # spill out of the producer's small register budget
+        for it in cutlass.range((TN * cpr) // 128, unroll=2):
+            idx = it * 128 + tid
+            r = idx // cpr
+            c = idx % cpr
+            tok = tok0 + r
+            valid = tok < kv_len
+            tok_c = cutlass.min(tok, kv_len - 1)
+            page = mIdx[page_off + tok_c // PS]
+            goff = (Int64(page) * mX.stride[0] + Int64(tok_c % PS) * mX.stride[1] + Int64(kvh) * mX.stride[2]
+                    + c * 8)
+            soff = (c // 8) * (TN * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+            ptx.cp_async_16(s_addr + soff, base + goff * 2, cutlass.select_(valid, 16, 0))
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -386,6 +449,7 @@ class Sm90PrefillKernel:
         if n_blk > 0:
             n = blk_lo + n_blk - 1
             pipe_k.consumer_wait(state)
+            self._proxy_fence()
             self._turn_begin(wg)
             self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
             self._turn_end(wg)
@@ -400,6 +464,7 @@ class Sm90PrefillKernel:
                 n = blk_lo + n_blk - 2 - i
                 pipe_k.consumer_wait(state)
                 pipe_v.consumer_wait(state_v)
+                self._proxy_fence()
                 self._turn_begin(wg)
                 self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
                 self._gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], False)
@@ -413,6 +478,7 @@ class Sm90PrefillKernel:
                 sm.rescale_rows(acc_O, DV // 8, row_scale)
                 self._to_p(acc_S, tOrP)
             pipe_v.consumer_wait(state)
+            self._proxy_fence()
             self._turn_begin(wg)
             self._gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False)
             self._turn_end(wg)
@@ -420,6 +486,13 @@ class Sm90PrefillKernel:
             pipe_v.consumer_release(state)
         sm.quad_sum_rows(row_l)
         self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
+
+    @cute.jit
+    def _proxy_fence(self):
+        """Paged K/V arrive through cp.async (generic proxy); wgmma reads shared memory through the async
+        proxy: order the two after the full-barrier wait."""
+        if const_expr(self.paged):
+            cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _turn_begin(self, wg):
@@ -537,8 +610,13 @@ def compile(cfg: Sm90PrefillConfig, *, keep_ptx_dir: str | None = None, keep_cub
 
     TQ, Hq, Hkv, TK, W, NB = (sym() for _ in range(6))
     q = make_fake_tensor(dt, (TQ, Hq, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
-    k = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
-    v = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_vo), (s64(), s64(), 1), assumed_align=16)
+    if cfg.page_size > 0:
+        P = sym()
+        k = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_qk), (s64(), s64(), s64(), 1), assumed_align=16)
+        v = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_vo), (s64(), s64(), s64(), 1), assumed_align=16)
+    else:
+        k = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
+        v = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_vo), (s64(), s64(), 1), assumed_align=16)
     idx = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
     o = make_fake_compact_tensor(dt, (TQ, Hq, cfg.head_dim_vo), stride_order=(2, 1, 0), assumed_align=16)
