@@ -1,10 +1,11 @@
 """The one place an architecture is chosen: API calls -> kernel configs -> compiled kernels.
 
 ``api`` modules never import kernel modules directly; they ask this layer for a
-compiled callable.  Today every architecture is served by the portable SM80-class
-kernels (``cutedsl_attn.portable``): they are verified on SM90 (H200) and
-cross-compiled for SM100.  Arch-specific kernels (``sm90``/``sm100``) take over here
-as they are verified.
+compiled callable.  Decode runs the portable SM80-class kernel (``cutedsl_attn.portable``)
+on every arch.  Prefill on SM90 runs the TMA + wgmma kernel (``cutedsl_attn.sm90.prefill``)
+where it applies and the portable kernel elsewhere (see :func:`prefill_config`).  Verified on
+an H200 (SM90); SM100 builds (portable only) are cross-compiled and PTX-checked.  Arch-specific
+kernels take over here as they are verified.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def prefill_config(**kwargs):
     """The prefill kernel configuration for a problem (keyword arguments of the portable configuration).
 
     On SM90 the TMA + wgmma kernel (:mod:`cutedsl_attn.sm90.prefill`) serves every problem it
-    supports (ragged K/V, no custom mask, no positional encoding, ``group_size`` dividing 128);
+    supports (ragged or paged K/V, no custom mask, no positional encoding, ``group_size`` dividing 128);
     everything else, and every other arch, runs the portable kernel.  The environment variable
     ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the portable kernel (benchmarks compare both).
     """

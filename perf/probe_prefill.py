@@ -50,9 +50,34 @@ def reference(q, k, v, qo, kv, causal, scale, window_left=-1, soft_cap=0.0):
     return out
 
 
+def to_paged(k, v, kv, page_size):
+    """The ragged K/V of each request copied into shuffled pages of a paged NHD cache (CSR page table)."""
+    B = len(kv) - 1
+    n_pages = [-(-(kv[b + 1] - kv[b]) // page_size) for b in range(B)]
+    total = sum(n_pages)
+    perm = torch.randperm(total)
+    cache = torch.zeros(total, 2, page_size, k.shape[1], k.shape[2], dtype=k.dtype, device=k.device)
+    indices, indptr, last, p0 = [], [0], [], 0
+    for b in range(B):
+        L = kv[b + 1] - kv[b]
+        ids = perm[p0: p0 + n_pages[b]]
+        p0 += n_pages[b]
+        for i, pid in enumerate(ids.tolist()):
+            t0, t1 = kv[b] + i * page_size, min(kv[b] + (i + 1) * page_size, kv[b + 1])
+            cache[pid, 0, : t1 - t0] = k[t0:t1]
+            cache[pid, 1, : t1 - t0] = v[t0:t1]
+        indices += ids.tolist()
+        indptr.append(indptr[-1] + n_pages[b])
+        last.append(L - (n_pages[b] - 1) * page_size if L else 0)
+    i32 = dict(dtype=torch.int32)
+    return dict(cache=cache, indices=torch.tensor(indices, **i32), indptr=torch.tensor(indptr, **i32),
+                last=torch.tensor(last, **i32))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--paged", type=int, default=0, help="page size: run the paged wrapper (0: ragged)")
     ap.add_argument("--only", default="", help="comma-separated substrings of the case names to run")
     ap.add_argument("--variants", default="", help="extra CUTEDSL_ATTN_PREFILL_TUNE settings, ';'-separated")
     args = ap.parse_args()
@@ -97,6 +122,7 @@ def main():
         big = qo[-1] > 4096
         ref = None if big else reference(q, k, v, qo, kv, causal, scale, extra.get("window_left", -1),
                                          extra.get("logits_soft_cap", 0.0))
+        paged = to_paged(k, v, kv, args.paged) if args.paged else None
         res = {}
         for kern in VARIANTS:
             os.environ["CUTEDSL_ATTN_PREFILL_KERNEL"] = "portable" if kern == "portable" else "auto"
@@ -104,24 +130,32 @@ def main():
                 os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = kern
             else:
                 os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
-            w = ca.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8, device=DEV))
+            ws = torch.empty(1 << 20, dtype=torch.uint8, device=DEV)
             try:
-                w.plan(torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32), hq, hkv, dqk,
-                       head_dim_vo=dvo, causal=causal, q_data_type=torch.bfloat16, **extra)
+                if args.paged:
+                    w = ca.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+                    w.plan(torch.tensor(qo, dtype=torch.int32), paged["indptr"], paged["indices"], paged["last"],
+                           hq, hkv, dqk, args.paged, head_dim_vo=dvo, causal=causal, q_data_type=torch.bfloat16,
+                           **extra)
+                else:
+                    w = ca.BatchPrefillWithRaggedKVCacheWrapper(ws)
+                    w.plan(torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32), hq, hkv, dqk,
+                           head_dim_vo=dvo, causal=causal, q_data_type=torch.bfloat16, **extra)
             except ValueError as e:  # a tuning variant this problem cannot take
                 res[kern] = ("n/a", float("nan"), None, float("nan"))
                 print(f"  {kern}: {e}"[:160])
                 continue
             kind = type(w._plan["cfg"]).__name__
             out = torch.full((qo[-1], hq, dvo), float("nan"), dtype=torch.bfloat16, device=DEV)
-            w.run(q, k, v, out=out)
+            run = (lambda: w.run(q, paged["cache"], out=out)) if args.paged else (lambda: w.run(q, k, v, out=out))
+            run()
             torch.cuda.synchronize()
             err = float("nan")
             if ref is not None:
                 err = ((out.float() - ref).norm() / ref.norm()).item()
             elif kern != "auto" and res["auto"][2] is not None:
                 err = ((out.float() - res["auto"][2].float()).norm() / out.float().norm()).item()
-            t = timer(lambda: w.run(q, k, v, out=out), reps=5 if big else 10)
+            t = timer(run, reps=5 if big else 10)
             res[kern] = (kind, t, out.clone(), err)
         ka, ta, _, ea = res["auto"]
         kp, tp, _, ep = res["portable"]
