@@ -1469,3 +1469,31 @@ def test_pos_kernel_without_pos_args(rec, monkeypatch):
     with pytest.warns(DeprecationWarning):
         w.forward(p["q"], p["k"], p["v"], causal=True, window_left=3)
     assert rec.last[0].use_window and len(rec.calls[-1][1]) == N_KERNEL_ARGS
+
+
+# ============================================================================= kernel choice (SM90 vs portable)
+def test_sm90_kernel_chosen_and_portable_forced(rec, monkeypatch):
+    """On sm_90a the dispatch layer plans the SM90 kernel (128-row tiles) for ragged and paged problems it
+    serves, the portable kernel (64-row tiles) for what it does not; the env override forces portable."""
+    w, p = planned_ragged()
+    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].tile_m == 128
+    w, p = planned_ragged(pos_encoding_mode="ALIBI")
+    assert type(w._plan["cfg"]).__name__ == "PrefillConfig" and w._plan["cfg"].tile_m == 64
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "portable")
+    w, p = planned_ragged()
+    assert type(w._plan["cfg"]).__name__ == "PrefillConfig"
+
+
+@pytest.mark.parametrize("sm_scale,k_scale", [(-0.125, 1.0), (0.125, -1.0), (0.0, 1.0)])
+def test_sm90_non_positive_scale_raises(rec, sm_scale, k_scale):
+    """The SM90 kernel folds the scale into the exponent after the row max of the raw logits: a scale
+    <= 0 would be a silent wrong answer there, so run() refuses before launching (the portable kernel
+    and the soft-cap variant take it)."""
+    w, p = planned_ragged(sm_scale=sm_scale)
+    n = len(rec.calls)
+    with pytest.raises(NotImplementedError, match="sm_scale"):
+        w.run(p["q"], p["k"], p["v"], k_scale=k_scale)
+    assert len(rec.calls) == n
+    w, p = planned_ragged(sm_scale=sm_scale, logits_soft_cap=5.0)
+    w.run(p["q"], p["k"], p["v"], k_scale=k_scale)
+    assert len(rec.calls) == n + 1
