@@ -26,7 +26,8 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float16")
     p.add_argument("--head-dim", type=int, default=128,
                    help="decode: 32, 64, 128 (default) or 256; prefill: head_dim_qk 32/64/128/192/256")
-    p.add_argument("--head-dim-vo", type=int, default=None, help="prefill: head_dim_vo (default: --head-dim)")
+    p.add_argument("--head-dim-vo", type=int, default=None,
+                   help="prefill: head_dim_vo (default: --head-dim; 128 when --head-dim is 192)")
     p.add_argument("--causal", action="store_true", help="prefill: bottom-right causal variant")
     p.add_argument("--window", action="store_true", help="prefill: window_left variant")
     p.add_argument("--custom-mask", action="store_true", help="prefill: packed custom-mask variant")
@@ -68,7 +69,9 @@ def _kernel_config(args) -> dict:
         if args.num_warps or args.num_stages:
             raise ValueError("prefill: --num-warps and --num-stages are not configurable")
         return dict(
-            dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_vo=args.head_dim_vo, group_size=args.group_size,
+            dtype=args.dtype, head_dim_qk=args.head_dim,
+            # head_dim_vo defaults to head_dim, except 192 (the DeepSeek MLA prefill shape 192/128)
+            head_dim_vo=args.head_dim_vo or (128 if args.head_dim == 192 else args.head_dim), group_size=args.group_size,
             page_size=args.page_size or 0, causal=args.causal, use_window=args.window,
             use_soft_cap=args.soft_cap, use_sinks=args.sinks, use_custom_mask=args.custom_mask,
             pos_encoding_mode=args.pos_encoding_mode, kernel=args.kernel or "auto",

@@ -116,8 +116,12 @@ def _portable_prefill_config(
     )
 
 
-def prefill_config(**kwargs):
+def prefill_config(*, positive_scale: bool = True, **kwargs):
     """The prefill kernel configuration for a problem (keyword arguments of the portable configuration).
+
+    ``positive_scale=False`` (a planned ``sm_scale <= 0``) keeps the portable kernel: the SM90 kernel
+    folds the softmax scale into the exponent after the row max of the raw logits, which needs a
+    positive scale.
 
     On SM90 the TMA + wgmma kernel (:mod:`cutedsl_attn.sm90.prefill`) serves every problem it
     supports (ragged or paged K/V, no custom mask, no positional encoding, ``group_size`` dividing 128);
@@ -125,7 +129,7 @@ def prefill_config(**kwargs):
     ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the portable kernel (benchmarks compare both).
     """
     cfg = _portable_prefill_config(**kwargs)
-    if os.environ.get("CUTEDSL_ATTN_PREFILL_KERNEL", "auto") == "portable":
+    if os.environ.get("CUTEDSL_ATTN_PREFILL_KERNEL", "auto") == "portable" or not positive_scale:
         return cfg
     from .sm90 import prefill as _sm90
 

@@ -30,6 +30,32 @@ key                  values                                         default
 ``num_warps``        1, 2, 4, 8                                     dispatch's
 ``num_stages``       2..6                                           dispatch's
 ==================== ============================================== ===========
+
+Config keys of op ``"prefill"`` (the kernel :func:`cutedsl_attn.dispatch.prefill_config` picks
+for ``arch``: :class:`cutedsl_attn.sm90.prefill.Sm90PrefillConfig` on ``sm_90a`` where it
+applies, else :class:`cutedsl_attn.portable.prefill.PrefillConfig`):
+
+===================== ============================================= ===========
+key                   values                                        default
+===================== ============================================= ===========
+``dtype``             as decode                                     ``bfloat16``
+``head_dim_qk``       32, 64, 128, 192, 256                         128
+``head_dim_vo``       32, 64, 128, 256                              head_dim_qk
+``group_size``        query heads per kv head, 1..16                4
+``page_size``         0 (ragged K/V) or >= 1 (paged)                0
+``causal``            bool                                          False
+``use_window``        bool                                          False
+``use_soft_cap``      bool                                          False
+``use_sinks``         bool                                          False
+``use_custom_mask``   bool                                          False
+``pos_encoding_mode`` ``"NONE"``, ``"ROPE_LLAMA"``, ``"ALIBI"``     ``NONE``
+``kernel``            ``"auto"``, ``"portable"``, ``"sm90"``         ``auto``
+===================== ============================================= ===========
+
+The environment is not consulted for the target (``arch`` is explicit), but the dispatch
+layer's switches are: ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` makes ``kernel="auto"`` pick
+the portable kernel (an explicit ``kernel="sm90"`` overrides it) and
+``CUTEDSL_ATTN_PREFILL_TUNE`` changes the SM90 tiles (tuning experiments).
 """
 
 from __future__ import annotations
@@ -91,7 +117,8 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
       arch: target architecture, any spelling accepted by
         :func:`cutedsl_attn.compile.normalize_arch` (``"sm_90a"``, ``"sm_100a"``,
         ``"sm_103a"``, ``"hopper"``, ``"blackwell"``, ...).  Always explicit: the
-        environment (``CUTEDSL_ATTN_ARCH``) and the local GPU are not consulted.
+        environment (``CUTEDSL_ATTN_ARCH``) and the local GPU are not consulted (the prefill
+        switches ``CUTEDSL_ATTN_PREFILL_KERNEL``/``_TUNE`` are, see the module docstring).
       **cfg: config keys (see the module docstring); unset keys take :data:`DEFAULTS`.
 
     Returns:
@@ -131,7 +158,15 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
         )
         if kernel == "portable":
             return dispatch._portable_prefill_config(**kw)
-        cfg = dispatch.prefill_config(**kw)
+        if kernel == "sm90":  # explicit: not overridden by CUTEDSL_ATTN_PREFILL_KERNEL=portable
+            saved = os.environ.pop("CUTEDSL_ATTN_PREFILL_KERNEL", None)
+            try:
+                cfg = dispatch.prefill_config(**kw)
+            finally:
+                if saved is not None:
+                    os.environ["CUTEDSL_ATTN_PREFILL_KERNEL"] = saved
+        else:
+            cfg = dispatch.prefill_config(**kw)
         if kernel == "sm90" and type(cfg).__name__ != "Sm90PrefillConfig":
             from .sm90.prefill import unsupported_reason
 
@@ -264,9 +299,12 @@ def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
     Args:
       op: kernel family, one of :data:`OPS`.
       arch: target, e.g. ``"sm_90a"`` (default), ``"sm_100a"``, ``"sm_103a"``.
-      **config_kw: config keys (``dtype``, ``head_dim``, ``page_size``, ``group_size``,
-        ``pos_encoding_mode``, ``use_soft_cap``, ``use_sinks``, ``num_warps``,
-        ``num_stages``); see the module docstring for values and defaults.
+      **config_kw: config keys of ``op`` (decode: ``dtype``, ``head_dim``, ``page_size``,
+        ``group_size``, ``pos_encoding_mode``, ``use_soft_cap``, ``use_sinks``, ``num_warps``,
+        ``num_stages``; prefill: ``dtype``, ``head_dim_qk``, ``head_dim_vo``, ``group_size``,
+        ``page_size``, ``causal``, ``use_window``, ``use_soft_cap``, ``use_sinks``,
+        ``use_custom_mask``, ``pos_encoding_mode``, ``kernel``); see the module docstring for
+        values and defaults.
 
     Returns:
       The PTX module text (starts with the NVVM header, has ``.target <arch>``).

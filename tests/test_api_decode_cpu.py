@@ -589,6 +589,7 @@ def _assert_entry_error_names(uname):
         w.run(p["q"], p["cache"])
     head = str(ei.value).split(" when calling", 1)[0]
     assert re.search(rf"\b{uname}\b", head), head
+    assert "expected" in str(ei.value), "the entry's own reason is kept"
 
 
 @pytest.mark.parametrize("arg_index,pname,uname", ENTRY_ARGS)

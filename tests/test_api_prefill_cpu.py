@@ -865,7 +865,7 @@ def test_paged_valid_launch(rec, layout, form):
         src = p["cache"][:, idx] if layout == "NHD" else p["cache"][:, idx].transpose(1, 2)
         assert a[n].shape == (pool, 16, 2, 64) and a[n].data_ptr() == src.data_ptr() and a[n].stride() == src.stride()
     assert a["indices"] is p["indices"]
-    work, _ = expected_work(QO, KV, p["kv_indptr"][:-1], 4, causal=True, window_left=33)
+    work, _ = expected_work(QO, KV, p["kv_indptr"][:-1], 4, causal=True, window_left=33, tile_m=cfg.tile_m)
     assert torch.equal(a["work"], work)
     assert (a["sm_scale"], a["soft_cap"], a["window_left"]) == (0.2, 20.0, 33)
     assert out.shape == p["q"].shape
@@ -888,9 +888,9 @@ def test_paged_block_tables(rec):
     w = Paged(ws(), "NHD")
     w.plan(*_bt_args(p), q_data_type=BF16, block_tables=table, seq_lens=torch.tensor(KV, dtype=torch.int32))
     w.run(p["q"], p["cache"])
-    _, a = rec.last
+    cfg, a = rec.last
     assert a["indices"].data_ptr() == table.data_ptr() and a["indices"].numel() == 80
-    work, _ = expected_work(QO, KV, torch.arange(4) * 20, 4)
+    work, _ = expected_work(QO, KV, torch.arange(4) * 20, 4, tile_m=cfg.tile_m)
     assert torch.equal(a["work"], work)
 
 
@@ -1395,8 +1395,10 @@ def test_pos_modes_are_compile_keys(rec):
         w, _ = planned_paged(p, pos_encoding_mode=mode)
         w.run(p["q"], p["cache"])
         cfgs.append(rec.last[0])
-    assert [c.pos_encoding_mode for c in cfgs] == ["NONE", "ROPE_LLAMA", "ALIBI"] and len(set(cfgs)) == 3
-    assert rec.named(0)[1]["alibi"].numel() == 1  # NONE: the dummy
+    # NONE is served by the SM90 kernel on sm_90a (its config has no positional-encoding field)
+    assert [getattr(c, "pos_encoding_mode", "NONE") for c in cfgs] == ["NONE", "ROPE_LLAMA", "ALIBI"]
+    assert len(set(cfgs)) == 3
+    assert "alibi" not in rec.named(0)[1] and rec.named(1)[1]["alibi"].numel() == 1  # ROPE: the dummy
 
 
 def test_pos_alibi_graph_mode_keeps_slopes_address(rec):
@@ -1445,30 +1447,25 @@ def test_pos_rejected_plan_never_launches(rec):
     assert rec.calls == []
 
 
-def test_pos_kernel_without_pos_args(rec, monkeypatch):
-    """A config without a pos_encoding_mode field (a kernel with the 12-argument signature, e.g. the SM90 one)
-    gets no positional-encoding arguments, and the deprecated forward() cannot switch it to RoPE/ALiBi."""
-    import dataclasses
-
-    @dataclasses.dataclass(frozen=True)
-    class NoPosCfg:
-        causal: bool = False
-        use_window: bool = False
-        use_soft_cap: bool = False
-        use_sinks: bool = False
-        tile_m: int = 64
-
-    monkeypatch.setattr(dispatch, "prefill_config", lambda **kw: NoPosCfg(
-        causal=kw["causal"], use_window=kw["use_window"], use_soft_cap=kw["use_soft_cap"]))
+def test_pos_kernel_without_pos_args(rec):
+    """The SM90 kernel (no pos_encoding_mode field, the 12-argument signature) gets no positional-encoding
+    arguments; the deprecated forward() switching to ALiBi re-dispatches to the portable kernel and re-plans
+    the work table for its tile height."""
     w, p = planned_ragged(causal=True)
     w.run(p["q"], p["k"], p["v"])
     cfg, a = rec.last
-    assert isinstance(cfg, NoPosCfg) and len(rec.calls[-1][1]) == N_KERNEL_ARGS and "alibi" not in a
-    with pytest.warns(DeprecationWarning), pytest.raises(NotImplementedError, match="plan"):
-        w.forward(p["q"], p["k"], p["v"], pos_encoding_mode="ALIBI")
+    assert type(cfg).__name__ == "Sm90PrefillConfig" and len(rec.calls[-1][1]) == N_KERNEL_ARGS and "alibi" not in a
+    with pytest.warns(DeprecationWarning):
+        w.forward(p["q"], p["k"], p["v"], causal=True, pos_encoding_mode="ALIBI")
+    cfg, a = rec.last
+    assert type(cfg).__name__ == "PrefillConfig" and cfg.pos_encoding_mode == "ALIBI" and "alibi" in a
+    work, n = expected_work(QO, KV, indptr(KV)[:-1], 4, causal=True, tile_m=cfg.tile_m)
+    assert torch.equal(a["work"], work) and w._plan["num_work"] == n
     with pytest.warns(DeprecationWarning):
         w.forward(p["q"], p["k"], p["v"], causal=True, window_left=3)
-    assert rec.last[0].use_window and len(rec.calls[-1][1]) == N_KERNEL_ARGS
+    cfg, a = rec.last
+    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.use_window and len(rec.calls[-1][1]) == N_KERNEL_ARGS
+    assert torch.equal(a["work"], expected_work(QO, KV, indptr(KV)[:-1], 4, causal=True, window_left=3, tile_m=128)[0])
 
 
 # ============================================================================= kernel choice (SM90 vs portable)
@@ -1484,16 +1481,90 @@ def test_sm90_kernel_chosen_and_portable_forced(rec, monkeypatch):
     assert type(w._plan["cfg"]).__name__ == "PrefillConfig"
 
 
-@pytest.mark.parametrize("sm_scale,k_scale", [(-0.125, 1.0), (0.125, -1.0), (0.0, 1.0)])
-def test_sm90_non_positive_scale_raises(rec, sm_scale, k_scale):
-    """The SM90 kernel folds the scale into the exponent after the row max of the raw logits: a scale
-    <= 0 would be a silent wrong answer there, so run() refuses before launching (the portable kernel
-    and the soft-cap variant take it)."""
+@pytest.mark.parametrize("sm_scale", [-0.125, 0.0])
+def test_non_positive_sm_scale_plans_portable(rec, sm_scale):
+    """The SM90 kernel folds the scale into the exponent after the row max of the raw logits (needs a scale
+    > 0): a planned sm_scale <= 0 runs the portable kernel instead."""
     w, p = planned_ragged(sm_scale=sm_scale)
+    w.run(p["q"], p["k"], p["v"])
+    cfg, a = rec.last
+    assert type(cfg).__name__ == "PrefillConfig" and a["sm_scale"] == sm_scale
+
+
+def test_sm90_negative_run_scale_raises(rec):
+    """A positive planned scale made non-positive by q_scale/k_scale at run() would be a silent wrong answer
+    on the SM90 kernel: run() refuses before launching (with a soft cap the scale is applied first: fine)."""
+    w, p = planned_ragged(sm_scale=0.125)
     n = len(rec.calls)
-    with pytest.raises(NotImplementedError, match="sm_scale"):
-        w.run(p["q"], p["k"], p["v"], k_scale=k_scale)
+    with pytest.raises(NotImplementedError, match="q_scale \\* k_scale"):
+        w.run(p["q"], p["k"], p["v"], k_scale=-1.0)
     assert len(rec.calls) == n
-    w, p = planned_ragged(sm_scale=sm_scale, logits_soft_cap=5.0)
-    w.run(p["q"], p["k"], p["v"], k_scale=k_scale)
-    assert len(rec.calls) == n + 1
+    w, p = planned_ragged(sm_scale=0.125, logits_soft_cap=5.0)
+    w.run(p["q"], p["k"], p["v"], k_scale=-1.0)
+    assert len(rec.calls) == n + 1 and type(rec.last[0]).__name__ == "Sm90PrefillConfig"
+
+
+def test_single_prefill_k_scale_joins_the_plan_scale(rec):
+    q = torch.randn(7, 8, 64).to(BF16)
+    k = torch.randn(9, 2, 64).to(BF16)
+    ca.single_prefill_with_kv_cache(q, k, k.clone(), k_scale=-2.0)
+    cfg, a = rec.last
+    assert type(cfg).__name__ == "PrefillConfig" and math.isclose(a["sm_scale"], -2.0 / 8.0)
+
+
+# ============================================================================= review fixes
+def test_graph_mode_freezes_kernel_and_scalars(rec):
+    """A captured graph replays the first plan's kernel and scalars: a later plan may change lengths only."""
+    bufs = ragged_graph_buffers(4)
+    w = Ragged(ws(), "NHD", use_cuda_graph=True, **bufs)
+    w.plan(*ragged_args(ragged_problem()), q_data_type=BF16, causal=True)
+    w.plan(*ragged_args(ragged_problem(qo=(1, 40, 30, 7), kv=(100, 40, 1, 7))), q_data_type=BF16, causal=True)
+    for over, name in ((dict(causal=False), "causal"), (dict(causal=True, sm_scale=0.3), "sm_scale"),
+                       (dict(causal=True, window_left=7), "window_left"),
+                       (dict(causal=True, logits_soft_cap=3.0), "logits_soft_cap"),
+                       (dict(causal=True, pos_encoding_mode="ALIBI"), "pos_encoding_mode")):
+        with pytest.raises(ValueError, match=name):
+            w.plan(*ragged_args(ragged_problem()), q_data_type=BF16, **over)
+
+
+def test_paged_block_tables_and_csr_must_agree(rec):
+    p = paged_problem()
+    table = torch.full((4, 20), 7, dtype=torch.int32)
+    w = Paged(ws(), "NHD")
+    bad = torch.tensor(KV, dtype=torch.int32) + 1
+    with pytest.raises(ValueError, match="seq_lens .* disagree"):
+        w.plan(*paged_args(p), q_data_type=BF16, block_tables=table, seq_lens=bad)
+    w.plan(*paged_args(p), q_data_type=BF16, block_tables=table, seq_lens=torch.tensor(KV, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("name", ["q_scale", "k_scale", "v_scale", "o_scale"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_run_scales_must_be_finite(rec, name, value):
+    w, p = planned_ragged()
+    with pytest.raises(ValueError, match=name):
+        w.run(p["q"], p["k"], p["v"], **{name: value})
+
+
+def test_window_left_must_fit_int32(rec):
+    with pytest.raises(ValueError, match="window_left"):
+        planned_ragged(window_left=2**31)
+
+
+def test_single_prefill_wrappers_are_per_thread(rec):
+    import threading
+
+    from cutedsl_attn.api import prefill as api_prefill
+
+    q = torch.randn(7, 8, 64).to(BF16)
+    k = torch.randn(9, 2, 64).to(BF16)
+    seen = []
+
+    def call():
+        ca.single_prefill_with_kv_cache(q, k, k.clone())
+        seen.append(id(api_prefill._single_state.wrappers[(q.device, q.dtype)]))
+
+    call()
+    t = threading.Thread(target=call)
+    t.start()
+    t.join()
+    assert len(seen) == 2 and seen[0] != seen[1]

@@ -166,13 +166,18 @@ def kernel_entry_error(e: Exception, positions: dict[int, str], renames: dict[st
     global _KERNEL_ARG_RE
     if _KERNEL_ARG_RE is None:
         _KERNEL_ARG_RE = re.compile(r"argument #(\d+)")
-    msg = _KERNEL_ARG_RE.sub(lambda m: f"argument {positions.get(int(m.group(1)), m.group(1))}",
-                             str(e).split(" when calling")[0])
+    text = str(e)
+    head, _, tail = text.partition(" when calling")
+    # the entry's reason follows the call signature (e.g. "expected device_type=cuda"); keep it
+    reason = tail.split("`", 2)[-1].strip(" :,.\n") if "`" in tail else tail.strip(" :,.\n")
+    msg = _KERNEL_ARG_RE.sub(lambda m: f"argument {positions.get(int(m.group(1)), m.group(1))}", head)
+    if reason:
+        msg = f"{msg}: {reason[:300]}"
     for kname, uname in renames.items():
         msg = msg.replace(kname + ".", uname + ".").replace(kname + " ", uname + " ")
     return ValueError(
-        f"{msg} (inputs must have a contiguous last dim, 16-byte aligned pointers and strides; out and lse "
-        "contiguous)"
+        f"{msg} (inputs must be CUDA tensors with a contiguous last dim, 16-byte aligned pointers and strides; "
+        "out and lse contiguous)"
     )
 
 

@@ -195,8 +195,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
           window_right: must be 0 (decode has no keys to the right).
           logits_soft_cap: ``cap*tanh(s/cap)`` on scaled logits when > 0; None/0 disables.
           q_data_type, kv_data_type, o_data_type, data_type: fp16/bf16, all equal (kv and o
-            default to q; ``data_type`` is deprecated and only fills ``q_data_type``... as in
-            FlashInfer it fills only unset q/kv, and ``q_data_type`` defaults to float16).
+            default to q; ``q_data_type`` defaults to float16; the deprecated ``data_type``, as in
+            FlashInfer, only fills whichever of q/kv is unset).
           sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
           rope_scale, rope_theta: RoPE parameters (defaults 1.0 and 1e4).
           block_tables, seq_lens: dense page table ``[B, max_pages]`` int32 and ``[B]`` lengths
@@ -215,8 +215,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         Raises:
           TypeError, ValueError: malformed arguments (each message names the argument).
           NotImplementedError: fp8/mixed dtypes, head_dim, group > 16, window_right != 0, soft cap
-            together with ALIBI, and (for q_len_per_req > 1) what the prefill kernel does not serve
-            (ROPE_LLAMA/ALIBI).
+            together with ALIBI (q_len_per_req > 1 runs the prefill kernel, which serves
+            ROPE_LLAMA and ALIBI too).
         """
         if args:
             if len(args) > len(_PLAN_POSITIONAL):
@@ -260,6 +260,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if window_right != 0:
             raise NotImplementedError("window_right != 0 is not supported (decode sees no keys to the right)")
         window_left = check_int("window_left", window_left, -1)
+        if window_left > 2**31 - 1:
+            raise ValueError(f"window_left must fit int32 (<= {2**31 - 1}), got {window_left}")
         cap = check_float("logits_soft_cap", logits_soft_cap, positive=False) or 0.0
         if cap < 0:
             raise ValueError(f"logits_soft_cap must be >= 0 (0 or None disables it), got {logits_soft_cap}")
@@ -328,7 +330,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             npages = indptr_h[1:] - indptr_h[:-1]
             if (npages < 0).any():
                 raise ValueError("indptr must be non-decreasing")
-            if int(indptr_h[-1]) > indices.shape[0] or int(indptr_h[0]) < 0:
+            if int(indptr_h[0]) < 0:
+                raise ValueError(f"indptr[0] must be >= 0, got {int(indptr_h[0])}")
+            if int(indptr_h[-1]) > indices.shape[0]:
                 raise ValueError(f"indptr[-1] ({int(indptr_h[-1])}) exceeds len(indices) ({indices.shape[0]})")
             bad = ((npages > 0) & ((lpl_h < 1) | (lpl_h > page_size))) | ((npages == 0) & ((lpl_h < 0) | (lpl_h > page_size)))
             if bad.any():
@@ -601,6 +605,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
             if sinks.dtype != torch.float32:
                 raise ValueError(f"sinks must be float32, got {sinks.dtype}")
         sm_scale = p["sm_scale"]
+        for name, x in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+            if x is None:
+                continue
+            if isinstance(x, torch.Tensor):
+                raise NotImplementedError(f"{name} as a tensor (fp8 calibration) is not supported; pass a float")
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise TypeError(f"{name} must be a float or None, got {type(x).__name__}")
+            if not math.isfinite(float(x)):
+                raise ValueError(f"{name} must be finite, got {x}")
         if q_scale is not None:
             sm_scale *= q_scale
         if k_scale is not None:

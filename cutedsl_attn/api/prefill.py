@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 import warnings
 from functools import partialmethod
 
@@ -138,6 +139,8 @@ def _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left, logits
         raise NotImplementedError("use_fp16_qk_reduction=True is not supported (q.k is reduced in fp32)")
     if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
         raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
+    if window_left > 2**31 - 1:
+        raise ValueError(f"window_left must fit int32 (<= {2**31 - 1}), got {window_left}")
     if logits_soft_cap is not None and not isinstance(logits_soft_cap, (int, float)):
         raise TypeError(f"logits_soft_cap must be a float or None, got {type(logits_soft_cap).__name__}")
     cap = float(logits_soft_cap) if logits_soft_cap else 0.0
@@ -149,8 +152,8 @@ def _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left, logits
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
             raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
         scale = float(sm_scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+        if not math.isfinite(scale) or abs(scale) > 3.4e38:
+            raise ValueError(f"sm_scale must be finite in float32, got {sm_scale}")
     if cap > 0 and pos_encoding_mode == "ALIBI":
         # FlashInfer's FA2 variant multiplies by sm_scale twice in this combination (variants.cuh)
         raise NotImplementedError("logits_soft_cap together with pos_encoding_mode='ALIBI' is not supported")
@@ -235,6 +238,8 @@ def _scale(name: str, x) -> float:
         raise NotImplementedError(f"{name} as a tensor (fp8 calibration) is not supported; pass a float")
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TypeError(f"{name} must be a float or None, got {type(x).__name__}")
+    if not math.isfinite(float(x)):
+        raise ValueError(f"{name} must be finite, got {x}")
     return float(x)
 
 
@@ -273,6 +278,7 @@ class _BatchPrefillBase:
         self._work_dev = None
         self._graph_rows = None
         self._graph_tile_m = None
+        self._graph_sig = None  # the first CUDA-graph plan's kernel and scalars (frozen afterwards)
         self._max_total_num_rows = None
         self._lse_scratch = None
         self._table_buf = None
@@ -389,21 +395,9 @@ class _BatchPrefillBase:
             dtype=dt, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group, page_size=page_size,
             causal=bool(causal) and not use_mask, use_window=window_left >= 0, use_soft_cap=cap > 0,
             use_sinks=False, use_custom_mask=use_mask, pos_encoding_mode=pos_encoding_mode,
+            positive_scale=scale > 0,
         )
         tile_m = cfg.tile_m
-        num_rows = None
-        if self._use_cuda_graph:
-            if self._graph_rows is None:
-                max_rows = total_q
-                num_rows = max_tiles(max_rows, B, group, tile_m)
-            else:
-                max_rows, num_rows = self._max_total_num_rows, self._graph_rows
-                if tile_m != self._graph_tile_m:
-                    raise ValueError("the kernel tile height changed between plans in CUDA-graph mode")
-        work, num_work = plan_prefill(
-            qo_lens, kv_lens, qo_h[:-1], kv_starts, mask_bits, group_size=group, tile_m=tile_m, num_rows=num_rows,
-            causal=cfg.causal, window_left=window_left,
-        )
         if use_mask and self._use_cuda_graph:
             if not isinstance(self._custom_mask_buf, torch.Tensor):
                 raise ValueError("custom_mask_buf must be a torch.Tensor in cuda graph mode if a custom mask is used")
@@ -414,6 +408,30 @@ class _BatchPrefillBase:
                     f"the packed custom mask ({packed.shape[0]} bytes) does not fit custom_mask_buf "
                     f"({self._custom_mask_buf.shape[0]} bytes)"
                 )
+        num_rows = None
+        if self._use_cuda_graph:
+            # a captured graph replays the kernel and the scalars of the plan it was captured after: only
+            # the lengths (work table, indices, mask bits) may change between plans
+            sig = dict(causal=bool(causal), window_left=window_left, logits_soft_cap=cap, sm_scale=scale,
+                       pos_encoding_mode=pos_encoding_mode, rope_scale=1.0 / rope_rcp_scale,
+                       rope_theta=2.0 ** rope_log2_theta, custom_mask=use_mask, kernel=cfg)
+            if self._graph_sig is None:
+                self._graph_sig = sig
+            elif sig != self._graph_sig:
+                changed = [k for k in sig if sig[k] != self._graph_sig[k] and k != "kernel"] or ["the kernel choice"]
+                raise ValueError(
+                    f"in CUDA-graph mode plan() may only change lengths; {', '.join(changed)} changed since the "
+                    "first plan (a captured graph would replay the old kernel and scalars); create a new wrapper"
+                )
+            if self._graph_rows is None:
+                max_rows = total_q
+                num_rows = max_tiles(max_rows, B, group, tile_m)
+            else:
+                max_rows, num_rows = self._max_total_num_rows, self._graph_rows
+        work, num_work = plan_prefill(
+            qo_lens, kv_lens, qo_h[:-1], kv_starts, mask_bits, group_size=group, tile_m=tile_m, num_rows=num_rows,
+            causal=cfg.causal, window_left=window_left,
+        )
         if self._use_cuda_graph and table and self._table_buf is not None \
                 and flat_indices.numel() > self._table_buf.numel():
             raise ValueError("block_tables grew beyond the first plan's size (not allowed in CUDA-graph mode)")
@@ -465,6 +483,10 @@ class _BatchPrefillBase:
             indices=indices, mask=mask, lse_scratch=self._lse_scratch[:total_q],
             pos_encoding_mode=pos_encoding_mode, alibi=alibi, rope_rcp_scale=rope_rcp_scale,
             rope_log2_theta=rope_log2_theta, pos_args=_takes_pos_args(cfg),
+            replan=dict(qo_lens=qo_lens, kv_lens=kv_lens, q_starts=qo_h[:-1], kv_starts=kv_starts,
+                        mask_bits=mask_bits, num_rows=num_rows,
+                        cfg_kw=dict(dtype=dt, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group,
+                                    page_size=page_size, use_sinks=False, use_custom_mask=use_mask)),
         )
         self._kernels = {}
 
@@ -501,18 +523,20 @@ class _BatchPrefillBase:
         window_left, cap, scale, rope_rcp_scale, rope_log2_theta = _check_options(
             pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, p["head_dim_qk"],
             rope_scale, rope_theta)
-        repl = dict(causal=bool(causal) and not p["use_mask"], use_window=window_left >= 0, use_soft_cap=cap > 0)
-        if _takes_pos_args(p["cfg"]):
-            repl["pos_encoding_mode"] = pos_encoding_mode
-        elif pos_encoding_mode != "NONE":
-            # the plan chose a kernel without positional encodings (and sized the work table for its tiles)
-            raise NotImplementedError(
-                f"forward(pos_encoding_mode={pos_encoding_mode!r}) after a plan with pos_encoding_mode='NONE' that "
-                f"was served by {type(p['cfg']).__name__} is not supported; pass pos_encoding_mode to plan()"
-            )
-        cfg = dataclasses.replace(p["cfg"], **repl)
+        rp = p["replan"]
+        cfg = dispatch.prefill_config(
+            **rp["cfg_kw"], causal=bool(causal) and not p["use_mask"], use_window=window_left >= 0,
+            use_soft_cap=cap > 0, pos_encoding_mode=pos_encoding_mode, positive_scale=scale > 0)
         if cfg != p["cfg"]:
             self._kernels = {}
+        if cfg.tile_m != p["cfg"].tile_m:
+            # another kernel with another tile height: a new work table
+            if self._use_cuda_graph:
+                raise ValueError("forward() options that change the kernel are not allowed in CUDA-graph mode")
+            work, num_work = plan_prefill(
+                rp["qo_lens"], rp["kv_lens"], rp["q_starts"], rp["kv_starts"], rp["mask_bits"],
+                group_size=cfg.group_size, tile_m=cfg.tile_m, causal=cfg.causal, window_left=window_left)
+            p.update(work=work.to(self.device), num_work=num_work)
         alibi = self._alibi_slopes(pos_encoding_mode, p["num_qo_heads"], True)
         p.update(cfg=cfg, causal=bool(causal), window_left=window_left, soft_cap=cap, sm_scale=scale,
                  pos_encoding_mode=pos_encoding_mode, alibi=alibi, rope_rcp_scale=rope_rcp_scale,
@@ -552,8 +576,10 @@ class _BatchPrefillBase:
         sm_scale = p["sm_scale"] * _scale("q_scale", q_scale) * _scale("k_scale", k_scale)
         if sm_scale <= 0.0 and getattr(p["cfg"], "positive_scale_only", False) and p["soft_cap"] <= 0:
             raise NotImplementedError(
-                f"the SM90 prefill kernel needs sm_scale * q_scale * k_scale > 0 (got {sm_scale}); set "
-                "CUTEDSL_ATTN_PREFILL_KERNEL=portable before plan() for a non-positive scale"
+                f"q_scale * k_scale <= 0 (sm_scale * q_scale * k_scale = {sm_scale}) is not supported by the "
+                "SM90 prefill kernel this plan chose (it needs a positive softmax scale); fold the sign into "
+                "sm_scale at plan() (a plan with sm_scale <= 0 runs the portable kernel) or set "
+                "CUTEDSL_ATTN_PREFILL_KERNEL=portable before plan()"
             )
         o_div = _scale("o_scale", o_scale)
         if o_div == 0.0:
@@ -727,8 +753,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             rows ``qo_indptr[b]:qo_indptr[b+1]`` of ``q``/``out``/``lse`` (any device; read on the host).
           kv_indptr: int32 ``[B+1]`` KV-row offsets (tokens) into ``k``/``v``, non-decreasing.
           num_qo_heads, num_kv_heads: ``num_qo_heads % num_kv_heads == 0``, group <= 16.
-          head_dim_qk: 64, 128, 192 or 256.  head_dim_vo: 64, 128 or 256 (default ``head_dim_qk``;
-            e.g. 192/128 for MLA prefill).
+          head_dim_qk: 32, 64, 128, 192 or 256.  head_dim_vo: 32, 64, 128 or 256 (default
+            ``head_dim_qk``; e.g. 192/128 for MLA prefill).  Any pair compiles; pairs verified on
+            the H200: equal dims 32-256 and 192/128.
           custom_mask: bool, the concatenation of each request's row-major ``[qo_len_b, kv_len_b]``
             mask (``sum_b qo_len_b * kv_len_b`` elements, ``False`` = masked); packed here with
             ``segment_packbits(..., bitorder="little")``.  Replaces ``causal``.
@@ -1022,8 +1049,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
           paged_kv_last_page_len: int32 ``[B]``, in ``[1, page_size]`` (0 only for a request with no
             page); ``kv_len_b = (npages_b - 1) * page_size + last_page_len_b``.
           num_qo_heads, num_kv_heads: ``num_qo_heads % num_kv_heads == 0``, group <= 16.
-          head_dim_qk: 64, 128, 192 or 256.  page_size: any value >= 1.
-          head_dim_vo: 64, 128 or 256 (default ``head_dim_qk``).
+          head_dim_qk: 32, 64, 128, 192 or 256.  page_size: any value >= 1.
+          head_dim_vo: 32, 64, 128 or 256 (default ``head_dim_qk``).
           custom_mask, packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction,
             sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q/kv/o_data_type,
             non_blocking, multi-item scoring arguments, fixed_split_size, disable_split_kv,
@@ -1031,8 +1058,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             :meth:`BatchPrefillWithRaggedKVCacheWrapper.plan`.
           block_tables, seq_lens: dense page table ``[B, max_pages]`` int32 on the device and
             ``[B]`` KV lengths (tokens); used instead of the CSR arrays when ``block_tables`` is
-            given (then those three may be None).  With the CSR arrays, a given ``seq_lens``
-            must agree with them.
+            given (then those three may be None; if ``paged_kv_indptr`` and
+            ``paged_kv_last_page_len`` are given too, the KV lengths they describe must equal
+            ``seq_lens``: ``ValueError`` otherwise).  With the CSR arrays alone, a given
+            ``seq_lens`` must agree with them.
           seq_lens_q: optional ``[B]`` query lengths; must agree with ``qo_indptr``.
           max_sequence_kv: optional hint, >= the longest KV.
 
@@ -1068,6 +1097,20 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             kv_lens = seq_lens.to("cpu", torch.int64)
             if (kv_lens < 0).any():
                 raise ValueError("seq_lens must be >= 0")
+            if paged_kv_indptr is not None and paged_kv_last_page_len is not None:
+                # both forms given: block_tables/seq_lens serve the launch; the CSR form must not disagree
+                ip_h = _indptr_host("paged_kv_indptr", paged_kv_indptr, length=B + 1)
+                check_tensor("paged_kv_last_page_len", paged_kv_last_page_len, ndim=1)
+                if paged_kv_last_page_len.shape[0] != B:
+                    raise ValueError(f"paged_kv_last_page_len must have B = {B} entries, "
+                                     f"got {paged_kv_last_page_len.shape[0]}")
+                lpl_h = paged_kv_last_page_len.to("cpu", torch.int64)
+                csr_lens = kv_lens_from_csr(ip_h, lpl_h, page_size)
+                if not torch.equal(csr_lens, kv_lens):
+                    raise ValueError(
+                        f"seq_lens {kv_lens.tolist()} disagree with the KV lengths of the CSR page table "
+                        f"(paged_kv_indptr/paged_kv_last_page_len: {csr_lens.tolist()}); pass one form, or both "
+                        "describing the same batch")
             if B and int(kv_lens.max()) > block_tables.shape[1] * page_size:
                 raise ValueError("block_tables is too narrow for seq_lens: need ceil(seq_len/page_size) columns")
             flat = (block_tables if block_tables.is_contiguous() else block_tables.contiguous()).reshape(-1)
@@ -1225,7 +1268,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
 
 # ----------------------------------------------------------------------------- single request
-_single_cache: dict = {}
+_single_state = threading.local()  # one wrapper per (thread, device, dtype): plan() + run() per call
 
 
 def single_prefill_with_kv_cache(
@@ -1318,10 +1361,17 @@ def single_prefill_with_kv_cache(
         custom_mask = custom_mask.reshape(-1)
     dev = q.device
     key = (dev, q.dtype)
-    w = _single_cache.get(key)
+    cache = getattr(_single_state, "wrappers", None)
+    if cache is None:
+        cache = _single_state.wrappers = {}
+    w = cache.get(key)
     if w is None:
-        w = _single_cache[key] = BatchPrefillWithRaggedKVCacheWrapper(
-            torch.empty(16, dtype=torch.uint8, device=dev), "NHD")
+        w = cache[key] = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=dev), "NHD")
+    # k_scale joins the softmax scale at plan time, so the kernel choice sees the effective scale
+    ks = _scale("k_scale", k_scale)
+    if ks != 1.0 and isinstance(sm_scale, (int, float, type(None))) and not isinstance(sm_scale, bool):
+        sm_scale = (1.0 / math.sqrt(dqk) if sm_scale is None else float(sm_scale)) * ks
+        k_scale = None
     w.plan(
         torch.tensor([0, qo_len], dtype=torch.int32), torch.tensor([0, kv_len], dtype=torch.int32), hq, hkv, dqk,
         head_dim_vo=dvo, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
