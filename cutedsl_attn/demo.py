@@ -26,7 +26,9 @@ On a CUDA GPU (SM90 / SM100 class):
 
 Without a GPU (or with ``--cpu``): says so, cross-compiles the Llama-shaped decode
 kernel for ``sm_90a`` and ``sm_100a`` and prints an instruction summary of each PTX
-(:func:`cutedsl_attn.inspect.instruction_summary`), and shows the split-KV plan the
+(:func:`cutedsl_attn.inspect.instruction_summary`), cross-compiles the prefill kernel the
+dispatch layer picks for each (SM90 TMA + wgmma on ``sm_90a``, portable on ``sm_100a``)
+and checks its PTX, and shows the split-KV plan the
 wrapper would make for the batch of (a); the real-model sections (b) and (c) are
 skipped with a message (they need a GPU).
 
@@ -314,8 +316,8 @@ def _cpu_main(args, reason: str) -> int:
     from cutedsl_attn import inspect as ci
     from cutedsl_attn.planning.decode import plan_paged_decode
 
-    print(f"{reason}: no kernel can run here. Cross-compiling the Llama-3-8B decode kernel instead "
-          f"(bf16, head_dim {HEAD_DIM}, page {PAGE_SIZE}, group {HQ // HKV}).")
+    print(f"{reason}: no kernel can run here. Cross-compiling the Llama-3-8B decode and prefill kernels "
+          f"instead (bf16, head_dim {HEAD_DIM}, page {PAGE_SIZE}, group {HQ // HKV}).")
     rep = _Report()
     summaries = {}
     for arch in ("sm_90a", "sm_100a"):
@@ -343,6 +345,22 @@ def _cpu_main(args, reason: str) -> int:
         if not any(summaries[a][k] for a in archs for k in ("wgmma", "tcgen05", "cp.async.bulk.tensor")):
             print("  (SM80-class mma.sync / ldmatrix / cp.async on every target: no wgmma, tcgen05 or TMA)")
 
+    # the prefill kernels the GPU demo's section (c) would dispatch to, at a Llama-3-8B prefill shape:
+    # SM90 TMA + wgmma kernel on sm_90a, the portable one on sm_100a
+    for arch, want in (("sm_90a", "wgmma"), ("sm_100a", "mma.sync")):
+        t0 = time.perf_counter()
+        try:
+            kind = type(ci.config("prefill", arch, head_dim_qk=HEAD_DIM, group_size=HQ // HKV, causal=True)).__name__
+            s = ci.instruction_summary(ci.ptx("prefill", arch, head_dim_qk=HEAD_DIM, group_size=HQ // HKV,
+                                              causal=True))
+        except Exception as exc:  # noqa: BLE001
+            rep.add(f"cross-compile prefill for {arch}", False, f"{type(exc).__name__}: {exc}")
+            continue
+        ok = s[want] > 0 and s["ld.local"] + s["st.local"] == 0 and (want != "wgmma" or s["cp.async.bulk.tensor"] > 0)
+        rep.add(f"cross-compile prefill for {arch}", ok,
+                f"{kind} in {time.perf_counter() - t0:.1f} s; {s[want]} {want}, {s['cp.async.bulk.tensor']} TMA "
+                f"copies, {s['ld.local'] + s['st.local']} local-memory ops")
+
     lens = request_lengths(args.requests, args.min_len, args.max_len, args.seed)
     indptr, _, last, _ = page_table(lens, PAGE_SIZE, args.seed)
     cfg = ci.config("decode", "sm_90a", dtype="bfloat16", head_dim=HEAD_DIM, page_size=PAGE_SIZE,
@@ -361,8 +379,13 @@ def _cpu_main(args, reason: str) -> int:
 
 # ----------------------------------------------------------------------------- entry point
 def main(argv=None) -> int:
-    """Run the demo; returns the exit status (0: every check passed)."""
-    args = _parser().parse_args(argv)
+    """Run the demo; returns the exit status (0: every check passed, 1: a check failed, 2: bad options)."""
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.requests < 1 or args.layers < 1 or args.reps < 1:
+        ap.error("--requests, --layers and --reps must be >= 1")
+    if not 1 <= args.min_len <= args.max_len:
+        ap.error(f"need 1 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
     if args.cpu:
         return _cpu_main(args, "--cpu given")
     if not torch.cuda.is_available():

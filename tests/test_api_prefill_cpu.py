@@ -400,10 +400,19 @@ def test_plan_fp16_qk_reduction(which):
     _plan_raises_either(which, NotImplementedError, "use_fp16_qk_reduction", use_fp16_qk_reduction=True)
 
 
-@pytest.mark.parametrize("wl", [-2, 1.5, "3", True])
-def test_plan_bad_window_left(wl):
-    _ragged_plan_raises(ValueError, "window_left", window_left=wl)
-    _paged_plan_raises(ValueError, "window_left", window_left=wl)
+@pytest.mark.parametrize("wl,exc", [(-2, ValueError), (2**31, ValueError), (1.5, TypeError), ("3", TypeError),
+                                    (True, TypeError)])
+def test_plan_bad_window_left(wl, exc):
+    _ragged_plan_raises(exc, "window_left", window_left=wl)
+    _paged_plan_raises(exc, "window_left", window_left=wl)
+
+
+def test_plan_numpy_scalars_and_bool_soft_cap():
+    import numpy as np
+
+    w, p = planned_ragged(window_left=np.int64(5), logits_soft_cap=np.float32(3.0))
+    assert w._plan["window_left"] == 5 and w._plan["soft_cap"] == 3.0
+    _ragged_plan_raises(TypeError, "logits_soft_cap", logits_soft_cap=True)
 
 
 def test_plan_soft_cap_and_sm_scale():

@@ -128,6 +128,9 @@ def plan_wrapper(w, *, qo_h, kv_lens, kv_starts, total_kv, page_size, flat_indic
         raise NotImplementedError("custom_mask / packed_custom_mask (custom masks) are not supported by "
                                   "backend='cudnn'")
     check_pos_encoding_mode(pos_encoding_mode)
+    # rope_scale / rope_theta are validated whatever the mode, as on the CuTe path
+    check_float("rope_scale", rope_scale, positive=True)
+    check_float("rope_theta", rope_theta, positive=True)
     if pos_encoding_mode != "NONE":
         raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} (RoPE / ALiBi positional encoding) is "
                                   "not supported by backend='cudnn'; supported: 'NONE'")

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import threading
 import warnings
 from functools import partialmethod
@@ -137,11 +138,15 @@ def _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left, logits
         raise ValueError(f"rope_scale must be a finite value > 0 whose reciprocal is finite, got {rope_scale}")
     if use_fp16_qk_reduction:
         raise NotImplementedError("use_fp16_qk_reduction=True is not supported (q.k is reduced in fp32)")
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral):
+        raise TypeError(f"window_left must be an int >= -1, got {window_left!r}")
+    window_left = int(window_left)
+    if window_left < -1:
         raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
     if window_left > 2**31 - 1:
         raise ValueError(f"window_left must fit int32 (<= {2**31 - 1}), got {window_left}")
-    if logits_soft_cap is not None and not isinstance(logits_soft_cap, (int, float)):
+    if logits_soft_cap is not None and (isinstance(logits_soft_cap, bool)
+                                        or not isinstance(logits_soft_cap, numbers.Real)):
         raise TypeError(f"logits_soft_cap must be a float or None, got {type(logits_soft_cap).__name__}")
     cap = float(logits_soft_cap) if logits_soft_cap else 0.0
     if cap < 0 or not math.isfinite(cap):
