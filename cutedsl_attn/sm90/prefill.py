@@ -1,41 +1,48 @@
 """SM90 (Hopper) prefill / append attention: TMA + wgmma, warp-specialised.
 
-One CTA per (kv head, tile of ``tile_m = 128`` packed query rows of one request), the
-same decomposition and work table as the portable kernel
-(:mod:`cutedsl_attn.planning.prefill`), so the API layer plans once for either.
+One CTA per (work row, kv head): a tile of ``tile_m = 64 * num_wg`` (128 by default) packed
+query rows of one request, the same decomposition and work table as the portable kernel
+(:mod:`cutedsl_attn.planning.prefill`, longest tiles first), so the API layer plans once for
+either.  The grid is ``(work rows, kv heads)`` with the work row fastest: the CTAs in flight
+are mostly tiles of one kv head and share its K/V through L2 (measured: the largest single
+speed-up of this kernel, perf/RESULTS.md).  Not persistent (a persistent variant measured
+slower; see RESULTS).
 
-CTA organisation (384 threads, three warpgroups):
+CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` consumer warpgroups):
 
-* warpgroup 0, the producer: one elected thread of warp 0 streams K and V tiles of
-  ``tile_n`` tokens (paged: all 128 threads, see below) into a ``num_stages``-deep
-  shared-memory ring with TMA
-  (``cp.async.bulk.tensor``), one mbarrier pipeline for K and one for V
-  (``cutlass.pipeline.PipelineTmaAsync``).  KV blocks are walked right to left, so the
-  block that needs the sequence-end / causal-diagonal mask comes first.  The
-  producer gives its registers to the consumers (``setmaxnreg``).
-* warpgroups 1 and 2, the consumers: 64 rows each.  Q (packed GQA rows, zero-filled
-  past the request) is gathered once per tile with ``cp.async`` into the 128B-swizzled
-  layout wgmma reads; then per KV block: ``S = Q K^T`` (wgmma, both operands in shared
-  memory), mask + online softmax in fp32 with ``exp2`` on the accumulator registers,
-  ``P`` converted in registers and used as the register A operand of ``O += P V``
-  (RS wgmma, V read transposed from its row-major tile).  The wgmma accumulator of one
-  warp has the ``mma.m16n8`` C layout repeated over n8 tiles, so the softmax helpers
-  of :mod:`cutedsl_attn.common.softmax` are shared with the portable kernels.
-* Intra-warpgroup overlap: the ``S`` GEMM of block ``j + 1`` is issued before the
-  ``P V`` GEMM of block ``j`` and runs while the softmax of ``j + 1`` waits on it,
-  so the tensor cores stay busy across the softmax (FA3's schedule).
+* the producer warpgroup: for ragged K/V one elected thread streams K and V tiles of
+  ``tile_n`` tokens with TMA (``cp.async.bulk.tensor``) into a ``num_stages``-deep ring,
+  one mbarrier pipeline for K and one for V (``cutlass.pipeline.PipelineTmaAsync``); for
+  paged K/V all 128 threads gather the rows through the page table with ``cp.async`` into
+  the same swizzled layout (zero-filled past the request) and arrive on the stage's mbarrier
+  when their copies land (``PipelineCpAsync``), the consumers fencing those generic-proxy
+  writes before wgmma reads them.  KV blocks are walked right to left, so the block that
+  needs the sequence-end / causal-diagonal mask comes first.  The producer gives its
+  registers to the consumers (``setmaxnreg``: 24/240, or 40/232 for the gather).
+* the consumer warpgroups, 64 rows each.  Q (packed GQA rows, zero-filled past the
+  request) is gathered once per tile with ``cp.async`` into the 128B-swizzled layout wgmma
+  reads; then per KV block: ``S = Q K^T`` (wgmma, both operands in shared memory), masks
+  only on the blocks that need them, online softmax in fp32 with the scale folded into one
+  ``fma`` + ``ex2`` per element, ``P`` converted in registers and used as the register A
+  operand of ``O += P V`` (RS wgmma, V read transposed from its row-major tile).  The wgmma
+  accumulator of one warp has the ``mma.m16n8`` C layout repeated over n8 tiles, so the
+  softmax helpers of :mod:`cutedsl_attn.common.softmax` are shared with the portable kernels.
+* intra-warpgroup overlap: the ``S`` GEMM of block ``j + 1`` is issued together with the
+  ``P V`` GEMM of block ``j`` and the softmax of ``j + 1`` runs while the latter is in
+  flight; inter-warpgroup ping-pong: the consumer warpgroups take turns issuing their GEMMs
+  (named barriers), so one's softmax overlaps the other's GEMMs (FA3's schedule).
+* epilogue straight from registers (normalised, sinks folded in, LSE base 2).
 
 Conventions (FlashInfer, identical to the portable kernel): bottom-right causal,
 ``window_left = w`` keeps ``w + 1`` keys, soft cap ``cap * tanh(s / cap)`` on scaled
 logits, sinks in natural-log units, LSE base 2, empty rows give O = 0 and LSE = -inf.
+The softmax scale must be > 0 unless a soft cap is used (the API plans the portable
+kernel for ``sm_scale <= 0``).
 
-K/V: ragged (contiguous, ``[tokens, heads, dim]``) through TMA, or paged
-(``[pages, page_size, heads, dim]`` plus a page table, any page size) gathered by the 128
-producer threads with ``cp.async`` into the same swizzled layout (zero-filled past the
-request), each thread arriving on the stage's mbarrier when its copies land.
-Scope: ``tile_m`` must be a multiple of ``group_size``; no custom mask, no positional
-encoding (those run on the portable kernel: :func:`unsupported_reason` says which).  Verified on an H200 (SM90); it does not build
-for SM100.
+Scope: fp16/bf16; head_dim_qk 64/128/192/256, head_dim_vo 64/128/256; ``tile_m`` a multiple
+of ``group_size``; no custom mask and no positional encoding (those run on the portable
+kernel: :func:`unsupported_reason` says which).  Verified on an H200 (SM90): ragged and
+paged (page 1/16/64) against the float64 oracle; it does not build for SM100.
 """
 
 from __future__ import annotations
