@@ -377,10 +377,21 @@ def resources(op: str = "decode", arch: str = "sm_90a", **config_kw) -> dict[str
 
 
 def _find_tool(name: str):
+    """A CUDA binary tool: on PATH, under ``$CUDA_HOME``/``$CUDA_PATH``/``/usr/local/cuda``, or from the
+    ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm`` wheels (``nvidia/*/bin``; the ``test`` extra
+    installs them, so SASS checks run on a CPU-only machine too)."""
     path = shutil.which(name)
     if path:
         return path
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    try:
+        import nvidia  # namespace package of NVIDIA's CUDA wheels
+
+        for pkg_dir in nvidia.__path__:
+            roots += sorted(glob.glob(os.path.join(pkg_dir, "*")))
+    except ImportError:
+        pass
+    for root in roots:
         if root:
             cand = os.path.join(root, "bin", name)
             if os.path.isfile(cand) and os.access(cand, os.X_OK):
