@@ -84,6 +84,10 @@ class PrefillConfig:
     arch: str = "sm_90a"
 
     def __post_init__(self):
+        for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size", "num_warps", "tile_n", "num_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):  # the config is a cache key: no 4.0 for 4
+                raise TypeError(f"{name} must be an int, got {v!r}")
         if self.dtype not in ("bfloat16", "float16"):
             raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
         if self.head_dim_qk not in (32, 64, 128, 192, 256) or self.head_dim_vo not in (32, 64, 128, 256):

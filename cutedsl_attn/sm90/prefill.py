@@ -138,6 +138,10 @@ class Sm90PrefillConfig:
 
 def unsupported_reason(cfg) -> str | None:
     """Why the SM90 kernel cannot serve ``cfg`` (a prefill config of either kernel), or None."""
+    for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size", "tile_n", "num_stages", "num_wg"):
+        v = getattr(cfg, name, 0)
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"{name} must be an int, got {v!r}"
     if cfg.dtype not in ("bfloat16", "float16"):
         return f"dtype must be 'bfloat16' or 'float16', got {cfg.dtype!r}"
     if not str(cfg.arch).startswith("sm_90"):
