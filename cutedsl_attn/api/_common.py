@@ -98,6 +98,61 @@ def check_float(name: str, value, *, positive: bool) -> float | None:
     return value
 
 
+#: FlashInfer's run-time LSE options (``lse_base`` / ``lse_layout`` of the prefill wrappers' ``run``).
+LSE_BASES = ("log2", "ln")
+LSE_LAYOUTS = ("NH", "HN")
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4e38
+
+
+def check_lse_options(lse_base, lse_layout) -> None:
+    """``ValueError`` unless ``lse_base`` is in :data:`LSE_BASES` and ``lse_layout`` in :data:`LSE_LAYOUTS`."""
+    if lse_base not in LSE_BASES:
+        raise ValueError(f"lse_base must be one of {LSE_BASES}, got {lse_base!r}")
+    if lse_layout not in LSE_LAYOUTS:
+        raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
+
+
+def run_scale(name: str, x, *, where: str = "") -> float:
+    """A ``q_scale``/``k_scale``/``v_scale``/``o_scale`` of ``run()``: None -> 1.0, else a finite Python
+    number (``TypeError`` for another type, ``ValueError`` for nan/inf); a tensor (fp8 calibration)
+    raises ``NotImplementedError`` (``where`` names the backend in that message)."""
+    import math
+
+    if x is None:
+        return 1.0
+    if isinstance(x, torch.Tensor):
+        raise NotImplementedError(f"{name} as a tensor (fp8 calibration) is not supported{where}; pass a float")
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a float or None, got {type(x).__name__}")
+    if not math.isfinite(float(x)):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return float(x)
+
+
+def check_window_left(window_left) -> int:
+    """``window_left``: an int in [-1, int32 max] (-1 = no window); ``TypeError`` / ``ValueError`` otherwise."""
+    window_left = check_int("window_left", window_left, -1)
+    if window_left > _INT32_MAX:
+        raise ValueError(f"window_left must fit int32 (<= {_INT32_MAX}), got {window_left}")
+    return window_left
+
+
+def check_sm_scale(sm_scale, head_dim_qk: int) -> float:
+    """The softmax scale of a prefill plan: None -> ``1/sqrt(head_dim_qk)`` (FlashInfer's default), else a
+    Python number that is finite in float32 (``TypeError`` / ``ValueError`` otherwise)."""
+    import math
+
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim_qk)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    scale = float(sm_scale)
+    if not math.isfinite(scale) or abs(scale) > _FLOAT32_MAX:
+        raise ValueError(f"sm_scale must be finite in float32, got {sm_scale}")
+    return scale
+
+
 def check_tensor(name: str, t, *, dtype=None, ndim=None, device=None, shape=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -44,13 +44,22 @@ import math
 import torch
 
 from ..cudnn import prefill as cp
-from ._common import canonical_dtype, check_float, check_int, check_pos_encoding_mode, check_tensor
+from ._common import (
+    LSE_BASES,
+    canonical_dtype,
+    check_float,
+    check_int,
+    check_lse_options,
+    check_pos_encoding_mode,
+    check_sm_scale,
+    check_tensor,
+    check_window_left,
+    run_scale,
+)
 
 __all__ = ["cudnn_batch_prefill_with_kv_cache"]
 
 _FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
-_LSE_BASES = ("log2", "ln")
-_LSE_LAYOUTS = ("NH", "HN")
 _LN2 = math.log(2.0)
 
 
@@ -68,13 +77,7 @@ def _check_16b(name: str, t: torch.Tensor) -> None:
 
 
 def _scale(name: str, x) -> float:
-    if x is None:
-        return 1.0
-    if isinstance(x, torch.Tensor):
-        raise NotImplementedError(f"{name} as a tensor (fp8 calibration) is not supported by backend='cudnn'")
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name} must be a float or None, got {type(x).__name__}")
-    return float(x)
+    return run_scale(name, x, where=" by backend='cudnn'")
 
 
 def _check_dtype_triplet(q_dt, kv_dt, o_dt) -> torch.dtype:
@@ -141,19 +144,11 @@ def plan_wrapper(w, *, qo_h, kv_lens, kv_starts, total_kv, page_size, flat_indic
             raise TypeError(f"logits_soft_cap must be a float or None, got {type(logits_soft_cap).__name__}")
         if logits_soft_cap != 0:
             raise NotImplementedError("logits_soft_cap (soft cap) is not supported by backend='cudnn'")
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-        raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
+    window_left = check_window_left(window_left)
     if window_left >= 0 and not causal:
         raise NotImplementedError("window_left >= 0 without causal=True (a non-causal sliding window) is not "
                                   "supported by backend='cudnn'")
-    if sm_scale is None:
-        scale = 1.0 / math.sqrt(head_dim_qk)
-    else:
-        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-            raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-        scale = float(sm_scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    scale = check_sm_scale(sm_scale, head_dim_qk)
     q_dt = canonical_dtype("q_data_type", q_data_type) or torch.float16
     dt = _check_dtype_triplet(q_dt, canonical_dtype("kv_data_type", kv_data_type) or q_dt,
                               canonical_dtype("o_data_type", o_data_type) or q_dt)
@@ -206,10 +201,7 @@ def run_wrapper(w, q, k, v, *, q_scale, k_scale, v_scale, o_scale, out, lse, ret
         raise NotImplementedError("enable_pdl=True is not supported by backend='cudnn'")
     if kv_cache_sf is not None:
         raise NotImplementedError("kv_cache_sf (NVFP4 KV) is not supported by backend='cudnn'")
-    if lse_base not in _LSE_BASES:
-        raise ValueError(f"lse_base must be one of {_LSE_BASES}, got {lse_base!r}")
-    if lse_layout not in _LSE_LAYOUTS:
-        raise ValueError(f"lse_layout must be one of {_LSE_LAYOUTS}, got {lse_layout!r}")
+    check_lse_options(lse_base, lse_layout)
     TQ, Hq, Dvo, dt = p["total_q"], p["num_qo_heads"], p["head_dim_vo"], p["dtype"]
     dev = w.device
     if out is None:
@@ -376,8 +368,8 @@ def cudnn_batch_prefill_with_kv_cache(
     host synchronisation).  Status: verified on an NVIDIA H200 (2026-11-29: tests/test_cudnn_gpu.py passed against the float64 oracle).
     """
     # ---- FlashInfer's checks first (same order)
-    if lse_base not in _LSE_BASES:
-        raise ValueError(f"lse_base must be one of {_LSE_BASES}, got {lse_base!r}")
+    if lse_base not in LSE_BASES:
+        raise ValueError(f"lse_base must be one of {LSE_BASES}, got {lse_base!r}")
     if batch_offsets_units not in ("elements", "tokens"):
         raise ValueError(f"batch_offsets_units must be 'elements' or 'tokens', got {batch_offsets_units!r}")
     tokens = batch_offsets_units == "tokens"

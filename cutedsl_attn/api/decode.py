@@ -34,8 +34,10 @@ from ._common import (
     check_float,
     check_int,
     check_tensor,
+    check_window_left,
     kernel_entry_error,
     paged_kv_views,
+    run_scale,
 )
 
 _SUPPORTED_BACKENDS = ("auto", "cute")
@@ -259,9 +261,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         # with one query row per request, bottom-right causal keeps every key: is_causal changes nothing
         if window_right != 0:
             raise NotImplementedError("window_right != 0 is not supported (decode sees no keys to the right)")
-        window_left = check_int("window_left", window_left, -1)
-        if window_left > 2**31 - 1:
-            raise ValueError(f"window_left must fit int32 (<= {2**31 - 1}), got {window_left}")
+        window_left = check_window_left(window_left)
         cap = check_float("logits_soft_cap", logits_soft_cap, positive=False) or 0.0
         if cap < 0:
             raise ValueError(f"logits_soft_cap must be >= 0 (0 or None disables it), got {logits_soft_cap}")
@@ -604,20 +604,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             check_tensor("sinks", sinks, shape=(Hq,), device=self.device)
             if sinks.dtype != torch.float32:
                 raise ValueError(f"sinks must be float32, got {sinks.dtype}")
-        sm_scale = p["sm_scale"]
-        for name, x in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-            if x is None:
-                continue
-            if isinstance(x, torch.Tensor):
-                raise NotImplementedError(f"{name} as a tensor (fp8 calibration) is not supported; pass a float")
-            if isinstance(x, bool) or not isinstance(x, (int, float)):
-                raise TypeError(f"{name} must be a float or None, got {type(x).__name__}")
-            if not math.isfinite(float(x)):
-                raise ValueError(f"{name} must be finite, got {x}")
-        if q_scale is not None:
-            sm_scale *= q_scale
-        if k_scale is not None:
-            sm_scale *= k_scale
+        sm_scale = p["sm_scale"] * run_scale("q_scale", q_scale) * run_scale("k_scale", k_scale)
+        v_factor = run_scale("v_scale", v_scale)
         fn = self._kernels.get(sinks is not None) or self._kernel(sinks is not None)
         if self.device.index is not None and self.device.index != torch.cuda.current_device():
             with torch.cuda.device(self.device):
@@ -636,8 +624,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise
             # the tvm-ffi entry's layout checks, in FlashInfer's names
             raise kernel_entry_error(e, _KERNEL_ARG_NAMES, _KERNEL_RENAMES) from None
-        if v_scale is not None and v_scale != 1.0:
-            out.mul_(v_scale)
+        if v_factor != 1.0:
+            out.mul_(v_factor)
         return (out, lse) if return_lse else out
 
     run_return_lse = partialmethod(run, return_lse=True)

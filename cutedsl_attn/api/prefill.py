@@ -58,10 +58,14 @@ from ._common import (
     check_heads,
     check_int,
     check_kv_layout,
+    check_lse_options,
     check_pos_encoding_mode,
+    check_sm_scale,
     check_tensor,
+    check_window_left,
     kernel_entry_error,
     paged_kv_views,
+    run_scale,
 )
 from .quantization import segment_packbits
 
@@ -74,8 +78,6 @@ __all__ = [
 
 SUPPORTED_HEAD_DIMS_QK = (32, 64, 128, 192, 256)
 SUPPORTED_HEAD_DIMS_VO = (32, 64, 128, 256)
-LSE_BASES = ("log2", "ln")
-LSE_LAYOUTS = ("NH", "HN")
 _LN2 = math.log(2.0)
 
 _SUPPORTED_BACKENDS = ("auto", "cute")
@@ -93,13 +95,9 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r}; supported: {_SUPPORTED_BACKENDS}")
 
 
-def _check_int(name: str, x) -> int:
-    return check_int(name, x)
-
-
 def _check_head_dims(head_dim_qk, head_dim_vo) -> tuple[int, int]:
-    head_dim_qk = _check_int("head_dim_qk", head_dim_qk)
-    head_dim_vo = head_dim_qk if head_dim_vo is None else _check_int("head_dim_vo", head_dim_vo)
+    head_dim_qk = check_int("head_dim_qk", head_dim_qk)
+    head_dim_vo = head_dim_qk if head_dim_vo is None else check_int("head_dim_vo", head_dim_vo)
     if head_dim_qk not in SUPPORTED_HEAD_DIMS_QK:
         raise NotImplementedError(
             f"head_dim_qk={head_dim_qk} is not supported; supported: {SUPPORTED_HEAD_DIMS_QK}"
@@ -138,27 +136,14 @@ def _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left, logits
         raise ValueError(f"rope_scale must be a finite value > 0 whose reciprocal is finite, got {rope_scale}")
     if use_fp16_qk_reduction:
         raise NotImplementedError("use_fp16_qk_reduction=True is not supported (q.k is reduced in fp32)")
-    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral):
-        raise TypeError(f"window_left must be an int >= -1, got {window_left!r}")
-    window_left = int(window_left)
-    if window_left < -1:
-        raise ValueError(f"window_left must be an int >= -1, got {window_left!r}")
-    if window_left > 2**31 - 1:
-        raise ValueError(f"window_left must fit int32 (<= {2**31 - 1}), got {window_left}")
+    window_left = check_window_left(window_left)
     if logits_soft_cap is not None and (isinstance(logits_soft_cap, bool)
                                         or not isinstance(logits_soft_cap, numbers.Real)):
         raise TypeError(f"logits_soft_cap must be a float or None, got {type(logits_soft_cap).__name__}")
     cap = float(logits_soft_cap) if logits_soft_cap else 0.0
     if cap < 0 or not math.isfinite(cap):
         raise ValueError(f"logits_soft_cap must be a finite value >= 0, got {logits_soft_cap}")
-    if sm_scale is None:
-        scale = 1.0 / math.sqrt(head_dim_qk)
-    else:
-        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-            raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-        scale = float(sm_scale)
-        if not math.isfinite(scale) or abs(scale) > 3.4e38:
-            raise ValueError(f"sm_scale must be finite in float32, got {sm_scale}")
+    scale = check_sm_scale(sm_scale, head_dim_qk)
     if cap > 0 and pos_encoding_mode == "ALIBI":
         # FlashInfer's FA2 variant multiplies by sm_scale twice in this combination (variants.cuh)
         raise NotImplementedError("logits_soft_cap together with pos_encoding_mode='ALIBI' is not supported")
@@ -220,7 +205,7 @@ def _check_lengths_hint(name: str, t, expect: torch.Tensor) -> None:
 def _check_max_hint(name: str, value, actual: int) -> None:
     if value is None:
         return
-    value = _check_int(name, value)
+    value = check_int(name, value)
     if value < actual:
         raise ValueError(f"{name}={value} is smaller than the actual maximum length {actual}")
 
@@ -234,18 +219,6 @@ def _check_graph_buffer(name, t, device, *, dtype=torch.int32, length=None) -> N
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
     if length is not None and t.shape[0] != length:
         raise ValueError(f"{name} must have {length} entries, got {t.shape[0]}")
-
-
-def _scale(name: str, x) -> float:
-    if x is None:
-        return 1.0
-    if isinstance(x, torch.Tensor):
-        raise NotImplementedError(f"{name} as a tensor (fp8 calibration) is not supported; pass a float")
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name} must be a float or None, got {type(x).__name__}")
-    if not math.isfinite(float(x)):
-        raise ValueError(f"{name} must be finite, got {x}")
-    return float(x)
 
 
 # ----------------------------------------------------------------------------- the wrappers
@@ -338,8 +311,8 @@ class _BatchPrefillBase:
             pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, head_dim_qk,
             rope_scale, rope_theta)
         dt = _check_dtypes(q_data_type, kv_data_type, o_data_type)
-        num_qo_heads = _check_int("num_qo_heads", num_qo_heads)
-        num_kv_heads = _check_int("num_kv_heads", num_kv_heads)
+        num_qo_heads = check_int("num_qo_heads", num_qo_heads)
+        num_kv_heads = check_int("num_kv_heads", num_kv_heads)
         group = check_heads(num_qo_heads, num_kv_heads)
         B = qo_h.shape[0] - 1
         qo_lens = qo_h[1:] - qo_h[:-1]
@@ -562,10 +535,7 @@ class _BatchPrefillBase:
             raise NotImplementedError("enable_pdl=True is not supported (no programmatic dependent launch yet)")
         if kv_cache_sf is not None:
             raise NotImplementedError("kv_cache_sf (NVFP4 KV) is not supported")
-        if lse_base not in LSE_BASES:
-            raise ValueError(f"lse_base must be one of {LSE_BASES}, got {lse_base!r}")
-        if lse_layout not in LSE_LAYOUTS:
-            raise ValueError(f"lse_layout must be one of {LSE_LAYOUTS}, got {lse_layout!r}")
+        check_lse_options(lse_base, lse_layout)
         TQ, Hq, Dvo, dt = p["total_q"], p["num_qo_heads"], p["head_dim_vo"], p["dtype"]
         if out is None:
             out = torch.empty((TQ, Hq, Dvo), dtype=dt, device=self.device)
@@ -578,7 +548,7 @@ class _BatchPrefillBase:
             check_tensor("sinks", sinks, shape=(Hq,), device=self.device)
             if sinks.dtype != torch.float32:
                 raise ValueError(f"sinks must be float32, got {sinks.dtype}")
-        sm_scale = p["sm_scale"] * _scale("q_scale", q_scale) * _scale("k_scale", k_scale)
+        sm_scale = p["sm_scale"] * run_scale("q_scale", q_scale) * run_scale("k_scale", k_scale)
         if sm_scale <= 0.0 and getattr(p["cfg"], "positive_scale_only", False) and p["soft_cap"] <= 0:
             raise NotImplementedError(
                 f"q_scale * k_scale <= 0 (sm_scale * q_scale * k_scale = {sm_scale}) is not supported by the "
@@ -586,10 +556,10 @@ class _BatchPrefillBase:
                 "sm_scale at plan() (a plan with sm_scale <= 0 runs the portable kernel) or set "
                 "CUTEDSL_ATTN_PREFILL_KERNEL=portable before plan()"
             )
-        o_div = _scale("o_scale", o_scale)
+        o_div = run_scale("o_scale", o_scale)
         if o_div == 0.0:
             raise ValueError("o_scale must be nonzero (the output is divided by it)")
-        o_factor = _scale("v_scale", v_scale) / o_div
+        o_factor = run_scale("v_scale", v_scale) / o_div
 
         want_lse = return_lse or lse is not None
         if lse_layout == "NH":
@@ -821,7 +791,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                         f"{n} different from {'kv_indptr' if n == 'v_indptr' else 'qo_indptr'} is not supported"
                     )
         if uniform_q_len is not None:
-            u = _check_int("uniform_q_len", uniform_q_len)
+            u = check_int("uniform_q_len", uniform_q_len)
             if B and (qo_lens != u).any():
                 raise ValueError(f"uniform_q_len={u} but the requests have {qo_lens.tolist()} query rows")
         copies = []
@@ -1164,7 +1134,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         _check_max_hint("max_token_per_sequence", max_token_per_sequence, int(qo_lens.max()) if B else 0)
         _check_max_hint("max_sequence_kv", max_sequence_kv, int(kv_lens.max()) if B else 0)
         if uniform_q_len is not None:
-            u = _check_int("uniform_q_len", uniform_q_len)
+            u = check_int("uniform_q_len", uniform_q_len)
             if B and (qo_lens != u).any():
                 raise ValueError(f"uniform_q_len={u} but the requests have {qo_lens.tolist()} query rows")
         self._plan_common(
@@ -1373,7 +1343,7 @@ def single_prefill_with_kv_cache(
     if w is None:
         w = cache[key] = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=dev), "NHD")
     # k_scale joins the softmax scale at plan time, so the kernel choice sees the effective scale
-    ks = _scale("k_scale", k_scale)
+    ks = run_scale("k_scale", k_scale)
     if ks != 1.0 and isinstance(sm_scale, (int, float, type(None))) and not isinstance(sm_scale, bool):
         sm_scale = (1.0 / math.sqrt(dqk) if sm_scale is None else float(sm_scale)) * ks
         k_scale = None
