@@ -58,7 +58,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common import ptx
+from ..common import epilogue, ptx
 from ..common import softmax as sm
 
 LOG2E = 1.4426950408889634
@@ -574,31 +574,10 @@ class Sm90PrefillKernel:
     # ------------------------------------------------------------------ epilogue
     @cute.jit
     def _epilogue(self, mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp):
-        """Normalise (sinks folded in), write O (2 values per store) and the LSE of the thread's rows."""
-        DV, G = self.DV, self.G
-        g = lane // 4
-        t = lane % 4
-        hq = mO.shape[1]
-        o_base = mO.iterator.toint()
-        for h in cutlass.range_constexpr(2):
-            pr = row0 + warp * 16 + g + 8 * h
-            if pr < qo_len * G:
-                tok = q_start + pr // G
-                head = kvh * G + pr % G
-                sink_l2 = Float32(NEG_INF)
-                if const_expr(self.cfg.use_sinks):
-                    sink_l2 = mSinks[head] * LOG2E
-                inv, lse = sm.finalize_row(row_m[h], row_l[h], sink_l2)
-                row_addr = o_base + ((Int64(tok) * hq + head) * DV) * 2
-                # a row that saw no key (or a tile with no KV block: acc holds stale values) writes zeros
-                inv_ok = inv != Float32(0.0)
-                for dd in cutlass.range_constexpr(DV // 8):
-                    o0 = Float32(cutlass.select_(inv_ok, acc[dd * 4 + 2 * h] * inv, Float32(0.0)))
-                    o1 = Float32(cutlass.select_(inv_ok, acc[dd * 4 + 2 * h + 1] * inv, Float32(0.0)))
-                    v = ptx.pack2(o0, o1, self.dtype)
-                    ptx.st_global_u32(row_addr + (dd * 8 + 2 * t) * 2, v)
-                if t == 0:
-                    mLSE[tok, head] = lse
+        """Normalise (sinks folded in), write O and the LSE of the lane's rows (:func:`common.epilogue.store_rows`);
+        rows that saw no key get an exact 0."""
+        epilogue.store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp,
+                            self.DV, self.G, self.cfg.use_sinks, self.dtype, True)
 
 
 def compile(cfg: Sm90PrefillConfig, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):

@@ -1,0 +1,62 @@
+"""Prefill epilogue shared by the portable and SM90 kernels: normalise a warp's 16 rows, write O and the LSE.
+
+Both kernels hold O in the ``mma.m16n8`` C layout (the SM90 wgmma accumulator of one warp is that
+layout repeated over n8 tiles): ``acc[4*n + e]`` is row ``g`` (``e`` in {0, 1}) or ``g + 8``
+(``e`` in {2, 3}) of the warp, columns ``8*n + 2*t + e % 2``, with ``g = lane // 4`` and
+``t = lane % 4``.  Packed row ``r`` of a tile is query token ``r // group_size`` and query head
+``kv_head * group_size + r % group_size`` (GQA packing, :mod:`cutedsl_attn.planning.prefill`).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int64, const_expr
+
+from . import ptx
+from . import softmax as sm
+
+LOG2E = 1.4426950408889634
+NEG_INF = float("-inf")
+
+
+@cute.jit
+def store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp,
+               head_dim_vo: cutlass.Constexpr, group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr,
+               dtype: cutlass.Constexpr, zero_empty_rows: cutlass.Constexpr):
+    """Normalise (sinks folded in) and store the lane's two rows of a warp's 16: O two values per 32-bit
+    store into ``mO [tokens, Hq, head_dim_vo]`` (contiguous), the base-2 LSE into ``mLSE [tokens, Hq]``
+    (by the row's first lane).  Rows past the request (``qo_len * group_size``) are not written.
+
+    ``row_m``/``row_l``: the running max (log2 units) and the quad-reduced sum of each row; ``mSinks``:
+    per-head sink logits (natural log), read when ``use_sinks``.  ``zero_empty_rows`` writes an exact 0
+    for a row whose normalising factor is 0 (no visible key) whatever ``acc`` holds there, instead of
+    ``acc * 0``.
+    """
+    DV, G = head_dim_vo, group_size
+    g = lane // 4
+    t = lane % 4
+    hq = mO.shape[1]
+    o_base = mO.iterator.toint()
+    for h in cutlass.range_constexpr(2):
+        pr = row0 + warp * 16 + g + 8 * h
+        if pr < qo_len * G:
+            tok = q_start + pr // G
+            head = kvh * G + pr % G
+            sink_l2 = Float32(NEG_INF)
+            if const_expr(use_sinks):
+                sink_l2 = mSinks[head] * LOG2E
+            inv, lse = sm.finalize_row(row_m[h], row_l[h], sink_l2)
+            row_addr = o_base + ((Int64(tok) * hq + head) * DV) * 2
+            inv_ok = inv != Float32(0.0)
+            for dd in cutlass.range_constexpr(DV // 8):
+                o0 = acc[dd * 4 + 2 * h] * inv
+                if const_expr(zero_empty_rows):
+                    o0 = Float32(cutlass.select_(inv_ok, o0, Float32(0.0)))
+                o1 = acc[dd * 4 + 2 * h + 1] * inv
+                if const_expr(zero_empty_rows):
+                    o1 = Float32(cutlass.select_(inv_ok, o1, Float32(0.0)))
+                v = ptx.pack2(o0, o1, dtype)
+                ptx.st_global_u32(row_addr + (dd * 8 + 2 * t) * 2, v)
+            if t == 0:
+                mLSE[tok, head] = lse
