@@ -392,7 +392,6 @@ def _attention_core(
     dev = q.device
     qo_len, hq, dqk = q.shape
     kv_len, hkv, _ = k.shape
-    dvo = v.shape[2]
     group = hq // hkv
 
     qf = q.to(dtype)
