@@ -49,14 +49,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common import epilogue, ptx
+from ..common.fake_args import compile_options, prefill_tensors, vector_f32
 from ..common import softmax as sm
+from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0
 
 LOG2E = 1.4426950408889634
 NEG_INF = float("-inf")
-
-# work-table columns (int32), written by cutedsl_attn.planning.prefill
-W_BATCH, W_ROW0, W_QO_LEN, W_KV_LEN, W_Q_START, W_KV_START, W_MASK_OFF = range(7)
-WORK_COLS = 8
 
 
 @dataclass(frozen=True)
@@ -471,37 +469,10 @@ def compile(cfg: PrefillConfig, *, keep_ptx_dir: str | None = None):
     current stream (see :meth:`PrefillKernel.kernel` for the arguments, the module docstring
     and ``cutedsl_attn.planning.prefill`` for the work table).
     """
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+    from cutlass.cute.runtime import make_fake_stream
 
-    dt = cfg.cutlass_dtype
-
-    def sym():
-        return cute.sym_int()
-
-    def s64():
-        return cute.sym_int64(divisibility=8)
-
-    TQ, Hq, Hkv, NNZ, W, NB = (sym() for _ in range(6))
-    q = make_fake_tensor(dt, (TQ, Hq, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
-    if cfg.page_size > 0:
-        P = sym()
-        k = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_qk), (s64(), s64(), s64(), 1), assumed_align=16)
-        v = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_vo), (s64(), s64(), s64(), 1), assumed_align=16)
-    else:
-        TK = sym()
-        k = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
-        v = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_vo), (s64(), s64(), 1), assumed_align=16)
-    idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
-    work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
-    o = make_fake_compact_tensor(dt, (TQ, Hq, cfg.head_dim_vo), stride_order=(2, 1, 0), assumed_align=16)
-    lse = make_fake_compact_tensor(Float32, (TQ, Hq), stride_order=(1, 0), assumed_align=4)
-    mask = make_fake_compact_tensor(cutlass.Uint8, (NB,), assumed_align=1)
-    sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
-    alibi = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
-    opts = f"--enable-tvm-ffi --gpu-arch {cfg.arch}"
-    if keep_ptx_dir is not None:
-        opts += f" --keep-ptx --dump-dir {keep_ptx_dir}"
+    opts = compile_options(cfg.arch, keep_ptx_dir)
     return cute.compile(
-        PrefillKernel(cfg), q, k, v, idx, work, o, lse, mask, sinks, alibi, Float32(1.0), Float32(0.0), Int32(-1),
+        PrefillKernel(cfg), *prefill_tensors(cfg), vector_f32(), Float32(1.0), Float32(0.0), Int32(-1),
         Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
     )

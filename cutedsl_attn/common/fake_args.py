@@ -1,0 +1,66 @@
+"""Fake (symbolic) tensors that both prefill kernels are compiled against (no GPU, no data).
+
+Every size is a symbolic int, so one compiled kernel serves any batch, length, head count and
+page count; only the config's static values (dtypes, head dims, page size) are fixed.  Strides
+are symbolic multiples of 8 elements (16 bytes) with a contiguous last dim, as the API checks.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..planning.prefill import WORK_COLS
+
+
+def prefill_tensors(cfg) -> tuple:
+    """``(q, k, v, indices, work, o, lse, mask, sinks)`` for a prefill config (portable or SM90).
+
+    q ``[tokens, Hq, head_dim_qk]``; k/v ``[tokens, Hkv, D]`` (ragged) or
+    ``[pages, page_size, Hkv, D]`` (``cfg.page_size > 0``); indices int32 page ids; work
+    ``[W, WORK_COLS]`` int32 (:mod:`cutedsl_attn.planning.prefill`); o ``[tokens, Hq, head_dim_vo]``
+    and lse ``[tokens, Hq]`` fp32, contiguous; mask uint8 packed bits; sinks fp32 ``[Hq]``.
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+    dt = cfg.cutlass_dtype
+
+    def sym():
+        return cute.sym_int()
+
+    def s64():
+        return cute.sym_int64(divisibility=8)
+
+    TQ, Hq, Hkv, NNZ, W, NB = (sym() for _ in range(6))
+    q = make_fake_tensor(dt, (TQ, Hq, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
+    if cfg.page_size > 0:
+        P = sym()
+        k = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_qk), (s64(), s64(), s64(), 1), assumed_align=16)
+        v = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_vo), (s64(), s64(), s64(), 1), assumed_align=16)
+    else:
+        TK = sym()
+        k = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
+        v = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_vo), (s64(), s64(), 1), assumed_align=16)
+    idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
+    work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
+    o = make_fake_compact_tensor(dt, (TQ, Hq, cfg.head_dim_vo), stride_order=(2, 1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(Float32, (TQ, Hq), stride_order=(1, 0), assumed_align=4)
+    mask = make_fake_compact_tensor(cutlass.Uint8, (NB,), assumed_align=1)
+    sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
+    return q, k, v, idx, work, o, lse, mask, sinks
+
+
+def vector_f32():
+    """A symbolic-length fp32 vector (e.g. the ALiBi slopes ``[Hq]``)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    return make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
+
+
+def compile_options(arch: str, keep_ptx_dir: str | None = None, keep_cubin: bool = False) -> str:
+    """``cute.compile`` options: tvm-ffi entry, the target arch, optionally PTX (and cubin) kept in a dir."""
+    opts = f"--enable-tvm-ffi --gpu-arch {arch}"
+    if keep_ptx_dir is not None:
+        opts += f" --keep-ptx --dump-dir {keep_ptx_dir}" + (" --keep-cubin" if keep_cubin else "")
+    return opts
