@@ -369,11 +369,12 @@ class _BatchPrefillBase:
                 packed, _ = segment_packbits(custom_mask.reshape(-1), elem_ptr, bitorder="little")
             mask_bits = byte_ptr[:-1] * 8
 
+        # the shape part of the kernel choice (kept for forward()'s re-dispatch) and the options part
+        cfg_kw = dict(dtype=dt, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group,
+                      page_size=page_size, use_sinks=False, use_custom_mask=use_mask)
         cfg = dispatch.prefill_config(
-            dtype=dt, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group, page_size=page_size,
-            causal=bool(causal) and not use_mask, use_window=window_left >= 0, use_soft_cap=cap > 0,
-            use_sinks=False, use_custom_mask=use_mask, pos_encoding_mode=pos_encoding_mode,
-            positive_scale=scale > 0,
+            **cfg_kw, causal=bool(causal) and not use_mask, use_window=window_left >= 0, use_soft_cap=cap > 0,
+            pos_encoding_mode=pos_encoding_mode, positive_scale=scale > 0,
         )
         tile_m = cfg.tile_m
         if use_mask and self._use_cuda_graph:
@@ -462,9 +463,7 @@ class _BatchPrefillBase:
             pos_encoding_mode=pos_encoding_mode, alibi=alibi, rope_rcp_scale=rope_rcp_scale,
             rope_log2_theta=rope_log2_theta, pos_args=_takes_pos_args(cfg),
             replan=dict(qo_lens=qo_lens, kv_lens=kv_lens, q_starts=qo_h[:-1], kv_starts=kv_starts,
-                        mask_bits=mask_bits, num_rows=num_rows,
-                        cfg_kw=dict(dtype=dt, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group,
-                                    page_size=page_size, use_sinks=False, use_custom_mask=use_mask)),
+                        mask_bits=mask_bits, cfg_kw=cfg_kw),
         )
         self._kernels = {}
 
