@@ -116,8 +116,12 @@ def _portable_prefill_config(
     )
 
 
-def prefill_config(*, positive_scale: bool = True, **kwargs):
+def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwargs):
     """The prefill kernel configuration for a problem (keyword arguments of the portable configuration).
+
+    ``kernel``: ``"auto"`` (the choice below), ``"portable"`` (always the portable kernel) or
+    ``"sm90"`` (the SM90 kernel wherever it applies, whatever ``CUTEDSL_ATTN_PREFILL_KERNEL`` says;
+    the portable configuration where it does not -- callers check the returned type).
 
     ``positive_scale=False`` (a planned ``sm_scale <= 0``) keeps the portable kernel: the SM90 kernel
     folds the softmax scale into the exponent after the row max of the raw logits, which needs a
@@ -128,8 +132,12 @@ def prefill_config(*, positive_scale: bool = True, **kwargs):
     everything else, and every other arch, runs the portable kernel.  The environment variable
     ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the portable kernel (benchmarks compare both).
     """
+    if kernel not in ("auto", "portable", "sm90"):
+        raise ValueError(f"kernel must be 'auto', 'portable' or 'sm90', got {kernel!r}")
     cfg = _portable_prefill_config(**kwargs)
-    if os.environ.get("CUTEDSL_ATTN_PREFILL_KERNEL", "auto") == "portable" or not positive_scale:
+    if kernel == "auto" and os.environ.get("CUTEDSL_ATTN_PREFILL_KERNEL", "auto") == "portable":
+        kernel = "portable"
+    if kernel == "portable" or not positive_scale:
         return cfg
     from .sm90 import prefill as _sm90
 

@@ -147,26 +147,14 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
     if op == "prefill":
         dqk = merged["head_dim_qk"]
         kernel = merged["kernel"]
-        if kernel not in ("auto", "portable", "sm90"):
-            raise ValueError(f"kernel must be 'auto', 'portable' or 'sm90', got {kernel!r}")
-        kw = dict(
+        cfg = dispatch.prefill_config(
+            kernel=kernel,
             dtype=torch_dtype, head_dim_qk=dqk, head_dim_vo=merged["head_dim_vo"] or dqk,
             group_size=merged["group_size"], page_size=merged["page_size"], causal=bool(merged["causal"]),
             use_window=bool(merged["use_window"]), use_soft_cap=bool(merged["use_soft_cap"]),
             use_sinks=bool(merged["use_sinks"]), use_custom_mask=bool(merged["use_custom_mask"]),
             pos_encoding_mode=merged["pos_encoding_mode"], arch=arch,
         )
-        if kernel == "portable":
-            return dispatch._portable_prefill_config(**kw)
-        if kernel == "sm90":  # explicit: not overridden by CUTEDSL_ATTN_PREFILL_KERNEL=portable
-            saved = os.environ.pop("CUTEDSL_ATTN_PREFILL_KERNEL", None)
-            try:
-                cfg = dispatch.prefill_config(**kw)
-            finally:
-                if saved is not None:
-                    os.environ["CUTEDSL_ATTN_PREFILL_KERNEL"] = saved
-        else:
-            cfg = dispatch.prefill_config(**kw)
         if kernel == "sm90" and type(cfg).__name__ != "Sm90PrefillConfig":
             from .sm90.prefill import unsupported_reason
 

@@ -548,7 +548,7 @@ class _BatchPrefillBase:
             if sinks.dtype != torch.float32:
                 raise ValueError(f"sinks must be float32, got {sinks.dtype}")
         sm_scale = p["sm_scale"] * run_scale("q_scale", q_scale) * run_scale("k_scale", k_scale)
-        if sm_scale <= 0.0 and getattr(p["cfg"], "positive_scale_only", False) and p["soft_cap"] <= 0:
+        if sm_scale <= 0.0 and getattr(p["cfg"], "positive_scale_only", False):
             raise NotImplementedError(
                 f"q_scale * k_scale <= 0 (sm_scale * q_scale * k_scale = {sm_scale}) is not supported by the "
                 "SM90 prefill kernel this plan chose (it needs a positive softmax scale); fold the sign into "
