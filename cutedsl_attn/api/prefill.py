@@ -189,6 +189,27 @@ def _indptr_host(name: str, t, *, length: int | None = None) -> torch.Tensor:
     return h
 
 
+def _csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B: int, page_size: int):
+    """``(indptr on the host, kv_lens)`` of a CSR page table after validating ``paged_kv_indptr`` (``[B+1]``
+    int32, non-decreasing) and ``paged_kv_last_page_len`` (``[B]`` int32, in ``[1, page_size]``, 0 only for a
+    request without pages); ``kv_len_b = (npages_b - 1) * page_size + last_page_len_b``."""
+    ip_h = _indptr_host("paged_kv_indptr", paged_kv_indptr, length=B + 1)
+    check_tensor("paged_kv_last_page_len", paged_kv_last_page_len, ndim=1)
+    if paged_kv_last_page_len.dtype != torch.int32:
+        raise ValueError(f"paged_kv_last_page_len must be int32, got {paged_kv_last_page_len.dtype}")
+    if paged_kv_last_page_len.shape[0] != B:
+        raise ValueError(f"paged_kv_last_page_len must have B = {B} entries, got {paged_kv_last_page_len.shape[0]}")
+    lpl_h = paged_kv_last_page_len.to("cpu", torch.int64)
+    npages = ip_h[1:] - ip_h[:-1]
+    bad = (((npages > 0) & ((lpl_h < 1) | (lpl_h > page_size)))
+           | ((npages == 0) & ((lpl_h < 0) | (lpl_h > page_size))))
+    if bad.any():
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"paged_kv_last_page_len[{b}] = {int(lpl_h[b])} is outside [1, page_size={page_size}] "
+                         "(0 allowed only for a request with no page)")
+    return ip_h, kv_lens_from_csr(ip_h, lpl_h, page_size)
+
+
 def _check_lengths_hint(name: str, t, expect: torch.Tensor) -> None:
     """``seq_lens``-style hints (cuDNN-only arguments in FlashInfer): must agree with the offsets."""
     if t is None:
@@ -1073,13 +1094,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 raise ValueError("seq_lens must be >= 0")
             if paged_kv_indptr is not None and paged_kv_last_page_len is not None:
                 # both forms given: block_tables/seq_lens serve the launch; the CSR form must not disagree
-                ip_h = _indptr_host("paged_kv_indptr", paged_kv_indptr, length=B + 1)
-                check_tensor("paged_kv_last_page_len", paged_kv_last_page_len, ndim=1)
-                if paged_kv_last_page_len.shape[0] != B:
-                    raise ValueError(f"paged_kv_last_page_len must have B = {B} entries, "
-                                     f"got {paged_kv_last_page_len.shape[0]}")
-                lpl_h = paged_kv_last_page_len.to("cpu", torch.int64)
-                csr_lens = kv_lens_from_csr(ip_h, lpl_h, page_size)
+                _, csr_lens = _csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B, page_size)
                 if not torch.equal(csr_lens, kv_lens):
                     raise ValueError(
                         f"seq_lens {kv_lens.tolist()} disagree with the KV lengths of the CSR page table "
@@ -1099,22 +1114,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                     raise ValueError(f"{n} must be int32, got {t.dtype}")
             # as FlashInfer 0.7.2: page indices on the host (or another device) are copied to the wrapper's
             paged_kv_indices = paged_kv_indices.to(self.device, non_blocking=non_blocking)
-            ip_h = _indptr_host("paged_kv_indptr", paged_kv_indptr, length=B + 1)
-            if paged_kv_last_page_len.shape[0] != B:
-                raise ValueError(f"paged_kv_last_page_len must have B = {B} entries, "
-                                 f"got {paged_kv_last_page_len.shape[0]}")
+            ip_h, kv_lens = _csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B, page_size)
             if int(ip_h[-1]) > paged_kv_indices.shape[0]:
                 raise ValueError(f"paged_kv_indptr[-1] ({int(ip_h[-1])}) exceeds len(paged_kv_indices) "
                                  f"({paged_kv_indices.shape[0]})")
-            lpl_h = paged_kv_last_page_len.to("cpu", torch.int64)
-            npages = ip_h[1:] - ip_h[:-1]
-            bad = (((npages > 0) & ((lpl_h < 1) | (lpl_h > page_size)))
-                   | ((npages == 0) & ((lpl_h < 0) | (lpl_h > page_size))))
-            if bad.any():
-                b = int(bad.nonzero()[0])
-                raise ValueError(f"paged_kv_last_page_len[{b}] = {int(lpl_h[b])} is outside [1, page_size={page_size}] "
-                                 "(0 allowed only for a request with no page)")
-            kv_lens = kv_lens_from_csr(ip_h, lpl_h, page_size)
             _check_lengths_hint("seq_lens", seq_lens, kv_lens)
             page_offsets = ip_h[:-1]
             flat = paged_kv_indices
