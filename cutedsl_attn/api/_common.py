@@ -153,6 +153,49 @@ def check_sm_scale(sm_scale, head_dim_qk: int) -> float:
     return scale
 
 
+def indptr_host(name: str, t, *, length: int | None = None) -> torch.Tensor:
+    """A validated int32 ``[B+1]`` offset array, read to the CPU as int64."""
+    check_tensor(name, t, ndim=1)
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have B+1 = {length} entries, got {t.shape[0]}")
+    if t.shape[0] < 1:
+        raise ValueError(f"{name} must have at least one entry (batch_size + 1)")
+    h = t.to("cpu", torch.int64)
+    if int(h[0]) < 0:
+        raise ValueError(f"{name}[0] must be >= 0, got {int(h[0])}")
+    if (h[1:] < h[:-1]).any():
+        raise ValueError(f"{name} must be non-decreasing")
+    return h
+
+
+def csr_kv_lens(indptr, last_page_len, B: int, page_size: int, *,
+                names=("paged_kv_indptr", "paged_kv_last_page_len")):
+    """``(indptr on the host, kv_lens)`` of a CSR page table after validating ``indptr`` (``[B+1]`` int32,
+    non-decreasing, from >= 0) and ``last_page_len`` (``[B]`` int32, in ``[1, page_size]``, 0 only for a
+    request without pages); ``kv_len_b = (npages_b - 1) * page_size + last_page_len_b``.  ``names``: the
+    two arguments' names in the caller's API (FlashInfer's prefill names by default)."""
+    from ..planning.decode import kv_lens_from_csr
+
+    ip_name, lpl_name = names
+    ip_h = indptr_host(ip_name, indptr, length=B + 1)
+    check_tensor(lpl_name, last_page_len, ndim=1)
+    if last_page_len.dtype != torch.int32:
+        raise ValueError(f"{lpl_name} must be int32, got {last_page_len.dtype}")
+    if last_page_len.shape[0] != B:
+        raise ValueError(f"{lpl_name} must have B = {B} entries, got {last_page_len.shape[0]}")
+    lpl_h = last_page_len.to("cpu", torch.int64)
+    npages = ip_h[1:] - ip_h[:-1]
+    bad = (((npages > 0) & ((lpl_h < 1) | (lpl_h > page_size)))
+           | ((npages == 0) & ((lpl_h < 0) | (lpl_h > page_size))))
+    if bad.any():
+        b = int(bad.nonzero()[0])
+        raise ValueError(f"{lpl_name}[{b}] = {int(lpl_h[b])} is outside [1, page_size={page_size}] "
+                         "(0 allowed only for a request with no page)")
+    return ip_h, kv_lens_from_csr(ip_h, lpl_h, page_size)
+
+
 def check_tensor(name: str, t, *, dtype=None, ndim=None, device=None, shape=None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

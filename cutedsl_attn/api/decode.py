@@ -23,7 +23,7 @@ from functools import partialmethod
 import torch
 
 from .. import dispatch
-from ..planning.decode import WORK_COLS, kv_lens_from_csr, max_items, plan_paged_decode
+from ..planning.decode import WORK_COLS, max_items, plan_paged_decode
 from ..ref.attention import alibi_slopes
 from ._common import (
     canonical_dtype,
@@ -35,6 +35,7 @@ from ._common import (
     check_int,
     check_tensor,
     check_window_left,
+    csr_kv_lens,
     kernel_entry_error,
     paged_kv_views,
     run_scale,
@@ -323,24 +324,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     raise ValueError(f"{n} must be int32, got {t.dtype}")
             indices = indices.to(self.device, non_blocking=non_blocking)  # as FlashInfer: host indices are copied
             B = last_page_len.shape[0]
-            if indptr.shape[0] != B + 1:
-                raise ValueError(f"indptr must have B+1 = {B + 1} entries, got {indptr.shape[0]}")
-            indptr_h = indptr.to("cpu", torch.int64)
-            lpl_h = last_page_len.to("cpu", torch.int64)
-            npages = indptr_h[1:] - indptr_h[:-1]
-            if (npages < 0).any():
-                raise ValueError("indptr must be non-decreasing")
-            if int(indptr_h[0]) < 0:
-                raise ValueError(f"indptr[0] must be >= 0, got {int(indptr_h[0])}")
+            indptr_h, kv_lens = csr_kv_lens(indptr, last_page_len, B, page_size, names=("indptr", "last_page_len"))
             if int(indptr_h[-1]) > indices.shape[0]:
                 raise ValueError(f"indptr[-1] ({int(indptr_h[-1])}) exceeds len(indices) ({indices.shape[0]})")
-            bad = ((npages > 0) & ((lpl_h < 1) | (lpl_h > page_size))) | ((npages == 0) & ((lpl_h < 0) | (lpl_h > page_size)))
-            if bad.any():
-                b = int(bad.nonzero()[0])
-                raise ValueError(
-                    f"last_page_len[{b}] = {int(lpl_h[b])} is outside [1, page_size={page_size}]"
-                )
-            kv_lens = kv_lens_from_csr(indptr_h, lpl_h, page_size)
             page_offsets = indptr_h[:-1]
             flat = indices
             copies = [("indices", indices), ("indptr", indptr), ("last_page_len", last_page_len)]

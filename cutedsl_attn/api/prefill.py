@@ -49,7 +49,6 @@ from functools import partialmethod
 import torch
 
 from .. import dispatch
-from ..planning.decode import kv_lens_from_csr
 from ..planning.prefill import max_tiles, plan_prefill
 from ..ref.attention import alibi_slopes
 from ._common import (
@@ -63,6 +62,8 @@ from ._common import (
     check_sm_scale,
     check_tensor,
     check_window_left,
+    csr_kv_lens,
+    indptr_host,
     kernel_entry_error,
     paged_kv_views,
     run_scale,
@@ -170,44 +171,6 @@ def _check_split_options(fixed_split_size) -> None:
     if fixed_split_size is not None:
         if isinstance(fixed_split_size, bool) or not isinstance(fixed_split_size, int) or fixed_split_size <= 0:
             raise ValueError(f"fixed_split_size must be a positive number of pages, got {fixed_split_size!r}")
-
-
-def _indptr_host(name: str, t, *, length: int | None = None) -> torch.Tensor:
-    """A validated int32 ``[B+1]`` offset array, read to the CPU as int64."""
-    check_tensor(name, t, ndim=1)
-    if t.dtype != torch.int32:
-        raise ValueError(f"{name} must be int32, got {t.dtype}")
-    if length is not None and t.shape[0] != length:
-        raise ValueError(f"{name} must have B+1 = {length} entries, got {t.shape[0]}")
-    if t.shape[0] < 1:
-        raise ValueError(f"{name} must have at least one entry (batch_size + 1)")
-    h = t.to("cpu", torch.int64)
-    if int(h[0]) < 0:
-        raise ValueError(f"{name}[0] must be >= 0, got {int(h[0])}")
-    if (h[1:] < h[:-1]).any():
-        raise ValueError(f"{name} must be non-decreasing")
-    return h
-
-
-def _csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B: int, page_size: int):
-    """``(indptr on the host, kv_lens)`` of a CSR page table after validating ``paged_kv_indptr`` (``[B+1]``
-    int32, non-decreasing) and ``paged_kv_last_page_len`` (``[B]`` int32, in ``[1, page_size]``, 0 only for a
-    request without pages); ``kv_len_b = (npages_b - 1) * page_size + last_page_len_b``."""
-    ip_h = _indptr_host("paged_kv_indptr", paged_kv_indptr, length=B + 1)
-    check_tensor("paged_kv_last_page_len", paged_kv_last_page_len, ndim=1)
-    if paged_kv_last_page_len.dtype != torch.int32:
-        raise ValueError(f"paged_kv_last_page_len must be int32, got {paged_kv_last_page_len.dtype}")
-    if paged_kv_last_page_len.shape[0] != B:
-        raise ValueError(f"paged_kv_last_page_len must have B = {B} entries, got {paged_kv_last_page_len.shape[0]}")
-    lpl_h = paged_kv_last_page_len.to("cpu", torch.int64)
-    npages = ip_h[1:] - ip_h[:-1]
-    bad = (((npages > 0) & ((lpl_h < 1) | (lpl_h > page_size)))
-           | ((npages == 0) & ((lpl_h < 0) | (lpl_h > page_size))))
-    if bad.any():
-        b = int(bad.nonzero()[0])
-        raise ValueError(f"paged_kv_last_page_len[{b}] = {int(lpl_h[b])} is outside [1, page_size={page_size}] "
-                         "(0 allowed only for a request with no page)")
-    return ip_h, kv_lens_from_csr(ip_h, lpl_h, page_size)
 
 
 def _check_lengths_hint(name: str, t, expect: torch.Tensor) -> None:
@@ -791,9 +754,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
           KeyError: unknown ``pos_encoding_mode``.
           NotImplementedError: the unsupported options above, head dims, group > 16, ALIBI with a soft cap.
         """
-        qo_h = _indptr_host("qo_indptr", qo_indptr)
+        qo_h = indptr_host("qo_indptr", qo_indptr)
         B = qo_h.shape[0] - 1
-        kv_h = _indptr_host("kv_indptr", kv_indptr, length=B + 1)
+        kv_h = indptr_host("kv_indptr", kv_indptr, length=B + 1)
         _reject_multi_item(prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len, max_item_len_ptr)
         _check_split_options(fixed_split_size)
         head_dim_qk, head_dim_vo = _check_head_dims(head_dim_qk, head_dim_vo)
@@ -805,7 +768,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         _check_max_hint("max_sequence_kv", max_sequence_kv, int(kv_lens.max()) if B else 0)
         for n, t, ref in (("v_indptr", v_indptr, kv_h), ("o_indptr", o_indptr, qo_h)):
             if t is not None:
-                h = _indptr_host(n, t, length=B + 1)
+                h = indptr_host(n, t, length=B + 1)
                 if not torch.equal(h, ref):
                     raise NotImplementedError(
                         f"{n} different from {'kv_indptr' if n == 'v_indptr' else 'qo_indptr'} is not supported"
@@ -1066,7 +1029,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
           KeyError: unknown ``pos_encoding_mode``.
           NotImplementedError: as the ragged wrapper's ``plan``.
         """
-        qo_h = _indptr_host("qo_indptr", qo_indptr)
+        qo_h = indptr_host("qo_indptr", qo_indptr)
         B = qo_h.shape[0] - 1
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -1094,7 +1057,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 raise ValueError("seq_lens must be >= 0")
             if paged_kv_indptr is not None and paged_kv_last_page_len is not None:
                 # both forms given: block_tables/seq_lens serve the launch; the CSR form must not disagree
-                _, csr_lens = _csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B, page_size)
+                _, csr_lens = csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B, page_size)
                 if not torch.equal(csr_lens, kv_lens):
                     raise ValueError(
                         f"seq_lens {kv_lens.tolist()} disagree with the KV lengths of the CSR page table "
@@ -1114,7 +1077,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                     raise ValueError(f"{n} must be int32, got {t.dtype}")
             # as FlashInfer 0.7.2: page indices on the host (or another device) are copied to the wrapper's
             paged_kv_indices = paged_kv_indices.to(self.device, non_blocking=non_blocking)
-            ip_h, kv_lens = _csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B, page_size)
+            ip_h, kv_lens = csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B, page_size)
             if int(ip_h[-1]) > paged_kv_indices.shape[0]:
                 raise ValueError(f"paged_kv_indptr[-1] ({int(ip_h[-1])}) exceeds len(paged_kv_indices) "
                                  f"({paged_kv_indices.shape[0]})")
