@@ -15,14 +15,9 @@ if not torch.cuda.is_available():
 
 import cutedsl_attn as ca
 from cutedsl_attn import ref
+from _checks import TOL, rel_err  # noqa: E402
 
 DEV = torch.device("cuda")
-TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3}
-
-
-def rel_err(x, y):
-    x, y = x.double(), y.double()
-    return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
 
 
 def make_batch(kv_lens, page_size, hkv, hq, d, dtype, layout, *, gen=None, spare_pages=7):
