@@ -237,7 +237,10 @@ def test_single_prefill():
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
-def test_cuda_graph_replay_after_replan():
+def _graph_replay_after_replan(opts, middle_trials=lambda gen: []):
+    """Capture one paged run in a CUDA graph, then re-plan with new lengths and pages (same batch size:
+    more rows per request, an empty request, qo > kv, ``middle_trials(gen)``, the first batch again) and
+    check every replay against the oracle (outputs NaN-poisoned before each replay)."""
     gen, seed = new_gen()
     B, hkv, group, d, ps, max_pages = 4, 2, 4, 128, 16, 1024
     hq = hkv * group
@@ -257,7 +260,7 @@ def test_cuda_graph_replay_after_replan():
         return indptr(npg), pages, last
 
     ip, pages, last = table(kv0)
-    w.plan(indptr(qo0), ip, pages.to(DEV), last, hq, hkv, d, ps, causal=True, q_data_type=BF16)
+    w.plan(indptr(qo0), ip, pages.to(DEV), last, hq, hkv, d, ps, q_data_type=BF16, **opts)
     q = torch.randn(tq0, hq, d, generator=gen).to(BF16).to(DEV)
     out = torch.empty(tq0, hq, d, dtype=BF16, device=DEV)
     lse = torch.empty(tq0, hq, dtype=torch.float32, device=DEV)
@@ -270,12 +273,10 @@ def test_cuda_graph_replay_after_replan():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         w.run(q, cache, out=out, lse=lse)
-    # new lengths (same and fewer total rows), new pages, an empty request, qo > kv: same batch size
-    for trial, (qo, kv) in enumerate([([300, 300, 37, 1], [300, 2000, 5, 4000]),
-                                      ([10, 0, 30, 40], rand_lens(gen, 4, 0, 4000)),
-                                      (qo0, kv0)]):
+    trials = [([300, 300, 37, 1], [300, 2000, 5, 4000])] + middle_trials(gen) + [(qo0, kv0)]
+    for trial, (qo, kv) in enumerate(trials):
         ip, pages, last = table(kv)
-        w.plan(indptr(qo), ip, pages.to(DEV), last, hq, hkv, d, ps, causal=True, q_data_type=BF16)
+        w.plan(indptr(qo), ip, pages.to(DEV), last, hq, hkv, d, ps, q_data_type=BF16, **opts)
         q.copy_(torch.randn(q.shape, generator=gen).to(BF16))
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
@@ -283,8 +284,12 @@ def test_cuda_graph_replay_after_replan():
         torch.cuda.synchronize()
         tq = sum(qo)
         c = dict(cache=cache, qo_indptr=indptr(qo), kv_indptr=ip, indices=pages, last=last, layout="NHD")
-        o_ref, lse_ref = paged_oracle(c, q=q[:tq], causal=True)
+        o_ref, lse_ref = paged_oracle(c, q=q[:tq], **opts)
         check(out[:tq], lse[:tq], o_ref, lse_ref, BF16, f"seed {seed} trial {trial}")
+
+
+def test_cuda_graph_replay_after_replan():
+    _graph_replay_after_replan(dict(causal=True), lambda gen: [([10, 0, 30, 40], rand_lens(gen, 4, 0, 4000))])
 
 
 # ----------------------------------------------------------------------------- real model
@@ -399,51 +404,7 @@ def test_pos_rope_matches_prerotated_none():
 
 
 def test_pos_alibi_cuda_graph_replay_after_replan():
-    gen, seed = new_gen()
-    B, hkv, group, d, ps, max_pages = 4, 2, 4, 128, 16, 1024
-    hq = hkv * group
-    qo0, kv0 = [100, 1, 37, 500], [100, 3000, 37, 1000]
-    tq0 = sum(qo0)
-    bufs = dict(qo_indptr_buf=torch.empty(B + 1, dtype=torch.int32, device=DEV),
-                paged_kv_indptr_buf=torch.empty(B + 1, dtype=torch.int32, device=DEV),
-                paged_kv_indices_buf=torch.empty(max_pages, dtype=torch.int32, device=DEV),
-                paged_kv_last_page_len_buf=torch.empty(B, dtype=torch.int32, device=DEV))
-    w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", use_cuda_graph=True, **bufs)
-    cache = torch.randn(max_pages, 2, ps, hkv, d, generator=gen).to(BF16).to(DEV)
-
-    def table(kv_lens):
-        npg = [-(-L // ps) for L in kv_lens]
-        pages = torch.randperm(max_pages, generator=gen)[: sum(npg)].to(torch.int32)
-        last = torch.tensor([L - (n - 1) * ps if n else 0 for L, n in zip(kv_lens, npg)], dtype=torch.int32)
-        return indptr(npg), pages, last
-
-    opts = dict(causal=True, pos_encoding_mode="ALIBI")
-    ip, pages, last = table(kv0)
-    w.plan(indptr(qo0), ip, pages.to(DEV), last, hq, hkv, d, ps, q_data_type=BF16, **opts)
-    q = torch.randn(tq0, hq, d, generator=gen).to(BF16).to(DEV)
-    out = torch.empty(tq0, hq, d, dtype=BF16, device=DEV)
-    lse = torch.empty(tq0, hq, dtype=torch.float32, device=DEV)
-    w.run(q, cache, out=out, lse=lse)  # compile outside capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        w.run(q, cache, out=out, lse=lse)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        w.run(q, cache, out=out, lse=lse)
-    for trial, (qo, kv) in enumerate([([300, 300, 37, 1], [300, 2000, 5, 4000]), (qo0, kv0)]):
-        ip, pages, last = table(kv)
-        w.plan(indptr(qo), ip, pages.to(DEV), last, hq, hkv, d, ps, q_data_type=BF16, **opts)
-        q.copy_(torch.randn(q.shape, generator=gen).to(BF16))
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        tq = sum(qo)
-        c = dict(cache=cache, qo_indptr=indptr(qo), kv_indptr=ip, indices=pages, last=last, layout="NHD")
-        o_ref, lse_ref = paged_oracle(c, q=q[:tq], **opts)
-        check(out[:tq], lse[:tq], o_ref, lse_ref, BF16, f"seed {seed} trial {trial}")
+    _graph_replay_after_replan(dict(causal=True, pos_encoding_mode="ALIBI"))
 
 
 @pytest.mark.parametrize("mode", ["ROPE_LLAMA", "ALIBI"])
