@@ -1,12 +1,13 @@
-"""Prefill kernel probe: each kernel variant vs a float32 torch reference, and its time.
+"""Prefill kernel probe: each kernel variant vs the oracle (float32), and its time.
 
-Runs ragged batches through ``BatchPrefillWithRaggedKVCacheWrapper`` once per kernel
+Runs ragged (or ``--paged``) batches through the prefill wrappers once per kernel
 choice (``CUTEDSL_ATTN_PREFILL_KERNEL`` = ``auto`` (SM90 where it applies) and
-``portable``), prints the relative error against a float32 reference and the kernel
+``portable``, plus ``--variants`` of the SM90 tiles), prints the relative error against
+the package's oracle (``cutedsl_attn.ref``, float32 on the GPU) and the kernel
 time (L2 flushed, launch cost excluded).  A development aid; the verdicts live in
 ``tests/test_prefill_gpu.py`` and ``perf/bench_prefill.py``.
 
-Usage: python perf/probe_prefill.py [--quick]
+Usage: python perf/probe_prefill.py [--quick] [--paged PAGE_SIZE] [--only NAMES] [--variants "k=v,...;..."]
 """
 
 from __future__ import annotations
@@ -16,38 +17,11 @@ import os
 
 import torch
 
+from cutedsl_attn import ref as oracle
 from cutedsl_attn.timing import KernelTimer
 
 DEV = torch.device("cuda")
 VARIANTS = ["auto", "portable"]
-
-
-def reference(q, k, v, qo, kv, causal, scale, window_left=-1, soft_cap=0.0):
-    """float32 attention per request (FlashInfer conventions: bottom-right causal)."""
-    hq, hkv = q.shape[1], k.shape[1]
-    out = torch.empty(q.shape[0], hq, v.shape[2], dtype=torch.float32, device=q.device)
-    for b in range(len(qo) - 1):
-        qs, qe, ks, ke = qo[b], qo[b + 1], kv[b], kv[b + 1]
-        Lq, Lk = qe - qs, ke - ks
-        if Lq == 0:
-            continue
-        qb = q[qs:qe].float().transpose(0, 1)
-        kb = k[ks:ke].float().repeat_interleave(hq // hkv, 1).transpose(0, 1)
-        vb = v[ks:ke].float().repeat_interleave(hq // hkv, 1).transpose(0, 1)
-        s = qb @ kb.transpose(1, 2) * scale
-        if soft_cap > 0:
-            s = soft_cap * torch.tanh(s / soft_cap)
-        i = torch.arange(Lq, device=q.device)[:, None] + Lk - Lq
-        j = torch.arange(Lk, device=q.device)[None, :]
-        keep = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
-        if causal:
-            keep &= j <= i
-        if window_left >= 0:
-            keep &= j >= i - window_left
-        s = s.masked_fill(~keep, float("-inf"))
-        p = torch.softmax(s, -1).nan_to_num(0.0)
-        out[qs:qe] = (p @ vb).transpose(0, 1)
-    return out
 
 
 def to_paged(k, v, kv, page_size):
@@ -106,7 +80,6 @@ def main():
         ("B2x8192 h64 d64 causal", [8192] * 2, [8192] * 2, 64, 64, 64, 64, True, {}),
         ("B2x8192 h16 d256 causal", [8192] * 2, [8192] * 2, 16, 16, 256, 256, True, {}),
     ]
-    rows = []
     for name, qo_l, kv_l, hq, hkv, dqk, dvo, causal, extra in cases + perf_cases:
         if args.only and not any(o in name for o in args.only.split(",")):
             continue
@@ -120,8 +93,10 @@ def main():
         v = torch.randn(kv[-1], hkv, dvo, generator=g).to(DEV, torch.bfloat16)
         scale = dqk ** -0.5
         big = qo[-1] > 4096
-        ref = None if big else reference(q, k, v, qo, kv, causal, scale, extra.get("window_left", -1),
-                                         extra.get("logits_soft_cap", 0.0))
+        # the package's oracle in float32 on the GPU (float64 would be slow at these sizes)
+        ref = None if big else oracle.ragged_prefill(
+            q, k, v, torch.tensor(qo), torch.tensor(kv), causal=causal, window_left=extra.get("window_left", -1),
+            logits_soft_cap=extra.get("logits_soft_cap"), sm_scale=scale, dtype=torch.float32)[0]
         paged = to_paged(k, v, kv, args.paged) if args.paged else None
         res = {}
         for kern in VARIANTS:
