@@ -174,6 +174,13 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int) -> dict:
     return {"tile_n": 64 if d > 192 else 128, "num_wg": 2}
 
 
+def _sw128_offset(r, c, rows: int):
+    """Byte offset of 16-byte chunk ``c`` of row ``r`` in a ``rows``-row tile of 16-bit elements laid out as
+    the K_SW128 wgmma/TMA atom (8 rows x 64 elements, tiled down the rows first, then along the row):
+    the chunk index within a 128-byte row segment is XOR-ed with ``r % 8`` (the buffer is 1 KiB aligned)."""
+    return (c // 8) * (rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+
+
 def _transpose_view(t):
     """(A, B, ...) smem tensor viewed as (B, A, ...) (swizzle kept)."""
     shape = (t.shape[1], t.shape[0], *t.shape[2:])
@@ -382,7 +389,7 @@ class Sm90PrefillKernel:
             page = mIdx[page_off + tok_c // PS]
             goff = (Int64(page) * mX.stride[0] + Int64(tok_c % PS) * mX.stride[1] + Int64(kvh) * mX.stride[2]
                     + c * 8)
-            soff = (c // 8) * (TN * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+            soff = _sw128_offset(r, c, TN)
             ptx.cp_async_16(s_addr + soff, base + goff * 2, cutlass.select_(valid, 16, 0))
 
     # ------------------------------------------------------------------ consumers
@@ -401,8 +408,7 @@ class Sm90PrefillKernel:
             valid = tok < qo_len
             tok_c = cutlass.min(tok, qo_len - 1)
             goff = Int64(q_start + tok_c) * mQ.stride[0] + Int64(kvh * G + pr % G) * mQ.stride[1] + c * 8
-            # K_SW128 atom: 8 rows x 64 elements, tiled down M first; 16B chunk ^= row % 8
-            soff = (c // 8) * (TM * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+            soff = _sw128_offset(r, c, TM)
             ptx.cp_async_16(sQ_addr + soff, q_base + goff * 2, cutlass.select_(valid, 16, 0))
         ptx.cp_async_commit()
 
