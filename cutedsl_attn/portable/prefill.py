@@ -48,7 +48,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..common import epilogue, ptx
+from ..common import epilogue, masks, ptx
 from ..common.fake_args import compile_options, prefill_tensors, vector_f32
 from ..common import softmax as sm
 from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0
@@ -365,11 +365,8 @@ class PrefillKernel:
                         x = ptx.tanh(x) * sc_out
                     if const_expr(self.alibi):
                         x = x + slope[h] * Float32(j - qpos[h])
-                    ok = j < kv_len
-                    if const_expr(self.mask_causal):
-                        ok = ok & (j <= qpos[h])
-                    if const_expr(self.cfg.use_window):
-                        ok = ok & ((window_left < 0) | (j >= qpos[h] - window_left))
+                    ok = masks.visible(j, kv_len, qpos[h], window_left, causal=self.mask_causal,
+                                       use_window=self.cfg.use_window)
                     if const_expr(self.cfg.use_custom_mask):
                         jc = cutlass.min(j, kv_len - 1)
                         bit = Int64(mask_off) + Int64(qtok[h]) * kv_len + jc

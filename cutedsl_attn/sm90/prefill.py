@@ -58,7 +58,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common import epilogue, ptx
+from ..common import epilogue, masks, ptx
 from ..common.fake_args import compile_options, prefill_tensors
 from ..common import softmax as sm
 from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0
@@ -557,11 +557,7 @@ class Sm90PrefillKernel:
                     x = acc_S[4 * j + e]
                     if const_expr(cfg.use_soft_cap):
                         x = ptx.tanh(x * sc_in) * sc_out
-                    ok = kj < kv_len
-                    if const_expr(cfg.causal):
-                        ok = ok & (kj <= qpos[h])
-                    if const_expr(cfg.use_window):
-                        ok = ok & ((window_left < 0) | (kj >= qpos[h] - window_left))
+                    ok = masks.visible(kj, kv_len, qpos[h], window_left, causal=cfg.causal, use_window=cfg.use_window)
                     acc_S[4 * j + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
         else:
             if const_expr(cfg.use_soft_cap):
