@@ -144,7 +144,8 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
     if _sm90.unsupported_reason(cfg) is None:
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(_sm90.Sm90PrefillConfig)
                   if hasattr(cfg, f.name) and f.name not in ("tile_n", "num_stages", "num_wg")}
-        tiles = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size)
+        tiles = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
+                                    use_soft_cap=cfg.use_soft_cap)
         tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE")  # "key=value,...": tuning experiments only
         if tune:
             for kv in tune.split(","):

@@ -5,7 +5,10 @@ median).  FLOPs as FlashInfer's benchmarks: full = 2*H*(Dqk+Dvo)*Lq*Lkv per requ
 causal = H*(Dqk+Dvo)*Lq*(2*Lkv - Lq).  The ceiling is a bf16 8192^3 torch matmul in
 the same run.
 
-Usage: python perf/bench_prefill.py [--out DIR] [--quick]
+``--tune "k=v,...;..."`` also times our kernel under each ``CUTEDSL_ATTN_PREFILL_TUNE`` setting
+(tuning experiments, same process); ``--no-portable`` skips the portable kernel's share.
+
+Usage: python perf/bench_prefill.py [--out DIR] [--quick] [--no-portable] [--tune SETTINGS]
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-portable", action="store_true")
+    ap.add_argument("--tune", default="", help="extra CUTEDSL_ATTN_PREFILL_TUNE settings, ';'-separated")
     args = ap.parse_args()
+    tunes = [x for x in args.tune.split(";") if x]
     import cutedsl_attn as ca
 
     try:
@@ -88,15 +94,28 @@ def main():
         t = timed(lambda: w.run(q, k, v, out=o))
         row["ours_ms"], row["ours_tf"] = t * 1e3, fl / t / 1e12
         row["ours_kernel"] = type(w._plan["cfg"]).__name__
-        os.environ["CUTEDSL_ATTN_PREFILL_KERNEL"] = "portable"  # the portable kernel's share
-        try:
-            wp = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-            wp.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
-        finally:
-            os.environ.pop("CUTEDSL_ATTN_PREFILL_KERNEL", None)
-        op = wp.run(q, k, v)
-        row["portable_relerr"] = ((op.float() - o.float()).norm() / o.float().norm()).item()
-        row["portable_ms"] = timed(lambda: wp.run(q, k, v, out=op), reps=3) * 1e3
+        for tune in tunes:
+            os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = tune
+            try:
+                wt = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+                wt.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+                ot = wt.run(q, k, v)
+                row[f"tune[{tune}]_relerr"] = ((ot.float() - o.float()).norm() / o.float().norm()).item()
+                row[f"tune[{tune}]_ms"] = timed(lambda: wt.run(q, k, v, out=ot)) * 1e3
+            except Exception as e:  # noqa: BLE001
+                print(f"tune {tune} failed:", repr(e)[:300])
+            finally:
+                os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
+        if not args.no_portable:
+            os.environ["CUTEDSL_ATTN_PREFILL_KERNEL"] = "portable"  # the portable kernel's share
+            try:
+                wp = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+                wp.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+            finally:
+                os.environ.pop("CUTEDSL_ATTN_PREFILL_KERNEL", None)
+            op = wp.run(q, k, v)
+            row["portable_relerr"] = ((op.float() - o.float()).norm() / o.float().norm()).item()
+            row["portable_ms"] = timed(lambda: wp.run(q, k, v, out=op), reps=3) * 1e3
         if flash_attn_varlen_func is not None:
             try:
                 mx = max(lens)
@@ -141,13 +160,16 @@ def main():
     with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), gemm_tflops=gemm_tf, rows=rows), f, indent=1)
     print(f"\nGPU {torch.cuda.get_device_name()}; bf16 GEMM ceiling {gemm_tf:.0f} TFLOP/s")
-    print("| case | ours ms | ours TFLOP/s | % GEMM | vs FA4 | vs FI fa3 | vs cuDNN | portable kernel / ours |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| case | ours ms | ours TFLOP/s | % GEMM | vs FA4 | vs FI fa3 | vs cuDNN | portable kernel / ours |"
+          + "".join(f" tune[{t}] ms |" for t in tunes))
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(tunes))
     for r in rows:
         def ratio(k):
-            return f"{r[k] / r['ours_ms']:.2f}x" if k in r else "n/a"
+            return f"{r[k] / r['ours_ms']:.2f}x ({r[k]:.3f})" if k in r else "n/a"
         print(f"| {r['case']} | {r['ours_ms']:.3f} | {r['ours_tf']:.0f} | {100 * r['ours_tf'] / gemm_tf:.0f}% | "
-              f"{ratio('fa4_ms')} | {ratio('fi_ms')} | {ratio('cudnn_ms')} | {ratio('portable_ms')} |")
+              f"{ratio('fa4_ms')} | {ratio('fi_ms')} | {ratio('cudnn_ms')} | {ratio('portable_ms')} |"
+              + "".join(f" {r.get(f'tune[{t}]_ms', float('nan')):.3f} (err {r.get(f'tune[{t}]_relerr', float('nan')):.0e}) |"
+                        for t in tunes))
     print("(ratios are peer time / our time: > 1 means we are faster)")
 
 

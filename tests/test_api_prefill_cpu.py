@@ -1474,14 +1474,18 @@ def test_pos_kernel_without_pos_args(rec):
         w.forward(p["q"], p["k"], p["v"], causal=True, window_left=3)
     cfg, a = rec.last
     assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.use_window and len(rec.calls[-1][1]) == N_KERNEL_ARGS
-    assert torch.equal(a["work"], expected_work(QO, KV, indptr(KV)[:-1], 4, causal=True, window_left=3, tile_m=128)[0])
+    assert torch.equal(a["work"], expected_work(QO, KV, indptr(KV)[:-1], 4, causal=True, window_left=3,
+                                                tile_m=cfg.tile_m)[0])
 
 
 # ============================================================================= kernel choice (SM90 vs portable)
 def test_sm90_kernel_chosen_and_portable_forced(rec, monkeypatch):
-    """On sm_90a the dispatch layer plans the SM90 kernel (128-row tiles) for ragged and paged problems it
-    serves, the portable kernel (64-row tiles) for what it does not; the env override forces portable."""
+    """On sm_90a the dispatch layer plans the SM90 kernel (192-row tiles at head_dim 64, 128 above) for ragged
+    and paged problems it serves, the portable kernel (64-row tiles) for what it does not; the env override
+    forces portable."""
     w, p = planned_ragged()
+    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].tile_m == 192
+    w, p = planned_ragged(ragged_problem(dqk=128))
     assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].tile_m == 128
     w, p = planned_ragged(pos_encoding_mode="ALIBI")
     assert type(w._plan["cfg"]).__name__ == "PrefillConfig" and w._plan["cfg"].tile_m == 64

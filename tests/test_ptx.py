@@ -296,28 +296,30 @@ def test_prefill_ptx(name, arch):
 
 # ----------------------------------------------------------------------------- SM90 prefill kernel
 SM90_PREFILL_CONFIGS = {
-    # name: (config keys, tile_n)
-    "bf16_hd128_g4_causal": (dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True), 128),
+    # name: (config keys, tile_n, consumer warpgroups) -- the defaults of sm90.prefill.default_tiles
+    "bf16_hd128_g4_causal": (dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True), 176, 2),
     "fp16_hd64_full_softcap_sinks": (dict(dtype="float16", head_dim_qk=64, group_size=1, use_soft_cap=True,
-                                          use_sinks=True), 128),
-    "bf16_hd256_window": (dict(dtype="bfloat16", head_dim_qk=256, group_size=2, causal=True, use_window=True), 64),
-    "bf16_hd192_128_g8": (dict(dtype="bfloat16", head_dim_qk=192, head_dim_vo=128, group_size=8, causal=True), 128),
+                                          use_sinks=True), 128, 2),
+    "bf16_hd64_g8_causal": (dict(dtype="bfloat16", head_dim_qk=64, group_size=8, causal=True), 128, 3),
+    "bf16_hd256_window": (dict(dtype="bfloat16", head_dim_qk=256, group_size=2, causal=True, use_window=True), 64, 2),
+    "bf16_hd192_128_g8": (dict(dtype="bfloat16", head_dim_qk=192, head_dim_vo=128, group_size=8, causal=True), 128,
+                          2),
 }
 
 
 @pytest.mark.parametrize("name", list(SM90_PREFILL_CONFIGS))
 def test_sm90_prefill_ptx(name):
     """The dispatch layer picks the SM90 kernel on sm_90a; its PTX is warp-specialised TMA + wgmma."""
-    keys, tile_n = SM90_PREFILL_CONFIGS[name]
+    keys, tile_n, num_wg = SM90_PREFILL_CONFIGS[name]
     cfg = ci.config("prefill", "sm_90a", **keys)
-    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.tile_n == tile_n and cfg.tile_m == 128
+    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.tile_n == tile_n and cfg.tile_m == 64 * num_wg
     text = ci.ptx("prefill", "sm_90a", **keys)
     s = ci.instruction_summary(text)
     ab = "bf16" if keys["dtype"] == "bfloat16" else "f16"
     dqk = keys["head_dim_qk"]
     dvo = keys.get("head_dim_vo", dqk)
     assert re.search(r"^\.target\s+sm_90a\s*$", text, re.M)
-    assert re.search(r"\.reqntid\s+384, 1, 1", text), "1 producer + 2 consumer warpgroups"
+    assert re.search(rf"\.reqntid\s+{128 * (num_wg + 1)}, 1, 1", text), "1 producer + num_wg consumer warpgroups"
     qk = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k16\.f32\.{ab}\.{ab}", text)
     pv = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{dvo}k16\.f32\.{ab}\.{ab}", text)
     # each GEMM is issued in two places (first block, main loop); QK: dqk/16 k-steps, PV: tile_n/16
@@ -328,8 +330,9 @@ def test_sm90_prefill_ptx(name):
     assert s["mma.sync"] == 0 and s["tcgen05"] == 0
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd", text)) >= 2, "K and V arrive by TMA"
     assert "mbarrier.try_wait.parity" in text or "mbarrier.try_wait" in text
-    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", text)
-    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", text)
+    consumer, producer = cfg.registers
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer};", text)
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer};", text)
     assert "bar.arrive" in text, "ping-pong hand-off between the consumer warpgroups"
     assert s.get("ld.local", 0) == 0 and s.get("st.local", 0) == 0, "register spills"
 
@@ -353,13 +356,66 @@ def test_sm90_prefill_paged_ptx(page_size, keys):
     assert ci.resources("prefill", "sm_90a", **keys, page_size=page_size)["stack_bytes"] == 0
 
 
-@pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window"])
+@pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window", "bf16_hd64_g8_causal"])
 def test_sm90_prefill_no_spills(name):
     """The assembled SM90 kernel keeps everything in registers (stack frame 0), read from its cubin."""
-    keys, _ = SM90_PREFILL_CONFIGS[name]
+    keys, _, num_wg = SM90_PREFILL_CONFIGS[name]
     res = ci.resources("prefill", "sm_90a", **keys)
     assert res["stack_bytes"] == 0, res
-    assert res["registers"] == 168, res  # 65536 / 384 threads at launch; setmaxnreg rebalances to 240/24
+    # 65536 registers / (128 * (num_wg + 1)) threads at launch; setmaxnreg rebalances them
+    assert res["registers"] == {2: 168, 3: 128}[num_wg], res
+
+
+@pytest.mark.parametrize("keys", [
+    dict(dtype="float16", head_dim_qk=64, group_size=1, use_soft_cap=True),
+    dict(dtype="bfloat16", head_dim_qk=64, group_size=4, causal=True, use_window=True),
+    dict(dtype="bfloat16", head_dim_qk=64, group_size=16, causal=True, use_sinks=True, page_size=16),
+    dict(dtype="float16", head_dim_qk=128, group_size=1, causal=True, use_soft_cap=True, use_window=True,
+         use_sinks=True),
+    dict(dtype="bfloat16", head_dim_qk=128, group_size=2, use_sinks=True, use_window=True, page_size=1),
+    dict(dtype="bfloat16", head_dim_qk=128, group_size=16, causal=True, page_size=64),
+], ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
+def test_sm90_prefill_default_tiles_never_spill(keys):
+    """default_tiles picks the larger tiles (3 warpgroups at d64, tile_n 176 at d128) only where they fit the
+    registers: with a window or a soft cap they spilled 16-224 B, so those problems keep the smaller tiles."""
+    res = ci.resources("prefill", "sm_90a", kernel="sm90", **keys)
+    assert res["stack_bytes"] == 0, res
+
+
+def _main_loop_overlap(text):
+    """(FFMA, MUFU) the SASS issues between the main loop's wait for S (``WARPGROUP.DEPBAR.LE gsb0, 0x1``)
+    and its wait for P V (``... 0x0``): the softmax work that runs while P V is in flight."""
+    body = text.split("WARPGROUP.DEPBAR.LE gsb0, 0x1", 1)[1].split("WARPGROUP.DEPBAR.LE gsb0, 0x0", 1)[0]
+    return len(re.findall(r"\bFFMA\b", body)), len(re.findall(r"\bMUFU\.EX2\b", body))
+
+
+@pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
+                    reason="no cuobjdump/nvdisasm here")
+@pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window"])
+def test_sm90_prefill_softmax_overlaps_pv(name):
+    """Intra-warpgroup overlap must survive ptxas: with the K stage released right after the wait for S,
+    ptxas scheduled the wait for P V ahead of every exponential-scaling FFMA, serialising softmax and P V
+    (found with ncu on the H200: 13% of the warps' stall samples on that wait; releasing K after the softmax
+    fixed it, 3-7% faster).  The scaling of at least half the block's scores must sit before the wait."""
+    keys, tile_n, _ = SM90_PREFILL_CONFIGS[name]
+    ffma, mufu = _main_loop_overlap(ci.sass("prefill", "sm_90a", **keys))
+    assert ffma >= tile_n // 4 and mufu >= 4, (ffma, mufu)  # tile_n / 2 scores per thread
+
+
+@pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
+                    reason="no cuobjdump/nvdisasm here")
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_sm90_prefill_persistent_keeps_pipeline(monkeypatch, page_size):
+    """The persistent variant (a tuning option) fits the consumer's register budget: no spills, wgmma not
+    serialised (its first version failed both: LLVM hoisted per-thread addresses out of the tile loop and
+    duplicated the P conversion; see common.ptx.opaque_i32 and Sm90PrefillKernel._to_p)."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "num_ctas=132")
+    keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True, page_size=page_size)
+    cfg = ci.config("prefill", "sm_90a", **keys)
+    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.num_ctas == 132
+    text = ci.sass("prefill", "sm_90a", **keys)
+    assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= 4 and len(re.findall(r"\bHGMMA\.", text)) >= 16
+    assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
 
 def test_cubin_resources_rejects_non_elf():

@@ -103,6 +103,16 @@ def unpack2(x, dtype):
     )
 
 
+def opaque_i32(x):
+    """``x`` through a ``mov.b32`` the compiler cannot see through (inline asm with side effects).
+
+    Inside a persistent tile loop, per-thread geometry derived from ``x`` (thread or warpgroup
+    index) is then recomputed per tile instead of being hoisted out of the loop by LLVM and kept
+    live through the main loop, where those registers are the ones the wgmma pipeline needs.
+    """
+    return _inline("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[Int32(x)])
+
+
 def ex2(x):
     """2**x (``ex2.approx.ftz.f32``; ex2(-inf) = 0)."""
     return _inline("ex2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])

@@ -40,9 +40,8 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
     output accumulator rows must be multiplied (see :func:`rescale_rows`).
     """
     for h in range(2):
-        mx = Float32(NEG_INF)
-        for n in range(n_tiles):
-            mx = cute.arch.fmax(mx, cute.arch.fmax(sacc[4 * n + 2 * h], sacc[4 * n + 2 * h + 1]))
+        vals = [sacc[4 * n + 2 * h + e] for n in range(n_tiles) for e in range(2)]
+        mx = _tree(vals, cute.arch.fmax)  # independent partial maxima: a short dependency chain
         mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
         mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
         if logit_scale is not None:
@@ -51,7 +50,7 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
         m_use = _finite_or_zero(m_new)
         scale[h] = ptx.ex2(row_m[h] - m_use)
         row_m[h] = m_new
-        psum = Float32(0.0)
+        ps = []
         for n in range(n_tiles):
             for e in range(2):
                 if logit_scale is not None:
@@ -59,8 +58,19 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
                 else:
                     p = ptx.ex2(sacc[4 * n + 2 * h + e] - m_use)
                 sacc[4 * n + 2 * h + e] = p
-                psum = psum + p
-        row_l[h] = row_l[h] * scale[h] + psum
+                ps.append(p)
+        row_l[h] = row_l[h] * scale[h] + _tree(ps, lambda a, b: a + b)
+
+
+def _tree(vals, op, lanes: int = 4):
+    """Reduce ``vals`` with ``op`` through ``lanes`` independent partial results (instruction-level
+    parallelism: a dependency chain of ``len(vals) / lanes`` instead of ``len(vals)``), then pairwise."""
+    part = list(vals[:lanes])
+    for i in range(lanes, len(vals)):
+        part[i % lanes] = op(part[i % lanes], vals[i])
+    while len(part) > 1:
+        part = [op(part[i], part[i + 1]) if i + 1 < len(part) else part[i] for i in range(0, len(part), 2)]
+    return part[0]
 
 
 def rescale_rows(acc, n_tiles: int, scale):

@@ -1,12 +1,15 @@
 """SM90 (Hopper) prefill / append attention: TMA + wgmma, warp-specialised.
 
-One CTA per (work row, kv head): a tile of ``tile_m = 64 * num_wg`` (128 by default) packed
+One CTA per (work row, kv head): a tile of ``tile_m = 64 * num_wg`` (128 or 192) packed
 query rows of one request, the same decomposition and work table as the portable kernel
 (:mod:`cutedsl_attn.planning.prefill`, longest tiles first), so the API layer plans once for
 either.  The grid is ``(work rows, kv heads)`` with the work row fastest: the CTAs in flight
 are mostly tiles of one kv head and share its K/V through L2 (measured: the largest single
-speed-up of this kernel, perf/RESULTS.md).  Not persistent (a persistent variant measured
-slower; see RESULTS).
+speed-up of this kernel, perf/RESULTS.md).  ``num_ctas > 0`` instead launches a persistent grid
+whose CTAs walk the same tile order with a static stride (K/V ring, ping-pong turn and pipeline
+phases carried from tile to tile); measured on the H200 it wins only at head_dim 64 and loses
+where the CTAs drift apart over heads and lose the L2 sharing (d128 causal, d256), so it is a
+tuning option (``CUTEDSL_ATTN_PREFILL_TUNE=num_ctas=132``), not the default.
 
 CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` consumer warpgroups):
 
@@ -29,7 +32,9 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   softmax helpers of :mod:`cutedsl_attn.common.softmax` are shared with the portable kernels.
 * intra-warpgroup overlap: the ``S`` GEMM of block ``j + 1`` is issued together with the
   ``P V`` GEMM of block ``j`` and the softmax of ``j + 1`` runs while the latter is in
-  flight; inter-warpgroup ping-pong: the consumer warpgroups take turns issuing their GEMMs
+  flight (the K stage is released after the softmax: released before it, ptxas scheduled the
+  wait for ``P V`` ahead of the exponentials and the overlap was lost -- see
+  ``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``); inter-warpgroup ping-pong: the consumer warpgroups take turns issuing their GEMMs
   (named barriers), so one's softmax overlaps the other's GEMMs (FA3's schedule).
 * epilogue straight from registers (normalised, sinks folded in, LSE base 2).
 
@@ -93,6 +98,10 @@ class Sm90PrefillConfig:
     num_stages: int = 2
     num_wg: int = 2  # consumer warpgroups (64 query rows each)
     pingpong: bool = True  # consumer warpgroups take turns issuing GEMMs (softmax of one overlaps the other's)
+    num_ctas: int = 0  # 0: one CTA per tile; > 0: a persistent grid of min(num_ctas, tiles) CTAs
+    rescale_o_before_pv: bool = False  # rescale O while the S GEMM runs (else after the P V GEMM completes)
+    pin_k_release: bool = False  # store the row sum to shared memory before releasing K (orders the whole
+    # softmax before ptxas' wait for P V; tuning option)
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -137,7 +146,8 @@ class Sm90PrefillConfig:
 
 def unsupported_reason(cfg) -> str | None:
     """Why the SM90 kernel cannot serve ``cfg`` (a prefill config of either kernel), or None."""
-    for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size", "tile_n", "num_stages", "num_wg"):
+    for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size", "tile_n", "num_stages", "num_wg",
+                 "num_ctas"):
         v = getattr(cfg, name, 0)
         if isinstance(v, bool) or not isinstance(v, int):
             return f"{name} must be an int, got {v!r}"
@@ -161,16 +171,30 @@ def unsupported_reason(cfg) -> str | None:
             return f"num_stages must be 2 or 3, got {cfg.num_stages}"
         if cfg.num_wg not in (2, 3) or (64 * cfg.num_wg) % cfg.group_size:
             return f"num_wg must be 2 or 3 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
+        if cfg.num_ctas < 0:
+            return f"num_ctas must be >= 0, got {cfg.num_ctas}"
         if cfg.smem_bytes > _SMEM_LIMIT:
             return f"needs {cfg.smem_bytes} B of shared memory (> {_SMEM_LIMIT})"
     return None
 
 
-def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int) -> dict:
-    """Tile choice per head dim (measured on the H200, perf/RESULTS.md): ``tile_n`` 128 up to
-    head_dim 192 and 64 for 256 (shared memory); two consumer warpgroups (128 rows) everywhere:
-    three (192 rows, 160 registers per thread) spill at head_dim 64 and ran 2x slower."""
+def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
+                  use_soft_cap: bool = False) -> dict:
+    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 session 3):
+
+    * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
+      two warpgroups on B2 x 8192 x 64 heads causal -- where it fits 160 registers per consumer thread
+      without spilling: ``192 % group_size == 0``, no sliding window and no soft cap (those spill 16-224 B);
+    * head_dim 128: tile_n 176 -- 2-5% faster than 128 on the d128 rows, 9% on the varlen mix -- without
+      window or soft cap (with them tile_n 176 spills 80-152 B; 128 does not);
+    * head_dim 192: tile_n 128; head_dim 256: tile_n 64 (shared memory; 80 measured the same).
+    """
     d = max(head_dim_qk, head_dim_vo)
+    plain = not use_window and not use_soft_cap  # the masks / tanh of these need registers
+    if d <= 64 and 192 % group_size == 0 and plain:
+        return {"tile_n": 128, "num_wg": 3}
+    if 64 < d <= 128 and plain:
+        return {"tile_n": 176, "num_wg": 2}
     return {"tile_n": 64 if d > 192 else 128, "num_wg": 2}
 
 
@@ -233,6 +257,7 @@ class Sm90PrefillKernel:
         class SharedStorage:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            pin: cute.struct.MemRange[Float32, 128 * self.NWG if self.cfg.pin_k_release else 1]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -241,11 +266,13 @@ class Sm90PrefillKernel:
         self.k_bytes = TN * DQ * 2
         self.v_bytes = TN * DV * 2
         hkv = mK.shape[2 if self.paged else 1]
+        # work row fastest: the CTAs in flight share one kv head's K/V through L2
+        grid = (mWork.shape[0], hkv, 1)
+        if const_expr(self.cfg.num_ctas > 0):
+            grid = (cutlass.min(mWork.shape[0] * hkv, self.cfg.num_ctas), 1, 1)
         self.kernel(mQ, mK, mV, mIdx, tma_K, tma_V, tma_atom_K, tma_atom_V, mWork, mO, mLSE, mSinks, sm_scale, soft_cap,
                     window_left, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
-            # work row fastest: the CTAs in flight share one kv head's K/V through L2
-            grid=(mWork.shape[0], hkv, 1), block=(self.cfg.num_threads, 1, 1),
-            smem=SharedStorage.size_in_bytes(), stream=stream,
+            grid=grid, block=(self.cfg.num_threads, 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream,
         )
 
     @cute.kernel
@@ -290,26 +317,58 @@ class Sm90PrefillKernel:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
-        b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
+        # tiles: t = work row + W * kv head (work row fastest); one per CTA, or strided over a persistent grid
+        W = mWork.shape[0]
+        t_first = wi + W * kvh
+        t_end = t_first + 1
+        t_step = Int32(1)
+        if const_expr(cfg.num_ctas > 0):
+            t_end = W * mK.shape[2 if self.paged else 1]
+            t_step = cute.arch.grid_dim()[0]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.registers[1])
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
             if const_expr(not self.paged):
                 if warp_idx == 0:
-                    if b >= 0:
-                        self._produce(tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v, kvh,
-                                      mWork[wi, W_KV_START], blk_lo, n_blk)
+                    for t in cutlass.range(t_first, t_end, t_step, unroll=1):
+                        wi = t % W
+                        b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
+                        if b >= 0:
+                            state = self._produce(tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v,
+                                                  t // W, mWork[wi, W_KV_START], blk_lo, n_blk, state)
             else:
-                if b >= 0:
-                    self._produce_paged(mK, mV, mIdx, storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint(),
-                                        pipe_k, pipe_v, kvh, mWork[wi, W_KV_START], mWork[wi, W_KV_LEN], blk_lo,
-                                        n_blk, tidx)
+                for t in cutlass.range(t_first, t_end, t_step, unroll=1):
+                    wi = t % W
+                    b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
+                    if b >= 0:
+                        state = self._produce_paged(mK, mV, mIdx, storage.sK.data_ptr().toint(),
+                                                    storage.sV.data_ptr().toint(), pipe_k, pipe_v, t // W,
+                                                    mWork[wi, W_KV_START], mWork[wi, W_KV_LEN], blk_lo, n_blk, tidx,
+                                                    state)
         else:
             cute.arch.setmaxregister_increase(cfg.registers[0])
-            if b >= 0:
-                self._consume(mQ, mO, mLSE, mSinks, sQ, sK, sV, storage.sQ.data_ptr(), pipe_k, pipe_v,
-                              tiled_mma_qk, tiled_mma_pv, kvh, mWork[wi, W_ROW0], mWork[wi, W_QO_LEN],
-                              mWork[wi, W_KV_LEN], mWork[wi, W_Q_START], blk_lo, n_blk, sm_scale, soft_cap,
-                              window_left, tidx - 128)
+            ctid = tidx - 128
+            wg = cute.arch.make_warp_uniform(ctid // 128)
+            if const_expr(cfg.pingpong):
+                if wg == self.NWG - 1:  # the first warpgroup issues first
+                    cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.S)
+            if const_expr(cfg.num_ctas == 0):
+                b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
+                if b >= 0:
+                    self._consume(mQ, mO, mLSE, mSinks, sQ, sK, sV, storage, pipe_k, pipe_v,
+                                  tiled_mma_qk, tiled_mma_pv, mWork, t_first, wi, kvh, blk_lo, n_blk, sm_scale,
+                                  soft_cap, window_left, ctid, wg, state)
+            else:
+              for t in cutlass.range(t_first, t_end, t_step, unroll=1):
+                wi = t % W
+                b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
+                if b >= 0:
+                    # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
+                    state = self._consume(mQ, mO, mLSE, mSinks, sQ, sK, sV, storage, pipe_k, pipe_v,
+                                          tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk,
+                                          sm_scale, soft_cap, window_left, ptx.opaque_i32(ctid),
+                                          ptx.opaque_i32(wg), state)
 
     @cute.jit
     def _tile(self, mWork, wi, window_left):
@@ -336,8 +395,10 @@ class Sm90PrefillKernel:
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def _produce(self, tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v, kvh, kv_start, blk_lo, n_blk):
-        """Warp 0: TMA the tile's K and V blocks right to left into the stage ring."""
+    def _produce(self, tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v, kvh, kv_start, blk_lo, n_blk,
+                 state):
+        """Warp 0: TMA the tile's K and V blocks right to left into the stage ring (``state``: the ring
+        position, carried from tile to tile; returned advanced)."""
         TN, DQ, DV = self.TN, self.DQ, self.DV
         gK = cute.local_tile(cute.domain_offset((kv_start, 0), tma_K[None, None, kvh]), (TN, DQ), (None, 0))
         gV = cute.local_tile(cute.domain_offset((kv_start, 0), tma_V[None, None, kvh]), (TN, DV), (None, 0))
@@ -345,7 +406,6 @@ class Sm90PrefillKernel:
                                            cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
         for i in cutlass.range(n_blk, unroll=1):
             n = blk_lo + n_blk - 1 - i
             pipe_k.producer_acquire(state)
@@ -353,14 +413,14 @@ class Sm90PrefillKernel:
             pipe_v.producer_acquire(state)
             cute.copy(tma_atom_V, tVgV[None, n], tVsV[None, state.index], tma_bar_ptr=pipe_v.producer_get_barrier(state))
             state.advance()
+        return state
 
     @cute.jit
     def _produce_paged(self, mK, mV, mIdx, sK_addr, sV_addr, pipe_k, pipe_v, kvh, page_off, kv_len, blk_lo, n_blk,
-                       tid):
+                       tid, state):
         """Producer warpgroup, paged K/V: gather each block's rows through the page table with cp.async
         into the same swizzled layout the TMA writes (zero past the request), right to left."""
         TN, DQ, DV = self.TN, self.DQ, self.DV
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
         for i in cutlass.range(n_blk, unroll=1):
             tok0 = (blk_lo + n_blk - 1 - i) * TN
             pipe_k.producer_acquire(state)
@@ -370,6 +430,7 @@ class Sm90PrefillKernel:
             self._gather(mV, mIdx, sV_addr + state.index * (TN * DV * 2), DV, tok0, kv_len, page_off, kvh, tid)
             pipe_v.producer_commit(state)
             state.advance()
+        return state
 
     @cute.jit
     def _gather(self, mX, mIdx, s_addr, D: cutlass.Constexpr, tok0, kv_len, page_off, kvh, tid):
@@ -394,14 +455,17 @@ class Sm90PrefillKernel:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def _load_q(self, mQ, sQ_addr, row0, qo_len, q_start, kvh, tid):
-        """cp.async the tile's packed Q rows into the 128B-swizzled K-major layout (zero past the request)."""
-        DQ, G, TM, NCT = self.DQ, self.G, self.TM, self.NCT
+    def _load_q(self, mQ, sQ_addr, row0, qo_len, q_start, kvh, tid, wg):
+        """cp.async warpgroup ``wg``'s 64 packed Q rows of the tile into the 128B-swizzled K-major layout (zero
+        past the request); each warpgroup's wgmma reads only its own rows, so the warpgroups load and sync
+        independently (named barrier ``5 + wg``)."""
+        DQ, G, TM = self.DQ, self.G, self.TM
         cpr = DQ // 8  # 16-byte chunks per row
         q_base = mQ.iterator.toint()
-        for it in cutlass.range_constexpr((TM * cpr) // NCT):
-            idx = it * NCT + tid
-            r = idx // cpr
+        wtid = tid % 128
+        for it in cutlass.range_constexpr((64 * cpr) // 128):
+            idx = it * 128 + wtid
+            r = wg * 64 + idx // cpr
             c = idx % cpr
             pr = row0 + r
             tok = pr // G
@@ -411,15 +475,23 @@ class Sm90PrefillKernel:
             soff = _sw128_offset(r, c, TM)
             ptx.cp_async_16(sQ_addr + soff, q_base + goff * 2, cutlass.select_(valid, 16, 0))
         ptx.cp_async_commit()
+        ptx.cp_async_wait(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=5 + wg, number_of_threads=128)
 
     @cute.jit
-    def _consume(self, mQ, mO, mLSE, mSinks, sQ, sK, sV, sQ_ptr, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, kvh,
-                 row0, qo_len, kv_len, q_start, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid):
-        """Consumer warpgroups: Q, then KV blocks right to left with S of block j+1 and P V of block j in
-        flight together (intra-warpgroup overlap), GEMM issue handed between warpgroups (ping-pong)."""
+    def _consume(self, mQ, mO, mLSE, mSinks, sQ, sK, sV, storage, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, mWork,
+                 tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state):
+        """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``): Q, then KV blocks right to left
+        with S of block j+1 and P V of block j in flight together (intra-warpgroup overlap), GEMM issue
+        handed between warpgroups (ping-pong).  ``state``: the K/V ring position, carried from tile to
+        tile; returned advanced."""
         cfg = self.cfg
+        row0 = mWork[wi, W_ROW0]
+        qo_len = mWork[wi, W_QO_LEN]
+        kv_len = mWork[wi, W_KV_LEN]
+        q_start = mWork[wi, W_Q_START]
         TM, TN, DV, G = self.TM, self.TN, self.DV, self.G
-        wg = cute.arch.make_warp_uniform(tid // 128)
         wg_layout = cute.make_layout(self.NWG, stride=128)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg))
@@ -430,6 +502,7 @@ class Sm90PrefillKernel:
         acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((TM, DV)), Float32)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((TM, TN)))
         acc_O.fill(0.0)
+        acc_S.fill(0.0)  # defined input of the first (non-accumulating) S GEMM: no live range across tiles
 
         lane = tid % 32
         warp = tid // 32  # consumer warp: rows warp*16 .. +16 of the tile
@@ -453,15 +526,7 @@ class Sm90PrefillKernel:
         pos_first = row0 // G + kv_len - qo_len
         pos_last = (cutlass.min(row0 + TM, qo_len * G) - 1) // G + kv_len - qo_len
 
-        self._load_q(mQ, sQ_ptr.toint(), row0, qo_len, q_start, kvh, tid)
-        ptx.cp_async_wait(0)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=1, number_of_threads=self.NCT)
-        if const_expr(cfg.pingpong):
-            if wg == self.NWG - 1:  # the first warpgroup issues first
-                cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.S)
+        self._load_q(mQ, storage.sQ.data_ptr().toint(), row0, qo_len, q_start, kvh, tid, wg)
         if n_blk > 0:
             n = blk_lo + n_blk - 1
             pipe_k.consumer_wait(state)
@@ -483,16 +548,29 @@ class Sm90PrefillKernel:
                 self._proxy_fence()
                 self._turn_begin(wg)
                 self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
+                if const_expr(cfg.rescale_o_before_pv):  # the previous block's factor, while S is in flight
+                    sm.rescale_rows(acc_O, DV // 8, row_scale)
                 self._gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], False)
                 self._turn_end(wg)
                 warpgroup.wait_group(1)
-                pipe_k.consumer_release(state)
                 self._softmax_block(acc_S, row_m, row_l, row_scale, n * TN, kv_len, qpos, pos_first, pos_last,
                                     sc_in, sc_out, window_left, t)
+                # released here, not right after wait_group(1): ptxas keeps the mbarrier arrive before the
+                # wait for P V below, and the arrive's position decides how much of the softmax ptxas
+                # schedules while P V is still running (right after wait_group(1): only the row max;
+                # here: the max, the scaling and the first exponentials, as FlashAttention's kernel)
+                if const_expr(cfg.pin_k_release):
+                    # the release of K has release semantics: ptxas keeps this store (which needs the row sum,
+                    # the softmax's last result) before it, and the wait for P V after it
+                    ptx.st_shared_f32(storage.pin.data_ptr().toint() + tid * 4, row_l[0] + row_l[1])
+                pipe_k.consumer_release(state)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(state_v)
-                sm.rescale_rows(acc_O, DV // 8, row_scale)
+                if const_expr(not cfg.rescale_o_before_pv):
+                    sm.rescale_rows(acc_O, DV // 8, row_scale)
                 self._to_p(acc_S, tOrP)
+            if const_expr(cfg.rescale_o_before_pv):
+                sm.rescale_rows(acc_O, DV // 8, row_scale)
             pipe_v.consumer_wait(state)
             self._proxy_fence()
             self._turn_begin(wg)
@@ -500,8 +578,22 @@ class Sm90PrefillKernel:
             self._turn_end(wg)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
+            state.advance()
         sm.quad_sum_rows(row_l)
+        if const_expr(cfg.num_ctas > 0):
+            # persistent: re-derive the tile's coordinates from the (opaque) tile index rather than keep
+            # them live through the main loop, where the consumer's registers run out
+            W = mWork.shape[0]
+            t_o = ptx.opaque_i32(tile)
+            wi = t_o % W
+            kvh = t_o // W
+            row0 = mWork[wi, W_ROW0]
+            qo_len = mWork[wi, W_QO_LEN]
+            q_start = mWork[wi, W_Q_START]
+            lane = ptx.opaque_i32(tid) % 32
+            warp = ptx.opaque_i32(tid) // 32
         self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
+        return state
 
     @cute.jit
     def _proxy_fence(self):
@@ -569,8 +661,14 @@ class Sm90PrefillKernel:
 
     @cute.jit
     def _to_p(self, acc_S, tOrP):
-        """P (fp32 accumulator registers) -> the 16-bit A fragment of the P V GEMM (same register order)."""
-        tOrP.store(cute.make_tensor(acc_S.iterator, tOrP.layout).load().to(self.dtype))
+        """P (fp32 accumulator registers) -> the 16-bit A fragment of the P V GEMM (same register order),
+        two values per ``cvt.rn.bf16x2`` (inline PTX: LLVM cannot duplicate or sink the conversion, which
+        in the persistent tile loop it did, keeping S and P live together and running out of registers)."""
+        n = cute.size(acc_S)
+        s_flat = cute.make_tensor(acc_S.iterator, cute.make_layout(n))
+        p_words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(n // 2))
+        for i in cutlass.range_constexpr(n // 2):
+            p_words[i] = ptx.pack2(s_flat[2 * i], s_flat[2 * i + 1], self.dtype)
 
     # ------------------------------------------------------------------ epilogue
     @cute.jit
