@@ -34,8 +34,9 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   ``P V`` GEMM of block ``j`` and the softmax of ``j + 1`` runs while the latter is in
   flight (the K stage is released after the softmax: released before it, ptxas scheduled the
   wait for ``P V`` ahead of the exponentials and the overlap was lost -- see
-  ``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``); inter-warpgroup ping-pong: the consumer warpgroups take turns issuing their GEMMs
-  (named barriers), so one's softmax overlaps the other's GEMMs (FA3's schedule).
+  ``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``); inter-warpgroup ping-pong:
+  the consumer warpgroups take turns issuing their GEMMs (named barriers), so one's softmax
+  overlaps the other's GEMMs (FA3's schedule).
 * epilogue straight from registers (normalised, sinks folded in, LSE base 2).
 
 Conventions (FlashInfer, identical to the portable kernel): bottom-right causal,
@@ -100,8 +101,6 @@ class Sm90PrefillConfig:
     pingpong: bool = True  # consumer warpgroups take turns issuing GEMMs (softmax of one overlaps the other's)
     num_ctas: int = 0  # 0: one CTA per tile; > 0: a persistent grid of min(num_ctas, tiles) CTAs
     rescale_o_before_pv: bool = False  # rescale O while the S GEMM runs (else after the P V GEMM completes)
-    pin_k_release: bool = False  # store the row sum to shared memory before releasing K (orders the whole
-    # softmax before ptxas' wait for P V; tuning option)
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -257,7 +256,6 @@ class Sm90PrefillKernel:
         class SharedStorage:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
-            pin: cute.struct.MemRange[Float32, 128 * self.NWG if self.cfg.pin_k_release else 1]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -559,10 +557,6 @@ class Sm90PrefillKernel:
                 # wait for P V below, and the arrive's position decides how much of the softmax ptxas
                 # schedules while P V is still running (right after wait_group(1): only the row max;
                 # here: the max, the scaling and the first exponentials, as FlashAttention's kernel)
-                if const_expr(cfg.pin_k_release):
-                    # the release of K has release semantics: ptxas keeps this store (which needs the row sum,
-                    # the softmax's last result) before it, and the wait for P V after it
-                    ptx.st_shared_f32(storage.pin.data_ptr().toint() + tid * 4, row_l[0] + row_l[1])
                 pipe_k.consumer_release(state)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(state_v)
