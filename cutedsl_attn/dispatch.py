@@ -146,13 +146,42 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
                   if hasattr(cfg, f.name) and f.name not in ("tile_n", "num_stages", "num_wg")}
         tiles = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
                                     use_soft_cap=cfg.use_soft_cap)
-        tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE")  # "key=value,...": tuning experiments only
-        if tune:
-            for kv in tune.split(","):
-                key, val = kv.split("=")
-                tiles[key] = type(getattr(_sm90.Sm90PrefillConfig, key))(int(val))
+        tiles.update(_prefill_tune(os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")))
         return _sm90.Sm90PrefillConfig(**fields, **tiles)
     return cfg
+
+
+_PREFILL_TUNABLE = ("tile_n", "num_stages", "num_wg", "pingpong", "num_ctas", "rescale_o_before_pv")
+
+
+def _prefill_tune(text: str) -> dict:
+    """Parse ``CUTEDSL_ATTN_PREFILL_TUNE`` (``"key=value,..."``, tuning experiments only) into SM90 config
+    overrides: integer fields take integers, boolean ones ``0/1/true/false``.
+
+    Raises ValueError naming the variable for an item that is not ``key=value``, a key outside
+    ``tile_n, num_stages, num_wg, pingpong, num_ctas, rescale_o_before_pv``, or a bad value (the config
+    itself then checks the ranges).
+    """
+    from .sm90 import prefill as _sm90
+
+    out = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, val = (x.strip() for x in item.partition("="))
+        if not sep or key not in _PREFILL_TUNABLE:
+            raise ValueError(f"CUTEDSL_ATTN_PREFILL_TUNE: {item!r} is not key=value with key in {_PREFILL_TUNABLE}")
+        if isinstance(getattr(_sm90.Sm90PrefillConfig, key), bool):
+            if val.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"CUTEDSL_ATTN_PREFILL_TUNE: {key} takes 0/1/true/false, got {val!r}")
+            out[key] = val.lower() in ("1", "true")
+        else:
+            try:
+                out[key] = int(val)
+            except ValueError:
+                raise ValueError(f"CUTEDSL_ATTN_PREFILL_TUNE: {key} takes an integer, got {val!r}") from None
+    return out
 
 
 def prefill_kernel(cfg):

@@ -331,6 +331,8 @@ def test_sm90_prefill_ptx(name):
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd", text)) >= 2, "K and V arrive by TMA"
     assert "mbarrier.try_wait.parity" in text or "mbarrier.try_wait" in text
     consumer, producer = cfg.registers
+    assert (consumer, producer) == {2: (240, 24), 3: (160, 32)}[num_wg]
+    assert 128 * (num_wg * consumer + producer) <= 65536
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer};", text)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer};", text)
     assert "bar.arrive" in text, "ping-pong hand-off between the consumer warpgroups"
@@ -378,6 +380,10 @@ def test_sm90_prefill_no_spills(name):
 def test_sm90_prefill_default_tiles_never_spill(keys):
     """default_tiles picks the larger tiles (3 warpgroups at d64, tile_n 176 at d128) only where they fit the
     registers: with a window or a soft cap they spilled 16-224 B, so those problems keep the smaller tiles."""
+    cfg = ci.config("prefill", "sm_90a", kernel="sm90", **keys)
+    small = keys.get("use_window") or keys.get("use_soft_cap")
+    big = (176, 2) if keys["head_dim_qk"] == 128 else (128, 3)
+    assert (cfg.tile_n, cfg.num_wg) == ((128, 2) if small else big), cfg
     res = ci.resources("prefill", "sm_90a", kernel="sm90", **keys)
     assert res["stack_bytes"] == 0, res
 
@@ -391,31 +397,56 @@ def _main_loop_overlap(text):
 
 @pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
                     reason="no cuobjdump/nvdisasm here")
-@pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window"])
+@pytest.mark.parametrize("name", [
+    "bf16_hd128_g4_causal", "bf16_hd256_window", "bf16_hd192_128_g8",
+    pytest.param("bf16_hd64_g8_causal", marks=pytest.mark.xfail(
+        strict=True, reason="known gap: with three consumer warpgroups (160 registers) ptxas still places the "
+                            "wait for P V before the exponentials (tile_n 96 keeps the overlap; not measured)")),
+])
 def test_sm90_prefill_softmax_overlaps_pv(name):
     """Intra-warpgroup overlap must survive ptxas: with the K stage released right after the wait for S,
     ptxas scheduled the wait for P V ahead of every exponential-scaling FFMA, serialising softmax and P V
     (found with ncu on the H200: 13% of the warps' stall samples on that wait; releasing K after the softmax
-    fixed it, 3-7% faster).  The scaling of at least half the block's scores must sit before the wait."""
+    fixed it, 1-7% faster).  The scaling of at least half the block's scores must sit before the wait."""
     keys, tile_n, _ = SM90_PREFILL_CONFIGS[name]
-    ffma, mufu = _main_loop_overlap(ci.sass("prefill", "sm_90a", **keys))
+    text = ci.sass("prefill", "sm_90a", **keys)
+    assert text.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1, "one wait_group(1): the main loop's wait for S"
+    ffma, mufu = _main_loop_overlap(text)
     assert ffma >= tile_n // 4 and mufu >= 4, (ffma, mufu)  # tile_n / 2 scores per thread
 
 
 @pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
                     reason="no cuobjdump/nvdisasm here")
-@pytest.mark.parametrize("page_size", [0, 16])
-def test_sm90_prefill_persistent_keeps_pipeline(monkeypatch, page_size):
-    """The persistent variant (a tuning option) fits the consumer's register budget: no spills, wgmma not
-    serialised (its first version failed both: LLVM hoisted per-thread addresses out of the tile loop and
-    duplicated the P conversion; see common.ptx.opaque_i32 and Sm90PrefillKernel._to_p)."""
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "num_ctas=132")
-    keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True, page_size=page_size)
+@pytest.mark.parametrize("tune,page_size", [("num_ctas=132", 0), ("num_ctas=132", 16),
+                                            ("rescale_o_before_pv=1", 0), ("pingpong=0,num_wg=3", 0)])
+def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size):
+    """The tuning options (CUTEDSL_ATTN_PREFILL_TUNE) build spill-free kernels whose wgmma pipeline survives
+    ptxas.  The persistent variant's first version failed both (LLVM hoisted per-thread addresses out of
+    the tile loop and duplicated the P conversion; see common.ptx.opaque_i32 and Sm90PrefillKernel._to_p)."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    keys = dict(dtype="bfloat16", head_dim_qk=128 if "num_wg" not in tune else 64, group_size=4, causal=True,
+                page_size=page_size)
     cfg = ci.config("prefill", "sm_90a", **keys)
-    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.num_ctas == 132
+    assert type(cfg).__name__ == "Sm90PrefillConfig"
+    if "num_ctas" in tune:
+        assert cfg.num_ctas == 132
+        assert "%nctaid.x" in ci.ptx("prefill", "sm_90a", **keys), "a grid-stride tile loop"
     text = ci.sass("prefill", "sm_90a", **keys)
     assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= 4 and len(re.findall(r"\bHGMMA\.", text)) >= 16
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
+
+
+def test_prefill_tune_env(monkeypatch):
+    """CUTEDSL_ATTN_PREFILL_TUNE: integer and boolean fields parsed, bad items named with the variable."""
+    keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=1)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", " tile_n=128, pingpong=false,num_ctas=8,")
+    cfg = ci.config("prefill", "sm_90a", **keys)
+    assert (cfg.tile_n, cfg.pingpong, cfg.num_ctas) == (128, False, 8)
+    for bad, msg in (("pingpong=2", "0/1/true/false"), ("causal=1", "key=value with key in"),
+                     ("tile_n", "key=value"), ("tile_n=x", "integer")):
+        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", bad)
+        with pytest.raises(ValueError, match=f"CUTEDSL_ATTN_PREFILL_TUNE: .*{msg}"):
+            ci.config("prefill", "sm_90a", **keys)
 
 
 def test_cubin_resources_rejects_non_elf():

@@ -21,7 +21,8 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   when their copies land (``PipelineCpAsync``), the consumers fencing those generic-proxy
   writes before wgmma reads them.  KV blocks are walked right to left, so the block that
   needs the sequence-end / causal-diagonal mask comes first.  The producer gives its
-  registers to the consumers (``setmaxnreg``: 24/240, or 40/232 for the gather).
+  registers to the consumers (``setmaxnreg``: 24/240, 40/232 for the gather, 32/160 with
+  three consumer warpgroups).
 * the consumer warpgroups, 64 rows each.  Q (packed GQA rows, zero-filled past the
   request) is gathered once per tile with ``cp.async`` into the 128B-swizzled layout wgmma
   reads; then per KV block: ``S = Q K^T`` (wgmma, both operands in shared memory), masks
@@ -183,8 +184,11 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
 
     * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
       two warpgroups on B2 x 8192 x 64 heads causal -- where it fits 160 registers per consumer thread
-      without spilling: ``192 % group_size == 0``, no sliding window and no soft cap (those spill 16-224 B);
-    * head_dim 128: tile_n 176 -- 2-5% faster than 128 on the d128 rows, 9% on the varlen mix -- without
+      without spilling: no sliding window and no soft cap (those spill 16-224 B).  Not re-measured on
+      small problems, where fewer, taller tiles leave SMs idle (a 1900-token batch ran 0.028 vs 0.024 ms
+      with the earlier kernel), and at 160 registers ptxas still serialises the softmax after P V
+      (``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``, expected failure);
+    * head_dim 128: tile_n 176 -- 1.5-5.5% faster than 128 on the d128 rows, 9% on the varlen mix -- without
       window or soft cap (with them tile_n 176 spills 80-152 B; 128 does not);
     * head_dim 192: tile_n 128; head_dim 256: tile_n 64 (shared memory; 80 measured the same).
     """
@@ -278,7 +282,8 @@ class Sm90PrefillKernel:
                mSinks, sm_scale: Float32, soft_cap: Float32, window_left: Int32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
-        """Device entry: one CTA per (work row, kv head) tile; see the module docstring."""
+        """Device entry: one CTA per (work row, kv head) tile, or (``num_ctas > 0``) a persistent CTA walking
+        tiles ``blockIdx.x, blockIdx.x + gridDim.x, ...``; see the module docstring."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         wi, kvh, _ = cute.arch.block_idx()
@@ -358,15 +363,15 @@ class Sm90PrefillKernel:
                                   tiled_mma_qk, tiled_mma_pv, mWork, t_first, wi, kvh, blk_lo, n_blk, sm_scale,
                                   soft_cap, window_left, ctid, wg, state)
             else:
-              for t in cutlass.range(t_first, t_end, t_step, unroll=1):
-                wi = t % W
-                b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
-                if b >= 0:
-                    # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
-                    state = self._consume(mQ, mO, mLSE, mSinks, sQ, sK, sV, storage, pipe_k, pipe_v,
-                                          tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk,
-                                          sm_scale, soft_cap, window_left, ptx.opaque_i32(ctid),
-                                          ptx.opaque_i32(wg), state)
+                for t in cutlass.range(t_first, t_end, t_step, unroll=1):
+                    wi = t % W
+                    b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
+                    if b >= 0:
+                        # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the loop
+                        state = self._consume(mQ, mO, mLSE, mSinks, sQ, sK, sV, storage, pipe_k, pipe_v,
+                                              tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk,
+                                              sm_scale, soft_cap, window_left, ptx.opaque_i32(ctid),
+                                              ptx.opaque_i32(wg), state)
 
     @cute.jit
     def _tile(self, mWork, wi, window_left):
@@ -656,7 +661,7 @@ class Sm90PrefillKernel:
     @cute.jit
     def _to_p(self, acc_S, tOrP):
         """P (fp32 accumulator registers) -> the 16-bit A fragment of the P V GEMM (same register order),
-        two values per ``cvt.rn.bf16x2`` (inline PTX: LLVM cannot duplicate or sink the conversion, which
+        two values per ``cvt.rn.bf16x2`` / ``cvt.rn.f16x2`` (inline PTX: LLVM cannot duplicate or sink the conversion, which
         in the persistent tile loop it did, keeping S and P live together and running out of registers)."""
         n = cute.size(acc_S)
         s_flat = cute.make_tensor(acc_S.iterator, cute.make_layout(n))
