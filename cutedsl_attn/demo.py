@@ -45,6 +45,7 @@ import time
 
 import torch
 
+from .realmodel import rel_err  # the one definition (float64, ||x - ref|| / ||ref||)
 from .timing import KernelTimer, read_bandwidth
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE, NUM_LAYERS = 32, 8, 128, 16, 32
@@ -84,11 +85,6 @@ def page_table(lens: list[int], page_size: int, seed: int = 0, spare_frac: float
     indptr = torch.tensor([0] + torch.tensor(npages).cumsum(0).tolist(), dtype=torch.int32)
     last = torch.tensor([L - (n - 1) * page_size if n else 0 for L, n in zip(lens, npages)], dtype=torch.int32)
     return indptr, indices, last, pool
-
-
-def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
 
 
 class _Report:

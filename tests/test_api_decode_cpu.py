@@ -27,6 +27,8 @@ from cutedsl_attn.planning.decode import WORK_COLS, kv_lens_from_csr, max_items,
 from cutedsl_attn import ref
 from cutedsl_attn.ref import alibi_slopes
 
+from _kernel_stubs import EntryRejects, Recorder  # pytest puts tests/ on sys.path
+
 BF16, FP16 = torch.bfloat16, torch.float16
 ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "part_o", "part_lse", "counters", "sinks", "slopes",
              "sm_scale", "soft_cap", "rope_rcp_scale", "rope_log2_theta")
@@ -39,36 +41,9 @@ def _arch(monkeypatch):
     monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
 
 
-class Recorder:
-    """Stands in for ``dispatch.paged_decode_kernel``: records configs and launches."""
-
-    def __init__(self):
-        self.cfgs = []
-        self.calls = []
-
-    def __call__(self, cfg):
-        self.cfgs.append(cfg)
-
-        def launch(*args):
-            assert len(args) == N_KERNEL_ARGS
-            self.calls.append((cfg, args))
-            args[5].fill_(1.0)  # o
-            args[6].fill_(0.5)  # lse
-
-        return launch
-
-    def named(self, i):
-        cfg, a = self.calls[i]
-        return cfg, dict(zip(ARG_NAMES, a))
-
-    @property
-    def last(self):
-        return self.named(-1)
-
-
 @pytest.fixture
 def rec(monkeypatch):
-    r = Recorder()
+    r = Recorder(lambda cfg: ARG_NAMES)
     monkeypatch.setattr(dispatch, "paged_decode_kernel", r)
     return r
 
@@ -557,20 +532,9 @@ def test_run_q_misaligned(rec):
     _rejected_or_handed_over(rec, w, p, "q", torch.zeros(4 * 8 * 64 + 1, dtype=BF16)[1:].view(4, 8, 64))
 
 
-class _EntryRejects(Recorder):
-    """A kernel whose tvm-ffi entry rejects one argument, with the entry's own message format."""
-
-    def __init__(self, arg_index, pname):
-        super().__init__()
-        self.msg = (f"Mismatched {pname}.strides[2] on argument #{arg_index} when calling: "
-                    f"`__call__(mQ: Tensor, mK: Tensor, mV: Tensor, mIdx: Tensor, mWork: Tensor, mO: Tensor, "
-                    f"mLSE: Tensor, ...)`, expected 1")
-
-    def __call__(self, cfg):
-        def launch(*args):
-            raise ValueError(self.msg)
-
-        return launch
+def _EntryRejects(arg_index, pname):
+    return EntryRejects(arg_index, pname, "mQ: Tensor, mK: Tensor, mV: Tensor, mIdx: Tensor, mWork: Tensor, mO: Tensor, "
+                                          "mLSE: Tensor")
 
 
 ENTRY_ARGS = [(0, "mQ", "q"), (1, "mK", "k_cache"), (2, "mV", "v_cache"), (5, "mO", "out"), (6, "mLSE", "lse")]

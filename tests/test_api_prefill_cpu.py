@@ -28,6 +28,8 @@ from cutedsl_attn.api import prefill as api_prefill
 from cutedsl_attn.api.quantization import packbits, segment_packbits
 from cutedsl_attn.planning.prefill import PAD_ROW, WORK_COLS, max_tiles, plan_prefill
 
+from _kernel_stubs import EntryRejects, Recorder  # pytest puts tests/ on sys.path
+
 BF16, FP16 = torch.bfloat16, torch.float16
 ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "mask", "sinks", "sm_scale", "soft_cap", "window_left")
 N_KERNEL_ARGS = len(ARG_NAMES)
@@ -49,36 +51,9 @@ def _arch(monkeypatch):
     monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
 
 
-class Recorder:
-    """Stands in for ``dispatch.prefill_kernel``: records configs and launches."""
-
-    def __init__(self):
-        self.cfgs = []
-        self.calls = []
-
-    def __call__(self, cfg):
-        self.cfgs.append(cfg)
-
-        def launch(*args):
-            assert len(args) == len(arg_names(cfg))
-            self.calls.append((cfg, args))
-            args[5].fill_(1.0)  # o
-            args[6].fill_(0.5)  # lse ([tokens, heads])
-
-        return launch
-
-    def named(self, i):
-        cfg, a = self.calls[i]
-        return cfg, dict(zip(arg_names(cfg), a))
-
-    @property
-    def last(self):
-        return self.named(-1)
-
-
 @pytest.fixture
 def rec(monkeypatch):
-    r = Recorder()
+    r = Recorder(arg_names)
     monkeypatch.setattr(dispatch, "prefill_kernel", r)
     return r
 
@@ -788,20 +763,9 @@ def test_run_layout_problems_reach_the_entry_unchanged(rec):
     _rejected_or_handed_over(rec, w, p, "lse", torch.empty(8, T).t())
 
 
-class _EntryRejects(Recorder):
-    """A kernel whose tvm-ffi entry rejects one argument, with the entry's own message format."""
-
-    def __init__(self, arg_index, pname):
-        super().__init__()
-        self.msg = (f"Mismatched {pname}.strides[2] on argument #{arg_index} when calling: "
-                    f"`__call__(mQ: Tensor, mK: Tensor, mV: Tensor, mIdx: Tensor, mWork: Tensor, mO: Tensor, "
-                    f"mLSE: Tensor, mMask: Tensor, mSinks: Tensor, ...)`, expected 1")
-
-    def __call__(self, cfg):
-        def launch(*args):
-            raise ValueError(self.msg)
-
-        return launch
+def _EntryRejects(arg_index, pname):
+    return EntryRejects(arg_index, pname, "mQ: Tensor, mK: Tensor, mV: Tensor, mIdx: Tensor, mWork: Tensor, mO: Tensor, "
+                                          "mLSE: Tensor, mMask: Tensor, mSinks: Tensor")
 
 
 @pytest.mark.parametrize("which", BOTH_PLANS)
