@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _kernel_config(args) -> dict:
     if args.op == "prefill":
         if args.num_warps or args.num_stages:
-            raise ValueError("prefill: --num-warps and --num-stages are not configurable")
+            raise ValueError("prefill: --num-warps and --num-stages do not apply; the SM90 kernel's tiles are tuned "
+                             "with CUTEDSL_ATTN_PREFILL_TUNE (e.g. 'tile_n=128,num_stages=3', see cutedsl_attn.inspect)")
         return dict(
             dtype=args.dtype, head_dim_qk=args.head_dim,
             # head_dim_vo defaults to head_dim, except 192 (the DeepSeek MLA prefill shape 192/128)
@@ -109,6 +110,8 @@ def main(argv=None) -> int:
     try:
         if args.command in ("ptx", "sass"):
             _kernel_config(args)  # validates the flags for the op
+        # the kernel and tiles the dispatch layer chose, on stderr (stdout stays the PTX / SASS)
+        print(f"config: {ci.config(args.op, args.arch, **_kernel_config(args))!r}", file=sys.stderr)
         if args.command == "ptx":
             text = ci.ptx(args.op, args.arch, **_kernel_config(args))
             if args.summary:

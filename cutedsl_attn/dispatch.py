@@ -146,8 +146,17 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
                   if hasattr(cfg, f.name) and f.name not in ("tile_n", "num_stages", "num_wg")}
         tiles = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
                                     use_soft_cap=cfg.use_soft_cap)
-        tiles.update(_prefill_tune(os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")))
-        return _sm90.Sm90PrefillConfig(**fields, **tiles)
+        tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")
+        tiles.update(_prefill_tune(tune))
+        try:
+            return _sm90.Sm90PrefillConfig(**fields, **tiles)
+        except ValueError as e:
+            if tune.strip():  # the override applies to every SM90 problem of the process, as given
+                default = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size,
+                                              use_window=cfg.use_window, use_soft_cap=cfg.use_soft_cap)
+                raise ValueError(f"{e} (with CUTEDSL_ATTN_PREFILL_TUNE={tune!r}; for this problem the default "
+                                 f"tiles are {default})") from None
+            raise
     return cfg
 
 
@@ -156,7 +165,10 @@ _PREFILL_TUNABLE = ("tile_n", "num_stages", "num_wg", "pingpong", "num_ctas", "r
 
 def _prefill_tune(text: str) -> dict:
     """Parse ``CUTEDSL_ATTN_PREFILL_TUNE`` (``"key=value,..."``, tuning experiments only) into SM90 config
-    overrides: integer fields take integers, boolean ones ``0/1/true/false``.
+    overrides: integer fields take integers, boolean ones ``0/1/true/false``.  The overrides replace the
+    defaults of :func:`cutedsl_attn.sm90.prefill.default_tiles` as given, for every SM90 problem of the
+    process: a combination that does not fit shared memory raises when a problem is planned, one that
+    spills registers only runs slower (``cutedsl_attn.inspect.resources`` shows the stack frame).
 
     Raises ValueError naming the variable for an item that is not ``key=value``, a key outside
     ``tile_n, num_stages, num_wg, pingpong, num_ctas, rescale_o_before_pv``, or a bad value (the config

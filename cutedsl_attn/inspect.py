@@ -394,7 +394,8 @@ def sass(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
     Compiles like :func:`ptx` with ``--keep-cubin`` and runs ``cuobjdump --dump-sass``
     (or ``nvdisasm`` when cuobjdump is missing) on the cubin.  The tools come from a
     CUDA toolkit on ``PATH``, ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin`` or
-    ``/usr/local/cuda/bin``; no GPU is needed.
+    ``/usr/local/cuda/bin``, or from the ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm``
+    wheels (the ``test`` extra installs them); no GPU is needed.
 
     Args:
       op, arch, **config_kw: as :func:`ptx`.
@@ -413,8 +414,8 @@ def sass(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
     if cuobjdump is None and nvdisasm is None:
         raise RuntimeError(
             "sass() needs cuobjdump or nvdisasm from a CUDA toolkit (searched PATH, $CUDA_HOME/bin, "
-            "$CUDA_PATH/bin, /usr/local/cuda/bin) and found neither; use ptx() instead or install the "
-            "CUDA toolkit's binary utilities"
+            "$CUDA_PATH/bin, /usr/local/cuda/bin and the pip nvidia-cuda-* wheels) and found neither; use ptx() "
+            "instead, or `pip install nvidia-cuda-cuobjdump` (or a CUDA toolkit's binary utilities)"
         )
     cubin = _cubin_cached(op_, cfg)
     with tempfile.TemporaryDirectory(prefix="cutedsl_attn_sass_") as d:

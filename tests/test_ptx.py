@@ -447,6 +447,10 @@ def test_prefill_tune_env(monkeypatch):
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", bad)
         with pytest.raises(ValueError, match=f"CUTEDSL_ATTN_PREFILL_TUNE: .*{msg}"):
             ci.config("prefill", "sm_90a", **keys)
+    # an override that does not fit this problem names the variable and the problem's default tiles
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_n=128")
+    with pytest.raises(ValueError, match=r"shared memory .*CUTEDSL_ATTN_PREFILL_TUNE='tile_n=128'.*'tile_n': 64"):
+        ci.config("prefill", "sm_90a", **{**keys, "head_dim_qk": 256})
 
 
 def test_cubin_resources_rejects_non_elf():

@@ -184,7 +184,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
 
     * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
       two warpgroups on B2 x 8192 x 64 heads causal -- where it fits 160 registers per consumer thread
-      without spilling: no sliding window and no soft cap (those spill 16-224 B).  Not re-measured on
+      without spilling: no sliding window and no soft cap (those spill 16-224 B), and ``192 %
+      group_size == 0``.  Not re-measured on
       small problems, where fewer, taller tiles leave SMs idle (a 1900-token batch ran 0.028 vs 0.024 ms
       with the earlier kernel), and at 160 registers ptxas still serialises the softmax after P V
       (``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``, expected failure);
