@@ -1,10 +1,14 @@
 """Attention masks shared by the kernels (FlashInfer's conventions), evaluated per score element.
 
-Plain Python helpers called while a kernel is traced; the ``causal`` / ``use_window`` flags are
-compile-time Python bools, so a disabled mask emits no code.
+Helpers called while a kernel is traced; the ``causal`` / ``use_window`` flags are compile-time
+Python bools, so a disabled mask emits no code.
 """
 
 from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
 
 
 def visible(j, kv_len, qpos, window_left, *, causal: bool, use_window: bool):
@@ -17,3 +21,24 @@ def visible(j, kv_len, qpos, window_left, *, causal: bool, use_window: bool):
     if use_window:
         ok = ok & ((window_left < 0) | (j >= qpos - window_left))
     return ok
+
+
+@cute.jit
+def kv_block_range(row0, qo_len, kv_len, window_left, group_size: cutlass.Constexpr, tile_m: cutlass.Constexpr,
+                   tile_n: cutlass.Constexpr, causal: cutlass.Constexpr, use_window: cutlass.Constexpr):
+    """``(blk_lo, n_blk)``: the ``tile_n``-token KV blocks ``[blk_lo, blk_lo + n_blk)`` holding every key some
+    row of the tile starting at packed row ``row0`` can see (the device twin of
+    :func:`cutedsl_attn.planning.prefill.tile_kv_range`); ``n_blk`` is 0 when no row sees a key."""
+    G = group_size
+    last_row = cutlass.min(row0 + tile_m, qo_len * G) - 1
+    hi = kv_len
+    if const_expr(causal):
+        hi = cutlass.min(kv_len, last_row // G + kv_len - qo_len + 1)
+    lo = Int32(0)
+    if const_expr(use_window):
+        if window_left >= 0:
+            lo = cutlass.max(row0 // G + kv_len - qo_len - window_left, 0)
+    hi = cutlass.max(hi, 0)
+    blk_lo = lo // tile_n
+    n_blk = cutlass.max((hi + tile_n - 1) // tile_n - blk_lo, 0)
+    return blk_lo, n_blk

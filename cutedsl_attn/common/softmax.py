@@ -27,6 +27,15 @@ def _finite_or_zero(x):
     return Float32(cutlass.select_(x == Float32(NEG_INF), Float32(0.0), x))
 
 
+def logit_scales(sm_scale, soft_cap, use_soft_cap: bool):
+    """``(sc_in, sc_out)`` with which a raw ``q.k`` becomes a log2-unit logit ``sc_out * f(sc_in * q.k)``:
+    ``f`` the identity and ``(sm_scale * log2 e, 1)`` without a soft cap, ``f = tanh`` and
+    ``(sm_scale / cap, cap * log2 e)`` with one (FlashInfer's ``cap * tanh(s / cap)`` on scaled logits)."""
+    if use_soft_cap:
+        return sm_scale / soft_cap, soft_cap * LOG2E
+    return sm_scale * LOG2E, Float32(1.0)
+
+
 def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=None):
     """Turn ``sacc`` (logits, -inf where masked) into probabilities in place.
 

@@ -210,11 +210,7 @@ class PagedDecodeKernel:
             head0 = kvh * G
 
             # scalars folded once: x_log2 = sc_out * f(sc_in * q.k)
-            sc_in = sm_scale * LOG2E
-            sc_out = Float32(1.0)
-            if const_expr(cfg.use_soft_cap):
-                sc_in = sm_scale / soft_cap
-                sc_out = soft_cap * LOG2E
+            sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap)
 
             self._issue_q(mQ, sQ, b, head0, tidx)
             qf = cute.make_rmem_tensor(((D // 16) * 4,), Int32)

@@ -48,7 +48,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..common import epilogue, masks, ptx
+from ..common import epilogue, masks, paging, ptx
 from ..common.fake_args import compile_options, prefill_tensors, vector_f32
 from ..common import softmax as sm
 from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0
@@ -199,24 +199,10 @@ class PrefillKernel:
             kv_start = mWork[wi, W_KV_START]
             mask_off = mWork[wi, W_MASK_OFF]
 
-            sc_in = sm_scale * LOG2E
-            sc_out = Float32(1.0)
-            if const_expr(cfg.use_soft_cap):
-                sc_in = sm_scale / soft_cap
-                sc_out = soft_cap * LOG2E
-
+            sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap)
             # kv token range any row of this tile can see
-            last_row = cutlass.min(row0 + TM, qo_len * G) - 1
-            hi = kv_len
-            if const_expr(self.mask_causal):
-                hi = cutlass.min(kv_len, last_row // G + kv_len - qo_len + 1)
-            lo = Int32(0)
-            if const_expr(cfg.use_window):
-                if window_left >= 0:
-                    lo = cutlass.max(row0 // G + kv_len - qo_len - window_left, 0)
-            hi = cutlass.max(hi, 0)
-            blk_lo = lo // TN
-            n_blk = cutlass.max((hi + TN - 1) // TN - blk_lo, 0)
+            blk_lo, n_blk = masks.kv_block_range(row0, qo_len, kv_len, window_left, G, TM, TN, self.mask_causal,
+                                                 cfg.use_window)
 
             self._issue_q(mQ, sQ, row0, qo_len, q_start, kvh, tidx)
             if n_blk > 0:
@@ -243,11 +229,7 @@ class PrefillKernel:
             if idx < TM * cpr:
                 r = idx // cpr
                 col = idx % cpr
-                pr = row0 + r
-                tok = pr // G
-                valid = tok < qo_len
-                tok_c = cutlass.min(tok, qo_len - 1)
-                goff = Int64(q_start + tok_c) * mQ.stride[0] + Int64(kvh * G + pr % G) * mQ.stride[1] + col * 8
+                goff, valid = paging.q_chunk_offset(mQ, row0 + r, qo_len, q_start, kvh, col, G)
                 ptx.cp_async_16(sQ + r * RQ + col * 16, q_base + goff * 2, cutlass.select_(valid, 16, 0))
         ptx.cp_async_commit()
 
@@ -260,7 +242,7 @@ class PrefillKernel:
     @cute.jit
     def _issue_rows(self, mX, mIdx, s_dst, D: cutlass.Constexpr, RB: cutlass.Constexpr, tok0, kv_len, kv_start,
                     kvh, tidx):
-        NT, TN, PS = self.NT, self.TN, self.PS
+        NT, TN = self.NT, self.TN
         cpr = D // 8
         base = mX.iterator.toint()
         for it in cutlass.range_constexpr((TN * cpr + NT - 1) // NT):
@@ -268,15 +250,8 @@ class PrefillKernel:
             if idx < TN * cpr:
                 r = idx // cpr
                 col = idx % cpr
-                tok = tok0 + r
-                valid = tok < kv_len
-                tok_c = cutlass.min(tok, kv_len - 1)
-                if const_expr(self.paged):
-                    page = mIdx[kv_start + tok_c // PS]
-                    goff = (Int64(page) * mX.stride[0] + Int64(tok_c % PS) * mX.stride[1]
-                            + Int64(kvh) * mX.stride[2] + col * 8)
-                else:
-                    goff = Int64(kv_start + tok_c) * mX.stride[0] + Int64(kvh) * mX.stride[1] + col * 8
+                goff, valid = paging.kv_chunk_offset(mX, mIdx, tok0 + r, kv_len, kv_start, kvh, col,
+                                                     self.PS if self.paged else 0)
                 ptx.cp_async_16(s_dst + r * RB + col * 16, base + goff * 2, cutlass.select_(valid, 16, 0))
 
     # ------------------------------------------------------------------ main loop

@@ -61,11 +61,11 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common import epilogue, masks, ptx
+from ..common import epilogue, masks, paging, ptx
 from ..common.fake_args import compile_options, prefill_tensors
 from ..common import softmax as sm
 from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0
@@ -379,22 +379,9 @@ class Sm90PrefillKernel:
         """(request, KV block range) of work row ``wi``: blocks ``[blk_lo, blk_lo + n_blk)`` hold every KV
         token some row of the tile can see; ``b < 0`` marks a padding row."""
         cfg = self.cfg
-        G, TM, TN = self.G, self.TM, self.TN
         b = mWork[wi, W_BATCH]
-        row0 = mWork[wi, W_ROW0]
-        qo_len = mWork[wi, W_QO_LEN]
-        kv_len = mWork[wi, W_KV_LEN]
-        last_row = cutlass.min(row0 + TM, qo_len * G) - 1
-        hi = kv_len
-        if const_expr(cfg.causal):
-            hi = cutlass.min(kv_len, last_row // G + kv_len - qo_len + 1)
-        lo = Int32(0)
-        if const_expr(cfg.use_window):
-            if window_left >= 0:
-                lo = cutlass.max(row0 // G + kv_len - qo_len - window_left, 0)
-        hi = cutlass.max(hi, 0)
-        blk_lo = lo // TN
-        n_blk = cutlass.max((hi + TN - 1) // TN - blk_lo, 0)
+        blk_lo, n_blk = masks.kv_block_range(mWork[wi, W_ROW0], mWork[wi, W_QO_LEN], mWork[wi, W_KV_LEN], window_left,
+                                             self.G, self.TM, self.TN, cfg.causal, cfg.use_window)
         return b, blk_lo, n_blk
 
     # ------------------------------------------------------------------ producer
@@ -448,12 +435,7 @@ class Sm90PrefillKernel:
             idx = it * 128 + tid
             r = idx // cpr
             c = idx % cpr
-            tok = tok0 + r
-            valid = tok < kv_len
-            tok_c = cutlass.min(tok, kv_len - 1)
-            page = mIdx[page_off + tok_c // PS]
-            goff = (Int64(page) * mX.stride[0] + Int64(tok_c % PS) * mX.stride[1] + Int64(kvh) * mX.stride[2]
-                    + c * 8)
+            goff, valid = paging.kv_chunk_offset(mX, mIdx, tok0 + r, kv_len, page_off, kvh, c, PS)
             soff = _sw128_offset(r, c, TN)
             ptx.cp_async_16(s_addr + soff, base + goff * 2, cutlass.select_(valid, 16, 0))
 
@@ -471,11 +453,7 @@ class Sm90PrefillKernel:
             idx = it * 128 + wtid
             r = wg * 64 + idx // cpr
             c = idx % cpr
-            pr = row0 + r
-            tok = pr // G
-            valid = tok < qo_len
-            tok_c = cutlass.min(tok, qo_len - 1)
-            goff = Int64(q_start + tok_c) * mQ.stride[0] + Int64(kvh * G + pr % G) * mQ.stride[1] + c * 8
+            goff, valid = paging.q_chunk_offset(mQ, row0 + r, qo_len, q_start, kvh, c, G)
             soff = _sw128_offset(r, c, TM)
             ptx.cp_async_16(sQ_addr + soff, q_base + goff * 2, cutlass.select_(valid, 16, 0))
         ptx.cp_async_commit()
@@ -521,11 +499,7 @@ class Sm90PrefillKernel:
             row_l[h] = Float32(0.0)
             qpos[h] = (row0 + warp * 16 + g + 8 * h) // G + kv_len - qo_len
 
-        sc_in = sm_scale * LOG2E
-        sc_out = Float32(1.0)
-        if const_expr(cfg.use_soft_cap):
-            sc_in = sm_scale / soft_cap
-            sc_out = soft_cap * LOG2E
+        sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap)
         # first / last query position of the tile (blocks ending before the first need no causal mask)
         pos_first = row0 // G + kv_len - qo_len
         pos_last = (cutlass.min(row0 + TM, qo_len * G) - 1) // G + kv_len - qo_len
