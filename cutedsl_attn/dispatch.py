@@ -145,7 +145,7 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(_sm90.Sm90PrefillConfig)
                   if hasattr(cfg, f.name) and f.name not in ("tile_n", "num_stages", "num_wg")}
         tiles = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
-                                    use_soft_cap=cfg.use_soft_cap)
+                                    use_soft_cap=cfg.use_soft_cap, page_size=cfg.page_size, num_sms=_num_sms())
         tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")
         tiles.update(_prefill_tune(tune))
         try:
@@ -153,11 +153,22 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
         except ValueError as e:
             if tune.strip():  # the override applies to every SM90 problem of the process, as given
                 default = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size,
-                                              use_window=cfg.use_window, use_soft_cap=cfg.use_soft_cap)
+                                              use_window=cfg.use_window, use_soft_cap=cfg.use_soft_cap,
+                                              page_size=cfg.page_size, num_sms=_num_sms())
                 raise ValueError(f"{e} (with CUTEDSL_ATTN_PREFILL_TUNE={tune!r}; for this problem the default "
                                  f"tiles are {default})") from None
             raise
     return cfg
+
+
+def _num_sms() -> int:
+    """SMs of the current CUDA device (the persistent prefill grid's size), or 132 (H100 SXM / H200) when
+    there is no GPU (cross-compiling)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
 
 
 _PREFILL_TUNABLE = ("tile_n", "num_stages", "num_wg", "pingpong", "num_ctas", "rescale_o_before_pv")

@@ -8,7 +8,7 @@ the same run.
 ``--tune "k=v,...;..."`` also times our kernel under each ``CUTEDSL_ATTN_PREFILL_TUNE`` setting
 (tuning experiments, same process); ``--no-portable`` skips the portable kernel's share.
 
-Usage: python perf/bench_prefill.py [--out DIR] [--quick] [--no-portable] [--tune SETTINGS]
+Usage: python perf/bench_prefill.py [--out DIR] [--quick] [--no-portable] [--tune SETTINGS] [--cases WORDS]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-portable", action="store_true")
     ap.add_argument("--tune", default="", help="extra CUTEDSL_ATTN_PREFILL_TUNE settings, ';'-separated")
+    ap.add_argument("--cases", default="", help="only the cases whose name contains one of these ';'-separated words")
     args = ap.parse_args()
     tunes = [x for x in args.tune.split(";") if x]
     import cutedsl_attn as ca
@@ -78,7 +79,10 @@ def main():
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for name, lens, hq, hkv, d, causal in CASES[:2] if args.quick else CASES:
+    cases = CASES[:2] if args.quick else CASES
+    if args.cases:
+        cases = [c for c in cases if any(w in c[0] for w in args.cases.split(";"))]
+    for name, lens, hq, hkv, d, causal in cases:
         if lens is None:
             lens = torch.randint(128, 4097, (64,), generator=gen).tolist()
         total = sum(lens)

@@ -7,8 +7,9 @@ one row per (request, tile of ``tile_m`` packed rows), packed row ``r`` = query 
 * every packed row ``[0, qo_len * group_size)`` of every request lies in exactly one tile;
   ``row0`` is a multiple of ``tile_m``; requests with ``qo_len == 0`` have no tile;
 * the other columns repeat the request's values (last column 0);
-* tiles are ordered by descending work (visible KV tokens, ``tile_kv_range``), ties by
-  (request, row); padding rows (``b = -1``) come last and the table has ``num_rows`` rows
+* tiles are ordered request by request (descending total work of the request), within a request
+  by descending work (visible KV tokens, ``tile_kv_range``); requests of equal total work form one
+  group ordered by tile work, ties by (request, row); padding rows (``b = -1``) come last and the table has ``num_rows`` rows
   (CUDA-graph mode) or ``max(num_work, 1)``;
 * ``tile_kv_range`` is exactly the union of the keys the tile's rows can see (brute force
   against FlashInfer's bottom-right causal / window convention).
@@ -49,11 +50,15 @@ def check_plan(work, num_work, qo, kv, qs, ks, mo, G, TM, *, num_rows=None, caus
     for b in range(len(qo)):
         assert sorted(covered[b]) == list(range(qo[b] * G)), f"request {b}: packed rows not covered exactly once"
     assert num_work == sum(num_tiles(q, G, TM) for q in qo)
-    keys = []
+    costs = []
     for r in items:
         lo, hi = tile_kv_range(r[1], r[2], r[3], group_size=G, tile_m=TM, causal=causal, window_left=window_left)
-        keys.append((-max(hi - lo, 0), r[0], r[1]))
-    assert keys == sorted(keys), "tiles are not ordered by descending work (ties by request, row)"
+        costs.append(max(hi - lo, 0))
+    req_work = {}
+    for r, c in zip(items, costs):
+        req_work[r[0]] = req_work.get(r[0], 0) + c
+    keys = [(-req_work[r[0]], -c, r[0], r[1]) for r, c in zip(items, costs)]
+    assert keys == sorted(keys), "tiles are not ordered request-major by descending work"
 
 
 def plan_and_check(qo, kv, G, TM, *, qs=None, ks=None, mo=None, **kw):
@@ -94,6 +99,19 @@ def test_causal_orders_lower_tiles_first():
     # without causal every tile sees everything: ties keep row order
     work, n = plan_and_check([256], [256], 1, 64)
     assert [r[1] for r in work.tolist()] == [0, 64, 128, 192]
+
+
+def test_request_major_order():
+    # request 1 has the most work in total: all its tiles come first, its longest (causal: last) tile first,
+    # even though request 0's single tile sees more keys than most of request 1's
+    work, n = plan_and_check([64, 512], [1000, 512], 1, 64, causal=True)  # tile work 1000 vs 512, 448, ..., 64
+    assert [(r[0], r[1]) for r in work.tolist()] == [(1, 64 * i) for i in range(7, -1, -1)] + [(0, 0)]
+
+
+def test_equal_requests_interleave_by_tile_work():
+    # a uniform batch: both requests' tiles by descending work, request 0 first on ties
+    work, n = plan_and_check([128, 128], [128, 128], 1, 64, causal=True)
+    assert [(r[0], r[1]) for r in work.tolist()] == [(0, 64), (1, 64), (0, 0), (1, 0)]
 
 
 def test_longest_kv_first_across_requests():

@@ -61,11 +61,12 @@ def make_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout, gen):
 
 
 def run_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout="NHD", *, opts=None, sinks=False,
-               mask=None, run_kw=None):
-    """Plan + run with poisoned outputs, compare with ``ref.ragged_prefill``.
+               mask=None, run_kw=None, launches=1):
+    """Plan + run with poisoned outputs, compare with ``ref.ragged_prefill``; returns the wrapper.
 
     ``opts``: causal / window_left / logits_soft_cap / sm_scale (plan and oracle);
-    ``mask``: None, "custom" or "packed" (a random custom mask for the batch)."""
+    ``mask``: None, "custom" or "packed" (a random custom mask for the batch); ``launches``: runs of
+    the one plan, each poisoned and checked."""
     gen, seed = new_gen()
     c = make_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout, gen)
     opts = dict(opts or {})
@@ -89,12 +90,14 @@ def run_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout="NHD", *, o
     w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["hq"], hkv, dqk, head_dim_vo=dvo, q_data_type=dtype,
            **plan_kw)
     tq = c["q"].shape[0]
-    out = torch.full((tq, c["hq"], dvo), float("nan"), dtype=dtype, device=DEV)
-    lse = torch.full((tq, c["hq"]), float("nan"), dtype=torch.float32, device=DEV)
-    w.run(c["q"], c["k_in"], c["v_in"], out=out, lse=lse, **run_kw)
-    torch.cuda.synchronize()
     o_ref, lse_ref = ref.ragged_prefill(c["q"], c["k"], c["v"], c["qo_indptr"], c["kv_indptr"], **ref_kw)
-    return check(out, lse, o_ref, lse_ref, dtype, f"seed {seed}")
+    for i in range(launches):
+        out = torch.full((tq, c["hq"], dvo), float("nan"), dtype=dtype, device=DEV)
+        lse = torch.full((tq, c["hq"]), float("nan"), dtype=torch.float32, device=DEV)
+        w.run(c["q"], c["k_in"], c["v_in"], out=out, lse=lse, **run_kw)
+        torch.cuda.synchronize()
+        check(out, lse, o_ref, lse_ref, dtype, f"seed {seed}, launch {i}")
+    return w
 
 
 @pytest.mark.parametrize("qo,kv,hkv,group,dqk,dvo,dtype,layout,causal", [
@@ -114,6 +117,22 @@ def test_ragged_sweep(qo, kv, hkv, group, dqk, dvo, dtype, layout, causal):
         qo = rand_lens(gen, 8, 1, 64)
         kv = [q + x for q, x in zip(qo, rand_lens(gen, 8, 0, 4000))]
     run_ragged(qo, kv, hkv, group, dqk, dvo, dtype, layout, opts=dict(causal=causal))
+
+
+@pytest.mark.parametrize("num_ctas", [3, 132])
+def test_ragged_persistent(monkeypatch, num_ctas):
+    """The persistent grid (``num_ctas`` CTAs claim tiles from an atomic counter in the work table): matches
+    the oracle on two launches of one plan (the launch's last claim resets the counter, which then reads
+    0), with 3 CTAs (each claims many tiles) and with one per SM."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", f"num_ctas={num_ctas}")
+    gen, _ = new_gen()
+    qo = rand_lens(gen, 12, 1, 1500)
+    kv = [q + x for q, x in zip(qo, rand_lens(gen, 12, 0, 800))]
+    for group, opts, sinks in ((4, dict(causal=True), False),
+                               (1, dict(causal=True, window_left=100, logits_soft_cap=7.0), True)):
+        w = run_ragged(qo, kv, 2, group, 128, 128, BF16, opts=opts, sinks=sinks, launches=2)
+        assert w._plan["cfg"].num_ctas == num_ctas
+        assert int(w._plan["work"][0, 7]) == 0, "the tile counter is reset by the launch"
 
 
 @pytest.mark.parametrize("name,opts,mask", [
@@ -181,6 +200,51 @@ def test_paged_sweep(ps, hkv, group, dtype, layout, causal):
     torch.cuda.synchronize()
     o_ref, lse_ref = paged_oracle(c, causal=causal)
     check(out, lse, o_ref, lse_ref, dtype, f"seed {seed}")
+
+
+def poison_unused_slots(c):
+    """NaN in every cache row that holds no token of a request (the tail of each last page, spare pages):
+    a kernel that loads a whole page must not let those rows reach P V."""
+    cache, ps = c["cache"], c["ps"]
+    used = torch.zeros(cache.shape[0], ps, dtype=torch.bool)
+    ip, idx = c["kv_indptr"].tolist(), c["indices"].cpu().tolist()
+    for b in range(len(ip) - 1):
+        pages = idx[ip[b]: ip[b + 1]]
+        for i, pg in enumerate(pages):
+            used[pg, : (int(c["last"][b]) if i == len(pages) - 1 else ps)] = True
+    nan = float("nan")
+    for pg in range(cache.shape[0]):
+        for r in (~used[pg]).nonzero().flatten().tolist():
+            if c["layout"] == "NHD":
+                cache[pg, :, r] = nan
+            else:
+                cache[pg, :, :, r] = nan
+
+
+@pytest.mark.parametrize("ps,d,group,layout", [
+    (16, 128, 4, "NHD"),   # tile_n 176: a block is 11 pages, one TMA box each
+    (64, 128, 8, "HND"),   # tile_n 128: 2 pages per block
+    (128, 256, 2, "NHD"),  # tile_n 64: 2 blocks per page (box row offset 0 / 64)
+])
+def test_paged_tma_pages_ignore_unused_slots(ps, d, group, layout):
+    """Paged K/V whose blocks are whole pages (or lie in one page) load by TMA; the block holding the
+    request's end is gathered with zero fill, so NaN in unused cache rows never reaches the output."""
+    gen, seed = new_gen()
+    qo = [1, 300, 17, 700, 64]
+    kv = [1000, 333, 17, 701, 640]
+    c = make_paged(qo, kv, ps, 2, group, d, BF16, layout, gen)
+    poison_unused_slots(c)
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), layout)
+    w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, d, ps,
+           causal=True, q_data_type=BF16)
+    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].page_rows == min(ps, w._plan[
+        "cfg"].tile_n)
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
+    w.run(c["q"], c["cache"], out=out, lse=lse)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = paged_oracle(c, causal=True)
+    check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}")
 
 
 def test_paged_sinks_and_scales():

@@ -328,7 +328,8 @@ def test_sm90_prefill_ptx(name):
     else:
         assert len(qk) == 2 * (dqk // 16) + 2 * (tile_n // 16)
     assert s["mma.sync"] == 0 and s["tcgen05"] == 0
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd", text)) >= 2, "K and V arrive by TMA"
+    # Q, K and V arrive by TMA, one box per 64 columns (the 128-byte swizzle atom)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd", text)) == 2 * (dqk // 64) + dvo // 64
     assert "mbarrier.try_wait.parity" in text or "mbarrier.try_wait" in text
     consumer, producer = cfg.registers
     assert (consumer, producer) == {2: (240, 24), 3: (160, 32)}[num_wg]
@@ -344,14 +345,19 @@ def test_sm90_prefill_ptx(name):
     (1, dict(dtype="float16", head_dim_qk=192, head_dim_vo=128, group_size=1, use_window=True, use_sinks=True)),
 ])
 def test_sm90_prefill_paged_ptx(page_size, keys):
-    """Paged K/V: the producer warpgroup gathers rows with cp.async and arrives on the stage mbarrier;
-    the consumers order those generic-proxy writes before their wgmma reads; no TMA for K/V."""
+    """Paged K/V: the producer warpgroup gathers the block at the request's end (every block for page size
+    1) with cp.async and arrives on the stage mbarrier, the consumers ordering those generic-proxy writes
+    before their wgmma reads; with page size 16 the full blocks load by TMA, one box per page."""
     cfg = ci.config("prefill", "sm_90a", **keys, page_size=page_size)
     assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.registers == (232, 40)
     text = ci.ptx("prefill", "sm_90a", **keys, page_size=page_size)
     s = ci.instruction_summary(text)
     assert "cp.async.mbarrier.arrive.noinc" in text and "cp.async.cg.shared.global" in text
-    assert "cp.async.bulk.tensor" not in text
+    tma = re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", text)
+    dqk, dvo = keys["head_dim_qk"], keys.get("head_dim_vo", keys["head_dim_qk"])
+    R = cfg.page_rows  # full blocks: one TMA box per page (and per 64 columns); none for page size 1
+    assert R == {16: 16, 1: 0}[page_size]
+    assert len(tma) == dqk // 64 + (cfg.tile_n // R * (dqk // 64 + dvo // 64) if R else 0), tma
     assert "fence.proxy.async" in text
     assert s["wgmma"] > 0 and s["mma.sync"] == 0
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", text)
@@ -379,9 +385,10 @@ def test_sm90_prefill_no_spills(name):
 ], ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
 def test_sm90_prefill_default_tiles_never_spill(keys):
     """default_tiles picks the larger tiles (3 warpgroups at d64, tile_n 176 at d128) only where they fit the
-    registers: with a window or a soft cap they spilled 16-224 B, so those problems keep the smaller tiles."""
+    registers: with a window or a soft cap they spilled 16-224 B, so those problems keep the smaller tiles;
+    with pages of 32 tokens or more tile_n 128 (whole pages per block: K/V by TMA)."""
     cfg = ci.config("prefill", "sm_90a", kernel="sm90", **keys)
-    small = keys.get("use_window") or keys.get("use_soft_cap")
+    small = keys.get("use_window") or keys.get("use_soft_cap") or keys.get("page_size", 0) >= 32
     big = (176, 2) if keys["head_dim_qk"] == 128 else (128, 3)
     assert (cfg.tile_n, cfg.num_wg) == ((128, 2) if small else big), cfg
     res = ci.resources("prefill", "sm_90a", kernel="sm90", **keys)
@@ -417,8 +424,8 @@ def test_sm90_prefill_softmax_overlaps_pv(name):
 
 @pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
                     reason="no cuobjdump/nvdisasm here")
-@pytest.mark.parametrize("tune,page_size", [("num_ctas=132", 0), ("num_ctas=132", 16),
-                                            ("rescale_o_before_pv=1", 0), ("pingpong=0,num_wg=3", 0)])
+@pytest.mark.parametrize("tune,page_size", [("num_ctas=132", 0), ("rescale_o_before_pv=1", 0),
+                                            ("pingpong=0,num_wg=3", 0), ("rescale_o_before_pv=1", 16)])
 def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size):
     """The tuning options (CUTEDSL_ATTN_PREFILL_TUNE) build spill-free kernels whose wgmma pipeline survives
     ptxas.  The persistent variant's first version failed both (LLVM hoisted per-thread addresses out of
@@ -430,10 +437,19 @@ def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size)
     assert type(cfg).__name__ == "Sm90PrefillConfig"
     if "num_ctas" in tune:
         assert cfg.num_ctas == 132
-        assert "%nctaid.x" in ci.ptx("prefill", "sm_90a", **keys), "a grid-stride tile loop"
+        ptx = ci.ptx("prefill", "sm_90a", **keys)
+        assert "%nctaid.x" in ptx and "atom.global.add.u32" in ptx, "tiles claimed from an atomic counter"
     text = ci.sass("prefill", "sm_90a", **keys)
     assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= 4 and len(re.findall(r"\bHGMMA\.", text)) >= 16
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
+
+
+def test_sm90_prefill_persistent_needs_ragged_kv(monkeypatch):
+    """The persistent grid claims tiles from the producer warp, which the paged gather does not have to
+    itself: a persistent paged config is refused, naming the rule and the variable."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "num_ctas=132")
+    with pytest.raises(ValueError, match=r"num_ctas > 0 .* needs ragged K/V.*CUTEDSL_ATTN_PREFILL_TUNE"):
+        ci.config("prefill", "sm_90a", dtype="bfloat16", head_dim_qk=128, group_size=1, page_size=16)
 
 
 def test_prefill_tune_env(monkeypatch):

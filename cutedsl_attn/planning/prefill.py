@@ -12,7 +12,7 @@ is ``(num_kv_heads, num_rows)``, one CTA per (kv head, work row).
 
 Work-table row (int32, ``WORK_COLS`` columns, the contract with the kernel)::
 
-    [b, row0, qo_len, kv_len, q_start, kv_start_or_page_off, mask_off, 0]
+    [b, row0, qo_len, kv_len, q_start, kv_start_or_page_off, mask_off, sched]
 
 * ``b``: request index; ``-1`` marks a padding row (skipped by the kernel; CUDA-graph
   mode launches a fixed grid).
@@ -25,6 +25,10 @@ Work-table row (int32, ``WORK_COLS`` columns, the contract with the kernel)::
   flat page-id array (``kv_indptr[b]`` of the CSR table, ``b * max_pages`` of a block table).
 * ``mask_off``: BIT offset of the request's packed custom mask (``mask_indptr[b] * 8`` for
   a segment-packed mask); 0 when no custom mask is used.
+* last column (``W_SCHED``): 0.  ``work[0, W_SCHED]`` is the tile counter of the persistent SM90
+  kernel (``Sm90PrefillConfig.num_ctas > 0``): its CTAs claim tiles with an atomic add on it and the
+  launch's last claim resets it to 0, so it reads 0 between launches; two launches sharing one work
+  table must not run concurrently.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Sequence
 import torch
 
 WORK_COLS = 8
-W_BATCH, W_ROW0, W_QO_LEN, W_KV_LEN, W_Q_START, W_KV_START, W_MASK_OFF = range(7)
+W_BATCH, W_ROW0, W_QO_LEN, W_KV_LEN, W_Q_START, W_KV_START, W_MASK_OFF, W_SCHED = range(8)
 PAD_ROW = (-1, 0, 0, 0, 0, 0, 0, 0)
 _INT32_MAX = 2**31 - 1
 
@@ -127,9 +131,11 @@ def plan_prefill(
 
     Returns:
       ``(work, num_work)``: ``work`` is a CPU int32 tensor ``[W, WORK_COLS]`` whose first
-      ``num_work`` rows are the tiles, ordered by descending work (visible KV tokens of
-      the tile; ties by request, then row), so the longest CTAs start first; the rest are
-      padding rows.  ``W = num_rows`` when given, else ``max(num_work, 1)`` (a batch with
+      ``num_work`` rows are the tiles, request by request in descending order of the
+      request's work (visible KV tokens summed over its tiles), each request's tiles by
+      descending work -- requests of equal work as one group, their tiles interleaved by
+      work, ties by request then row -- so the longest CTAs start first and the CTAs in
+      flight share a few requests' K/V in L2; the rest are padding rows.  ``W = num_rows`` when given, else ``max(num_work, 1)`` (a batch with
       no query row still gets one padding row, so a grid is never empty).
 
     Every packed row ``r in [0, qo_len * group_size)`` of every request lies in exactly
@@ -175,7 +181,14 @@ def plan_prefill(
             lo, hi = tile_kv_range(row0, qo[b], kv[b], group_size=G, tile_m=TM, causal=causal,
                                    window_left=window_left)
             tiles.append((max(hi - lo, 0), b, row0))
-    tiles.sort(key=lambda x: (-x[0], x[1], x[2]))
+    req_work = [0] * B
+    for cost, b, _ in tiles:
+        req_work[b] += cost
+    # request-major: the requests by descending total work, each one's tiles by descending work; the CTAs
+    # in flight then share one request's K/V through L2 (ordered by tile work alone, the tiles in flight
+    # came from dozens of requests of a ragged batch, whose K/V did not fit L2).  Requests of equal work
+    # (a uniform batch) form one group whose tiles interleave by work.
+    tiles.sort(key=lambda x: (-req_work[x[1]], -x[0], x[1], x[2]))
     rows = [[b, row0, qo[b], kv[b], qs[b], ks[b], mo[b], 0] for _, b, row0 in tiles]
     num_work = len(rows)
     if num_rows is not None:

@@ -5,28 +5,37 @@ query rows of one request, the same decomposition and work table as the portable
 (:mod:`cutedsl_attn.planning.prefill`, longest tiles first), so the API layer plans once for
 either.  The grid is ``(work rows, kv heads)`` with the work row fastest: the CTAs in flight
 are mostly tiles of one kv head and share its K/V through L2 (measured: the largest single
-speed-up of this kernel, perf/RESULTS.md).  ``num_ctas > 0`` instead launches a persistent grid
-whose CTAs walk the same tile order with a static stride (K/V ring, ping-pong turn and pipeline
-phases carried from tile to tile); measured on the H200 it wins only at head_dim 64 and loses
-where the CTAs drift apart over heads and lose the L2 sharing (d128 causal, d256), so it is a
-tuning option (``CUTEDSL_ATTN_PREFILL_TUNE=num_ctas=132``), not the default.
+speed-up of this kernel, perf/RESULTS.md).  ``num_ctas > 0`` (ragged K/V) instead launches a
+persistent grid of ``min(num_ctas, tiles)`` CTAs: CTA ``i`` starts with tile ``i`` and then
+claims the next unclaimed tile from an atomic counter (``work[0, W_SCHED]``, reset to 0 by the
+launch's last claim), so the tiles start in the same order as with one CTA per tile (the L2
+sharing survives) while a CTA's next Q and K/V load during its current tile's last GEMMs and
+epilogue (the K/V ring, the Q stage and the ping-pong turn carry from tile to tile).
 
 CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` consumer warpgroups):
 
-* the producer warpgroup: for ragged K/V one elected thread streams K and V tiles of
-  ``tile_n`` tokens with TMA (``cp.async.bulk.tensor``) into a ``num_stages``-deep ring,
-  one mbarrier pipeline for K and one for V (``cutlass.pipeline.PipelineTmaAsync``); for
-  paged K/V all 128 threads gather the rows through the page table with ``cp.async`` into
-  the same swizzled layout (zero-filled past the request) and arrive on the stage's mbarrier
-  when their copies land (``PipelineCpAsync``), the consumers fencing those generic-proxy
-  writes before wgmma reads them.  KV blocks are walked right to left, so the block that
-  needs the sequence-end / causal-diagonal mask comes first.  The producer gives its
+* the producer warpgroup: warp 0 hands each tile to the consumers through a one-stage Q
+  pipeline: it waits until the consumers have released Q (after their last ``S`` GEMM of the
+  previous tile), stores the tile index in shared memory and loads the tile's packed Q rows
+  with one TMA box per 64 columns (Q viewed as ``((group, tokens), dim, kv_heads)``: the
+  ``tile_m`` rows of a tile are ``tile_m / group`` tokens x ``group`` heads; rows past the
+  request load other rows, whose results are never stored); index ``-1`` ends the CTA.  For
+  ragged K/V the same warp streams K and V tiles of ``tile_n`` tokens with TMA
+  (``cp.async.bulk.tensor``) into a ``num_stages``-deep ring, one mbarrier pipeline for K and
+  one for V (``cutlass.pipeline.PipelineTmaAsync``).  For paged K/V a block whose tokens are
+  whole pages or lie inside one page (``page_size >= 16``, :attr:`Sm90PrefillConfig.page_rows`)
+  and that ends inside the request loads by TMA too, one box per page read from the page
+  table; the block holding the request's end (all blocks for smaller pages) is gathered by
+  all 128 threads through the page table with ``cp.async`` into the same swizzled layout,
+  zero-filled past the request, so no stale row of a last page reaches ``P V``; either way
+  the 128 threads arrive on the stage's mbarrier (``PipelineCpAsync``), and the consumers
+  fence the generic-proxy writes before wgmma reads them.  KV blocks are walked right to left,
+  so the block that needs the sequence-end / causal-diagonal mask comes first.  The producer gives its
   registers to the consumers (``setmaxnreg``: 24/240, 40/232 for the gather, 32/160 with
   three consumer warpgroups).
-* the consumer warpgroups, 64 rows each.  Q (packed GQA rows, zero-filled past the
-  request) is gathered once per tile with ``cp.async`` into the 128B-swizzled layout wgmma
-  reads; then per KV block: ``S = Q K^T`` (wgmma, both operands in shared memory), masks
-  only on the blocks that need them, online softmax in fp32 with the scale folded into one
+* the consumer warpgroups, 64 rows each, wait for the tile's Q; then per KV block: ``S = Q K^T``
+  (wgmma, both operands in shared memory), masks only on the blocks that need them, online
+  softmax in fp32 with the scale folded into one
   ``fma`` + ``ex2`` per element, ``P`` converted in registers and used as the register A
   operand of ``O += P V`` (RS wgmma, V read transposed from its row-major tile).  The wgmma
   accumulator of one warp has the ``mma.m16n8`` C layout repeated over n8 tiles, so the
@@ -48,8 +57,9 @@ kernel for ``sm_scale <= 0``).
 
 Scope: fp16/bf16; head_dim_qk 64/128/192/256, head_dim_vo 64/128/256; ``tile_m`` a multiple
 of ``group_size``; no custom mask and no positional encoding (those run on the portable
-kernel: :func:`unsupported_reason` says which).  Verified on an H200 (SM90): ragged and
-paged (page 1/16/64) against the float64 oracle; it does not build for SM100.
+kernel: :func:`unsupported_reason` says which).  Verified on an H200 (SM90): ragged (one CTA
+per tile and persistent) and paged (page 1/16/64/128, TMA and gather) against the float64
+oracle; it does not build for SM100.
 """
 
 from __future__ import annotations
@@ -68,7 +78,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common import epilogue, masks, paging, ptx
 from ..common.fake_args import compile_options, prefill_tensors
 from ..common import softmax as sm
-from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0
+from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0, W_SCHED
 
 LOG2E = 1.4426950408889634
 NEG_INF = float("-inf")
@@ -135,6 +145,16 @@ class Sm90PrefillConfig:
         return (232, 40) if self.page_size > 0 else (240, 24)  # the cp.async gather needs producer registers
 
     @property
+    def page_rows(self) -> int:
+        """Rows of one K/V TMA box for paged K/V: ``min(page_size, tile_n)`` where a block of ``tile_n`` tokens
+        is whole pages or lies inside one page (``page_size >= 16``; full blocks then load by TMA, one box
+        per page or per block), else 0 (every block gathered with cp.async)."""
+        ps, tn = self.page_size, self.tile_n
+        if ps >= 16 and (tn % ps == 0 or ps % tn == 0):
+            return min(ps, tn)
+        return 0
+
+    @property
     def smem_bytes(self) -> int:
         """Shared memory of Q, the K/V rings and the barriers (each buffer 1 KiB aligned)."""
         e = 2
@@ -173,33 +193,48 @@ def unsupported_reason(cfg) -> str | None:
             return f"num_wg must be 2 or 3 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
         if cfg.num_ctas < 0:
             return f"num_ctas must be >= 0, got {cfg.num_ctas}"
+        if cfg.num_ctas > 0 and cfg.page_size > 0:
+            return "num_ctas > 0 (the persistent grid) needs ragged K/V (page_size 0)"
         if cfg.smem_bytes > _SMEM_LIMIT:
             return f"needs {cfg.smem_bytes} B of shared memory (> {_SMEM_LIMIT})"
     return None
 
 
 def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
-                  use_soft_cap: bool = False) -> dict:
-    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 session 3):
+                  use_soft_cap: bool = False, page_size: int = 0, num_sms: int = 132) -> dict:
+    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3 and 4):
 
     * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
       two warpgroups on B2 x 8192 x 64 heads causal -- where it fits 160 registers per consumer thread
       without spilling: no sliding window and no soft cap (those spill 16-224 B), and ``192 %
-      group_size == 0``.  Not re-measured on
-      small problems, where fewer, taller tiles leave SMs idle (a 1900-token batch ran 0.028 vs 0.024 ms
-      with the earlier kernel), and at 160 registers ptxas still serialises the softmax after P V
-      (``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``, expected failure);
+      group_size == 0``.  At 160 registers ptxas still serialises the softmax after P V
+      (``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``, expected failure; tile_n 96
+      keeps the overlap but measured 3% slower);
     * head_dim 128: tile_n 176 -- 1.5-5.5% faster than 128 on the d128 rows, 9% on the varlen mix -- without
       window or soft cap (with them tile_n 176 spills 80-152 B; 128 does not);
-    * head_dim 192: tile_n 128; head_dim 256: tile_n 64 (shared memory; 80 measured the same).
+    * head_dim 192: tile_n 128; head_dim 256: tile_n 64 (shared memory; 80 measured the same);
+    * paged K/V with ``page_size >= 16``: ``tile_n`` such that a block is whole pages or lies inside one
+      page (full blocks then load by TMA, see :attr:`Sm90PrefillConfig.page_rows`): 128 (64 at head_dim
+      256) where the choice above does not divide or is not divided by the page size;
+    * ragged K/V at head_dim 128: the persistent grid, one CTA per SM (``num_ctas = num_sms``), with the
+      request-major tile order of the planner: 12-15% faster on the varlen mix than one CTA per tile,
+      1-3% on d128 full and GQA, equal on d128 causal (three runs).  At head_dim 256 it measured 7%
+      slower; at head_dim 64 (three warpgroups) its time varied 2.15-2.34 ms between runs against a
+      steady 2.19-2.20 ms for one CTA per tile; so one CTA per tile there (and always for paged K/V,
+      which it does not serve).
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap  # the masks / tanh of these need registers
+    persistent = {"num_ctas": num_sms} if page_size == 0 and 64 < d <= 128 else {}
     if d <= 64 and 192 % group_size == 0 and plain:
-        return {"tile_n": 128, "num_wg": 3}
-    if 64 < d <= 128 and plain:
-        return {"tile_n": 176, "num_wg": 2}
-    return {"tile_n": 64 if d > 192 else 128, "num_wg": 2}
+        tiles = {"tile_n": 128, "num_wg": 3, **persistent}
+    elif 64 < d <= 128 and plain:
+        tiles = {"tile_n": 176, "num_wg": 2, **persistent}
+    else:
+        tiles = {"tile_n": 64 if d > 192 else 128, "num_wg": 2, **persistent}
+    if page_size >= 16 and tiles["tile_n"] % page_size and page_size % tiles["tile_n"]:
+        tiles["tile_n"] = 64 if d > 192 else 128  # blocks of whole pages (or inside one): K/V by TMA
+    return tiles
 
 
 def _sw128_offset(r, c, rows: int):
@@ -248,12 +283,28 @@ class Sm90PrefillKernel:
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, DV), dt, S)
         sQ_layout = cute.select(sQ_layout, mode=[0, 1])
 
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        hkv = mK.shape[2 if self.paged else 1]
+        # Q as ((group, tokens), dim, kv_heads): packed row r of a tile is token r // G of query head
+        # kv_head * G + r % G, so one TMA box of (tile_m, dim) loads the tile's packed rows
+        G = self.G
+        mQ_t = cute.make_tensor(mQ.iterator, cute.make_layout(
+            ((G, mQ.shape[0]), DQ, hkv), stride=((mQ.stride[1], mQ.stride[0]), 1, G * mQ.stride[1])))
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(g2s, mQ_t, sQ_layout, ((G, TM // G), DQ), 1)
         tma_atom_K = tma_K = tma_atom_V = tma_V = None
+        if const_expr(self.paged and self.cfg.page_rows > 0):
+            # paged K/V as (row in page, dim, kv_heads, pages); one box = page_rows rows of one page
+            R = self.cfg.page_rows
+            mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+            mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0]))
+            sKb = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, R, DQ), dt, 1)
+            sVb = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, R, DV), dt, 1)
+            tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK_t, cute.select(sKb, mode=[0, 1]), (R, DQ), 1)
+            tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.select(sVb, mode=[0, 1]), (R, DV), 1)
         if const_expr(not self.paged):
             # K/V as (tokens, dim, kv_heads) for the TMA (dim contiguous)
             mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
             mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
             tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK_t, cute.select(sK_layout, mode=[0, 1]), (TN, DQ), 1)
             tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.select(sV_layout, mode=[0, 1]), (TN, DV), 1)
 
@@ -261,6 +312,8 @@ class Sm90PrefillKernel:
         class SharedStorage:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            s_tile: cute.struct.MemRange[Int32, 2]  # the tile handed to the consumers with Q (-1: none left)
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -268,51 +321,57 @@ class Sm90PrefillKernel:
         self.shared_storage = SharedStorage
         self.k_bytes = TN * DQ * 2
         self.v_bytes = TN * DV * 2
-        hkv = mK.shape[2 if self.paged else 1]
+        self.q_bytes = TM * DQ * 2
         # work row fastest: the CTAs in flight share one kv head's K/V through L2
         grid = (mWork.shape[0], hkv, 1)
         if const_expr(self.cfg.num_ctas > 0):
             grid = (cutlass.min(mWork.shape[0] * hkv, self.cfg.num_ctas), 1, 1)
-        self.kernel(mQ, mK, mV, mIdx, tma_K, tma_V, tma_atom_K, tma_atom_V, mWork, mO, mLSE, mSinks, sm_scale, soft_cap,
-                    window_left, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
+        self.kernel(mQ, mK, mV, mIdx, tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mWork, mO, mLSE, mSinks,
+                    sm_scale, soft_cap, window_left, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
             grid=grid, block=(self.cfg.num_threads, 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mIdx, tma_K, tma_V, tma_atom_K, tma_atom_V, mWork, mO, mLSE,
+    def kernel(self, mQ, mK, mV, mIdx, tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mWork, mO, mLSE,
                mSinks, sm_scale: Float32, soft_cap: Float32, window_left: Int32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
-        """Device entry: one CTA per (work row, kv head) tile, or (``num_ctas > 0``) a persistent CTA walking
-        tiles ``blockIdx.x, blockIdx.x + gridDim.x, ...``; see the module docstring."""
+        """Device entry: one CTA per (work row, kv head) tile, or (``num_ctas > 0``) a persistent CTA that
+        takes tiles from an atomic counter; see the module docstring."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        wi, kvh, _ = cute.arch.block_idx()
+        bx, by, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        if const_expr(not self.paged):
-            if warp_idx == 0:
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            if const_expr(not self.paged or cfg.page_rows > 0):
                 cpasync.prefetch_descriptor(tma_atom_K)
                 cpasync.prefetch_descriptor(tma_atom_V)
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.NWG)  # lane 0 of each warp
+        one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.NWG)  # lane 0 of each warp
+        # Q and the tile index: one stage, filled by the producer's TMA, freed after the tile's last S GEMM
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one,
+            consumer_group=consumer_warps, tx_count=self.q_bytes, defer_sync=True)
+        if const_expr(not self.paged):
             pipe_k = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.S, producer_group=producer,
-                consumer_group=consumers, tx_count=self.k_bytes, defer_sync=True)
+                barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.S, producer_group=one,
+                consumer_group=consumer_warps, tx_count=self.k_bytes, defer_sync=True)
             pipe_v = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=producer,
-                consumer_group=consumers, tx_count=self.v_bytes, defer_sync=True)
+                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=one,
+                consumer_group=consumer_warps, tx_count=self.v_bytes, defer_sync=True)
         else:
             # paged: the 128 producer threads gather K/V rows with cp.async; each arrives on the stage's
             # full barrier when its copies land (cp.async.mbarrier.arrive.noinc); every consumer thread
             # releases
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+            producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
             consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.NCT)
             pipe_k = pipeline.PipelineCpAsync.create(
-                barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.S, producer_group=producer,
+                barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.S, producer_group=producers,
                 consumer_group=consumers, defer_sync=True)
             pipe_v = pipeline.PipelineCpAsync.create(
-                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=producer,
+                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=producers,
                 consumer_group=consumers, defer_sync=True)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
@@ -320,35 +379,48 @@ class Sm90PrefillKernel:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        s_tile = storage.s_tile.get_tensor(cute.make_layout(2))
 
-        # tiles: t = work row + W * kv head (work row fastest); one per CTA, or strided over a persistent grid
+        # tiles: t = work row + W * kv head (work row fastest), the order the CTAs of a one-tile-per-CTA
+        # grid start in; a persistent CTA starts with tile blockIdx.x and then takes the next unclaimed one
         W = mWork.shape[0]
-        t_first = wi + W * kvh
-        t_end = t_first + 1
-        t_step = Int32(1)
-        if const_expr(cfg.num_ctas > 0):
-            t_end = W * mK.shape[2 if self.paged else 1]
-            t_step = cute.arch.grid_dim()[0]
+        num_tiles = W * mK.shape[2 if self.paged else 1]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.registers[1])
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             if const_expr(not self.paged):
                 if warp_idx == 0:
-                    for t in cutlass.range(t_first, t_end, t_step, unroll=1):
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
+                    t = bx + W * by
+                    while t < num_tiles:
+                        claim = Int32(0)
+                        if const_expr(cfg.num_ctas > 0):
+                            claim = self._claim_begin(mWork)  # the atomic's latency hides behind this tile's loads
                         wi = t % W
+                        kvh = t // W
                         b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
                         if b >= 0:
+                            self._hand_over(pipe_q, q_state, s_tile, t, tma_atom_Q, tma_Q, sQ, mWork, wi, kvh)
+                            q_state.advance()
                             state = self._produce(tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v,
-                                                  t // W, mWork[wi, W_KV_START], blk_lo, n_blk, state)
+                                                  kvh, mWork[wi, W_KV_START], blk_lo, n_blk, state)
+                        t = num_tiles  # one tile per CTA
+                        if const_expr(cfg.num_ctas > 0):
+                            t = self._claim_end(mWork, claim, num_tiles)
+                    self._hand_over(pipe_q, q_state, s_tile, Int32(-1), tma_atom_Q, tma_Q, sQ, mWork, 0, 0)
             else:
-                for t in cutlass.range(t_first, t_end, t_step, unroll=1):
-                    wi = t % W
-                    b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
-                    if b >= 0:
-                        state = self._produce_paged(mK, mV, mIdx, storage.sK.data_ptr().toint(),
-                                                    storage.sV.data_ptr().toint(), pipe_k, pipe_v, t // W,
-                                                    mWork[wi, W_KV_START], mWork[wi, W_KV_LEN], blk_lo, n_blk, tidx,
-                                                    state)
+                wi = bx
+                b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
+                if b >= 0:
+                    if warp_idx == 0:
+                        self._hand_over(pipe_q, q_state, s_tile, bx + W * by, tma_atom_Q, tma_Q, sQ, mWork, wi, by)
+                        q_state.advance()
+                    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
+                    self._produce_paged(mK, mV, mIdx, storage.sK.data_ptr().toint(), storage.sV.data_ptr().toint(),
+                                        pipe_k, pipe_v, by, mWork[wi, W_KV_START], mWork[wi, W_KV_LEN], blk_lo,
+                                        n_blk, tidx, state, tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV)
+                if warp_idx == 0:
+                    self._hand_over(pipe_q, q_state, s_tile, Int32(-1), tma_atom_Q, tma_Q, sQ, mWork, 0, 0)
         else:
             cute.arch.setmaxregister_increase(cfg.registers[0])
             ctid = tidx - 128
@@ -357,22 +429,60 @@ class Sm90PrefillKernel:
                 if wg == self.NWG - 1:  # the first warpgroup issues first
                     cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.S)
-            if const_expr(cfg.num_ctas == 0):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_q.consumer_wait(q_state)
+            t = s_tile[0]
+            while t >= 0:
+                wi = t % W
                 b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
-                if b >= 0:
-                    self._consume(mQ, mO, mLSE, mSinks, sQ, sK, sV, storage, pipe_k, pipe_v,
-                                  tiled_mma_qk, tiled_mma_pv, mWork, t_first, wi, kvh, blk_lo, n_blk, sm_scale,
-                                  soft_cap, window_left, ctid, wg, state)
-            else:
-                for t in cutlass.range(t_first, t_end, t_step, unroll=1):
-                    wi = t % W
-                    b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
-                    if b >= 0:
-                        # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the loop
-                        state = self._consume(mQ, mO, mLSE, mSinks, sQ, sK, sV, storage, pipe_k, pipe_v,
-                                              tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk,
-                                              sm_scale, soft_cap, window_left, ptx.opaque_i32(ctid),
-                                              ptx.opaque_i32(wg), state)
+                # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
+                state = self._consume(mO, mLSE, mSinks, sQ, sK, sV, pipe_q, q_state, pipe_k, pipe_v,
+                                      tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk, sm_scale,
+                                      soft_cap, window_left, ptx.opaque_i32(ctid), ptx.opaque_i32(wg), state)
+                q_state.advance()
+                pipe_q.consumer_wait(q_state)
+                t = s_tile[0]
+
+    @cute.jit
+    def _claim_begin(self, mWork):
+        """Persistent CTAs, producer warp 0: lane 0 claims the next tile with ``atomicAdd(counter, 1)`` on
+        ``work[0, W_SCHED]``; the value is only read by :meth:`_claim_end`, after the current tile's loads
+        are issued, so the atomic's round trip does not delay them."""
+        v = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            v = ptx.atomic_add_global_u32(mWork.iterator.toint() + W_SCHED * 4, 1)
+        return v
+
+    @cute.jit
+    def _claim_end(self, mWork, v, num_tiles):
+        """The claimed tile, ``gridDim.x + v``, to the whole warp.  Every CTA claims until it gets a tile past
+        the end, so the claims number ``num_tiles`` and the one that returned ``num_tiles - 1`` is the
+        launch's last: it resets the counter to 0 for the next launch."""
+        if cute.arch.lane_idx() == 0:
+            if v == num_tiles - 1:
+                ptx.st_global_u32(mWork.iterator.toint() + W_SCHED * 4, 0)
+        return cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(v, 0)
+
+    @cute.jit
+    def _hand_over(self, pipe_q, q_state, s_tile, t, tma_atom_Q, tma_Q, sQ, mWork, wi, kvh):
+        """Producer warp 0: wait until the consumers are done with Q, publish tile ``t`` in shared memory
+        and TMA its packed Q rows (``t < 0``: no tile left, the full barrier is arrived on without a
+        load).  The tile index is stored before the barrier arrive, whose release orders it for the
+        consumers' wait."""
+        pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+        s_tile[0] = t
+        if t >= 0:
+            TM, DQ = self.TM, self.DQ
+            gQ = cute.local_tile(
+                cute.domain_offset(((0, mWork[wi, W_Q_START]), 0), tma_Q[None, None, kvh]), (TM, DQ),
+                (mWork[wi, W_ROW0] // TM, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            pipe_q.sync_object_full.arrive(q_state.index, None)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        else:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(q_state))
 
     @cute.jit
     def _tile(self, mWork, wi, window_left):
@@ -408,20 +518,55 @@ class Sm90PrefillKernel:
 
     @cute.jit
     def _produce_paged(self, mK, mV, mIdx, sK_addr, sV_addr, pipe_k, pipe_v, kvh, page_off, kv_len, blk_lo, n_blk,
-                       tid, state):
-        """Producer warpgroup, paged K/V: gather each block's rows through the page table with cp.async
-        into the same swizzled layout the TMA writes (zero past the request), right to left."""
+                       tid, state, tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV):
+        """Producer warpgroup, paged K/V, blocks right to left.  A block that ends past the request is
+        gathered through the page table with cp.async into the swizzled layout the TMA writes, zero past
+        the request (so no stale value of the last page reaches P V).  With ``page_rows > 0`` every full
+        block loads by TMA instead, one box of ``page_rows`` rows per page (one lane expects the
+        transaction bytes, warp 0 issues the boxes, all 128 threads arrive), else it is gathered too."""
         TN, DQ, DV = self.TN, self.DQ, self.DV
         for i in cutlass.range(n_blk, unroll=1):
             tok0 = (blk_lo + n_blk - 1 - i) * TN
+            tma_block = False
+            if const_expr(self.cfg.page_rows > 0):
+                tma_block = tok0 + TN <= kv_len
             pipe_k.producer_acquire(state)
-            self._gather(mK, mIdx, sK_addr + state.index * (TN * DQ * 2), DQ, tok0, kv_len, page_off, kvh, tid)
-            pipe_k.producer_commit(state)
+            if tma_block:
+                self._load_pages(tma_atom_K, tma_K, sK, pipe_k, state, self.k_bytes, mIdx, page_off, tok0, kvh, tid)
+            else:
+                self._gather(mK, mIdx, sK_addr + state.index * (TN * DQ * 2), DQ, tok0, kv_len, page_off, kvh, tid)
+                pipe_k.producer_commit(state)
             pipe_v.producer_acquire(state)
-            self._gather(mV, mIdx, sV_addr + state.index * (TN * DV * 2), DV, tok0, kv_len, page_off, kvh, tid)
-            pipe_v.producer_commit(state)
+            if tma_block:
+                self._load_pages(tma_atom_V, tma_V, sV, pipe_v, state, self.v_bytes, mIdx, page_off, tok0, kvh, tid)
+            else:
+                self._gather(mV, mIdx, sV_addr + state.index * (TN * DV * 2), DV, tok0, kv_len, page_off, kvh, tid)
+                pipe_v.producer_commit(state)
             state.advance()
         return state
+
+    @cute.jit
+    def _load_pages(self, tma_atom, tma_X, sX, pipe, state, nbytes, mIdx, page_off, tok0, kvh, tid):
+        """TMA one full block of ``tile_n`` paged tokens starting at ``tok0`` into stage ``state``: box ``j``
+        (``page_rows`` rows) from page ``mIdx[page_off + (tok0 + j * page_rows) // page_size]`` into rows
+        ``j * page_rows ..`` of the stage (1 KiB aligned: ``page_rows`` is a multiple of 8)."""
+        R, PS, TN = self.cfg.page_rows, self.cfg.page_size, self.TN
+        if const_expr(R > 0):  # (traced only where full blocks can load by TMA)
+            bar = pipe.producer_get_barrier(state)
+            # the whole of warp 0 issues: the TMA copy (and elect_one) elect a lane with elect.sync, which
+            # needs every lane of the warp (called from one lane it hangs)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_expect_tx(bar, nbytes)
+                for j in cutlass.range_constexpr(TN // R):
+                    tok = tok0 + j * R
+                    page = mIdx[page_off + tok // PS]
+                    gX = cute.local_tile(tma_X[None, None, kvh, page], (R, tma_X.shape[1]), (tok % PS // R, 0))
+                    dst = cute.local_tile(sX[None, None, state.index], (R, sX.shape[1]), (j, 0))
+                    tXs, tXg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                                     cute.group_modes(gX, 0, 2))
+                    cute.copy(tma_atom, tXg, tXs, tma_bar_ptr=bar)
+            cute.arch.mbarrier_arrive(bar)  # all 128 producer threads, as the cp.async arrivals of a gather
 
     @cute.jit
     def _gather(self, mX, mIdx, s_addr, D: cutlass.Constexpr, tok0, kv_len, page_off, kvh, tid):
@@ -441,33 +586,13 @@ class Sm90PrefillKernel:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def _load_q(self, mQ, sQ_addr, row0, qo_len, q_start, kvh, tid, wg):
-        """cp.async warpgroup ``wg``'s 64 packed Q rows of the tile into the 128B-swizzled K-major layout (zero
-        past the request); each warpgroup's wgmma reads only its own rows, so the warpgroups load and sync
-        independently (named barrier ``5 + wg``)."""
-        DQ, G, TM = self.DQ, self.G, self.TM
-        cpr = DQ // 8  # 16-byte chunks per row
-        q_base = mQ.iterator.toint()
-        wtid = tid % 128
-        for it in cutlass.range_constexpr((64 * cpr) // 128):
-            idx = it * 128 + wtid
-            r = wg * 64 + idx // cpr
-            c = idx % cpr
-            goff, valid = paging.q_chunk_offset(mQ, row0 + r, qo_len, q_start, kvh, c, G)
-            soff = _sw128_offset(r, c, TM)
-            ptx.cp_async_16(sQ_addr + soff, q_base + goff * 2, cutlass.select_(valid, 16, 0))
-        ptx.cp_async_commit()
-        ptx.cp_async_wait(0)
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=5 + wg, number_of_threads=128)
-
-    @cute.jit
-    def _consume(self, mQ, mO, mLSE, mSinks, sQ, sK, sV, storage, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv, mWork,
-                 tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state):
-        """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``): Q, then KV blocks right to left
-        with S of block j+1 and P V of block j in flight together (intra-warpgroup overlap), GEMM issue
-        handed between warpgroups (ping-pong).  ``state``: the K/V ring position, carried from tile to
-        tile; returned advanced."""
+    def _consume(self, mO, mLSE, mSinks, sQ, sK, sV, pipe_q, q_state, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+                 mWork, tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state):
+        """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``; its Q has landed): KV blocks
+        right to left with S of block j+1 and P V of block j in flight together (intra-warpgroup overlap),
+        GEMM issue handed between warpgroups (ping-pong); Q is released to the producer after the last S
+        GEMM, so the next tile's Q loads during the last P V and the epilogue.  ``state``: the K/V ring
+        position, carried from tile to tile; returned advanced."""
         cfg = self.cfg
         row0 = mWork[wi, W_ROW0]
         qo_len = mWork[wi, W_QO_LEN]
@@ -504,7 +629,6 @@ class Sm90PrefillKernel:
         pos_first = row0 // G + kv_len - qo_len
         pos_last = (cutlass.min(row0 + TM, qo_len * G) - 1) // G + kv_len - qo_len
 
-        self._load_q(mQ, storage.sQ.data_ptr().toint(), row0, qo_len, q_start, kvh, tid, wg)
         if n_blk > 0:
             n = blk_lo + n_blk - 1
             pipe_k.consumer_wait(state)
@@ -543,6 +667,7 @@ class Sm90PrefillKernel:
                 if const_expr(not cfg.rescale_o_before_pv):
                     sm.rescale_rows(acc_O, DV // 8, row_scale)
                 self._to_p(acc_S, tOrP)
+            pipe_q.consumer_release(q_state)  # the last S GEMM is complete
             if const_expr(cfg.rescale_o_before_pv):
                 sm.rescale_rows(acc_O, DV // 8, row_scale)
             pipe_v.consumer_wait(state)
@@ -553,19 +678,20 @@ class Sm90PrefillKernel:
             warpgroup.wait_group(0)
             pipe_v.consumer_release(state)
             state.advance()
+        else:
+            pipe_q.consumer_release(q_state)
         sm.quad_sum_rows(row_l)
-        if const_expr(cfg.num_ctas > 0):
-            # persistent: re-derive the tile's coordinates from the (opaque) tile index rather than keep
-            # them live through the main loop, where the consumer's registers run out
-            W = mWork.shape[0]
-            t_o = ptx.opaque_i32(tile)
-            wi = t_o % W
-            kvh = t_o // W
-            row0 = mWork[wi, W_ROW0]
-            qo_len = mWork[wi, W_QO_LEN]
-            q_start = mWork[wi, W_Q_START]
-            lane = ptx.opaque_i32(tid) % 32
-            warp = ptx.opaque_i32(tid) // 32
+        # re-derive the tile's coordinates from the (opaque) tile index rather than keep them live through
+        # the main loop, where the consumer's registers run out
+        W = mWork.shape[0]
+        t_o = ptx.opaque_i32(tile)
+        wi = t_o % W
+        kvh = t_o // W
+        row0 = mWork[wi, W_ROW0]
+        qo_len = mWork[wi, W_QO_LEN]
+        q_start = mWork[wi, W_Q_START]
+        lane = ptx.opaque_i32(tid) % 32
+        warp = ptx.opaque_i32(tid) // 32
         self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
         return state
 
