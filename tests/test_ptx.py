@@ -388,7 +388,8 @@ def test_sm90_prefill_default_tiles_never_spill(keys):
     registers: with a window or a soft cap they spilled 16-224 B, so those problems keep the smaller tiles;
     with pages of 32 tokens or more tile_n 128 (whole pages per block: K/V by TMA)."""
     cfg = ci.config("prefill", "sm_90a", kernel="sm90", **keys)
-    small = keys.get("use_window") or keys.get("use_soft_cap") or keys.get("page_size", 0) >= 32
+    small = (keys.get("use_window") or keys.get("use_soft_cap")
+             or (keys["head_dim_qk"] == 128 and keys.get("page_size", 0) in (32, 64, 128)))
     big = (176, 2) if keys["head_dim_qk"] == 128 else (128, 3)
     assert (cfg.tile_n, cfg.num_wg) == ((128, 2) if small else big), cfg
     res = ci.resources("prefill", "sm_90a", kernel="sm90", **keys)
@@ -442,6 +443,30 @@ def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size)
     text = ci.sass("prefill", "sm_90a", **keys)
     assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= 4 and len(re.findall(r"\bHGMMA\.", text)) >= 16
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
+
+
+@pytest.mark.parametrize("page_size,head_dim,tile_n,page_rows", [
+    (16, 128, 176, 16),   # 11 pages per block
+    (64, 128, 128, 64),   # 176 and 64 do not divide: tile_n 128, 2 pages per block
+    (128, 256, 64, 64),   # 2 blocks per page
+    (32, 64, 128, 32),    # three warpgroups keep tile_n 128
+    (44, 128, 176, 0),    # 44 divides 176 but a 44-row box is not whole swizzle atoms: gather
+    (48, 128, 176, 0),    # neither 176 nor 128 works with 48: gather, tiles unchanged
+    (8, 128, 176, 0),     # pages under 16 tokens: gather
+])
+def test_sm90_paged_tile_choice(page_size, head_dim, tile_n, page_rows):
+    """Paged K/V: the default tiles make full blocks whole pages (or part of one) where that gives TMA boxes of
+    whole 8-row swizzle atoms; other page sizes keep the tiles and gather."""
+    cfg = ci.config("prefill", "sm_90a", kernel="sm90", dtype="bfloat16", head_dim_qk=head_dim, group_size=4,
+                    causal=True, page_size=page_size)
+    assert (cfg.tile_n, cfg.page_rows) == (tile_n, page_rows), cfg
+
+
+def test_sm90_paged_odd_page_size_builds_with_gather():
+    """A page size whose box would not be whole swizzle atoms (44 rows) builds the gather path: TMA only for Q."""
+    keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True, page_size=44)
+    text = ci.ptx("prefill", "sm_90a", kernel="sm90", **keys)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", text)) == 2 and "cp.async.cg.shared.global" in text
 
 
 def test_sm90_prefill_persistent_needs_ragged_kv(monkeypatch):

@@ -610,7 +610,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     ``plan()`` once per batch (host work: reads the index arrays to the CPU, packs the
     custom mask, builds the work table; not capturable), then ``run()`` per layer (no host
-    synchronisation; capturable in a CUDA graph when ``use_cuda_graph=True``).
+    synchronisation; capturable in a CUDA graph when ``use_cuda_graph=True``).  The runs of one
+    plan must not overlap in time (one wrapper's ``run()`` on two streams at once, or a replayed
+    graph of it beside a direct call): on SM90 at head_dim 128 the persistent kernel's CTAs claim
+    tiles from a counter in the plan's work table, which each launch leaves at 0 for the next.
 
     Args:
       float_workspace_buffer: uint8 tensor on the device, 16-byte aligned.  Kept for

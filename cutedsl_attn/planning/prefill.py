@@ -134,8 +134,9 @@ def plan_prefill(
       ``num_work`` rows are the tiles, request by request in descending order of the
       request's work (visible KV tokens summed over its tiles), each request's tiles by
       descending work -- requests of equal work as one group, their tiles interleaved by
-      work, ties by request then row -- so the longest CTAs start first and the CTAs in
-      flight share a few requests' K/V in L2; the rest are padding rows.  ``W = num_rows`` when given, else ``max(num_work, 1)`` (a batch with
+      work, ties by request then row -- so the busiest requests start first (a long tile of
+      a request with little work in total can start late) and the CTAs in flight share a few
+      requests' K/V in L2; the rest are padding rows.  ``W = num_rows`` when given, else ``max(num_work, 1)`` (a batch with
       no query row still gets one padding row, so a grid is never empty).
 
     Every packed row ``r in [0, qo_len * group_size)`` of every request lies in exactly
