@@ -3,9 +3,9 @@
 FlashInfer-shaped public API (switch ``import flashinfer`` for ``import cutedsl_attn``
 for the functions listed in ``__all__``).  Kernels are compiled at run time for the
 current GPU (or ``CUTEDSL_ATTN_ARCH`` when cross-compiling) and cached in memory and
-on disk.  What was run where: the decode and prefill kernels (portable CuTe DSL) are
-run and verified on an NVIDIA H200 (SM90); SM100/SM103 builds are cross-compiled and
-PTX-checked only.
+on disk.  What was run where: the decode and prefill kernels (portable CuTe DSL) and the
+SM90 prefill kernel (TMA + wgmma) are run and verified on an NVIDIA H200 (SM90); SM100/SM103
+builds are cross-compiled and PTX-checked only.
 """
 
 __version__ = "0.1.0"

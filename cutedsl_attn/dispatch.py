@@ -147,7 +147,10 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
         tiles = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
                                     use_soft_cap=cfg.use_soft_cap, page_size=cfg.page_size, num_sms=_num_sms())
         tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")
-        tiles.update(_prefill_tune(tune))
+        override = _prefill_tune(tune)
+        if cfg.page_size > 0:
+            override.pop("num_ctas", None)  # the persistent grid serves ragged K/V only (documented below)
+        tiles.update(override)
         try:
             return _sm90.Sm90PrefillConfig(**fields, **tiles)
         except ValueError as e:
@@ -178,7 +181,8 @@ def _prefill_tune(text: str) -> dict:
     """Parse ``CUTEDSL_ATTN_PREFILL_TUNE`` (``"key=value,..."``, tuning experiments only) into SM90 config
     overrides: integer fields take integers, boolean ones ``0/1/true/false``.  The overrides replace the
     defaults of :func:`cutedsl_attn.sm90.prefill.default_tiles` as given, for every SM90 problem of the
-    process: a combination that does not fit shared memory raises when a problem is planned, one that
+    process (``num_ctas``, the persistent grid, for those with ragged K/V only: paged ones keep one CTA
+    per tile): a combination that does not fit shared memory raises when a problem is planned, one that
     spills registers only runs slower (``cutedsl_attn.inspect.resources`` shows the stack frame).
 
     Raises ValueError naming the variable for an item that is not ``key=value``, a key outside

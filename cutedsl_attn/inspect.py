@@ -119,7 +119,8 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
         :func:`cutedsl_attn.compile.normalize_arch` (``"sm_90a"``, ``"sm_100a"``,
         ``"sm_103a"``, ``"hopper"``, ``"blackwell"``, ...).  Always explicit: the
         environment (``CUTEDSL_ATTN_ARCH``) and the local GPU are not consulted (the prefill
-        switches ``CUTEDSL_ATTN_PREFILL_KERNEL``/``_TUNE`` are, see the module docstring).
+        switches ``CUTEDSL_ATTN_PREFILL_KERNEL``/``_TUNE`` are, see the module docstring, and the SM90
+        prefill kernel's persistent grid takes the local GPU's SM count, 132 without a GPU).
       **cfg: config keys (see the module docstring); unset keys take :data:`DEFAULTS`.
 
     Returns:

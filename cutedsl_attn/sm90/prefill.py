@@ -23,8 +23,9 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   ragged K/V the same warp streams K and V tiles of ``tile_n`` tokens with TMA
   (``cp.async.bulk.tensor``) into a ``num_stages``-deep ring, one mbarrier pipeline for K and
   one for V (``cutlass.pipeline.PipelineTmaAsync``).  For paged K/V a block whose tokens are
-  whole pages or lie inside one page (``page_size >= 16``, :attr:`Sm90PrefillConfig.page_rows`)
-  and that ends inside the request loads by TMA too, one box per page read from the page
+  whole pages or lie inside one page (:attr:`Sm90PrefillConfig.page_rows`: ``page_size >= 16``,
+  one of ``tile_n`` / ``page_size`` dividing the other in whole 8-row units -- powers of two
+  from 16 in practice) and that ends inside the request loads by TMA too, one box per page read from the page
   table; the block holding the request's end (all blocks for smaller pages) is gathered by
   all 128 threads through the page table with ``cp.async`` into the same swizzled layout,
   zero-filled past the request, so no stale row of a last page reaches ``P V``; either way
@@ -146,8 +147,9 @@ class Sm90PrefillConfig:
 
     @property
     def page_rows(self) -> int:
-        """Rows of one K/V TMA box for paged K/V (:func:`_page_rows`): ``min(page_size, tile_n)`` where a
-        block of ``tile_n`` tokens is whole pages or lies inside one page, else 0 (every block gathered)."""
+        """Rows of one K/V TMA box for paged K/V (:func:`_page_rows`): ``min(page_size, tile_n)`` where
+        ``page_size >= 16``, a block of ``tile_n`` tokens is whole pages or lies inside one page, and the box
+        is whole 8-row swizzle atoms; else 0 (every block gathered with cp.async)."""
         return _page_rows(self.page_size, self.tile_n)
 
     @property
@@ -214,10 +216,10 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       two warpgroups on B2 x 8192 x 64 heads causal -- where it fits 160 registers per consumer thread
       without spilling: no sliding window and no soft cap (those spill 16-224 B), and ``192 %
       group_size == 0``.  At 160 registers ptxas still serialises the softmax after P V
-      (``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``, expected failure; tile_n 96
-      keeps the overlap but measured 3% slower);
+      (``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``, expected failure); tile_n 112
+      keeps the overlap in SASS but measured 2% slower (2.194 vs 2.155 ms; 96: 3.5% slower);
     * head_dim 128: tile_n 176 -- 1.5-5.5% faster than 128 on the d128 rows, 9% on the varlen mix -- without
-      window or soft cap (with them tile_n 176 spills 80-152 B; 128 does not);
+      window or soft cap (with them tile_n 176 spills 16-184 B; 128 does not);
     * head_dim 192: tile_n 128; head_dim 256: tile_n 64 (shared memory; 80 measured the same);
     * paged K/V with ``page_size >= 16``: where the choice above gives no TMA box (:func:`_page_rows`: a
       block of whole pages or inside one page) and 128 (64 at head_dim 256) does, ``tile_n`` 128 (64), so
