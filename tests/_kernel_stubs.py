@@ -51,3 +51,36 @@ class EntryRejects:
             raise ValueError(self.msg)
 
         return launch
+
+
+# ----------------------------------------------------------------------------- bad paged caches
+# The decode and prefill wrappers share one paged-cache check (``api._common.paged_kv_views``); both CPU API
+# test files run these cases against it through their own wrapper.
+BAD_PAGED_CACHE_SHAPES = ("page_size", "heads", "dim", "layout", "4d_combined")
+
+
+def bad_paged_cache(cache, what):
+    """A wrong form of the planned NHD 5-D cache ``[pages, 2, page_size=16, Hkv=2, D=64]``: ``what`` in
+    :data:`BAD_PAGED_CACHE_SHAPES`; every one must raise ``ValueError`` naming the cache."""
+    import torch
+
+    return {
+        "page_size": cache[:, :, :8],
+        "heads": cache[:, :, :, :1],
+        "dim": torch.zeros(cache.shape[0], 2, 16, 2, 32, dtype=cache.dtype),
+        "layout": cache.transpose(2, 3),  # HND cache handed to an NHD wrapper
+        "4d_combined": cache[:, :, 0],
+    }[what]
+
+
+def bad_cache_tuples(k, v):
+    """``(exception, message pattern, cache)``: wrong ``(k_cache, v_cache)`` tuples (arity, type, shape, dtype)."""
+    import torch
+
+    return [
+        (ValueError, "paged_kv_cache", (k, v, v)),
+        (TypeError, "k_cache", (k.tolist(), v)),
+        (ValueError, "v_cache", (k, v[:, :8])),
+        (ValueError, "k_cache", (k.to(torch.float16), v)),
+        (ValueError, "v_cache", (k, v.to(torch.float16))),
+    ]

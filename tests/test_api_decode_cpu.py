@@ -27,7 +27,8 @@ from cutedsl_attn.planning.decode import WORK_COLS, kv_lens_from_csr, max_items,
 from cutedsl_attn import ref
 from cutedsl_attn.ref import alibi_slopes
 
-from _kernel_stubs import EntryRejects, Recorder  # pytest puts tests/ on sys.path
+from _kernel_stubs import (  # pytest puts tests/ on sys.path
+    BAD_PAGED_CACHE_SHAPES, EntryRejects, Recorder, bad_cache_tuples, bad_paged_cache)
 
 BF16, FP16 = torch.bfloat16, torch.float16
 ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "part_o", "part_lse", "counters", "sinks", "slopes",
@@ -567,33 +568,16 @@ def test_run_kernel_entry_alignment_errors_name_the_argument(monkeypatch, arg_in
     _assert_entry_error_names(uname)
 
 
-@pytest.mark.parametrize("what", ["page_size", "heads", "dim", "layout", "4d_combined"])
+@pytest.mark.parametrize("what", BAD_PAGED_CACHE_SHAPES)
 def test_run_kv_cache_shape(rec, what):
     w, p = planned()
-    c = p["cache"]
-    bad = {
-        "page_size": c[:, :, :8],
-        "heads": c[:, :, :, :1],
-        "dim": torch.zeros(c.shape[0], 2, 16, 2, 32, dtype=BF16),
-        "layout": c.transpose(2, 3),  # HND cache handed to an NHD wrapper
-        "4d_combined": c[:, :, 0],
-    }[what]
-    _run_raises(ValueError, "cache", rec, w, p, cache=bad)
+    _run_raises(ValueError, "cache", rec, w, p, cache=bad_paged_cache(p["cache"], what))
 
 
-def test_run_kv_cache_tuple_forms(rec):
+def test_run_kv_cache_tuple_forms_and_dtypes(rec):
     w, p = planned()
-    k, v = p["cache"][:, 0], p["cache"][:, 1]
-    _run_raises(ValueError, "paged_kv_cache", rec, w, p, cache=(k, v, v))
-    _run_raises(TypeError, "k_cache", rec, w, p, cache=(k.tolist(), v))
-    _run_raises(ValueError, "v_cache", rec, w, p, cache=(k, v[:, :8]))
-
-
-def test_run_kv_cache_dtype(rec):
-    w, p = planned()
-    k, v = p["cache"][:, 0], p["cache"][:, 1]
-    _run_raises(ValueError, "k_cache", rec, w, p, cache=(k.to(FP16), v))
-    _run_raises(ValueError, "v_cache", rec, w, p, cache=(k, v.to(FP16)))
+    for exc, match, cache in bad_cache_tuples(p["cache"][:, 0], p["cache"][:, 1]):
+        _run_raises(exc, match, rec, w, p, cache=cache)
 
 
 def test_run_kv_cache_strided_last_dim(rec):

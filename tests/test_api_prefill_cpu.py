@@ -28,7 +28,8 @@ from cutedsl_attn.api import prefill as api_prefill
 from cutedsl_attn.api.quantization import packbits, segment_packbits
 from cutedsl_attn.planning.prefill import PAD_ROW, WORK_COLS, max_tiles, plan_prefill
 
-from _kernel_stubs import EntryRejects, Recorder  # pytest puts tests/ on sys.path
+from _kernel_stubs import (  # pytest puts tests/ on sys.path
+    BAD_PAGED_CACHE_SHAPES, EntryRejects, Recorder, bad_cache_tuples, bad_paged_cache)
 
 BF16, FP16 = torch.bfloat16, torch.float16
 ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "mask", "sinks", "sm_scale", "soft_cap", "window_left")
@@ -633,28 +634,16 @@ def test_run_ragged_hnd_layout_mismatch(rec):
                 v=p["v"].transpose(0, 1).contiguous())
 
 
-@pytest.mark.parametrize("what", ["page_size", "heads", "dim", "layout", "4d_combined"])
+@pytest.mark.parametrize("what", BAD_PAGED_CACHE_SHAPES)
 def test_run_paged_cache_shape(rec, what):
     w, p = planned_paged()
-    c = p["cache"]
-    bad = {
-        "page_size": c[:, :, :8],
-        "heads": c[:, :, :, :1],
-        "dim": torch.zeros(c.shape[0], 2, 16, 2, 32, dtype=BF16),
-        "layout": c.transpose(2, 3),  # HND cache handed to an NHD wrapper
-        "4d_combined": c[:, :, 0],
-    }[what]
-    _run_raises(ValueError, "cache", rec, w, p, cache=bad)
+    _run_raises(ValueError, "cache", rec, w, p, cache=bad_paged_cache(p["cache"], what))
 
 
 def test_run_paged_cache_forms_and_dtypes(rec):
     w, p = planned_paged()
-    k, v = p["cache"][:, 0], p["cache"][:, 1]
-    _run_raises(ValueError, "paged_kv_cache", rec, w, p, cache=(k, v, v))
-    _run_raises(TypeError, "k_cache", rec, w, p, cache=(k.tolist(), v))
-    _run_raises(ValueError, "v_cache", rec, w, p, cache=(k, v[:, :8]))
-    _run_raises(ValueError, "k_cache", rec, w, p, cache=(k.to(FP16), v))
-    _run_raises(ValueError, "v_cache", rec, w, p, cache=(k, v.to(FP16)))
+    for exc, match, cache in bad_cache_tuples(p["cache"][:, 0], p["cache"][:, 1]):
+        _run_raises(exc, match, rec, w, p, cache=cache)
 
 
 @pytest.mark.parametrize("which", BOTH_PLANS)
