@@ -371,9 +371,9 @@ class Sm90PrefillKernel:
                 barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=one,
                 consumer_group=consumer_warps, tx_count=self.v_bytes, defer_sync=True)
         else:
-            # paged: the 128 producer threads gather K/V rows with cp.async; each arrives on the stage's
-            # full barrier when its copies land (cp.async.mbarrier.arrive.noinc); every consumer thread
-            # releases
+            # paged: all 128 producer threads arrive on a stage's full barrier, when their cp.async copies
+            # of a gathered block land (cp.async.mbarrier.arrive.noinc) or, for a block loaded by TMA per
+            # page, right away (one of them expects the bytes); every consumer thread releases
             producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
             consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.NCT)
             pipe_k = pipeline.PipelineCpAsync.create(
