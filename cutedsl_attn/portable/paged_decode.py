@@ -39,6 +39,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common import ptx
+from ..common.dtypes import Dtype16, dtype_error
 from ..common import softmax as sm
 
 LOG2E = 1.4426950408889634
@@ -47,7 +48,7 @@ CHUNK = 16  # tokens per warp iteration: one m16n8k16 K-extent for PV
 
 
 @dataclass(frozen=True)
-class PagedDecodeConfig:
+class PagedDecodeConfig(Dtype16):
     """Compile-time configuration of :class:`PagedDecodeKernel` (also its cache key).
 
     Everything not listed here (batch, lengths, page count, number of kv heads,
@@ -67,8 +68,8 @@ class PagedDecodeConfig:
     arch: str = "sm_90a"
 
     def __post_init__(self):
-        if self.dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        if dtype_error(self.dtype):
+            raise ValueError(dtype_error(self.dtype))
         if self.head_dim not in (32, 64, 128, 256):
             raise ValueError(f"head_dim must be one of 32, 64, 128, 256, got {self.head_dim}")
         if self.page_size < 1:
@@ -83,10 +84,6 @@ class PagedDecodeConfig:
             raise ValueError(f"num_stages must be in [2, 6], got {self.num_stages}")
 
     # ---- derived quantities (host side) ----
-    @property
-    def cutlass_dtype(self):
-        return cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
-
     @property
     def num_threads(self) -> int:
         return 32 * self.num_warps

@@ -49,6 +49,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common import epilogue, masks, paging, ptx
+from ..common.dtypes import Dtype16, dtype_error
 from ..common.fake_args import compile_options, prefill_tensors, vector_f32
 from ..common import softmax as sm
 from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0
@@ -58,7 +59,7 @@ NEG_INF = float("-inf")
 
 
 @dataclass(frozen=True)
-class PrefillConfig:
+class PrefillConfig(Dtype16):
     """Compile-time configuration of :class:`PrefillKernel` (also its cache key).
 
     Lengths, offsets, head counts, strides, ``sm_scale``, the soft-cap value,
@@ -86,8 +87,8 @@ class PrefillConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):  # the config is a cache key: no 4.0 for 4
                 raise TypeError(f"{name} must be an int, got {v!r}")
-        if self.dtype not in ("bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        if dtype_error(self.dtype):
+            raise ValueError(dtype_error(self.dtype))
         if self.head_dim_qk not in (32, 64, 128, 192, 256) or self.head_dim_vo not in (32, 64, 128, 256):
             raise ValueError(
                 f"head_dim_qk must be 32/64/128/192/256 and head_dim_vo 32/64/128/256, got {self.head_dim_qk}/{self.head_dim_vo}"
@@ -101,10 +102,6 @@ class PrefillConfig:
                 f"pos_encoding_mode must be NONE, ROPE_LLAMA or ALIBI, got {self.pos_encoding_mode!r}")
         if self.num_warps not in (4, 8) or self.tile_n not in (32, 64) or self.num_stages != 2:
             raise ValueError("num_warps must be 4 or 8, tile_n 32 or 64, num_stages 2")
-
-    @property
-    def cutlass_dtype(self):
-        return cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
 
     @property
     def tile_m(self) -> int:

@@ -77,6 +77,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import epilogue, masks, paging, ptx
+from ..common.dtypes import Dtype16, dtype_error
 from ..common.fake_args import compile_options, prefill_tensors
 from ..common import softmax as sm
 from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0, W_SCHED
@@ -89,7 +90,7 @@ _SMEM_LIMIT = 227 * 1024
 
 
 @dataclass(frozen=True)
-class Sm90PrefillConfig:
+class Sm90PrefillConfig(Dtype16):
     """Compile-time configuration of :class:`Sm90PrefillKernel` (also its cache key).
 
     Field names match :class:`cutedsl_attn.portable.prefill.PrefillConfig` so the API
@@ -119,10 +120,6 @@ class Sm90PrefillConfig:
         reason = unsupported_reason(self)
         if reason:
             raise ValueError(f"Sm90PrefillConfig: {reason}")
-
-    @property
-    def cutlass_dtype(self):
-        return cutlass.BFloat16 if self.dtype == "bfloat16" else cutlass.Float16
 
     @property
     def tile_m(self) -> int:
@@ -179,8 +176,8 @@ def unsupported_reason(cfg) -> str | None:
         v = getattr(cfg, name, 0)
         if isinstance(v, bool) or not isinstance(v, int):
             return f"{name} must be an int, got {v!r}"
-    if cfg.dtype not in ("bfloat16", "float16"):
-        return f"dtype must be 'bfloat16' or 'float16', got {cfg.dtype!r}"
+    if dtype_error(cfg.dtype):
+        return dtype_error(cfg.dtype)
     if not str(cfg.arch).startswith("sm_90"):
         return f"the SM90 kernel builds for sm_90a only, got arch {cfg.arch!r}"
     if cfg.head_dim_qk not in (64, 128, 192, 256) or cfg.head_dim_vo not in (64, 128, 256):
@@ -539,20 +536,24 @@ class Sm90PrefillKernel:
             tma_block = False
             if const_expr(self.cfg.page_rows > 0):
                 tma_block = tok0 + TN <= kv_len
-            pipe_k.producer_acquire(state)
-            if tma_block:
-                self._load_pages(tma_atom_K, tma_K, sK, pipe_k, state, self.k_bytes, mIdx, page_off, tok0, kvh)
-            else:
-                self._gather(mK, mIdx, sK_addr + state.index * (TN * DQ * 2), DQ, tok0, kv_len, page_off, kvh, tid)
-                pipe_k.producer_commit(state)
-            pipe_v.producer_acquire(state)
-            if tma_block:
-                self._load_pages(tma_atom_V, tma_V, sV, pipe_v, state, self.v_bytes, mIdx, page_off, tok0, kvh)
-            else:
-                self._gather(mV, mIdx, sV_addr + state.index * (TN * DV * 2), DV, tok0, kv_len, page_off, kvh, tid)
-                pipe_v.producer_commit(state)
+            self._paged_block(pipe_k, state, tma_block, tma_atom_K, tma_K, sK, self.k_bytes, mK, sK_addr, DQ, mIdx,
+                              page_off, tok0, kv_len, kvh, tid)
+            self._paged_block(pipe_v, state, tma_block, tma_atom_V, tma_V, sV, self.v_bytes, mV, sV_addr, DV, mIdx,
+                              page_off, tok0, kv_len, kvh, tid)
             state.advance()
         return state
+
+    @cute.jit
+    def _paged_block(self, pipe, state, tma_block, tma_atom, tma_X, sX, nbytes, mX, s_addr, D: cutlass.Constexpr,
+                     mIdx, page_off, tok0, kv_len, kvh, tid):
+        """One K or V block of :meth:`_produce_paged` into stage ``state``: TMA per page, or the cp.async
+        gather (committed as the stage's cp.async arrivals)."""
+        pipe.producer_acquire(state)
+        if tma_block:
+            self._load_pages(tma_atom, tma_X, sX, pipe, state, nbytes, mIdx, page_off, tok0, kvh)
+        else:
+            self._gather(mX, mIdx, s_addr + state.index * (self.TN * D * 2), D, tok0, kv_len, page_off, kvh, tid)
+            pipe.producer_commit(state)
 
     @cute.jit
     def _load_pages(self, tma_atom, tma_X, sX, pipe, state, nbytes, mIdx, page_off, tok0, kvh):
