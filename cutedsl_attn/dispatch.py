@@ -128,7 +128,7 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
     positive scale.
 
     On SM90 the TMA + wgmma kernel (:mod:`cutedsl_attn.sm90.prefill`) serves every problem it
-    supports (ragged or paged K/V, no custom mask, no positional encoding, ``group_size`` dividing 128);
+    supports (ragged or paged K/V, custom masks, no positional encoding, ``group_size`` dividing 128);
     everything else, and every other arch, runs the portable kernel.  The environment variable
     ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the portable kernel (benchmarks compare both).
     """
@@ -145,7 +145,8 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(_sm90.Sm90PrefillConfig)
                   if hasattr(cfg, f.name) and f.name not in ("tile_n", "num_stages", "num_wg")}
         tiles = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
-                                    use_soft_cap=cfg.use_soft_cap, page_size=cfg.page_size, num_sms=_num_sms())
+                                    use_soft_cap=cfg.use_soft_cap, use_custom_mask=cfg.use_custom_mask,
+                                    page_size=cfg.page_size, num_sms=_num_sms())
         tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")
         override = _prefill_tune(tune)
         if cfg.page_size > 0:
@@ -157,7 +158,8 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
             if tune.strip():  # the override applies to every SM90 problem of the process, as given
                 default = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size,
                                               use_window=cfg.use_window, use_soft_cap=cfg.use_soft_cap,
-                                              page_size=cfg.page_size, num_sms=_num_sms())
+                                              use_custom_mask=cfg.use_custom_mask, page_size=cfg.page_size,
+                                              num_sms=_num_sms())
                 raise ValueError(f"{e} (with CUTEDSL_ATTN_PREFILL_TUNE={tune!r}; for this problem the default "
                                  f"tiles are {default})") from None
             raise
@@ -174,7 +176,8 @@ def _num_sms() -> int:
     return 132
 
 
-_PREFILL_TUNABLE = ("tile_n", "num_stages", "num_wg", "pingpong", "num_ctas", "rescale_o_before_pv")
+_PREFILL_TUNABLE = ("tile_n", "num_stages", "num_wg", "pingpong", "num_ctas", "rescale_o_before_pv", "ex2_poly",
+                    "claim_after_q")
 
 
 def _prefill_tune(text: str) -> dict:
@@ -186,8 +189,8 @@ def _prefill_tune(text: str) -> dict:
     spills registers only runs slower (``cutedsl_attn.inspect.resources`` shows the stack frame).
 
     Raises ValueError naming the variable for an item that is not ``key=value``, a key outside
-    ``tile_n, num_stages, num_wg, pingpong, num_ctas, rescale_o_before_pv``, or a bad value (the config
-    itself then checks the ranges).
+    ``tile_n, num_stages, num_wg, pingpong, num_ctas, rescale_o_before_pv, ex2_poly, claim_after_q``, or a bad
+    value (the config itself then checks the ranges).
     """
     from .sm90 import prefill as _sm90
 

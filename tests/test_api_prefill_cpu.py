@@ -889,7 +889,7 @@ def test_custom_mask_reaches_kernel_packed_little(rec, which, packed):
     cfg, a = rec.last
     assert cfg.use_custom_mask and not cfg.causal  # the mask replaces causal: one kernel for both
     assert torch.equal(a["mask"], ref_packed)
-    work, _ = expected_work(QO, KV, kv_starts, 4, mask_bits=byte_ptr[:-1].long() * 8)
+    work, _ = expected_work(QO, KV, kv_starts, 4, mask_bits=byte_ptr[:-1].long() * 8, tile_m=cfg.tile_m)
     assert torch.equal(a["work"], work)
     # mask_off is a bit offset, each request on a byte boundary
     offs = {r[0]: r[6] for r in a["work"].tolist()}

@@ -1,4 +1,5 @@
-"""GPU tests of the portable prefill kernel against the float64 oracle (run on an H200).
+"""GPU tests of the prefill kernels (SM90 where it applies, else portable) against the float64 oracle (run on an
+H200).
 
 Fresh random inputs every run (the seed is in every failure message), outputs and LSE
 poisoned with NaN before each launch, relative Frobenius error of O against
@@ -146,6 +147,48 @@ def test_ragged_persistent(monkeypatch, num_ctas):
 ])
 def test_ragged_features(name, opts, mask):
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=opts, mask=mask)
+
+
+@pytest.mark.parametrize("kernel", ["sm90", "portable"])
+@pytest.mark.parametrize("d,group,mask", [(128, 4, "custom"), (64, 8, "packed"), (256, 1, "custom")])
+def test_custom_mask_both_kernels(monkeypatch, kernel, d, group, mask):
+    """Custom masks on the SM90 kernel (the default where it applies) and on the portable one (forced),
+    ragged K/V with empty requests and rows that see nothing."""
+    if kernel == "portable":
+        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "portable")
+    w = run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, opts=dict(causal=True), mask=mask)
+    assert type(w._plan["cfg"]).__name__ == ("Sm90PrefillConfig" if kernel == "sm90" else "PrefillConfig")
+    assert w._plan["cfg"].use_custom_mask
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+def test_paged_custom_mask(ps):
+    """Paged K/V with a packed custom mask on the SM90 kernel (page 16: full blocks by TMA, page 1: gather)."""
+    gen, seed = new_gen()
+    c = make_paged(MIXED_QO, MIXED_KV, ps, 2, 4, 128, BF16, "NHD", gen)
+    n_elem = [a * b for a, b in zip(MIXED_QO, MIXED_KV)]
+    m = (torch.rand(sum(n_elem), generator=gen) > 0.3).to(DEV)
+    packed = ca.segment_packbits(m, indptr(n_elem), bitorder="little")[0]
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, ps,
+           packed_custom_mask=packed, q_data_type=BF16)
+    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig"
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
+    w.run(c["q"], c["cache"], out=out, lse=lse)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = paged_oracle(c, custom_mask=m)
+    check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}")
+
+
+@pytest.mark.parametrize("d,group,ex2_poly", [(64, 8, 3), (128, 4, 8), (128, 1, 2)])
+def test_ex2_poly(monkeypatch, d, group, ex2_poly):
+    """Softmax exponentials partly (3 or 2 of 8) or wholly (8 of 8) by the FMA-pipe polynomial: same
+    oracle tolerance, exact 0 / -inf for rows that see nothing (MIXED_QO has them), soft cap + window too."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", f"ex2_poly={ex2_poly}")
+    w = run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, opts=dict(causal=True))
+    assert w._plan["cfg"].ex2_poly == ex2_poly
+    run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0))
 
 
 def test_lse_base_and_layout():

@@ -270,7 +270,7 @@ PREFILL_CONFIGS = {  # the portable kernel (the SM90 one has its own tests below
     "bf16_hd128_g4_causal": dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True, kernel="portable"),
     "fp16_hd192_128_paged16_mask_sinks": dict(dtype="float16", head_dim_qk=192, head_dim_vo=128, group_size=1,
                                               page_size=16, use_custom_mask=True, use_sinks=True,
-                                              use_window=True, use_soft_cap=True),
+                                              use_window=True, use_soft_cap=True, kernel="portable"),
 }
 
 
@@ -503,6 +503,46 @@ def test_prefill_tune_env(monkeypatch):
         ci.config("prefill", "sm_90a", **{**keys, "head_dim_qk": 256})
 
 
+@pytest.mark.parametrize("keys", [dict(head_dim_qk=128, group_size=4), dict(head_dim_qk=64, group_size=8, page_size=16),
+                                  dict(head_dim_qk=192, head_dim_vo=128, group_size=1, use_window=True)],
+                         ids=["hd128_ragged", "hd64_paged16", "hd192_window"])
+def test_sm90_prefill_custom_mask_ptx(keys):
+    """Custom masks run on the SM90 kernel: two warpgroups x tile_n 64 (tile_n 128 spilled 240 B), every
+    block masked from one byte of the packed mask per score element (``ld.global`` u8), causal off (the
+    mask replaces it), still TMA + wgmma, no spills."""
+    keys = dict(dtype="bfloat16", causal=False, use_custom_mask=True, **keys)
+    cfg = ci.config("prefill", "sm_90a", **keys)
+    assert type(cfg).__name__ == "Sm90PrefillConfig" and (cfg.tile_n, cfg.num_wg) == (64, 2), cfg
+    text = ci.ptx("prefill", "sm_90a", **keys)
+    # one mask byte per score: 2 places (first block, main loop) x 2 rows x tile_n / 4 values per thread
+    assert len(re.findall(r"ld\.global(\.\w+)*\.[bu]8", text)) == 2 * 2 * cfg.tile_n // 4
+    assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+    plain = ci.ptx("prefill", "sm_90a", **{**keys, "use_custom_mask": False}, kernel="sm90")
+    assert not re.search(r"ld\.global(\.\w+)*\.[bu]8", plain)
+    assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
+
+
+@pytest.mark.parametrize("ex2_poly", [0, 3, 8])
+def test_sm90_prefill_ex2_poly_ptx(monkeypatch, ex2_poly):
+    """``ex2_poly = k``: k of every 8 exponentials of a row leave the MUFU (``ex2.approx``) for the cubic on the
+    FMA pipe (its 1.5 * 2^23 rounding constant and the shift into the exponent field appear once per value)."""
+    keys = dict(dtype="bfloat16", head_dim_qk=64, group_size=8, causal=True)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", f"ex2_poly={ex2_poly}")
+    cfg = ci.config("prefill", "sm_90a", **keys)
+    assert cfg.ex2_poly == ex2_poly
+    text = ci.ptx("prefill", "sm_90a", **keys)
+    # softmax of the first block and of the main loop: 2 places x 2 rows x tile_n / 4 values per thread
+    values = 2 * 2 * cfg.tile_n // 4
+    n_poly = values * ex2_poly // 8
+    assert len(re.findall(r"add\.rn\.f32\s+\S+,\s*\S+,\s*0f4B400000", text)) == n_poly
+    assert len(re.findall(r"shl\.b32\s+\S+,\s*\S+,\s*23;", text)) == n_poly
+    # the MUFU keeps the rest, plus the row-rescale factors (2 per softmax) and the epilogue's
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "ex2_poly=0")
+    base = len(re.findall(r"ex2\.approx", ci.ptx("prefill", "sm_90a", **keys)))
+    assert len(re.findall(r"ex2\.approx", text)) == base - n_poly
+    assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
+
+
 def test_cubin_resources_rejects_non_elf():
     with pytest.raises(ValueError, match="ELF"):
         ci.cubin_resources(b"not a cubin at all")
@@ -514,14 +554,15 @@ def test_sm90_prefill_routing():
 
     base = dict(dtype="bfloat16", head_dim_qk=128, group_size=4)
     assert type(ci.config("prefill", "sm_90a", **base, page_size=16)).__name__ == "Sm90PrefillConfig"
-    for over in (dict(use_custom_mask=True), dict(pos_encoding_mode="ROPE_LLAMA"),
+    assert type(ci.config("prefill", "sm_90a", **base, use_custom_mask=True)).__name__ == "Sm90PrefillConfig"
+    for over in (dict(pos_encoding_mode="ROPE_LLAMA"),
                  dict(pos_encoding_mode="ALIBI"), dict(group_size=3), dict(head_dim_qk=32)):
         cfg = ci.config("prefill", "sm_90a", **{**base, **over})
         assert type(cfg).__name__ == "PrefillConfig", over
     assert type(ci.config("prefill", "sm_100a", **base)).__name__ == "PrefillConfig"
     assert type(ci.config("prefill", "sm_90a", **base, kernel="portable")).__name__ == "PrefillConfig"
     with pytest.raises(ValueError, match="SM90 prefill kernel cannot serve"):
-        ci.config("prefill", "sm_90a", **base, use_custom_mask=True, kernel="sm90")
+        ci.config("prefill", "sm_90a", **base, pos_encoding_mode="ALIBI", kernel="sm90")
     with pytest.raises(ValueError, match="sm_90a only"):
         Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, arch="sm_100a")
     with pytest.raises(ValueError, match="shared memory"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32, Int64, const_expr
 
 
 def visible(j, kv_len, qpos, window_left, *, causal: bool, use_window: bool):
@@ -21,6 +21,22 @@ def visible(j, kv_len, qpos, window_left, *, causal: bool, use_window: bool):
     if use_window:
         ok = ok & ((window_left < 0) | (j >= qpos - window_left))
     return ok
+
+
+def custom_row_bit(mask_off, qtok, kv_len):
+    """First bit of query token ``qtok``'s row in a packed custom mask (FlashInfer's ``packed_custom_mask``:
+    little-endian bits, 1 = visible, the request's segment starting at bit ``mask_off``, rows of ``kv_len``
+    bits).  ``qtok`` must be a valid query token of the request (callers clamp padding rows)."""
+    return Int64(mask_off) + Int64(qtok) * kv_len
+
+
+def custom_visible(mMask, row_bit, kv_len, j):
+    """Whether key ``j`` is visible in the custom-mask row starting at bit ``row_bit``
+    (:func:`custom_row_bit`); keys past the request read the row's last bit (they are masked by
+    :func:`visible` anyway)."""
+    bit = row_bit + cutlass.min(j, kv_len - 1)
+    byte = Int32(mMask[bit >> 3])
+    return ((byte >> Int32(bit & 7)) & 1) != 0
 
 
 @cute.jit

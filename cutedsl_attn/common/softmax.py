@@ -36,7 +36,7 @@ def logit_scales(sm_scale, soft_cap, use_soft_cap: bool):
     return sm_scale * LOG2E, Float32(1.0)
 
 
-def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=None):
+def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=None, ex2_poly: int = 0):
     """Turn ``sacc`` (logits, -inf where masked) into probabilities in place.
 
     Without ``logit_scale`` the logits are already in log2 units.  With it (a positive
@@ -45,9 +45,15 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
     (``2^(s * logit_scale - m)``), saving the separate scaling pass.  ``logit_scale`` must
     be > 0 (the max of the raw values is the max of the scaled ones).
 
+    ``ex2_poly`` (0..8): of every 8 consecutive values of a row a thread holds, that many exponentials
+    run as :func:`cutedsl_attn.common.ptx.ex2_poly` (FMA pipe) instead of ``ex2`` (MUFU, 16 per clock
+    per SM on Hopper: at head_dim 64 the softmax exponentials take as long as both GEMMs).
+
     Updates ``row_m``/``row_l`` (log2 units) and writes the factor ``scale[h]`` by which the
     output accumulator rows must be multiplied (see :func:`rescale_rows`).
     """
+    if not 0 <= ex2_poly <= 8:
+        raise ValueError(f"ex2_poly must be in 0..8, got {ex2_poly}")
     for h in range(2):
         vals = [sacc[4 * n + 2 * h + e] for n in range(n_tiles) for e in range(2)]
         mx = _tree(vals, cute.arch.fmax)  # independent partial maxima: a short dependency chain
@@ -62,10 +68,11 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
         ps = []
         for n in range(n_tiles):
             for e in range(2):
+                exp2 = ptx.ex2_poly if (2 * n + e) % 8 < ex2_poly else ptx.ex2
                 if logit_scale is not None:
-                    p = ptx.ex2(sacc[4 * n + 2 * h + e] * logit_scale - m_use)
+                    p = exp2(sacc[4 * n + 2 * h + e] * logit_scale - m_use)
                 else:
-                    p = ptx.ex2(sacc[4 * n + 2 * h + e] - m_use)
+                    p = exp2(sacc[4 * n + 2 * h + e] - m_use)
                 sacc[4 * n + 2 * h + e] = p
                 ps.append(p)
         row_l[h] = row_l[h] * scale[h] + _tree(ps, lambda a, b: a + b)

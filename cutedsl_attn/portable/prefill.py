@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from ..common import epilogue, masks, paging, ptx
 from ..common.dtypes import Dtype16, dtype_error
@@ -340,10 +340,7 @@ class PrefillKernel:
                     ok = masks.visible(j, kv_len, qpos[h], window_left, causal=self.mask_causal,
                                        use_window=self.cfg.use_window)
                     if const_expr(self.cfg.use_custom_mask):
-                        jc = cutlass.min(j, kv_len - 1)
-                        bit = Int64(mask_off) + Int64(qtok[h]) * kv_len + jc
-                        byte = Int32(mMask[bit // 8])
-                        ok = ok & (((byte >> Int32(bit % 8)) & 1) != 0)
+                        ok = ok & masks.custom_visible(mMask, masks.custom_row_bit(mask_off, qtok[h], kv_len), kv_len, j)
                     sacc[4 * n8 + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
 
             # online softmax for rows g and g+8, then rescale O

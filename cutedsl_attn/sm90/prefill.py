@@ -57,8 +57,9 @@ The softmax scale must be > 0 unless a soft cap is used (the API plans the porta
 kernel for ``sm_scale <= 0``).
 
 Scope: fp16/bf16; head_dim_qk 64/128/192/256, head_dim_vo 64/128/256; ``tile_m`` a multiple
-of ``group_size``; no custom mask and no positional encoding (those run on the portable
-kernel: :func:`unsupported_reason` says which).  Verified on an H200 (SM90): ragged (one CTA
+of ``group_size``; custom masks (FlashInfer's packed bits, one byte load per score element
+in every block: a correctness path, not a fast one); no positional encoding (RoPE / ALiBi run on
+the portable kernel: :func:`unsupported_reason` says which).  Verified on an H200 (SM90): ragged (one CTA
 per tile and persistent) and paged (page 1/16/64/128, TMA and gather) against the float64
 oracle; it does not build for SM100.
 """
@@ -80,7 +81,7 @@ from ..common import epilogue, masks, paging, ptx
 from ..common.dtypes import Dtype16, dtype_error
 from ..common.fake_args import compile_options, prefill_tensors
 from ..common import softmax as sm
-from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0, W_SCHED
+from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0, W_SCHED
 
 LOG2E = 1.4426950408889634
 NEG_INF = float("-inf")
@@ -107,13 +108,15 @@ class Sm90PrefillConfig(Dtype16):
     use_window: bool = False
     use_soft_cap: bool = False
     use_sinks: bool = False
-    use_custom_mask: bool = False  # not supported here (see supports())
+    use_custom_mask: bool = False  # packed bits per request (replaces causal; every block masked)
     tile_n: int = 128
     num_stages: int = 2
     num_wg: int = 2  # consumer warpgroups (64 query rows each)
     pingpong: bool = True  # consumer warpgroups take turns issuing GEMMs (softmax of one overlaps the other's)
     num_ctas: int = 0  # 0: one CTA per tile; > 0: a persistent grid of min(num_ctas, tiles) CTAs
     rescale_o_before_pv: bool = False  # rescale O while the S GEMM runs (else after the P V GEMM completes)
+    ex2_poly: int = 0  # of every 8 softmax exponentials of a row, this many by polynomial on the FMA pipe
+    claim_after_q: bool = True  # persistent grid: claim the next tile after handing over this one's Q (else before)
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -172,7 +175,7 @@ def _page_rows(page_size: int, tile_n: int) -> int:
 def unsupported_reason(cfg) -> str | None:
     """Why the SM90 kernel cannot serve ``cfg`` (a prefill config of either kernel), or None."""
     for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size", "tile_n", "num_stages", "num_wg",
-                 "num_ctas"):
+                 "num_ctas", "ex2_poly"):
         v = getattr(cfg, name, 0)
         if isinstance(v, bool) or not isinstance(v, int):
             return f"{name} must be an int, got {v!r}"
@@ -182,8 +185,6 @@ def unsupported_reason(cfg) -> str | None:
         return f"the SM90 kernel builds for sm_90a only, got arch {cfg.arch!r}"
     if cfg.head_dim_qk not in (64, 128, 192, 256) or cfg.head_dim_vo not in (64, 128, 256):
         return f"head_dim_qk must be 64/128/192/256 and head_dim_vo 64/128/256, got {cfg.head_dim_qk}/{cfg.head_dim_vo}"
-    if cfg.use_custom_mask:
-        return "custom masks are served by the portable kernel"
     if getattr(cfg, "pos_encoding_mode", "NONE") != "NONE":
         return "positional encodings are served by the portable kernel"
     if cfg.group_size < 1 or 128 % cfg.group_size != 0:
@@ -196,6 +197,8 @@ def unsupported_reason(cfg) -> str | None:
             return f"num_stages must be 2 or 3, got {cfg.num_stages}"
         if cfg.num_wg not in (2, 3) or (64 * cfg.num_wg) % cfg.group_size:
             return f"num_wg must be 2 or 3 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
+        if not 0 <= cfg.ex2_poly <= 8:
+            return f"ex2_poly must be in 0..8, got {cfg.ex2_poly}"
         if cfg.num_ctas < 0:
             return f"num_ctas must be >= 0, got {cfg.num_ctas}"
         if cfg.num_ctas > 0 and cfg.page_size > 0:
@@ -206,18 +209,20 @@ def unsupported_reason(cfg) -> str | None:
 
 
 def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
-                  use_soft_cap: bool = False, page_size: int = 0, num_sms: int = 132) -> dict:
+                  use_soft_cap: bool = False, use_custom_mask: bool = False, page_size: int = 0,
+                  num_sms: int = 132) -> dict:
     """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3 and 4):
 
     * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
       two warpgroups on B2 x 8192 x 64 heads causal -- where it fits 160 registers per consumer thread
-      without spilling: no sliding window and no soft cap (those spill 16-224 B), and ``192 %
+      without spilling: no sliding window, soft cap or custom mask (those spill 16-224 B), and ``192 %
       group_size == 0``.  At 160 registers ptxas still serialises the softmax after P V
       (``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``, expected failure); tile_n 112
       keeps the overlap in SASS but measured 2% slower (2.194 vs 2.155 ms; 96: 3.5% slower);
     * head_dim 128: tile_n 176 -- 1.5-5.5% faster than 128 on the d128 rows, 9% on the varlen mix -- without
-      window or soft cap (with them tile_n 176 spills 16-184 B; 128 does not);
+      window, soft cap or custom mask (with them tile_n 176 spills 16-184 B; 128 does not);
     * head_dim 192: tile_n 128; head_dim 256: tile_n 64 (shared memory; 80 measured the same);
+    * a custom mask: two warpgroups x tile_n 64 (the mask's per-element byte loads spill 240 B at 128);
     * paged K/V with ``page_size >= 16``: where the choice above gives no TMA box (:func:`_page_rows`: a
       block of whole pages or inside one page) and 128 (64 at head_dim 256) does, ``tile_n`` 128 (64), so
       full blocks load by TMA (page 64: 1.71 ms vs the gather's 3.8 ms on 2 x 8192 d128 causal);
@@ -229,14 +234,15 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       which it does not serve).
     """
     d = max(head_dim_qk, head_dim_vo)
-    plain = not use_window and not use_soft_cap  # the masks / tanh of these need registers
+    plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
     persistent = {"num_ctas": num_sms} if page_size == 0 and 64 < d <= 128 else {}
     if d <= 64 and 192 % group_size == 0 and plain:
         tiles = {"tile_n": 128, "num_wg": 3, **persistent}
     elif 64 < d <= 128 and plain:
         tiles = {"tile_n": 176, "num_wg": 2, **persistent}
     else:
-        tiles = {"tile_n": 64 if d > 192 else 128, "num_wg": 2, **persistent}
+        # custom masks: one byte load per score element; at tile_n 128 their addresses spill 240 B
+        tiles = {"tile_n": 64 if d > 192 or use_custom_mask else 128, "num_wg": 2, **persistent}
     alt = 64 if d > 192 else 128
     if page_size >= 16 and not _page_rows(page_size, tiles["tile_n"]) and _page_rows(page_size, alt):
         tiles["tile_n"] = alt  # blocks of whole pages (or inside one page): full K/V blocks by TMA
@@ -333,13 +339,13 @@ class Sm90PrefillKernel:
         if const_expr(self.cfg.num_ctas > 0):
             grid = (cutlass.min(mWork.shape[0] * hkv, self.cfg.num_ctas), 1, 1)
         self.kernel(mQ, mK, mV, mIdx, tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mWork, mO, mLSE, mSinks,
-                    sm_scale, soft_cap, window_left, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
+                    mMask, sm_scale, soft_cap, window_left, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
             grid=grid, block=(self.cfg.num_threads, 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mQ, mK, mV, mIdx, tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mWork, mO, mLSE,
-               mSinks, sm_scale: Float32, soft_cap: Float32, window_left: Int32,
+               mSinks, mMask, sm_scale: Float32, soft_cap: Float32, window_left: Int32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         """Device entry: one CTA per (work row, kv head) tile, or (``num_ctas > 0``) a persistent CTA that
@@ -400,14 +406,19 @@ class Sm90PrefillKernel:
                     t = bx + W * by
                     while t < num_tiles:
                         claim = Int32(0)
-                        if const_expr(cfg.num_ctas > 0):
-                            claim = self._claim_begin(mWork)  # the atomic's latency hides behind this tile's loads
+                        if const_expr(cfg.num_ctas > 0 and not cfg.claim_after_q):
+                            claim = self._claim_begin(mWork)
                         wi = t % W
                         kvh = t // W
                         b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
                         if b >= 0:
                             self._hand_over(pipe_q, q_state, s_tile, t, tma_atom_Q, tma_Q, sQ, mWork, wi, kvh)
                             q_state.advance()
+                        if const_expr(cfg.num_ctas > 0 and cfg.claim_after_q):
+                            # claimed once this tile has started (its Q handed over), not before: a claim
+                            # reserves a tile for this CTA; the atomic's latency hides behind the K/V loads
+                            claim = self._claim_begin(mWork)
+                        if b >= 0:
                             state = self._produce(tma_K, tma_V, tma_atom_K, tma_atom_V, sK, sV, pipe_k, pipe_v,
                                                   kvh, mWork[wi, W_KV_START], blk_lo, n_blk, state)
                         t = num_tiles  # one tile per CTA
@@ -442,7 +453,7 @@ class Sm90PrefillKernel:
                 wi = t % W
                 b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
                 # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
-                state = self._consume(mO, mLSE, mSinks, sQ, sK, sV, pipe_q, q_state, pipe_k, pipe_v,
+                state = self._consume(mO, mLSE, mSinks, mMask, sQ, sK, sV, pipe_q, q_state, pipe_k, pipe_v,
                                       tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk, sm_scale,
                                       soft_cap, window_left, ptx.opaque_i32(ctid), ptx.opaque_i32(wg), state)
                 q_state.advance()
@@ -451,9 +462,10 @@ class Sm90PrefillKernel:
 
     @cute.jit
     def _claim_begin(self, mWork):
-        """Persistent CTAs, producer warp 0: lane 0 claims the next tile with ``atomicAdd(counter, 1)`` on
-        ``work[0, W_SCHED]``; the value is only read by :meth:`_claim_end`, after the current tile's loads
-        are issued, so the atomic's round trip does not delay them."""
+        """Persistent CTAs, producer warp 0, after the current tile's Q is handed over: lane 0 claims the next
+        tile with ``atomicAdd(counter, 1)`` on ``work[0, W_SCHED]``; the value is only read by
+        :meth:`_claim_end`, after the current tile's K/V loads are issued, so the atomic's round trip does
+        not delay them."""
         v = Int32(0)
         if cute.arch.lane_idx() == 0:
             v = ptx.atomic_add_global_u32(mWork.iterator.toint() + W_SCHED * 4, 1)
@@ -596,7 +608,7 @@ class Sm90PrefillKernel:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def _consume(self, mO, mLSE, mSinks, sQ, sK, sV, pipe_q, q_state, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+    def _consume(self, mO, mLSE, mSinks, mMask, sQ, sK, sV, pipe_q, q_state, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                  mWork, tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state):
         """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``; its Q has landed): KV blocks
         right to left with S of block j+1 and P V of block j in flight together (intra-warpgroup overlap),
@@ -629,10 +641,15 @@ class Sm90PrefillKernel:
         row_l = cute.make_rmem_tensor((2,), Float32)
         row_scale = cute.make_rmem_tensor((2,), Float32)
         qpos = cute.make_rmem_tensor((2,), Int32)
+        row_bit = cute.make_rmem_tensor((2,), cutlass.Int64)  # custom mask: first bit of each row's mask
         for h in cutlass.range_constexpr(2):
             row_m[h] = Float32(NEG_INF)
             row_l[h] = Float32(0.0)
             qpos[h] = (row0 + warp * 16 + g + 8 * h) // G + kv_len - qo_len
+            if const_expr(cfg.use_custom_mask):  # padding rows read the request's last row
+                qtok = cutlass.min((row0 + warp * 16 + g + 8 * h) // G, qo_len - 1)
+                row_bit[h] = masks.custom_row_bit(mWork[wi, W_MASK_OFF], qtok, kv_len)
+        mask = (mMask, row_bit)
 
         sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap)
         # first / last query position of the tile (blocks ending before the first need no causal mask)
@@ -649,7 +666,7 @@ class Sm90PrefillKernel:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             self._softmax_block(acc_S, row_m, row_l, row_scale, n * TN, kv_len, qpos, pos_first, pos_last, sc_in,
-                                sc_out, window_left, t)
+                                sc_out, window_left, t, mask)
             self._to_p(acc_S, tOrP)
             for i in cutlass.range(n_blk - 1, unroll=1):
                 state_v = state.clone()
@@ -666,7 +683,7 @@ class Sm90PrefillKernel:
                 self._turn_end(wg)
                 warpgroup.wait_group(1)
                 self._softmax_block(acc_S, row_m, row_l, row_scale, n * TN, kv_len, qpos, pos_first, pos_last,
-                                    sc_in, sc_out, window_left, t)
+                                    sc_in, sc_out, window_left, t, mask)
                 # released here, not right after wait_group(1): ptxas keeps the mbarrier arrive before the
                 # wait for P V below, and the arrive's position decides how much of the softmax ptxas
                 # schedules while P V is still running (right after wait_group(1): only the row max;
@@ -743,9 +760,10 @@ class Sm90PrefillKernel:
 
     @cute.jit
     def _softmax_block(self, acc_S, row_m, row_l, row_scale, tok0, kv_len, qpos, pos_first, pos_last, sc_in, sc_out,
-                       window_left, t):
+                       window_left, t, mask):
         """Scale and mask S of the block starting at KV token ``tok0`` (masks only where the block needs
-        them), then the online softmax step; ``row_scale`` receives the factor for the O rows."""
+        them; every block with a custom mask: ``mask = (mMask, row_bit)``), then the online softmax
+        step; ``row_scale`` receives the factor for the O rows."""
         cfg = self.cfg
         TN = self.TN
         n8 = TN // 8
@@ -754,6 +772,8 @@ class Sm90PrefillKernel:
             need_mask = need_mask | (tok0 + TN - 1 > pos_first)
         if const_expr(cfg.use_window):
             need_mask = need_mask | ((window_left >= 0) & (tok0 < pos_last - window_left))
+        if const_expr(cfg.use_custom_mask):
+            need_mask = True
         if need_mask:
             for j in cutlass.range_constexpr(n8):
                 for e in cutlass.range_constexpr(4):
@@ -763,6 +783,8 @@ class Sm90PrefillKernel:
                     if const_expr(cfg.use_soft_cap):
                         x = ptx.tanh(x * sc_in) * sc_out
                     ok = masks.visible(kj, kv_len, qpos[h], window_left, causal=cfg.causal, use_window=cfg.use_window)
+                    if const_expr(cfg.use_custom_mask):
+                        ok = ok & masks.custom_visible(mask[0], mask[1][h], kv_len, kj)
                     acc_S[4 * j + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
         else:
             if const_expr(cfg.use_soft_cap):
@@ -770,7 +792,7 @@ class Sm90PrefillKernel:
                     acc_S[i] = ptx.tanh(acc_S[i] * sc_in) * sc_out
         # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2)
         logit_scale = None if cfg.use_soft_cap else sc_in
-        sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale)
+        sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly)
 
     @cute.jit
     def _to_p(self, acc_S, tOrP):
