@@ -1,7 +1,7 @@
 """Prefill benchmark: cutedsl_attn vs FlashAttention-4, FlashInfer 0.7.2 (ragged fa3) and cuDNN SDPA, same process.
 
 Timing as perf/bench_decode.py (L2 flushed, GPU sleep before each call, CUDA events,
-median).  FLOPs as FlashInfer's benchmarks: full = 2*H*(Dqk+Dvo)*Lq*Lkv per request,
+median), with a 2 ms sleep (see ``_timer``).  FLOPs as FlashInfer's benchmarks: full = 2*H*(Dqk+Dvo)*Lq*Lkv per request,
 causal = H*(Dqk+Dvo)*Lq*(2*Lkv - Lq).  The ceiling is a bf16 8192^3 torch matmul in
 the same run.
 
@@ -23,7 +23,9 @@ from cutedsl_attn.timing import KernelTimer
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
-_timer = KernelTimer(DEV)  # allocates its L2-flush buffer on first use
+# 2 ms of GPU sleep before each timed call (4M cycles; the reference method's 200 us measured our kernel and FA4
+# 5-20% slower and drifting between rounds, perf/RESULTS.md session 5); allocates its L2-flush buffer on first use
+_timer = KernelTimer(DEV, sleep_cycles=4_000_000)
 
 
 def timed(fn, reps=10):

@@ -124,14 +124,15 @@ def test_ragged_sweep(qo, kv, hkv, group, dqk, dvo, dtype, layout, causal):
 def test_ragged_persistent(monkeypatch, num_ctas):
     """The persistent grid (``num_ctas`` CTAs claim tiles from an atomic counter in the work table): matches
     the oracle on two launches of one plan (the launch's last claim resets the counter, which then reads
-    0), with 3 CTAs (each claims many tiles) and with one per SM."""
+    0), with 3 CTAs (each claims many tiles) and with one per SM, at head_dim 128 and 64 (the defaults)."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", f"num_ctas={num_ctas}")
     gen, _ = new_gen()
     qo = rand_lens(gen, 12, 1, 1500)
     kv = [q + x for q, x in zip(qo, rand_lens(gen, 12, 0, 800))]
-    for group, opts, sinks in ((4, dict(causal=True), False),
-                               (1, dict(causal=True, window_left=100, logits_soft_cap=7.0), True)):
-        w = run_ragged(qo, kv, 2, group, 128, 128, BF16, opts=opts, sinks=sinks, launches=2)
+    for group, d, opts, sinks in ((4, 128, dict(causal=True), False),
+                                  (1, 128, dict(causal=True, window_left=100, logits_soft_cap=7.0), True),
+                                  (8, 64, dict(causal=True), False)):  # three consumer warpgroups
+        w = run_ragged(qo, kv, 2, group, d, d, BF16, opts=opts, sinks=sinks, launches=2)
         assert w._plan["cfg"].num_ctas == num_ctas
         assert int(w._plan["work"][0, 7]) == 0, "the tile counter is reset by the launch"
 

@@ -25,8 +25,9 @@ served (FlashInfer's kernel applies ``sm_scale`` twice in that combination).
 
 What runs where (``cutedsl_attn.dispatch.prefill_config`` decides, once per ``plan()``):
 on SM90 the TMA + wgmma kernel (``cutedsl_attn.sm90.prefill``: a producer warpgroup (TMA for
-ragged K/V, a cp.async gather for paged K/V) and two wgmma consumer warpgroups, 128 packed rows
-per CTA) serves ragged and paged KV without a custom mask or positional encoding, head_dim >= 64 and a group size dividing 128; everything else
+ragged K/V and for paged blocks of whole pages, a cp.async gather for the rest) and two or three
+wgmma consumer warpgroups, 128 or 192 packed rows per CTA) serves ragged and paged KV, custom
+masks included, without positional encoding, head_dim >= 64 and a group size dividing 128; everything else
 runs the portable CuTe DSL prefill kernel (``cutedsl_attn.portable.prefill``: ``cp.async`` +
 ``ldmatrix`` + ``mma.sync``, 64 packed rows per CTA).  Both pack the query heads of a kv
 head into the MMA rows and both are verified on an NVIDIA H200 (SM90); on SM100/SM103 the
@@ -612,7 +613,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
     custom mask, builds the work table; not capturable), then ``run()`` per layer (no host
     synchronisation; capturable in a CUDA graph when ``use_cuda_graph=True``).  The runs of one
     plan must not overlap in time (one wrapper's ``run()`` on two streams at once, or a replayed
-    graph of it beside a direct call): on SM90 at head_dim 128 the persistent kernel's CTAs claim
+    graph of it beside a direct call): on SM90 at head_dim <= 128 the persistent kernel's CTAs claim
     tiles from a counter in the plan's work table, which each launch leaves at 0 for the next.
 
     Args:

@@ -23,6 +23,20 @@ def visible(j, kv_len, qpos, window_left, *, causal: bool, use_window: bool):
     return ok
 
 
+def visible_range(j0, kv_len, qpos, window_left, *, causal: bool, use_window: bool):
+    """:func:`visible` as a range of offsets: key ``j0 + c`` is visible to the query at ``qpos`` iff
+    ``lo <= c <= hi``, ``(lo, hi)`` returned (``lo`` is None without a window: every ``c >= 0`` passes it).
+    With per-thread column offsets known at trace time, one compare per bound and score replaces the
+    key-index arithmetic."""
+    hi = kv_len - 1 - j0
+    if causal:
+        hi = cutlass.min(hi, qpos - j0)
+    lo = None
+    if use_window:
+        lo = cutlass.select_(window_left >= 0, qpos - window_left - j0, Int32(-1))
+    return lo, hi
+
+
 def custom_row_bit(mask_off, qtok, kv_len):
     """First bit of query token ``qtok``'s row in a packed custom mask (FlashInfer's ``packed_custom_mask``:
     little-endian bits, 1 = visible, the request's segment starting at bit ``mask_off``, rows of ``kv_len``

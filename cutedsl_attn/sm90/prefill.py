@@ -49,6 +49,8 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   the consumer warpgroups take turns issuing their GEMMs (named barriers), so one's softmax
   overlaps the other's GEMMs (FA3's schedule).
 * epilogue straight from registers (normalised, sinks folded in, LSE base 2).
+* custom masks: one byte of the packed mask per score, every block masked (two warpgroups x
+  ``tile_n`` 64, :func:`default_tiles`).
 
 Conventions (FlashInfer, identical to the portable kernel): bottom-right causal,
 ``window_left = w`` keeps ``w + 1`` keys, soft cap ``cap * tanh(s / cap)`` on scaled
@@ -115,7 +117,9 @@ class Sm90PrefillConfig(Dtype16):
     pingpong: bool = True  # consumer warpgroups take turns issuing GEMMs (softmax of one overlaps the other's)
     num_ctas: int = 0  # 0: one CTA per tile; > 0: a persistent grid of min(num_ctas, tiles) CTAs
     rescale_o_before_pv: bool = False  # rescale O while the S GEMM runs (else after the P V GEMM completes)
-    ex2_poly: int = 0  # of every 8 softmax exponentials of a row, this many by polynomial on the FMA pipe
+    # of every 8 softmax exponentials of a row, this many by a cubic on the FMA pipe (common.ptx.ex2_poly);
+    # measured slower on the H200 at head_dim 64 (2.29-2.61 vs 2.19 ms for 1-4 of 8, session 5): off
+    ex2_poly: int = 0
     claim_after_q: bool = True  # persistent grid: claim the next tile after handing over this one's Q (else before)
     arch: str = "sm_90a"
 
@@ -226,16 +230,16 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
     * paged K/V with ``page_size >= 16``: where the choice above gives no TMA box (:func:`_page_rows`: a
       block of whole pages or inside one page) and 128 (64 at head_dim 256) does, ``tile_n`` 128 (64), so
       full blocks load by TMA (page 64: 1.71 ms vs the gather's 3.8 ms on 2 x 8192 d128 causal);
-    * ragged K/V at head_dim 128: the persistent grid, one CTA per SM (``num_ctas = num_sms``), with the
+    * ragged K/V at head_dim <= 128: the persistent grid, one CTA per SM (``num_ctas = num_sms``), with the
       request-major tile order of the planner: 12-15% faster on the varlen mix than one CTA per tile,
-      1-3% on d128 full and GQA, equal on d128 causal (three runs).  At head_dim 256 it measured 7%
-      slower; at head_dim 64 (three warpgroups) its time varied 2.15-2.34 ms between runs against a
-      steady 2.19-2.20 ms for one CTA per tile; so one CTA per tile there (and always for paged K/V,
-      which it does not serve).
+      1-3% on d128 full and GQA, equal on d128 causal (session 4, three runs); at head_dim 64 2.5% faster
+      (2.125 vs 2.180 ms, interleaved A/B with a 2 ms sleep before each call, session 5; session 4's
+      200 us-sleep timing had it varying 2.15-2.34 ms).  At head_dim 256 it measured 6-7% slower (1.559
+      vs 1.470 ms), so one CTA per tile there (and always for paged K/V, which it does not serve).
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
-    persistent = {"num_ctas": num_sms} if page_size == 0 and 64 < d <= 128 else {}
+    persistent = {"num_ctas": num_sms} if page_size == 0 and d <= 128 else {}
     if d <= 64 and 192 % group_size == 0 and plain:
         tiles = {"tile_n": 128, "num_wg": 3, **persistent}
     elif 64 < d <= 128 and plain:
@@ -684,10 +688,13 @@ class Sm90PrefillKernel:
                 warpgroup.wait_group(1)
                 self._softmax_block(acc_S, row_m, row_l, row_scale, n * TN, kv_len, qpos, pos_first, pos_last,
                                     sc_in, sc_out, window_left, t, mask)
-                # released here, not right after wait_group(1): ptxas keeps the mbarrier arrive before the
-                # wait for P V below, and the arrive's position decides how much of the softmax ptxas
-                # schedules while P V is still running (right after wait_group(1): only the row max;
-                # here: the max, the scaling and the first exponentials, as FlashAttention's kernel)
+                # released here, not right after wait_group(1): ptxas keeps the wait for P V right behind this
+                # mbarrier arrive and hoists the arrive as far as its inputs allow, so its position decides how
+                # much of the softmax runs while P V is in flight (right after wait_group(1): only the row max,
+                # 1-7% slower at head_dim 128; here ptxas keeps part of the exponentials before the wait at
+                # head_dim 128/256 and none at head_dim 64 causal).  Pinning the arrive (or a second one) to
+                # the row sums puts every exponential before the wait and measured 2-6% slower on every
+                # benchmark row (perf/RESULTS.md, session 5)
                 pipe_k.consumer_release(state)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(state_v)
@@ -775,16 +782,23 @@ class Sm90PrefillKernel:
         if const_expr(cfg.use_custom_mask):
             need_mask = True
         if need_mask:
+            # the lane's scores of row h are keys tok0 + 2t + c with c = 8j + (e % 2) known at trace time:
+            # one compare per bound and score (visible_range), no per-score key arithmetic
+            bounds = [masks.visible_range(tok0 + 2 * t, kv_len, qpos[h], window_left, causal=cfg.causal,
+                                          use_window=cfg.use_window) for h in range(2)]
             for j in cutlass.range_constexpr(n8):
                 for e in cutlass.range_constexpr(4):
                     h = e // 2
-                    kj = tok0 + j * 8 + 2 * t + (e % 2)
+                    c = j * 8 + (e % 2)
+                    lo, hi = bounds[h]
                     x = acc_S[4 * j + e]
                     if const_expr(cfg.use_soft_cap):
                         x = ptx.tanh(x * sc_in) * sc_out
-                    ok = masks.visible(kj, kv_len, qpos[h], window_left, causal=cfg.causal, use_window=cfg.use_window)
+                    ok = hi >= c
+                    if const_expr(lo is not None):
+                        ok = ok & (lo <= c)
                     if const_expr(cfg.use_custom_mask):
-                        ok = ok & masks.custom_visible(mask[0], mask[1][h], kv_len, kj)
+                        ok = ok & masks.custom_visible(mask[0], mask[1][h], kv_len, tok0 + 2 * t + c)
                     acc_S[4 * j + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
         else:
             if const_expr(cfg.use_soft_cap):

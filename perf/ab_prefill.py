@@ -1,0 +1,121 @@
+"""Interleaved A/B timing of prefill variants on one benchmark case (development aid for small differences).
+
+``perf/bench_prefill.py`` times each variant once, one after the other; differences of a few percent
+between variants timed minutes apart can be order effects (clocks, power).  Here every variant is timed
+``--reps`` calls per round, round-robin for ``--rounds`` rounds in one process (same inputs, L2 flushed
+before every call: :class:`cutedsl_attn.timing.KernelTimer`), and the median over all its calls is
+reported with the spread of its per-round medians.
+
+Variants (``;``-separated): ``default`` (our kernel as dispatched), a ``CUTEDSL_ATTN_PREFILL_TUNE`` string
+such as ``tile_n=128,num_ctas=0``, ``fa4`` (FlashAttention-4 ``flash_attn.cute``), ``fi`` (FlashInfer
+0.7.2 ragged, ``backend="fa3"``; head_dim 128 only).
+
+Usage: python perf/ab_prefill.py --case varlen --variants "default;claim_after_q=0;fa4;fi" [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from bench_prefill import CASES, DEV, DT, flops
+
+from cutedsl_attn.timing import KernelTimer
+
+
+def build(variant, q, k, v, indptr, lens, hq, hkv, d, causal, ws):
+    """A no-argument callable running ``variant`` on the case's tensors."""
+    mx = max(lens)
+    if variant == "fa4":
+        from flash_attn.cute import flash_attn_varlen_func
+
+        return lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=indptr, cu_seqlens_k=indptr, max_seqlen_q=mx,
+                                              max_seqlen_k=mx, causal=causal)
+    if variant == "fi":
+        import flashinfer
+
+        fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+        fw.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+        return lambda: fw.run(q, k, v)
+    import cutedsl_attn as ca
+
+    if variant != "default":
+        os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = variant
+    try:
+        w = ca.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=DEV), "NHD")
+        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+    finally:
+        os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
+    o = w.run(q, k, v)
+    return lambda: w.run(q, k, v, out=o)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True, help="a word of one perf/bench_prefill.py case name")
+    ap.add_argument("--variants", default="default;fa4")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sleep", type=int, default=400_000, help="GPU sleep cycles before each timed call")
+    a = ap.parse_args()
+    timer = KernelTimer(DEV, sleep_cycles=a.sleep)
+    (name, lens, hq, hkv, d, causal), = [c for c in CASES if a.case in c[0]][:1]
+    if lens is None:  # as bench_prefill.py: the varlen mix from seed 0
+        lens = torch.randint(128, 4097, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    total = sum(lens)
+    q = torch.randn(total, hq, d, dtype=DT, device=DEV)
+    k = torch.randn(total, hkv, d, dtype=DT, device=DEV)
+    v = torch.randn(total, hkv, d, dtype=DT, device=DEV)
+    indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    variants = [x.strip() for x in a.variants.split(";") if x.strip()]
+    fns = {}
+    for var in variants:
+        try:
+            fns[var] = build(var, q, k, v, indptr, lens, hq, hkv, d, causal, ws)
+            fns[var]()
+        except Exception as e:  # noqa: BLE001
+            print(f"{var}: unavailable ({repr(e)[:200]})")
+    samples = {var: [] for var in fns}
+    rounds = {var: [] for var in fns}
+    for r in range(a.rounds):
+        order = list(fns) if r % 2 == 0 else list(fns)[::-1]  # alternate the order, too
+        for var in order:
+            ts = [timer(fns[var], reps=1) for _ in range(a.reps)]
+            samples[var] += ts
+            rounds[var].append(statistics.median(ts))
+    host = {}
+    for var in fns:  # host time per call (enqueue only): must stay well below the sleep before a timed call
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # keep the GPU busy so the queue never blocks the host
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fns[var]()
+        host[var] = (time.perf_counter() - t0) / 10
+        torch.cuda.synchronize()
+    fl = flops(lens, hq, d, d, causal)
+    base = statistics.median(samples[variants[0]]) if variants[0] in samples else None
+    print(f"\n{name}: {a.rounds} rounds x {a.reps} calls, interleaved ({torch.cuda.get_device_name()})")
+    print("| variant | median ms | TFLOP/s | round medians min-max ms | vs first | host us/call |")
+    print("|---|---|---|---|---|---|")
+    res = {}
+    for var in fns:
+        m = statistics.median(samples[var])
+        res[var] = dict(median_ms=m * 1e3, rounds_ms=[x * 1e3 for x in rounds[var]], host_us=host[var] * 1e6)
+        rel = f"{m / base:.3f}" if base else "n/a"
+        print(f"| {var} | {m * 1e3:.3f} | {fl / m / 1e12:.0f} | {min(rounds[var]) * 1e3:.3f}-"
+              f"{max(rounds[var]) * 1e3:.3f} | {rel} | {host[var] * 1e6:.0f} |")
+    print("(vs first: time / the first variant's time; < 1 is faster)")
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"ab_{a.case.replace(' ', '_')}.json"), "w") as f:
+        json.dump(dict(case=name, results=res), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The kernels' shared mask helpers (:mod:`cutedsl_attn.common.masks`) replayed on the CPU."""
+
+
+def test_visible_range_matches_visible(monkeypatch):
+    """``masks.visible_range`` (the SM90 kernel's per-row bounds, one compare per score) keeps exactly the keys
+    ``masks.visible`` keeps, for every mask combination, key offsets of a 176-key block, queries before /
+    inside / after the block, windows off / 0 / small / large.  The device helpers are replayed on Python
+    ints (``cutlass.min`` / ``select_`` / ``Int32`` swapped for their Python meaning)."""
+    import types
+
+    from cutedsl_attn.common import masks
+
+    monkeypatch.setattr(masks, "cutlass", types.SimpleNamespace(min=min, select_=lambda c, a, b: a if c else b))
+    monkeypatch.setattr(masks, "Int32", int)
+    for causal in (False, True):
+        for use_window in (False, True):
+            for kv_len in (1, 100, 300):
+                for qpos in (-5, 0, 37, 150, 299, 400):
+                    for window_left in (-1, 0, 9, 1000):
+                        for j0 in (0, 64, 176, 250):
+                            lo, hi = masks.visible_range(j0, kv_len, qpos, window_left, causal=causal,
+                                                         use_window=use_window)
+                            for c in range(176):
+                                want = masks.visible(j0 + c, kv_len, qpos, window_left, causal=causal,
+                                                     use_window=use_window)
+                                got = c <= hi and (lo is None or lo <= c)
+                                assert bool(want) == got, (causal, use_window, kv_len, qpos, window_left, j0, c)
+
+
+def test_custom_mask_bit_addressing(monkeypatch):
+    """``custom_row_bit`` + ``custom_visible`` (both kernels' custom-mask lookup) read FlashInfer's packed layout:
+    request b's ``qo x kv`` bits, row-major, little-endian, starting at byte ``indptr[b]`` of the packed buffer;
+    keys past the request clamp to the row's last bit.  Replayed on Python ints against the unpacked mask."""
+    import types
+
+    import torch
+
+    import cutedsl_attn as ca
+    from cutedsl_attn.common import masks
+
+    monkeypatch.setattr(masks, "cutlass", types.SimpleNamespace(min=min))
+    monkeypatch.setattr(masks, "Int32", int)
+    monkeypatch.setattr(masks, "Int64", int)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    qo, kv = [3, 1, 7, 5], [5, 9, 13, 1]
+    ms = [torch.rand(a, b, generator=g) > 0.5 for a, b in zip(qo, kv)]
+    elem_ptr = torch.tensor([0] + torch.tensor([a * b for a, b in zip(qo, kv)]).cumsum(0).tolist())
+    packed, byte_ptr = ca.segment_packbits(torch.cat([m.flatten() for m in ms]), elem_ptr, bitorder="little")
+    buf = packed.tolist()
+    for b, m in enumerate(ms):
+        off = 8 * int(byte_ptr[b])
+        for q in range(qo[b]):
+            row = masks.custom_row_bit(off, q, kv[b])
+            for j in range(kv[b] + 3):
+                want = bool(m[q, min(j, kv[b] - 1)])
+                assert masks.custom_visible(buf, row, kv[b], j) == want, (b, q, j)
