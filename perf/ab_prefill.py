@@ -44,6 +44,7 @@ def build(variant, q, k, v, indptr, lens, hq, hkv, d, causal, ws):
         return lambda: fw.run(q, k, v)
     import cutedsl_attn as ca
 
+    saved = os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)  # "default" means the dispatch defaults
     if variant != "default":
         os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = variant
     try:
@@ -51,6 +52,8 @@ def build(variant, q, k, v, indptr, lens, hq, hkv, d, causal, ws):
         w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
     finally:
         os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
+        if saved is not None:
+            os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = saved
     o = w.run(q, k, v)
     return lambda: w.run(q, k, v, out=o)
 
@@ -62,10 +65,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sleep", type=int, default=400_000, help="GPU sleep cycles before each timed call")
+    ap.add_argument("--sleep", type=int, default=4_000_000,
+                    help="GPU sleep cycles before each timed call (default ~2 ms; 400000 drifted, RESULTS session 5)")
     a = ap.parse_args()
     timer = KernelTimer(DEV, sleep_cycles=a.sleep)
-    (name, lens, hq, hkv, d, causal), = [c for c in CASES if a.case in c[0]][:1]
+    found = [c for c in CASES if a.case in c[0]]
+    if len(found) != 1:
+        raise SystemExit(f"--case {a.case!r} must name exactly one of {[c[0] for c in CASES]}; matched "
+                         f"{[c[0] for c in found]}")
+    (name, lens, hq, hkv, d, causal), = found
     if lens is None:  # as bench_prefill.py: the varlen mix from seed 0
         lens = torch.randint(128, 4097, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     total = sum(lens)

@@ -26,14 +26,15 @@ def ex2_poly_f32(x):
 
 
 def test_relative_error_below_bf16_and_fp16_ulp():
-    rng = np.random.default_rng()
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
     x = np.concatenate([np.linspace(-126.0, 0.0, 2_000_001), -rng.exponential(3.0, 100_000),
                         np.arange(-126, 1) - 0.5, np.arange(-126, 1.0)]).astype(np.float32)
     x = x[x >= -126.0]
     got = ex2_poly_f32(x).astype(np.float64)
     want = np.exp2(x.astype(np.float64))
     rel = np.abs(got - want) / want
-    assert rel.max() < 1.05e-4, (rel.max(), x[rel.argmax()])  # fp16 ulp 9.8e-4, bf16 7.8e-3 near 1
+    assert rel.max() < 1.05e-4, (seed, rel.max(), x[rel.argmax()])  # fp16 ulp 9.8e-4, bf16 7.8e-3 near 1
     assert got[x == 0.0].tolist() == [1.0] * int((x == 0.0).sum())  # the row max itself: exactly 1
 
 
@@ -48,10 +49,10 @@ def test_masked_scores_give_exact_zero():
     assert (tiny >= 0).all() and tiny.max() <= 2.0 ** -125
 
 
-@pytest.mark.parametrize("x", [-0.5, 0.5 - 2**-24, -126.5, -1e-7])
+@pytest.mark.parametrize("x", [-0.5, 0.5 - 2**-24, -125.5, -126.0, -1e-7])
 def test_rounding_boundaries(x):
     got = float(ex2_poly_f32(np.float32(x)))
-    assert got == pytest.approx(2.0 ** float(np.float32(x)), rel=1.05e-4)
+    assert got == pytest.approx(2.0 ** float(np.float32(x)), rel=1.05e-4, abs=0)
 
 
 def test_coefficients_are_the_minimax_fit():

@@ -54,3 +54,40 @@ def test_custom_mask_bit_addressing(monkeypatch):
             for j in range(kv[b] + 3):
                 want = bool(m[q, min(j, kv[b] - 1)])
                 assert masks.custom_visible(buf, row, kv[b], j) == want, (b, q, j)
+
+
+def test_mask_bounds_do_not_wrap_in_int32(monkeypatch):
+    """The kernels compute the bounds in int32: ``window_left`` may be anything up to 2^31 - 1 (FlashInfer
+    users pass int32 max for "no limit"), ``qpos`` is negative for rows above a shorter KV (requests of up to
+    2^30 tokens here).  Replayed with
+    wrapping numpy int32 against exact Python-int rules (a window of ``kv_len`` keys or more is no window)."""
+    import types
+    import warnings
+
+    import numpy as np
+
+    from cutedsl_attn.common import masks
+
+    i32 = np.int32
+    monkeypatch.setattr(masks, "cutlass", types.SimpleNamespace(
+        min=lambda a, b: i32(min(a, b)), max=lambda a, b: i32(max(a, b)), select_=lambda c, a, b: a if c else b))
+    monkeypatch.setattr(masks, "Int32", i32)
+    big = 2**31 - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy warns on int32 overflow: none may happen
+        for kv_len in (1, 300, 2**30):
+            # qpos = i + kv_len - qo_len: below kv_len, and above -2^30 for requests of up to 2^30 tokens
+            for qpos in (kv_len - 2**30, -5, 0, 299):
+                if qpos > kv_len - 1:
+                    continue
+                for window_left in (-1, 0, 7, kv_len - 1, kv_len, big):
+                    for j0 in (0, 250, 2**30 - 176):
+                        lo, hi = masks.visible_range(i32(j0), i32(kv_len), i32(qpos), i32(window_left), causal=False,
+                                                     use_window=True)
+                        for c in (0, 1, 5, 175):
+                            j = j0 + c
+                            want = j < kv_len and (window_left < 0 or j >= qpos - window_left)
+                            assert (c <= hi and lo <= c) == want, (kv_len, qpos, window_left, j0, c)
+                            got = masks.visible(i32(j), i32(kv_len), i32(qpos), i32(window_left), causal=True,
+                                                use_window=True)
+                            assert bool(got) == (want and j <= qpos), (kv_len, qpos, window_left, j)

@@ -490,10 +490,18 @@ def test_prefill_tune_env(monkeypatch):
     cfg = ci.config("prefill", "sm_90a", **keys)
     assert (cfg.tile_n, cfg.pingpong, cfg.num_ctas) == (128, False, 8)
     for bad, msg in (("pingpong=2", "0/1/true/false"), ("causal=1", "key=value with key in"),
-                     ("tile_n", "key=value"), ("tile_n=x", "integer")):
+                     ("tile_n", "key=value"), ("tile_n=x", "integer"), ("claim_after_q=maybe", "0/1/true/false"),
+                     ("ex2_poly=3.5", "integer")):
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", bad)
         with pytest.raises(ValueError, match=f"CUTEDSL_ATTN_PREFILL_TUNE: .*{msg}"):
             ci.config("prefill", "sm_90a", **keys)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "ex2_poly=9")
+    with pytest.raises(ValueError, match=r"ex2_poly must be in 0\.\.8.*CUTEDSL_ATTN_PREFILL_TUNE"):
+        ci.config("prefill", "sm_90a", **keys)
+    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig
+
+    with pytest.raises(ValueError, match="claim_after_q must be a bool"):
+        Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, claim_after_q=2)
     # an override that does not fit this problem names the variable and the problem's default tiles
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_n=128")
     with pytest.raises(ValueError, match=r"shared memory .*CUTEDSL_ATTN_PREFILL_TUNE='tile_n=128'.*'tile_n': 64"):
@@ -505,8 +513,8 @@ def test_prefill_tune_env(monkeypatch):
                          ids=["hd128_ragged", "hd64_paged16", "hd192_window"])
 def test_sm90_prefill_custom_mask_ptx(keys):
     """Custom masks run on the SM90 kernel: two warpgroups x tile_n 64 (tile_n 128 spilled 240 B), every
-    block masked from one byte of the packed mask per score element (``ld.global`` u8), causal off (the
-    mask replaces it), still TMA + wgmma, no spills."""
+    block masked from one byte of the packed mask per score element (``ld.global`` u8), the causal flag
+    ignored (the mask replaces it), still TMA + wgmma, no spills (head_dim 256 spills 16-40 B, below)."""
     keys = dict(dtype="bfloat16", causal=False, use_custom_mask=True, **keys)
     cfg = ci.config("prefill", "sm_90a", **keys)
     assert type(cfg).__name__ == "Sm90PrefillConfig" and (cfg.tile_n, cfg.num_wg) == (64, 2), cfg
@@ -514,9 +522,21 @@ def test_sm90_prefill_custom_mask_ptx(keys):
     # one mask byte per score: 2 places (first block, main loop) x 2 rows x tile_n / 4 values per thread
     assert len(re.findall(r"ld\.global(\.\w+)*\.[bu]8", text)) == 2 * 2 * cfg.tile_n // 4
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
+    # the mask replaces causal (FlashInfer; the portable kernel too): a causal flag changes nothing
+    assert ci.ptx("prefill", "sm_90a", **{**keys, "causal": True}) == text
     plain = ci.ptx("prefill", "sm_90a", **{**keys, "use_custom_mask": False}, kernel="sm90")
     assert not re.search(r"ld\.global(\.\w+)*\.[bu]8", plain)
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
+
+
+@pytest.mark.parametrize("page_size", [0, 1, 16])
+def test_sm90_prefill_custom_mask_hd256_spill_bound(page_size):
+    """At head_dim 256 (O alone is 128 registers per consumer thread) a custom mask spills 16-40 B even at
+    tile_n 64 (the documented exception; ragged / gather / TMA pages); the bound keeps it from growing."""
+    keys = dict(dtype="bfloat16", head_dim_qk=256, group_size=1, use_custom_mask=True, page_size=page_size)
+    cfg = ci.config("prefill", "sm_90a", **keys)
+    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.tile_n == 64
+    assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] <= 48
 
 
 @pytest.mark.parametrize("ex2_poly", [0, 3, 8])

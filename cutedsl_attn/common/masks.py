@@ -18,8 +18,8 @@ def visible(j, kv_len, qpos, window_left, *, causal: bool, use_window: bool):
     ok = j < kv_len
     if causal:
         ok = ok & (j <= qpos)
-    if use_window:
-        ok = ok & ((window_left < 0) | (j >= qpos - window_left))
+    if use_window:  # (a window of kv_len keys or more is no window: the clamp keeps int32 from wrapping)
+        ok = ok & ((window_left < 0) | (j >= qpos - cutlass.min(window_left, kv_len)))
     return ok
 
 
@@ -32,8 +32,8 @@ def visible_range(j0, kv_len, qpos, window_left, *, causal: bool, use_window: bo
     if causal:
         hi = cutlass.min(hi, qpos - j0)
     lo = None
-    if use_window:
-        lo = cutlass.select_(window_left >= 0, qpos - window_left - j0, Int32(-1))
+    if use_window:  # (window clamped to kv_len as in visible(): no int32 wrap for window_left up to 2^31 - 1)
+        lo = cutlass.select_(window_left >= 0, qpos - cutlass.min(window_left, kv_len) - j0, Int32(-1))
     return lo, hi
 
 
@@ -67,7 +67,7 @@ def kv_block_range(row0, qo_len, kv_len, window_left, group_size: cutlass.Conste
     lo = Int32(0)
     if const_expr(use_window):
         if window_left >= 0:
-            lo = cutlass.max(row0 // G + kv_len - qo_len - window_left, 0)
+            lo = cutlass.max(row0 // G + kv_len - qo_len - cutlass.min(window_left, kv_len), 0)
     hi = cutlass.max(hi, 0)
     blk_lo = lo // tile_n
     n_blk = cutlass.max((hi + tile_n - 1) // tile_n - blk_lo, 0)

@@ -203,6 +203,9 @@ def unsupported_reason(cfg) -> str | None:
             return f"num_wg must be 2 or 3 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
         if not 0 <= cfg.ex2_poly <= 8:
             return f"ex2_poly must be in 0..8, got {cfg.ex2_poly}"
+        for name in ("pingpong", "rescale_o_before_pv", "claim_after_q"):
+            if not isinstance(getattr(cfg, name), bool):
+                return f"{name} must be a bool, got {getattr(cfg, name)!r}"
         if cfg.num_ctas < 0:
             return f"num_ctas must be >= 0, got {cfg.num_ctas}"
         if cfg.num_ctas > 0 and cfg.page_size > 0:
@@ -215,7 +218,7 @@ def unsupported_reason(cfg) -> str | None:
 def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
                   use_soft_cap: bool = False, use_custom_mask: bool = False, page_size: int = 0,
                   num_sms: int = 132) -> dict:
-    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3 and 4):
+    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3-5):
 
     * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
       two warpgroups on B2 x 8192 x 64 heads causal -- where it fits 160 registers per consumer thread
@@ -226,7 +229,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
     * head_dim 128: tile_n 176 -- 1.5-5.5% faster than 128 on the d128 rows, 9% on the varlen mix -- without
       window, soft cap or custom mask (with them tile_n 176 spills 16-184 B; 128 does not);
     * head_dim 192: tile_n 128; head_dim 256: tile_n 64 (shared memory; 80 measured the same);
-    * a custom mask: two warpgroups x tile_n 64 (the mask's per-element byte loads spill 240 B at 128);
+    * a custom mask: two warpgroups x tile_n 64 (the mask's per-element byte loads spill 240 B at 128; at
+      head_dim 256 still 16-40 B, a correctness path);
     * paged K/V with ``page_size >= 16``: where the choice above gives no TMA box (:func:`_page_rows`: a
       block of whole pages or inside one page) and 128 (64 at head_dim 256) does, ``tile_n`` 128 (64), so
       full blocks load by TMA (page 64: 1.71 ms vs the gather's 3.8 ms on 2 x 8192 d128 causal);
@@ -235,7 +239,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       1-3% on d128 full and GQA, equal on d128 causal (session 4, three runs); at head_dim 64 2.5% faster
       (2.125 vs 2.180 ms, interleaved A/B with a 2 ms sleep before each call, session 5; session 4's
       200 us-sleep timing had it varying 2.15-2.34 ms).  At head_dim 256 it measured 6-7% slower (1.559
-      vs 1.470 ms), so one CTA per tile there (and always for paged K/V, which it does not serve).
+      vs 1.470 ms), so one CTA per tile there and at head_dim 192 (untimed), and always for paged K/V,
+      which it does not serve.
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
@@ -278,6 +283,7 @@ class Sm90PrefillKernel:
         self.paged = cfg.page_size > 0
         self.NWG = cfg.num_wg
         self.NCT = 128 * cfg.num_wg  # consumer threads
+        self.mask_causal = cfg.causal and not cfg.use_custom_mask  # a custom mask replaces causal (FlashInfer)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mIdx: cute.Tensor, mWork: cute.Tensor,
@@ -466,8 +472,8 @@ class Sm90PrefillKernel:
 
     @cute.jit
     def _claim_begin(self, mWork):
-        """Persistent CTAs, producer warp 0, after the current tile's Q is handed over: lane 0 claims the next
-        tile with ``atomicAdd(counter, 1)`` on ``work[0, W_SCHED]``; the value is only read by
+        """Persistent CTAs, producer warp 0, after the current tile's Q is handed over (``claim_after_q``, the
+        default; before it otherwise): lane 0 claims the next tile with ``atomicAdd(counter, 1)`` on ``work[0, W_SCHED]``; the value is only read by
         :meth:`_claim_end`, after the current tile's K/V loads are issued, so the atomic's round trip does
         not delay them."""
         v = Int32(0)
@@ -513,7 +519,7 @@ class Sm90PrefillKernel:
         cfg = self.cfg
         b = mWork[wi, W_BATCH]
         blk_lo, n_blk = masks.kv_block_range(mWork[wi, W_ROW0], mWork[wi, W_QO_LEN], mWork[wi, W_KV_LEN], window_left,
-                                             self.G, self.TM, self.TN, cfg.causal, cfg.use_window)
+                                             self.G, self.TM, self.TN, self.mask_causal, cfg.use_window)
         return b, blk_lo, n_blk
 
     # ------------------------------------------------------------------ producer
@@ -775,16 +781,16 @@ class Sm90PrefillKernel:
         TN = self.TN
         n8 = TN // 8
         need_mask = tok0 + TN > kv_len
-        if const_expr(cfg.causal):
+        if const_expr(self.mask_causal):
             need_mask = need_mask | (tok0 + TN - 1 > pos_first)
         if const_expr(cfg.use_window):
-            need_mask = need_mask | ((window_left >= 0) & (tok0 < pos_last - window_left))
+            need_mask = need_mask | ((window_left >= 0) & (tok0 < pos_last - cutlass.min(window_left, kv_len)))
         if const_expr(cfg.use_custom_mask):
             need_mask = True
         if need_mask:
             # the lane's scores of row h are keys tok0 + 2t + c with c = 8j + (e % 2) known at trace time:
             # one compare per bound and score (visible_range), no per-score key arithmetic
-            bounds = [masks.visible_range(tok0 + 2 * t, kv_len, qpos[h], window_left, causal=cfg.causal,
+            bounds = [masks.visible_range(tok0 + 2 * t, kv_len, qpos[h], window_left, causal=self.mask_causal,
                                           use_window=cfg.use_window) for h in range(2)]
             for j in cutlass.range_constexpr(n8):
                 for e in cutlass.range_constexpr(4):
@@ -833,7 +839,8 @@ def compile(cfg: Sm90PrefillConfig, *, keep_ptx_dir: str | None = None, keep_cub
 
     Returns the tvm-ffi callable ``f(q, k, v, indices, work, o, lse, mask, sinks, sm_scale,
     soft_cap, window_left)``: the portable prefill kernel's signature without its positional-
-    encoding arguments, and its work table (``indices`` and ``mask`` are unused here),
+    encoding arguments, and its work table (``indices``: the flat page table of paged K/V; ``mask``: the packed
+    custom mask; dummies otherwise),
     launching on torch's current stream.
     """
     from cutlass.cute.runtime import make_fake_stream
