@@ -177,7 +177,7 @@ def _num_sms() -> int:
 
 
 _PREFILL_TUNABLE = ("tile_n", "num_stages", "num_wg", "pingpong", "num_ctas", "rescale_o_before_pv", "ex2_poly",
-                    "claim_after_q")
+                    "claim_after_q", "loop_split", "v_wait_late", "k_release_early")
 
 
 def _prefill_tune(text: str) -> dict:
@@ -189,8 +189,8 @@ def _prefill_tune(text: str) -> dict:
     spills registers only runs slower (``cutedsl_attn.inspect.resources`` shows the stack frame).
 
     Raises ValueError naming the variable for an item that is not ``key=value``, a key outside
-    ``tile_n, num_stages, num_wg, pingpong, num_ctas, rescale_o_before_pv, ex2_poly, claim_after_q``, or a bad
-    value (the config itself then checks the ranges).
+    ``tile_n, num_stages, num_wg, pingpong, num_ctas, rescale_o_before_pv, ex2_poly, claim_after_q, loop_split,
+    v_wait_late, k_release_early``, or a bad value (the config itself then checks the ranges).
     """
     from .sm90 import prefill as _sm90
 

@@ -91,3 +91,27 @@ def test_mask_bounds_do_not_wrap_in_int32(monkeypatch):
                             got = masks.visible(i32(j), i32(kv_len), i32(qpos), i32(window_left), causal=True,
                                                 use_window=True)
                             assert bool(got) == (want and j <= qpos), (kv_len, qpos, window_left, j)
+
+
+def test_num_right_masked_matches_per_block_check(monkeypatch):
+    """``num_right_masked`` (``loop_split``: how many blocks, from the right, go through the masked loop) equals
+    the number of blocks the per-block check (``tok0 + tile_n > kv_len`` or, causal, ``tok0 + tile_n - 1 >
+    pos_first``) would mask, and those are exactly the rightmost ones."""
+    import types
+
+    from cutedsl_attn.common import masks
+
+    monkeypatch.setattr(masks, "cutlass", types.SimpleNamespace(min=min, max=max))
+    for tile_n in (64, 128, 176):
+        for kv_len in (1, 100, 176, 177, 1000):
+            n_all = -(-kv_len // tile_n)
+            for pos_first in (-300, -1, 0, 63, 175, 176, 500, kv_len - 1):
+                for causal in (False, True):
+                    for blk_lo in range(0, n_all):
+                        for n_blk in range(0, n_all - blk_lo + 1):
+                            need = [(n * tile_n + tile_n > kv_len) or (causal and n * tile_n + tile_n - 1 > pos_first)
+                                    for n in range(blk_lo + n_blk - 1, blk_lo - 1, -1)]  # right to left
+                            k = sum(need)
+                            assert need == [True] * k + [False] * (n_blk - k)
+                            assert masks.num_right_masked(blk_lo, n_blk, kv_len, pos_first, tile_n,
+                                                          causal=causal) == k

@@ -192,6 +192,29 @@ def test_ex2_poly(monkeypatch, d, group, ex2_poly):
     run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0))
 
 
+@pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1"])
+def test_loop_order_variants(monkeypatch, tune):
+    """The main-loop order variants (tuning fields, off by default): masked blocks in their own loop, V
+    waited for after S is issued, K released right after the S wait -- causal with empty rows and
+    sequence ends, window + soft cap, GQA at head_dim 64 (three warpgroups), paged K/V by TMA pages."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True))
+    assert w._plan["cfg"].loop_split
+    run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0))
+    run_ragged(MIXED_QO, MIXED_KV, 2, 8, 64, 64, BF16, opts=dict(causal=True))
+    gen, seed = new_gen()
+    c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
+    wp = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    wp.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, 16,
+            causal=True, q_data_type=BF16)
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
+    wp.run(c["q"], c["cache"], out=out, lse=lse)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = paged_oracle(c, causal=True)
+    check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}")
+
+
 def test_lse_base_and_layout():
     gen, seed = new_gen()
     c = make_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, "NHD", gen)

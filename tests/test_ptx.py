@@ -529,6 +529,26 @@ def test_sm90_prefill_custom_mask_ptx(keys):
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
 
+@pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1", "v_wait_late=1"])
+def test_sm90_prefill_loop_order_variants_build(monkeypatch, tune):
+    """FlashAttention's main-loop order as tuning variants (not yet run on a GPU): ``loop_split`` issues the
+    main loop's GEMMs in two loops (masked blocks, then the rest: 3 places for S and for P V instead of 2),
+    every variant builds without spills for causal, window + soft cap and paged problems; the default
+    configs' PTX does not depend on the variants' code (compared byte for byte in session 5)."""
+    keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True)
+    base = ci.ptx("prefill", "sm_90a", **keys)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    cfg = ci.config("prefill", "sm_90a", **keys)
+    text = ci.ptx("prefill", "sm_90a", **keys)
+    places = 3 if "loop_split" in tune else 2
+    qk = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k16", text))
+    pv = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16", text))
+    assert (qk, pv) == (places * 8, places * cfg.tile_n // 16), (qk, pv)
+    assert text != base
+    for extra in (dict(), dict(use_window=True, use_soft_cap=True), dict(page_size=16)):
+        assert ci.resources("prefill", "sm_90a", **{**keys, **extra})["stack_bytes"] == 0, extra
+
+
 @pytest.mark.parametrize("page_size", [0, 1, 16])
 def test_sm90_prefill_custom_mask_hd256_spill_bound(page_size):
     """At head_dim 256 (O alone is 128 registers per consumer thread) a custom mask spills 16-40 B even at

@@ -37,6 +37,19 @@ def visible_range(j0, kv_len, qpos, window_left, *, causal: bool, use_window: bo
     return lo, hi
 
 
+def num_right_masked(blk_lo, n_blk, kv_len, pos_first, tile_n: int, *, causal: bool):
+    """Of the KV blocks ``[blk_lo, blk_lo + n_blk)`` of ``tile_n`` keys, how many -- counted from the right,
+    the order the kernels walk them -- need the sequence-end or causal mask for a tile whose first query
+    sits at bottom-right position ``pos_first``: block ``n`` does when its last key ``(n + 1) * tile_n - 1``
+    is past ``min(kv_len, pos_first + 1) - 1`` (the condition of a kernel's per-block check), i.e. for
+    ``n >= min(kv_len, pos_first + 1) // tile_n`` (0 when that is negative)."""
+    lim1 = kv_len
+    if causal:
+        lim1 = cutlass.min(lim1, pos_first + 1)
+    first = cutlass.max(cutlass.max(lim1, 0) // tile_n, blk_lo)
+    return cutlass.min(cutlass.max(blk_lo + n_blk - first, 0), n_blk)
+
+
 def custom_row_bit(mask_off, qtok, kv_len):
     """First bit of query token ``qtok``'s row in a packed custom mask (FlashInfer's ``packed_custom_mask``:
     little-endian bits, 1 = visible, the request's segment starting at bit ``mask_off``, rows of ``kv_len``

@@ -121,6 +121,10 @@ class Sm90PrefillConfig(Dtype16):
     # measured slower on the H200 at head_dim 64 (2.29-2.61 vs 2.19 ms for 1-4 of 8, session 5): off
     ex2_poly: int = 0
     claim_after_q: bool = True  # persistent grid: claim the next tile after handing over this one's Q (else before)
+    # FlashAttention's main-loop order, built and checked in PTX/SASS only (session 5), not yet run on a GPU:
+    loop_split: bool = False  # masked blocks in their own loop, the rest without mask code
+    v_wait_late: bool = False  # wait for V inside the ping-pong turn, after issuing S
+    k_release_early: bool = False  # release the K stage right after the S wait
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -203,7 +207,8 @@ def unsupported_reason(cfg) -> str | None:
             return f"num_wg must be 2 or 3 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
         if not 0 <= cfg.ex2_poly <= 8:
             return f"ex2_poly must be in 0..8, got {cfg.ex2_poly}"
-        for name in ("pingpong", "rescale_o_before_pv", "claim_after_q"):
+        for name in ("pingpong", "rescale_o_before_pv", "claim_after_q", "loop_split", "v_wait_late",
+                     "k_release_early"):
             if not isinstance(getattr(cfg, name), bool):
                 return f"{name} must be a bool, got {getattr(cfg, name)!r}"
         if cfg.num_ctas < 0:
@@ -676,37 +681,23 @@ class Sm90PrefillKernel:
             warpgroup.wait_group(0)
             pipe_k.consumer_release(state)
             self._softmax_block(acc_S, row_m, row_l, row_scale, n * TN, kv_len, qpos, pos_first, pos_last, sc_in,
-                                sc_out, window_left, t, mask)
+                                sc_out, window_left, t, mask, "dynamic")
             self._to_p(acc_S, tOrP)
-            for i in cutlass.range(n_blk - 1, unroll=1):
-                state_v = state.clone()
-                state.advance()
-                n = blk_lo + n_blk - 2 - i
-                pipe_k.consumer_wait(state)
-                pipe_v.consumer_wait(state_v)
-                self._proxy_fence()
-                self._turn_begin(wg)
-                self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
-                if const_expr(cfg.rescale_o_before_pv):  # the previous block's factor, while S is in flight
-                    sm.rescale_rows(acc_O, DV // 8, row_scale)
-                self._gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], False)
-                self._turn_end(wg)
-                warpgroup.wait_group(1)
-                self._softmax_block(acc_S, row_m, row_l, row_scale, n * TN, kv_len, qpos, pos_first, pos_last,
-                                    sc_in, sc_out, window_left, t, mask)
-                # released here, not right after wait_group(1): ptxas keeps the wait for P V right behind this
-                # mbarrier arrive and hoists the arrive as far as its inputs allow, so its position decides how
-                # much of the softmax runs while P V is in flight (right after wait_group(1): only the row max,
-                # 1-7% slower at head_dim 128; here ptxas keeps part of the exponentials before the wait at
-                # head_dim 128/256 and none at head_dim 64 causal).  Pinning the arrive (or a second one) to
-                # the row sums puts every exponential before the wait and measured 2-6% slower on every
-                # benchmark row (perf/RESULTS.md, session 5)
-                pipe_k.consumer_release(state)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(state_v)
-                if const_expr(not cfg.rescale_o_before_pv):
-                    sm.rescale_rows(acc_O, DV // 8, row_scale)
-                self._to_p(acc_S, tOrP)
+            blk = (acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, row_m, row_l,
+                   row_scale, kv_len, qpos, pos_first, pos_last, sc_in, sc_out, window_left, t, mask, wg)
+            if const_expr(cfg.loop_split):
+                # the blocks needing the sequence-end / causal mask (counted from the right), then the rest
+                n_r = n_blk  # (a custom mask masks every block)
+                if const_expr(not cfg.use_custom_mask):
+                    n_r = masks.num_right_masked(blk_lo, n_blk, kv_len, pos_first, TN, causal=self.mask_causal)
+                n_r = cutlass.max(n_r, 1)
+                for i in cutlass.range(n_r - 1, unroll=1):
+                    state = self._mainloop_block(*blk, state, blk_lo, n_blk, 2, i, "all")
+                for i in cutlass.range(n_blk - n_r, unroll=1):
+                    state = self._mainloop_block(*blk, state, blk_lo, n_blk, n_r + 1, i, "window")
+            else:
+                for i in cutlass.range(n_blk - 1, unroll=1):
+                    state = self._mainloop_block(*blk, state, blk_lo, n_blk, 2, i, "dynamic")
             pipe_q.consumer_release(q_state)  # the last S GEMM is complete
             if const_expr(cfg.rescale_o_before_pv):
                 sm.rescale_rows(acc_O, DV // 8, row_scale)
@@ -736,6 +727,55 @@ class Sm90PrefillKernel:
         lane = ptx.opaque_i32(tid) % 32
         warp = ptx.opaque_i32(tid) // 32
         self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
+        return state
+
+    @cute.jit
+    def _mainloop_block(self, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v,
+                        row_m, row_l, row_scale, kv_len, qpos, pos_first, pos_last, sc_in, sc_out, window_left, t,
+                        mask, wg, state, blk_lo, n_blk, skip, i, mask_mode: cutlass.Constexpr):
+        """One main-loop block, ``n = blk_lo + n_blk - skip - i`` (``state``: the K stage of the previous
+        block; returned advanced): S of
+        this block and P V of the previous one issued together in this warpgroup's ping-pong turn, this
+        block's softmax while P V runs.  ``mask_mode``: see :meth:`_softmax_block`.  ``v_wait_late`` /
+        ``k_release_early`` / ``loop_split`` (the caller) are session-5 variants of FlashAttention's loop
+        order, built and checked in PTX/SASS only, not yet run on a GPU (off by default)."""
+        cfg = self.cfg
+        DV = self.DV
+        state_v = state.clone()
+        state.advance()
+        n = blk_lo + n_blk - skip - i
+        pipe_k.consumer_wait(state)
+        if const_expr(not cfg.v_wait_late):
+            pipe_v.consumer_wait(state_v)
+        self._proxy_fence()
+        self._turn_begin(wg)
+        self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
+        if const_expr(cfg.rescale_o_before_pv):  # the previous block's factor, while S is in flight
+            sm.rescale_rows(acc_O, DV // 8, row_scale)
+        if const_expr(cfg.v_wait_late):  # (FlashAttention's order: V waited for inside the turn, after S)
+            pipe_v.consumer_wait(state_v)
+            self._proxy_fence()
+        self._gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state_v.index], False)
+        self._turn_end(wg)
+        warpgroup.wait_group(1)
+        if const_expr(cfg.k_release_early):
+            pipe_k.consumer_release(state)
+        self._softmax_block(acc_S, row_m, row_l, row_scale, n * self.TN, kv_len, qpos, pos_first, pos_last,
+                            sc_in, sc_out, window_left, t, mask, mask_mode)
+        # released here by default, not right after wait_group(1): ptxas keeps the wait for P V right behind
+        # this mbarrier arrive and hoists the arrive as far as its inputs allow, so its position decides how
+        # much of the softmax runs while P V is in flight (right after wait_group(1): only the row max,
+        # 1-7% slower at head_dim 128 in session 3; here ptxas keeps part of the exponentials before the wait
+        # at head_dim 128/256 and none at head_dim 64 causal).  Pinning the arrive (or a second one) to the
+        # row sums puts every exponential before the wait and measured 2-6% slower on every benchmark row
+        # (perf/RESULTS.md, session 5)
+        if const_expr(not cfg.k_release_early):
+            pipe_k.consumer_release(state)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(state_v)
+        if const_expr(not cfg.rescale_o_before_pv):
+            sm.rescale_rows(acc_O, DV // 8, row_scale)
+        self._to_p(acc_S, tOrP)
         return state
 
     @cute.jit
@@ -773,20 +813,27 @@ class Sm90PrefillKernel:
 
     @cute.jit
     def _softmax_block(self, acc_S, row_m, row_l, row_scale, tok0, kv_len, qpos, pos_first, pos_last, sc_in, sc_out,
-                       window_left, t, mask):
-        """Scale and mask S of the block starting at KV token ``tok0`` (masks only where the block needs
-        them; every block with a custom mask: ``mask = (mMask, row_bit)``), then the online softmax
-        step; ``row_scale`` receives the factor for the O rows."""
+                       window_left, t, mask, mask_mode: cutlass.Constexpr):
+        """Scale and mask S of the block starting at KV token ``tok0``, then the online softmax step;
+        ``row_scale`` receives the factor for the O rows.  ``mask_mode``: ``"dynamic"`` masks where the block
+        needs it (sequence end, causal diagonal, window; every block with a custom mask: ``mask = (mMask,
+        row_bit)``); ``loop_split``'s ``"all"`` always, and ``"window"`` only where the sliding window cuts
+        the block (no mask code at all without a window or custom mask)."""
         cfg = self.cfg
         TN = self.TN
         n8 = TN // 8
-        need_mask = tok0 + TN > kv_len
-        if const_expr(self.mask_causal):
-            need_mask = need_mask | (tok0 + TN - 1 > pos_first)
-        if const_expr(cfg.use_window):
-            need_mask = need_mask | ((window_left >= 0) & (tok0 < pos_last - cutlass.min(window_left, kv_len)))
-        if const_expr(cfg.use_custom_mask):
+        if const_expr(mask_mode == "all" or cfg.use_custom_mask):
             need_mask = True
+        elif const_expr(mask_mode == "window"):
+            need_mask = False
+            if const_expr(cfg.use_window):
+                need_mask = (window_left >= 0) & (tok0 < pos_last - cutlass.min(window_left, kv_len))
+        else:
+            need_mask = tok0 + TN > kv_len
+            if const_expr(self.mask_causal):
+                need_mask = need_mask | (tok0 + TN - 1 > pos_first)
+            if const_expr(cfg.use_window):
+                need_mask = need_mask | ((window_left >= 0) & (tok0 < pos_last - cutlass.min(window_left, kv_len)))
         if need_mask:
             # the lane's scores of row h are keys tok0 + 2t + c with c = 8j + (e % 2) known at trace time:
             # one compare per bound and score (visible_range), no per-score key arithmetic
