@@ -144,22 +144,17 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
     if _sm90.unsupported_reason(cfg) is None:
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(_sm90.Sm90PrefillConfig)
                   if hasattr(cfg, f.name) and f.name not in ("tile_n", "num_stages", "num_wg")}
-        tiles = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
-                                    use_soft_cap=cfg.use_soft_cap, use_custom_mask=cfg.use_custom_mask,
-                                    page_size=cfg.page_size, num_sms=_num_sms())
+        default = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
+                                      use_soft_cap=cfg.use_soft_cap, use_custom_mask=cfg.use_custom_mask,
+                                      page_size=cfg.page_size, num_sms=_num_sms())
         tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")
         override = _prefill_tune(tune)
         if cfg.page_size > 0:
             override.pop("num_ctas", None)  # the persistent grid serves ragged K/V only (documented below)
-        tiles.update(override)
         try:
-            return _sm90.Sm90PrefillConfig(**fields, **tiles)
+            return _sm90.Sm90PrefillConfig(**fields, **{**default, **override})
         except ValueError as e:
             if tune.strip():  # the override applies to every SM90 problem of the process, as given
-                default = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size,
-                                              use_window=cfg.use_window, use_soft_cap=cfg.use_soft_cap,
-                                              use_custom_mask=cfg.use_custom_mask, page_size=cfg.page_size,
-                                              num_sms=_num_sms())
                 raise ValueError(f"{e} (with CUTEDSL_ATTN_PREFILL_TUNE={tune!r}; for this problem the default "
                                  f"tiles are {default})") from None
             raise

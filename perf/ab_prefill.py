@@ -23,25 +23,17 @@ import time
 
 import torch
 
-from bench_prefill import CASES, DEV, DT, flops
+from bench_prefill import CASES, DEV, DT, case_inputs, fa4_call, fi_call, flops
 
 from cutedsl_attn.timing import KernelTimer
 
 
 def build(variant, q, k, v, indptr, lens, hq, hkv, d, causal, ws):
     """A no-argument callable running ``variant`` on the case's tensors."""
-    mx = max(lens)
     if variant == "fa4":
-        from flash_attn.cute import flash_attn_varlen_func
-
-        return lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=indptr, cu_seqlens_k=indptr, max_seqlen_q=mx,
-                                              max_seqlen_k=mx, causal=causal)
+        return fa4_call(q, k, v, indptr, lens, causal)
     if variant == "fi":
-        import flashinfer
-
-        fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
-        fw.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
-        return lambda: fw.run(q, k, v)
+        return fi_call(ws, q, k, v, indptr, hq, hkv, d, causal)
     import cutedsl_attn as ca
 
     saved = os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)  # "default" means the dispatch defaults
@@ -74,13 +66,7 @@ def main():
         raise SystemExit(f"--case {a.case!r} must name exactly one of {[c[0] for c in CASES]}; matched "
                          f"{[c[0] for c in found]}")
     (name, lens, hq, hkv, d, causal), = found
-    if lens is None:  # as bench_prefill.py: the varlen mix from seed 0
-        lens = torch.randint(128, 4097, (64,), generator=torch.Generator().manual_seed(0)).tolist()
-    total = sum(lens)
-    q = torch.randn(total, hq, d, dtype=DT, device=DEV)
-    k = torch.randn(total, hkv, d, dtype=DT, device=DEV)
-    v = torch.randn(total, hkv, d, dtype=DT, device=DEV)
-    indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    lens, q, k, v, indptr = case_inputs(lens, hq, hkv, d)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     variants = [x.strip() for x in a.variants.split(";") if x.strip()]
     fns = {}

@@ -50,6 +50,37 @@ CASES = [
 ]
 
 
+def case_inputs(lens, hq, hkv, d):
+    """``(lens, q, k, v, indptr)`` of a case: ``lens`` as given, or for the varlen mix (``None``) 64 lengths
+    in [128, 4096] drawn from seed 0; random bf16 Q/K/V (NHD, ragged) and the shared indptr."""
+    if lens is None:
+        lens = torch.randint(128, 4097, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    total = sum(lens)
+    q = torch.randn(total, hq, d, dtype=DT, device=DEV)
+    k = torch.randn(total, hkv, d, dtype=DT, device=DEV)
+    v = torch.randn(total, hkv, d, dtype=DT, device=DEV)
+    indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    return lens, q, k, v, indptr
+
+
+def fa4_call(q, k, v, indptr, lens, causal):
+    """FlashAttention-4 (``flash_attn.cute``) varlen forward on the case, as a no-argument callable."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    mx = max(lens)
+    return lambda: flash_attn_varlen_func(q, k, v, cu_seqlens_q=indptr, cu_seqlens_k=indptr, max_seqlen_q=mx,
+                                          max_seqlen_k=mx, causal=causal)
+
+
+def fi_call(ws, q, k, v, indptr, hq, hkv, d, causal):
+    """FlashInfer 0.7.2's ragged prefill (``backend="fa3"``) on the case, planned, as a no-argument callable."""
+    import flashinfer
+
+    fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+    fw.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+    return lambda: fw.run(q, k, v)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -62,14 +93,16 @@ def main():
     import cutedsl_attn as ca
 
     try:
-        from flash_attn.cute import flash_attn_varlen_func
+        import flash_attn.cute  # noqa: F401
+        have_fa4 = True
     except Exception as e:  # noqa: BLE001
-        flash_attn_varlen_func = None
+        have_fa4 = False
         print("FA4 unavailable:", e)
     try:
-        import flashinfer
+        import flashinfer  # noqa: F401
+        have_fi = True
     except Exception as e:  # noqa: BLE001
-        flashinfer = None
+        have_fi = False
         print("flashinfer unavailable:", e)
 
     a = torch.randn(8192, 8192, dtype=DT, device=DEV)
@@ -79,19 +112,12 @@ def main():
     del a, bm
     print(f"bf16 matmul 8192^3: {gemm_tf:.0f} TFLOP/s")
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    gen = torch.Generator().manual_seed(0)
     rows = []
     cases = CASES[:2] if args.quick else CASES
     if args.cases:
         cases = [c for c in cases if any(w in c[0] for w in args.cases.split(";"))]
     for name, lens, hq, hkv, d, causal in cases:
-        if lens is None:
-            lens = torch.randint(128, 4097, (64,), generator=gen).tolist()
-        total = sum(lens)
-        q = torch.randn(total, hq, d, dtype=DT, device=DEV)
-        k = torch.randn(total, hkv, d, dtype=DT, device=DEV)
-        v = torch.randn(total, hkv, d, dtype=DT, device=DEV)
-        indptr = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+        lens, q, k, v, indptr = case_inputs(lens, hq, hkv, d)
         fl = flops(lens, hq, d, d, causal)
         row = dict(case=name, tflop=fl / 1e12)
         w = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
@@ -122,26 +148,21 @@ def main():
             op = wp.run(q, k, v)
             row["portable_relerr"] = ((op.float() - o.float()).norm() / o.float().norm()).item()
             row["portable_ms"] = timed(lambda: wp.run(q, k, v, out=op), reps=3) * 1e3
-        if flash_attn_varlen_func is not None:
+        if have_fa4:
             try:
-                mx = max(lens)
-
-                def fa4():
-                    return flash_attn_varlen_func(q, k, v, cu_seqlens_q=indptr, cu_seqlens_k=indptr,
-                                                  max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
+                fa4 = fa4_call(q, k, v, indptr, lens, causal)
                 fo = fa4()
                 fo = fo[0] if isinstance(fo, tuple) else fo
                 row["fa4_relerr"] = ((fo.float() - o.float()).norm() / o.float().norm()).item()
                 row["fa4_ms"] = timed(fa4) * 1e3
             except Exception as e:  # noqa: BLE001
                 print("fa4 failed:", repr(e)[:300])
-        if flashinfer is not None and d == 128:
+        if have_fi and d == 128:
             try:
-                fw = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
-                fw.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
-                fo = fw.run(q, k, v)
+                fi = fi_call(ws, q, k, v, indptr, hq, hkv, d, causal)
+                fo = fi()
                 row["fi_relerr"] = ((fo.float() - o.float()).norm() / o.float().norm()).item()
-                row["fi_ms"] = timed(lambda: fw.run(q, k, v)) * 1e3
+                row["fi_ms"] = timed(fi) * 1e3
             except Exception as e:  # noqa: BLE001
                 print("flashinfer failed:", repr(e)[:300])
         if len(set(lens)) == 1:

@@ -174,12 +174,7 @@ def test_paged_custom_mask(ps):
     w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, ps,
            packed_custom_mask=packed, q_data_type=BF16)
     assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig"
-    out = torch.full_like(c["q"], float("nan"))
-    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
-    w.run(c["q"], c["cache"], out=out, lse=lse)
-    torch.cuda.synchronize()
-    o_ref, lse_ref = paged_oracle(c, custom_mask=m)
-    check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}")
+    run_paged_checked(w, c, BF16, f"seed {seed}", custom_mask=m)
 
 
 @pytest.mark.parametrize("d,group,ex2_poly", [(64, 8, 3), (128, 4, 8), (128, 1, 2)])
@@ -207,12 +202,7 @@ def test_loop_order_variants(monkeypatch, tune):
     wp = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
     wp.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, 16,
             causal=True, q_data_type=BF16)
-    out = torch.full_like(c["q"], float("nan"))
-    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
-    wp.run(c["q"], c["cache"], out=out, lse=lse)
-    torch.cuda.synchronize()
-    o_ref, lse_ref = paged_oracle(c, causal=True)
-    check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}")
+    run_paged_checked(wp, c, BF16, f"seed {seed}", causal=True)
 
 
 def test_lse_base_and_layout():
@@ -249,6 +239,18 @@ def paged_oracle(c, q=None, **kw):
                              c["last"], kv_layout=c["layout"], **kw)
 
 
+def run_paged_checked(w, c, dtype, what, *, kv=None, run_kw=None, **oracle_kw):
+    """Run the planned paged wrapper ``w`` on problem ``c`` with NaN-poisoned ``out`` / ``lse`` (``kv``: the
+    cache argument, ``c["cache"]`` by default; ``run_kw``: extra ``run()`` arguments) and check it against
+    ``paged_oracle(c, **oracle_kw)``; returns the relative error of O."""
+    out = torch.full_like(c["q"], float("nan"))
+    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
+    w.run(c["q"], c["cache"] if kv is None else kv, out=out, lse=lse, **(run_kw or {}))
+    torch.cuda.synchronize()
+    o_ref, lse_ref = paged_oracle(c, **oracle_kw)
+    return check(out, lse, o_ref, lse_ref, dtype, what)
+
+
 @pytest.mark.parametrize("ps,hkv,group,dtype,layout,causal", [
     (1, 2, 4, BF16, "NHD", True),
     (16, 2, 4, BF16, "HND", True),
@@ -260,13 +262,8 @@ def test_paged_sweep(ps, hkv, group, dtype, layout, causal):
     w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), layout)
     w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], hkv, 128, ps,
            causal=causal, q_data_type=dtype)
-    out = torch.full_like(c["q"], float("nan"))
-    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
     form = c["cache"] if ps != 16 else (c["cache"][:, 0], c["cache"][:, 1])
-    w.run(c["q"], form, out=out, lse=lse)
-    torch.cuda.synchronize()
-    o_ref, lse_ref = paged_oracle(c, causal=causal)
-    check(out, lse, o_ref, lse_ref, dtype, f"seed {seed}")
+    run_paged_checked(w, c, dtype, f"seed {seed}", kv=form, causal=causal)
 
 
 def poison_unused_slots(c):
@@ -306,12 +303,7 @@ def test_paged_tma_pages_ignore_unused_slots(ps, d, group, layout):
            causal=True, q_data_type=BF16)
     assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].page_rows == min(ps, w._plan[
         "cfg"].tile_n)
-    out = torch.full_like(c["q"], float("nan"))
-    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
-    w.run(c["q"], c["cache"], out=out, lse=lse)
-    torch.cuda.synchronize()
-    o_ref, lse_ref = paged_oracle(c, causal=True)
-    check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}")
+    run_paged_checked(w, c, BF16, f"seed {seed}", causal=True)
 
 
 def test_paged_sinks_and_scales():
@@ -321,12 +313,8 @@ def test_paged_sinks_and_scales():
     w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
     w.plan(c["qo_indptr"], c["kv_indptr"], c["indices"], c["last"], c["hq"], 2, 128, 16, causal=True,
            q_data_type=BF16)
-    out = torch.full_like(c["q"], float("nan"))
-    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
-    w.run(c["q"], c["cache"], out=out, lse=lse, sinks=sinks, q_scale=0.5, k_scale=1.5)
-    torch.cuda.synchronize()
-    o_ref, lse_ref = paged_oracle(c, causal=True, sinks=sinks, sm_scale=0.75 / math.sqrt(128))
-    check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}")
+    run_paged_checked(w, c, BF16, f"seed {seed}", run_kw=dict(sinks=sinks, q_scale=0.5, k_scale=1.5), causal=True,
+                      sinks=sinks, sm_scale=0.75 / math.sqrt(128))
 
 
 def test_paged_block_tables():
@@ -481,12 +469,7 @@ def run_paged_pos(ps, hkv, group, d, dtype, layout, opts, qo=MIXED_QO, kv=MIXED_
     w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), layout)
     w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], hkv, d, ps,
            q_data_type=dtype, **opts)
-    out = torch.full_like(c["q"], float("nan"))
-    lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
-    w.run(c["q"], c["cache"], out=out, lse=lse)
-    torch.cuda.synchronize()
-    o_ref, lse_ref = paged_oracle(c, **opts)
-    return check(out, lse, o_ref, lse_ref, dtype, f"seed {seed} {opts}")
+    return run_paged_checked(w, c, dtype, f"seed {seed} {opts}", **opts)
 
 
 @pytest.mark.parametrize("ps,hkv,group,d,dtype,layout,opts", [

@@ -150,7 +150,8 @@ def ex2_poly(x):
 
 
 def _f32_hex(v: float) -> str:
-    """A float as a PTX float32 literal (``0fXXXXXXXX``), exactly."""
+    """``v`` rounded to float32 and written as a PTX float32 literal: ``0f`` and its 8 hex digits (1.0 gives
+    ``0f3F800000``)."""
     import struct
 
     return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]

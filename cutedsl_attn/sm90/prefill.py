@@ -827,13 +827,13 @@ class Sm90PrefillKernel:
         elif const_expr(mask_mode == "window"):
             need_mask = False
             if const_expr(cfg.use_window):
-                need_mask = (window_left >= 0) & (tok0 < pos_last - cutlass.min(window_left, kv_len))
+                need_mask = self._window_cuts(tok0, pos_last, window_left, kv_len)
         else:
             need_mask = tok0 + TN > kv_len
             if const_expr(self.mask_causal):
                 need_mask = need_mask | (tok0 + TN - 1 > pos_first)
             if const_expr(cfg.use_window):
-                need_mask = need_mask | ((window_left >= 0) & (tok0 < pos_last - cutlass.min(window_left, kv_len)))
+                need_mask = need_mask | self._window_cuts(tok0, pos_last, window_left, kv_len)
         if need_mask:
             # the lane's scores of row h are keys tok0 + 2t + c with c = 8j + (e % 2) known at trace time:
             # one compare per bound and score (visible_range), no per-score key arithmetic
@@ -860,6 +860,11 @@ class Sm90PrefillKernel:
         # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2)
         logit_scale = None if cfg.use_soft_cap else sc_in
         sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly)
+
+    def _window_cuts(self, tok0, pos_last, window_left, kv_len):
+        """Whether the sliding window (``window_left >= 0``, clamped to ``kv_len`` as in :mod:`common.masks`)
+        hides some key of the block starting at ``tok0`` from the tile's last query (at ``pos_last``)."""
+        return (window_left >= 0) & (tok0 < pos_last - cutlass.min(window_left, kv_len))
 
     @cute.jit
     def _to_p(self, acc_S, tOrP):
