@@ -142,11 +142,10 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
     from .sm90 import prefill as _sm90
 
     if _sm90.unsupported_reason(cfg) is None:
-        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(_sm90.Sm90PrefillConfig)
-                  if hasattr(cfg, f.name) and f.name not in ("tile_n", "num_stages", "num_wg")}
+        fields = {name: getattr(cfg, name) for name in _sm90.PROBLEM_FIELDS}  # the tuning fields come next
         default = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
                                       use_soft_cap=cfg.use_soft_cap, use_custom_mask=cfg.use_custom_mask,
-                                      page_size=cfg.page_size, num_sms=_num_sms())
+                                      page_size=cfg.page_size, causal=cfg.causal, num_sms=_num_sms())
         tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")
         override = _prefill_tune(tune)
         if cfg.page_size > 0:
@@ -171,10 +170,6 @@ def _num_sms() -> int:
     return 132
 
 
-_PREFILL_TUNABLE = ("tile_n", "num_stages", "num_wg", "pingpong", "num_ctas", "rescale_o_before_pv", "ex2_poly",
-                    "claim_after_q", "loop_split", "v_wait_late", "k_release_early")
-
-
 def _prefill_tune(text: str) -> dict:
     """Parse ``CUTEDSL_ATTN_PREFILL_TUNE`` (``"key=value,..."``, tuning experiments only) into SM90 config
     overrides: integer fields take integers, boolean ones ``0/1/true/false``.  The overrides replace the
@@ -184,8 +179,8 @@ def _prefill_tune(text: str) -> dict:
     spills registers only runs slower (``cutedsl_attn.inspect.resources`` shows the stack frame).
 
     Raises ValueError naming the variable for an item that is not ``key=value``, a key outside
-    ``tile_n, num_stages, num_wg, pingpong, num_ctas, rescale_o_before_pv, ex2_poly, claim_after_q, loop_split,
-    v_wait_late, k_release_early``, or a bad value (the config itself then checks the ranges).
+    :data:`cutedsl_attn.sm90.prefill.TUNING_FIELDS` (the config's fields that a problem does not fix), or a
+    bad value (the config itself then checks the ranges).
     """
     from .sm90 import prefill as _sm90
 
@@ -195,8 +190,8 @@ def _prefill_tune(text: str) -> dict:
         if not item:
             continue
         key, sep, val = (x.strip() for x in item.partition("="))
-        if not sep or key not in _PREFILL_TUNABLE:
-            raise ValueError(f"CUTEDSL_ATTN_PREFILL_TUNE: {item!r} is not key=value with key in {_PREFILL_TUNABLE}")
+        if not sep or key not in _sm90.TUNING_FIELDS:
+            raise ValueError(f"CUTEDSL_ATTN_PREFILL_TUNE: {item!r} is not key=value with key in {_sm90.TUNING_FIELDS}")
         if isinstance(getattr(_sm90.Sm90PrefillConfig, key), bool):
             if val.lower() not in ("0", "1", "true", "false"):
                 raise ValueError(f"CUTEDSL_ATTN_PREFILL_TUNE: {key} takes 0/1/true/false, got {val!r}")

@@ -189,7 +189,7 @@ def test_ex2_poly(monkeypatch, d, group, ex2_poly):
 
 @pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1"])
 def test_loop_order_variants(monkeypatch, tune):
-    """The main-loop order variants (tuning fields, off by default): masked blocks in their own loop, V
+    """The main-loop order variants (tuning fields; the d64 default uses the first two): masked blocks in their own loop, V
     waited for after S is issued, K released right after the S wait -- causal with empty rows and
     sequence ends, window + soft cap, GQA at head_dim 64 (three warpgroups), paged K/V by TMA pages."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
@@ -203,6 +203,40 @@ def test_loop_order_variants(monkeypatch, tune):
     wp.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, 16,
             causal=True, q_data_type=BF16)
     run_paged_checked(wp, c, BF16, f"seed {seed}", causal=True)
+
+
+@pytest.mark.parametrize("tune", ["q_stages=2,num_ctas=3,tile_n=128", "q_stages=2,tile_n=160,loop_split=1,v_wait_late=1"])
+def test_q_double_buffer(monkeypatch, tune):
+    """Two Q stages (the producer loads the next tile's Q while this one runs): persistent grid with 3 CTAs
+    (many tiles each, both stages reused) and one per SM, two launches of one plan, causal with empty rows,
+    window + soft cap + sinks, head_dim 64 with three warpgroups."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    gen, _ = new_gen()
+    qo = rand_lens(gen, 12, 1, 1500)
+    kv = [q + x for q, x in zip(qo, rand_lens(gen, 12, 0, 800))]
+    w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), launches=2)
+    assert w._plan["cfg"].q_stages == 2 and w._plan["cfg"].num_ctas > 0
+    run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0),
+               sinks=True, launches=2)
+    run_ragged(qo, kv, 2, 8, 64, 64, BF16, opts=dict(causal=True), launches=2)
+
+
+@pytest.mark.parametrize("tune", ["smem_epilogue=1,q_stages=1", "smem_epilogue=1,q_stages=2,tile_n=160,num_ctas=3",
+                                  "smem_epilogue=0,q_stages=1,tile_n=176"])
+def test_epilogue_variants(monkeypatch, tune):
+    """Epilogue variants (tuning fields): O staged through the warpgroup's own Q rows with whole-row 16-byte
+    stores (the head_dim 128 default) with one or two Q stages, and straight from registers -- GQA with
+    empty rows and requests, sinks, head_dim 64 (three warpgroups), 192/128 and 256 (one CTA per tile), a
+    persistent grid of 3 CTAs reusing both Q stages over two launches."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
+    for key in tune.split(","):
+        name, val = key.split("=")
+        assert getattr(w._plan["cfg"], name) == (bool(int(val)) if name == "smem_epilogue" else int(val))
+    run_ragged(MIXED_QO, MIXED_KV, 2, 8, 64, 64, FP16, opts=dict(causal=True))
+    if tune == "smem_epilogue=1,q_stages=1":  # (the other two tile_n do not fit shared memory at d192 / d256)
+        run_ragged([5, 200, 333, 1], [5, 400, 2000, 0], 2, 2, 192, 128, BF16, opts=dict(causal=True, window_left=70))
+        run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True), sinks=True)
 
 
 def test_lse_base_and_layout():

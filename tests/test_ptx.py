@@ -297,11 +297,12 @@ def test_prefill_ptx(name, arch):
 # ----------------------------------------------------------------------------- SM90 prefill kernel
 SM90_PREFILL_CONFIGS = {
     # name: (config keys, tile_n, consumer warpgroups) -- the defaults of sm90.prefill.default_tiles
-    "bf16_hd128_g4_causal": (dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True), 176, 2),
+    "bf16_hd128_g4_causal": (dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True), 160, 2),
     "fp16_hd64_full_softcap_sinks": (dict(dtype="float16", head_dim_qk=64, group_size=1, use_soft_cap=True,
                                           use_sinks=True), 128, 2),
     "bf16_hd64_g8_causal": (dict(dtype="bfloat16", head_dim_qk=64, group_size=8, causal=True), 128, 3),
     "bf16_hd256_window": (dict(dtype="bfloat16", head_dim_qk=256, group_size=2, causal=True, use_window=True), 64, 2),
+    "bf16_hd256_causal": (dict(dtype="bfloat16", head_dim_qk=256, group_size=1, causal=True), 64, 2),
     "bf16_hd192_128_g8": (dict(dtype="bfloat16", head_dim_qk=192, head_dim_vo=128, group_size=8, causal=True), 128,
                           2),
 }
@@ -322,11 +323,24 @@ def test_sm90_prefill_ptx(name):
     assert re.search(rf"\.reqntid\s+{128 * (num_wg + 1)}, 1, 1", text), "1 producer + num_wg consumer warpgroups"
     qk = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k16\.f32\.{ab}\.{ab}", text)
     pv = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{dvo}k16\.f32\.{ab}\.{ab}", text)
-    # each GEMM is issued in two places (first block, main loop); QK: dqk/16 k-steps, PV: tile_n/16
+    # each GEMM is issued in two places (first block, main loop; three with loop_split's two main loops);
+    # QK: dqk/16 k-steps, PV: tile_n/16
+    places = 3 if cfg.loop_split else 2
     if tile_n != dvo:
-        assert len(qk) == 2 * (dqk // 16) and len(pv) == 2 * (tile_n // 16)
+        assert len(qk) == places * (dqk // 16) and len(pv) == places * (tile_n // 16)
     else:
-        assert len(qk) == 2 * (dqk // 16) + 2 * (tile_n // 16)
+        assert len(qk) == places * (dqk // 16) + places * (tile_n // 16)
+    assert cfg.loop_split == (num_wg == 3)  # FlashAttention's loop order where it measured faster (d64)
+    # the epilogue: staged through shared memory (stmatrix, whole-row 16-byte stores) at head_dim 128 causal
+    # with ragged K/V (and two Q stages) and at head_dim 256 without a window -- of these configs -- else
+    # straight from registers (32-bit stores)
+    staged = len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", text))
+    assert cfg.smem_epilogue == (name in ("bf16_hd128_g4_causal", "bf16_hd256_causal"))
+    assert cfg.q_stages == (2 if name == "bf16_hd128_g4_causal" else 1)
+    if cfg.smem_epilogue:
+        assert staged == dvo // 16 and len(re.findall(r"st\.global\.v4\.b32", text)) == 16 * dvo // 8 // 32
+    else:
+        assert staged == 0 and len(re.findall(r"st\.global\.u32", text)) >= 2 * (dvo // 8)
     assert s["mma.sync"] == 0 and s["tcgen05"] == 0
     # Q, K and V arrive by TMA, one box per 64 columns (the 128-byte swizzle atom)
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd", text)) == 2 * (dqk // 64) + dvo // 64
@@ -364,7 +378,8 @@ def test_sm90_prefill_paged_ptx(page_size, keys):
     assert ci.resources("prefill", "sm_90a", **keys, page_size=page_size)["stack_bytes"] == 0
 
 
-@pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window", "bf16_hd64_g8_causal"])
+@pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window", "bf16_hd64_g8_causal",
+                                  "bf16_hd256_causal"])
 def test_sm90_prefill_no_spills(name):
     """The assembled SM90 kernel keeps everything in registers (stack frame 0), read from its cubin."""
     keys, _, num_wg = SM90_PREFILL_CONFIGS[name]
@@ -382,16 +397,22 @@ def test_sm90_prefill_no_spills(name):
          use_sinks=True),
     dict(dtype="bfloat16", head_dim_qk=128, group_size=2, use_sinks=True, use_window=True, page_size=1),
     dict(dtype="bfloat16", head_dim_qk=128, group_size=16, causal=True, page_size=64),
+    dict(dtype="bfloat16", head_dim_qk=128, group_size=8, causal=True),
+    dict(dtype="float16", head_dim_qk=128, group_size=1, page_size=16),
 ], ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
 def test_sm90_prefill_default_tiles_never_spill(keys):
-    """default_tiles picks the larger tiles (3 warpgroups at d64, tile_n 176 at d128) only where they fit the
-    registers: with a window or a soft cap they spilled 16-224 B, so those problems keep the smaller tiles;
-    with pages of 32 tokens or more tile_n 128 (whole pages per block: K/V by TMA)."""
+    """default_tiles picks the larger tiles (3 warpgroups at d64; at d128 tile_n 176, or 160 with two Q stages
+    for ragged K/V) only where they fit the registers: with a window or a soft cap they spilled 16-224 B, so
+    those problems keep the smaller tiles; with pages of 32 tokens or more tile_n 128 (whole pages per
+    block: K/V by TMA)."""
     cfg = ci.config("prefill", "sm_90a", kernel="sm90", **keys)
     small = (keys.get("use_window") or keys.get("use_soft_cap")
              or (keys["head_dim_qk"] == 128 and keys.get("page_size", 0) in (32, 64, 128)))
-    big = (176, 2) if keys["head_dim_qk"] == 128 else (128, 3)
+    two_q = keys.get("page_size", 0) == 0 and keys.get("causal", False)  # two Q stages + staged epilogue
+    big = (160 if two_q else 176, 2) if keys["head_dim_qk"] == 128 else (128, 3)
     assert (cfg.tile_n, cfg.num_wg) == ((128, 2) if small else big), cfg
+    assert (cfg.q_stages, cfg.smem_epilogue) == ((2, True) if two_q and not small and keys["head_dim_qk"] == 128
+                                                 else (1, False)), cfg
     res = ci.resources("prefill", "sm_90a", kernel="sm90", **keys)
     assert res["stack_bytes"] == 0, res
 
@@ -405,7 +426,8 @@ def _main_loop_overlap(text):
 
 @pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
                     reason="no cuobjdump/nvdisasm here")
-@pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window", "bf16_hd192_128_g8"])
+@pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window", "bf16_hd192_128_g8",
+                                  "bf16_hd256_causal"])
 def test_sm90_prefill_softmax_overlaps_pv(name):
     """Intra-warpgroup overlap as measured best: ptxas keeps the wait for P V right behind the K stage's
     mbarrier arrive.  Released right after the wait for S, ptxas scheduled that wait ahead of every
@@ -439,7 +461,9 @@ def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size)
         ptx = ci.ptx("prefill", "sm_90a", **keys)
         assert "%nctaid.x" in ptx and "atom.global.add.u32" in ptx, "tiles claimed from an atomic counter"
     text = ci.sass("prefill", "sm_90a", **keys)
-    assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= 4 and len(re.findall(r"\bHGMMA\.", text)) >= 16
+    # one wait per GEMM site: first block, the main loop (two waits; loop_split: two main loops), last P V
+    assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= (6 if cfg.loop_split else 4)
+    assert len(re.findall(r"\bHGMMA\.", text)) >= 16
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
 
@@ -508,6 +532,45 @@ def test_prefill_tune_env(monkeypatch):
         ci.config("prefill", "sm_90a", **{**keys, "head_dim_qk": 256})
 
 
+def test_prefill_tuning_fields():
+    """Every SM90 config field a problem does not fix is a tuning field (the environment variable accepts all of
+    them, derived from the dataclass, no hand-kept list); each takes its default's type; the staged epilogue
+    needs head_dim_vo <= head_dim_qk (it writes O into Q's rows); ``trace`` only where the mask argument is
+    free (ragged K/V, no custom mask)."""
+    from dataclasses import fields
+
+    from cutedsl_attn.sm90.prefill import PROBLEM_FIELDS, TUNING_FIELDS, Sm90PrefillConfig
+
+    names = {f.name for f in fields(Sm90PrefillConfig)}
+    assert set(TUNING_FIELDS) == names - set(PROBLEM_FIELDS) and set(PROBLEM_FIELDS) <= names
+    assert {"tile_n", "q_stages", "smem_epilogue", "trace", "loop_split"} <= set(TUNING_FIELDS)
+    base = dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
+    for name in TUNING_FIELDS:
+        wrong = 2 if isinstance(getattr(Sm90PrefillConfig, name), bool) else True
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            Sm90PrefillConfig(**base, **{name: wrong})
+    with pytest.raises(ValueError, match="q_stages must be 1 or 2"):
+        Sm90PrefillConfig(**base, q_stages=3)
+    with pytest.raises(ValueError, match="head_dim_vo <= head_dim_qk"):
+        Sm90PrefillConfig(**{**base, "head_dim_qk": 64}, smem_epilogue=True)
+    for bad in (dict(page_size=16), dict(use_custom_mask=True)):
+        with pytest.raises(ValueError, match="trace writes into the mask argument"):
+            Sm90PrefillConfig(**base, **bad, trace=True)
+    with pytest.raises(ValueError, match="shared memory"):  # two Q stages at tile_n 176 do not fit
+        Sm90PrefillConfig(**base, q_stages=2, tile_n=176)
+
+
+def test_sm90_prefill_trace_ptx(monkeypatch):
+    """``trace=1`` (perf/trace_prefill.py): %clock64 stamps stored to global memory at the tile's start, first S
+    GEMM, last P V and epilogue (consumers) and the Q hand-over (producer); off, the PTX has none."""
+    keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True)
+    assert "%clock64" not in ci.ptx("prefill", "sm_90a", **keys)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "trace=1")
+    text = ci.ptx("prefill", "sm_90a", **keys)
+    assert text.count("%clock64") == 5 and len(re.findall(r"st\.global\.u64", text)) >= 5
+    assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
+
+
 @pytest.mark.parametrize("keys", [dict(head_dim_qk=128, group_size=4), dict(head_dim_qk=64, group_size=8, page_size=16),
                                   dict(head_dim_qk=192, head_dim_vo=128, group_size=1, use_window=True)],
                          ids=["hd128_ragged", "hd64_paged16", "hd192_window"])
@@ -531,7 +594,8 @@ def test_sm90_prefill_custom_mask_ptx(keys):
 
 @pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1", "v_wait_late=1"])
 def test_sm90_prefill_loop_order_variants_build(monkeypatch, tune):
-    """FlashAttention's main-loop order as tuning variants (not yet run on a GPU): ``loop_split`` issues the
+    """FlashAttention's main-loop order as tuning variants (the d64 default uses two; run on the H200 in
+    session 6, ``tests/test_prefill_gpu.py::test_loop_order_variants``): ``loop_split`` issues the
     main loop's GEMMs in two loops (masked blocks, then the rest: 3 places for S and for P V instead of 2),
     every variant builds without spills for causal, window + soft cap and paged problems; the default
     configs' PTX does not depend on the variants' code (compared byte for byte in session 5)."""
@@ -568,8 +632,9 @@ def test_sm90_prefill_ex2_poly_ptx(monkeypatch, ex2_poly):
     cfg = ci.config("prefill", "sm_90a", **keys)
     assert cfg.ex2_poly == ex2_poly
     text = ci.ptx("prefill", "sm_90a", **keys)
-    # softmax of the first block and of the main loop: 2 places x 2 rows x tile_n / 4 values per thread
-    values = 2 * 2 * cfg.tile_n // 4
+    # softmax of the first block and of the main loop (two with loop_split, the d64 default): 2 or 3 places x
+    # 2 rows x tile_n / 4 values per thread
+    values = (3 if cfg.loop_split else 2) * 2 * cfg.tile_n // 4
     n_poly = values * ex2_poly // 8
     assert len(re.findall(r"add\.rn\.f32\s+\S+,\s*\S+,\s*0f4B400000", text)) == n_poly
     assert len(re.findall(r"shl\.b32\s+\S+,\s*\S+,\s*23;", text)) == n_poly

@@ -60,3 +60,73 @@ def store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, 
                 ptx.st_global_u32(row_addr + (dd * 8 + 2 * t) * 2, v)
             if t == 0:
                 mLSE[tok, head] = lse
+
+
+def staged_offset(r, c, head_dim_vo: int):
+    """Byte offset of 16-byte chunk ``c`` (columns ``8c .. 8c+7``) of row ``r`` (0..15) in a warp's staging
+    rows of :func:`store_rows_staged`: rows of ``head_dim_vo * 2`` bytes, chunks XOR-swizzled by ``r % 8``
+    (plain ints or DSL integers; ``tests/test_epilogue_cpu.py`` replays it)."""
+    return r * (head_dim_vo * 2) + ((c ^ (r % 8)) * 16)
+
+
+def stmatrix_row(lane, dd: int):
+    """(row, chunk) whose address ``lane`` gives to the ``stmatrix.x4`` of column blocks ``dd, dd + 1``:
+    matrix ``lane // 8`` is (column block ``dd + m // 2``, row half ``m % 2``), row ``lane % 8`` of it."""
+    m = lane // 8
+    return (m % 2) * 8 + lane % 8, dd + m // 2
+
+
+@cute.jit
+def store_rows_staged(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp, s_base,
+                      head_dim_vo: cutlass.Constexpr, group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr,
+                      dtype: cutlass.Constexpr):
+    """:func:`store_rows` through shared memory: the warp's 16 normalised rows go to ``s_base`` (Int32
+    shared-window byte address of ``16 * head_dim_vo * 2`` bytes that only this warp touches, 16-byte
+    chunks XOR-swizzled by row so ``stmatrix`` and the read-back are free of bank conflicts), then every
+    lane copies whole 16-byte chunks to ``mO``: each store instruction writes two full rows (full 32-byte
+    sectors) instead of a quarter of eight rows.  Same rows, values, LSE and empty-row zeros as
+    :func:`store_rows` with ``zero_empty_rows``; needs ``head_dim_vo % 64 == 0`` (8+ chunks per row)."""
+    DV, G = head_dim_vo, group_size
+    CPR = DV // 8  # 16-byte chunks per row
+    g = lane // 4
+    t = lane % 4
+    hq = mO.shape[1]
+    o_base = mO.iterator.toint()
+    words = []  # words[dd][h]: the packed pair of row g + 8h, columns 8 dd + 2t, +1
+    lses = []
+    for h in cutlass.range_constexpr(2):
+        pr = row0 + warp * 16 + g + 8 * h
+        sink_l2 = Float32(NEG_INF)
+        if const_expr(use_sinks):
+            sink_l2 = mSinks[kvh * G + pr % G] * LOG2E
+        inv, lse = sm.finalize_row(row_m[h], row_l[h], sink_l2)
+        lses.append(lse)
+        inv_ok = inv != Float32(0.0)
+        row_words = []
+        for dd in cutlass.range_constexpr(DV // 8):
+            o0 = Float32(cutlass.select_(inv_ok, acc[dd * 4 + 2 * h] * inv, Float32(0.0)))
+            o1 = Float32(cutlass.select_(inv_ok, acc[dd * 4 + 2 * h + 1] * inv, Float32(0.0)))
+            row_words.append(ptx.pack2(o0, o1, dtype))
+        words.append(row_words)
+    # stmatrix x4: matrices (dd, row half 0), (dd, 1), (dd + 1, 0), (dd + 1, 1)
+    for dd in cutlass.range_constexpr(0, DV // 8, 2):
+        r_st, c = stmatrix_row(lane, dd)
+        ptx.stmatrix_x4(s_base + staged_offset(r_st, c, DV),
+                        words[0][dd], words[1][dd], words[0][dd + 1], words[1][dd + 1])
+    cute.arch.sync_warp()
+    limit = qo_len * G
+    for it in cutlass.range_constexpr(16 * CPR // 32):
+        idx = it * 32 + lane
+        r = idx // CPR
+        c = idx % CPR
+        v = ptx.ld_shared_v4_b32(s_base + staged_offset(r, c, DV))
+        pr = row0 + warp * 16 + r
+        if pr < limit:
+            tok = q_start + pr // G
+            head = kvh * G + pr % G
+            ptx.st_global_v4_b32(o_base + ((Int64(tok) * hq + head) * DV + c * 8) * 2, v[0], v[1], v[2], v[3])
+    for h in cutlass.range_constexpr(2):
+        pr = row0 + warp * 16 + g + 8 * h
+        if pr < limit:
+            if t == 0:
+                mLSE[q_start + pr // G, kvh * G + pr % G] = lses[h]

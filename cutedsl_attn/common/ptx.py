@@ -218,6 +218,37 @@ def st_global_u32(addr, v):
     _inline("st.global.u32 [{$r0}], {$r1};", read_only_args=[Int64(addr), Int32(v)])
 
 
+def stmatrix_x4(smem_addr, r0, r1, r2, r3):
+    """``stmatrix.sync.aligned.m8n8.x4.shared.b16``: four 8x8 16-bit matrices from the ``mma`` C-fragment
+    layout (register ``i``: matrix ``i``'s row ``lane // 4``, columns ``2 (lane % 4)`` and ``+1``); lanes
+    ``8i .. 8i+7`` give the row addresses (Int32 shared-window bytes, 16-byte aligned) of matrix ``i``."""
+    _inline("stmatrix.sync.aligned.m8n8.x4.shared.b16 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+            read_only_args=[Int32(smem_addr), Int32(r0), Int32(r1), Int32(r2), Int32(r3)])
+
+
+def ld_shared_v4_b32(addr):
+    """16-byte shared load (Int32 shared-window byte address); 4 Int32."""
+    return _inline("ld.shared.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];", write_only_types=[Int32] * 4,
+                   read_only_args=[Int32(addr)])
+
+
+def st_global_v4_b32(addr, v0, v1, v2, v3):
+    """16-byte global store (Int64 byte address, 16-byte aligned)."""
+    _inline("st.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+            read_only_args=[Int64(addr), Int32(v0), Int32(v1), Int32(v2), Int32(v3)])
+
+
+def fence_proxy_async_shared():
+    """``fence.proxy.async.shared::cta``: order this thread's generic-proxy shared memory accesses with later
+    async-proxy (TMA, wgmma) ones."""
+    _inline("fence.proxy.async.shared::cta;")
+
+
+def stamp_clock64(addr):
+    """Store the SM's ``%clock64`` to the global byte address ``addr`` (Int64): development traces."""
+    _inline("st.global.u64 [{$r0}], {$r1};", read_only_args=[Int64(addr), Int64(cute.arch.clock64())])
+
+
 def fence_gpu():
     """``fence.acq_rel.gpu`` (a __threadfence())."""
     _inline("fence.acq_rel.gpu;")

@@ -14,9 +14,10 @@ epilogue (the K/V ring, the Q stage and the ping-pong turn carry from tile to ti
 
 CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` consumer warpgroups):
 
-* the producer warpgroup: warp 0 hands each tile to the consumers through a one-stage Q
-  pipeline: it waits until the consumers have released Q (after their last ``S`` GEMM of the
-  previous tile), stores the tile index in shared memory and loads the tile's packed Q rows
+* the producer warpgroup: warp 0 hands each tile to the consumers through a Q pipeline of
+  ``q_stages`` (1 or 2) buffers: it waits until the consumers have released a Q buffer (after their
+  last ``S`` GEMM of its tile, or with ``smem_epilogue`` after that tile's epilogue), stores the tile
+  index in shared memory and loads the tile's packed Q rows
   with one TMA box per 64 columns (Q viewed as ``((group, tokens), dim, kv_heads)``: the
   ``tile_m`` rows of a tile are ``tile_m / group`` tokens x ``group`` heads; rows past the
   request load other rows, whose results are never stored); index ``-1`` ends the CTA.  For
@@ -48,7 +49,11 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   ``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``); inter-warpgroup ping-pong:
   the consumer warpgroups take turns issuing their GEMMs (named barriers), so one's softmax
   overlaps the other's GEMMs (FA3's schedule).
-* epilogue straight from registers (normalised, sinks folded in, LSE base 2).
+* epilogue (normalised, sinks folded in, LSE base 2) straight from registers, or with
+  ``smem_epilogue`` staged through the warpgroup's own Q rows (free after its last ``S`` GEMM):
+  ``stmatrix`` of each warp's 16 rows, then whole-row 16-byte stores
+  (:func:`cutedsl_attn.common.epilogue.store_rows_staged`); the default for causal ragged head_dim
+  128 (with two Q stages and tile_n 160, so the next tile's Q has its own buffer) and head_dim 256.
 * custom masks: one byte of the packed mask per score, every block masked (two warpgroups x
   ``tile_n`` 64, :func:`default_tiles`).
 
@@ -68,7 +73,7 @@ oracle; it does not build for SM100.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import cutlass
 import cutlass.cute as cute
@@ -121,10 +126,20 @@ class Sm90PrefillConfig(Dtype16):
     # measured slower on the H200 at head_dim 64 (2.29-2.61 vs 2.19 ms for 1-4 of 8, session 5): off
     ex2_poly: int = 0
     claim_after_q: bool = True  # persistent grid: claim the next tile after handing over this one's Q (else before)
-    # FlashAttention's main-loop order, built and checked in PTX/SASS only (session 5), not yet run on a GPU:
+    # FlashAttention's main-loop order (session 5; run and timed on the H200 in session 6: the d64 default
+    # uses loop_split + v_wait_late):
     loop_split: bool = False  # masked blocks in their own loop, the rest without mask code
     v_wait_late: bool = False  # wait for V inside the ping-pong turn, after issuing S
     k_release_early: bool = False  # release the K stage right after the S wait
+    # Q buffers: 2 lets the producer load the next tile's Q while the current one runs (persistent grid);
+    # alone it measured no gain (session 6), it serves smem_epilogue
+    q_stages: int = 1
+    # development aid: per-tile %clock64 stamps written into the (otherwise unused) mask argument
+    # (:meth:`Sm90PrefillKernel._stamp`); perf/trace_prefill.py reads them
+    trace: bool = False
+    # epilogue through shared memory (the warpgroup's own Q rows, free after its last S GEMM; Q is released
+    # after the epilogue, so pair it with q_stages=2): 16-byte stores of whole rows
+    smem_epilogue: bool = False
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -164,10 +179,17 @@ class Sm90PrefillConfig(Dtype16):
     def smem_bytes(self) -> int:
         """Shared memory of Q, the K/V rings and the barriers (each buffer 1 KiB aligned)."""
         e = 2
-        q = self.tile_m * self.head_dim_qk * e
+        q = self.q_stages * self.tile_m * self.head_dim_qk * e
         k = self.num_stages * self.tile_n * self.head_dim_qk * e
         v = self.num_stages * self.tile_n * self.head_dim_vo * e
         return 1024 + q + k + v + 1024
+
+
+# the fields a problem fixes; every other field of Sm90PrefillConfig is a tuning choice (default_tiles, or
+# CUTEDSL_ATTN_PREFILL_TUNE for experiments)
+PROBLEM_FIELDS = ("dtype", "head_dim_qk", "head_dim_vo", "group_size", "page_size", "causal", "use_window",
+                   "use_soft_cap", "use_sinks", "use_custom_mask", "arch")
+TUNING_FIELDS = tuple(f.name for f in fields(Sm90PrefillConfig) if f.name not in PROBLEM_FIELDS)
 
 
 def _page_rows(page_size: int, tile_n: int) -> int:
@@ -183,7 +205,7 @@ def _page_rows(page_size: int, tile_n: int) -> int:
 def unsupported_reason(cfg) -> str | None:
     """Why the SM90 kernel cannot serve ``cfg`` (a prefill config of either kernel), or None."""
     for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size", "tile_n", "num_stages", "num_wg",
-                 "num_ctas", "ex2_poly"):
+                 "num_ctas", "ex2_poly", "q_stages"):
         v = getattr(cfg, name, 0)
         if isinstance(v, bool) or not isinstance(v, int):
             return f"{name} must be an int, got {v!r}"
@@ -205,12 +227,18 @@ def unsupported_reason(cfg) -> str | None:
             return f"num_stages must be 2 or 3, got {cfg.num_stages}"
         if cfg.num_wg not in (2, 3) or (64 * cfg.num_wg) % cfg.group_size:
             return f"num_wg must be 2 or 3 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
+        if cfg.q_stages not in (1, 2):
+            return f"q_stages must be 1 or 2, got {cfg.q_stages}"
         if not 0 <= cfg.ex2_poly <= 8:
             return f"ex2_poly must be in 0..8, got {cfg.ex2_poly}"
-        for name in ("pingpong", "rescale_o_before_pv", "claim_after_q", "loop_split", "v_wait_late",
-                     "k_release_early"):
-            if not isinstance(getattr(cfg, name), bool):
-                return f"{name} must be a bool, got {getattr(cfg, name)!r}"
+        for name in TUNING_FIELDS:  # bool fields take bools, int ones ints (not bools)
+            v, want_bool = getattr(cfg, name), isinstance(getattr(Sm90PrefillConfig, name), bool)
+            if want_bool != isinstance(v, bool) or not isinstance(v, int):
+                return f"{name} must be {'a bool' if want_bool else 'an int'}, got {v!r}"
+        if cfg.smem_epilogue and cfg.head_dim_vo > cfg.head_dim_qk:
+            return "smem_epilogue stages O in the Q rows: needs head_dim_vo <= head_dim_qk"
+        if cfg.trace and (cfg.use_custom_mask or cfg.page_size > 0):
+            return "trace writes into the mask argument: ragged K/V without a custom mask only"
         if cfg.num_ctas < 0:
             return f"num_ctas must be >= 0, got {cfg.num_ctas}"
         if cfg.num_ctas > 0 and cfg.page_size > 0:
@@ -222,7 +250,7 @@ def unsupported_reason(cfg) -> str | None:
 
 def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
                   use_soft_cap: bool = False, use_custom_mask: bool = False, page_size: int = 0,
-                  num_sms: int = 132) -> dict:
+                  causal: bool = False, num_sms: int = 132) -> dict:
     """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3-5):
 
     * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
@@ -245,18 +273,33 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       (2.125 vs 2.180 ms, interleaved A/B with a 2 ms sleep before each call, session 5; session 4's
       200 us-sleep timing had it varying 2.15-2.34 ms).  At head_dim 256 it measured 6-7% slower (1.559
       vs 1.470 ms), so one CTA per tile there and at head_dim 192 (untimed), and always for paged K/V,
-      which it does not serve.
+      which it does not serve;
+    * head_dim 64 (three warpgroups): FlashAttention's main-loop order, ``loop_split`` + ``v_wait_late`` --
+      3% faster in two interleaved A/B runs of session 6 (2.054-2.056 vs 2.118-2.124 ms, ragged, persistent);
+    * causal, ragged K/V at head_dim 128 (``head_dim_vo <= head_dim_qk``): two Q stages and the epilogue staged
+      through the warpgroup's own Q rows (``q_stages=2, smem_epilogue``), which with two Q stages fits shared
+      memory at tile_n 160, not 176: 2.8% faster on the varlen mix (5.658 vs 5.819 ms) and 0.7% on d128
+      causal (1.615 vs 1.626), session 6 interleaved A/B (a second run: varlen 5.672 vs 5.813); two Q stages
+      alone, or tile_n 160 alone, measured no gain (per-tile %clock64 traces, ``perf/trace_prefill.py``:
+      the epilogue was 8% of a CTA's time on the varlen mix, 2,810 cycles per tile, 2,470 staged).  Not
+      without a causal mask: d128 full measured 3% slower (3.096 vs 3.002 ms; more blocks of 160 than 176);
+    * head_dim 256 without window / soft cap / custom mask: the staged epilogue (one Q stage, one CTA per tile):
+      0.5% and 1.0% faster in two A/B runs (1.464 vs 1.471, 1.454 vs 1.468 ms).
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
     persistent = {"num_ctas": num_sms} if page_size == 0 and d <= 128 else {}
     if d <= 64 and 192 % group_size == 0 and plain:
-        tiles = {"tile_n": 128, "num_wg": 3, **persistent}
+        tiles = {"tile_n": 128, "num_wg": 3, **persistent, "loop_split": True, "v_wait_late": True}
+    elif 64 < d <= 128 and plain and causal and page_size == 0 and head_dim_vo <= head_dim_qk:
+        tiles = {"tile_n": 160, "num_wg": 2, **persistent, "q_stages": 2, "smem_epilogue": True}
     elif 64 < d <= 128 and plain:
         tiles = {"tile_n": 176, "num_wg": 2, **persistent}
     else:
         # custom masks: one byte load per score element; at tile_n 128 their addresses spill 240 B
         tiles = {"tile_n": 64 if d > 192 or use_custom_mask else 128, "num_wg": 2, **persistent}
+    if d > 192 and plain and head_dim_vo <= head_dim_qk:
+        tiles["smem_epilogue"] = True
     alt = 64 if d > 192 else 128
     if page_size >= 16 and not _page_rows(page_size, tiles["tile_n"]) and _page_rows(page_size, alt):
         tiles["tile_n"] = alt  # blocks of whole pages (or inside one page): full K/V blocks by TMA
@@ -303,12 +346,17 @@ class Sm90PrefillKernel:
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(TM // 64, 1, 1), tiler_mn=(64, DV),
             a_source=warpgroup.OperandSource.RMEM)
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, DQ), dt, 1)
+        QS = self.cfg.q_stages
+        sQ_layout_st = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TM, TN, DQ), dt, QS)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, DQ), dt, S)
         # V tile (tile_n, DV), DV contiguous, as TMA writes it; the P V GEMM reads its transpose
         # (DV, tile_n) as an MN-major B operand
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, TN, DV), dt, S)
-        sQ_layout = cute.select(sQ_layout, mode=[0, 1])
+        sQ_layout = cute.select(sQ_layout_st, mode=[0, 1])  # one stage: the TMA box
+        if const_expr(QS > 1):
+            sQ_layout_k = sQ_layout_st
+        else:
+            sQ_layout_k = sQ_layout
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         hkv = mK.shape[2 if self.paged else 1]
@@ -339,9 +387,9 @@ class Sm90PrefillKernel:
         class SharedStorage:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            s_tile: cute.struct.MemRange[Int32, 2]  # the tile handed to the consumers with Q (-1: none left)
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * QS]
+            s_tile: cute.struct.MemRange[Int32, 2]  # per Q stage, the tile handed over with it (-1: none left)
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout_k)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
 
@@ -354,7 +402,7 @@ class Sm90PrefillKernel:
         if const_expr(self.cfg.num_ctas > 0):
             grid = (cutlass.min(mWork.shape[0] * hkv, self.cfg.num_ctas), 1, 1)
         self.kernel(mQ, mK, mV, mIdx, tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mWork, mO, mLSE, mSinks,
-                    mMask, sm_scale, soft_cap, window_left, sQ_layout, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
+                    mMask, sm_scale, soft_cap, window_left, sQ_layout_k, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
             grid=grid, block=(self.cfg.num_threads, 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream,
         )
 
@@ -379,7 +427,7 @@ class Sm90PrefillKernel:
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.NWG)  # lane 0 of each warp
         # Q and the tile index: one stage, filled by the producer's TMA, freed after the tile's last S GEMM
         pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one,
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=cfg.q_stages, producer_group=one,
             consumer_group=consumer_warps, tx_count=self.q_bytes, defer_sync=True)
         if const_expr(not self.paged):
             pipe_k = pipeline.PipelineTmaAsync.create(
@@ -414,7 +462,7 @@ class Sm90PrefillKernel:
         num_tiles = W * mK.shape[2 if self.paged else 1]
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.registers[1])
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.q_stages)
             if const_expr(not self.paged):
                 if warp_idx == 0:
                     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
@@ -427,7 +475,7 @@ class Sm90PrefillKernel:
                         kvh = t // W
                         b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
                         if b >= 0:
-                            self._hand_over(pipe_q, q_state, s_tile, t, tma_atom_Q, tma_Q, sQ, mWork, wi, kvh)
+                            self._hand_over(pipe_q, q_state, s_tile, t, tma_atom_Q, tma_Q, sQ, mWork, wi, kvh, mMask)
                             q_state.advance()
                         if const_expr(cfg.num_ctas > 0 and cfg.claim_after_q):
                             # claimed once this tile has started (its Q handed over), not before: a claim
@@ -439,7 +487,7 @@ class Sm90PrefillKernel:
                         t = num_tiles  # one tile per CTA
                         if const_expr(cfg.num_ctas > 0):
                             t = self._claim_end(mWork, claim, num_tiles)
-                    self._hand_over(pipe_q, q_state, s_tile, Int32(-1), tma_atom_Q, tma_Q, sQ, mWork, 0, 0)
+                    self._hand_over(pipe_q, q_state, s_tile, Int32(-1), tma_atom_Q, tma_Q, sQ, mWork, 0, 0, mMask)
             else:
                 wi = bx
                 b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
@@ -461,19 +509,28 @@ class Sm90PrefillKernel:
                 if wg == self.NWG - 1:  # the first warpgroup issues first
                     cute.arch.barrier_arrive(barrier_id=2, number_of_threads=256)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.S)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.q_stages)
             pipe_q.consumer_wait(q_state)
-            t = s_tile[0]
+            t = s_tile[self._q_index(q_state)]
             while t >= 0:
+                self._stamp(mMask, t, 4 * wg, ctid % 128 == 0)
+                if const_expr(cfg.trace):
+                    if ctid == 0:
+                        ptx.st_global_u32(mMask.iterator.toint() + t * 128 + 12 * 8, bx)
                 wi = t % W
                 b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
                 # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
-                state = self._consume(mO, mLSE, mSinks, mMask, sQ, sK, sV, pipe_q, q_state, pipe_k, pipe_v,
+                state = self._consume(mO, mLSE, mSinks, mMask, sQ, storage.sQ.data_ptr().toint(), sK, sV, pipe_q,
+                                      q_state, pipe_k, pipe_v,
                                       tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk, sm_scale,
                                       soft_cap, window_left, ptx.opaque_i32(ctid), ptx.opaque_i32(wg), state)
                 q_state.advance()
                 pipe_q.consumer_wait(q_state)
-                t = s_tile[0]
+                t = s_tile[self._q_index(q_state)]
+
+    def _q_index(self, q_state):
+        """The Q stage's slot of ``s_tile`` (trace-time 0 with one stage, as before ``q_stages``)."""
+        return q_state.index if const_expr(self.cfg.q_stages > 1) else 0
 
     @cute.jit
     def _claim_begin(self, mWork):
@@ -497,13 +554,15 @@ class Sm90PrefillKernel:
         return cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(v, 0)
 
     @cute.jit
-    def _hand_over(self, pipe_q, q_state, s_tile, t, tma_atom_Q, tma_Q, sQ, mWork, wi, kvh):
+    def _hand_over(self, pipe_q, q_state, s_tile, t, tma_atom_Q, tma_Q, sQ, mWork, wi, kvh, mMaskT=None):
         """Producer warp 0: wait until the consumers are done with Q, publish tile ``t`` in shared memory
         and TMA its packed Q rows (``t < 0``: no tile left, the full barrier is arrived on without a
         load).  The tile index is stored before the barrier arrive, whose release orders it for the
         consumers' wait."""
         pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-        s_tile[0] = t
+        if t >= 0:
+            self._stamp(mMaskT, t, 13, cute.arch.lane_idx() == 0)
+        s_tile[self._q_index(q_state)] = t
         if t >= 0:
             TM, DQ = self.TM, self.DQ
             gQ = cute.local_tile(
@@ -511,6 +570,8 @@ class Sm90PrefillKernel:
                 (mWork[wi, W_ROW0] // TM, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
                                                cute.group_modes(gQ, 0, 2))
+            if const_expr(self.cfg.q_stages > 1):
+                tQsQ = tQsQ[None, q_state.index]
             pipe_q.sync_object_full.arrive(q_state.index, None)
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         else:
@@ -623,7 +684,8 @@ class Sm90PrefillKernel:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def _consume(self, mO, mLSE, mSinks, mMask, sQ, sK, sV, pipe_q, q_state, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+    def _consume(self, mO, mLSE, mSinks, mMask, sQ, sQ_addr, sK, sV, pipe_q, q_state, pipe_k, pipe_v, tiled_mma_qk,
+                 tiled_mma_pv,
                  mWork, tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state):
         """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``; its Q has landed): KV blocks
         right to left with S of block j+1 and P V of block j in flight together (intra-warpgroup overlap),
@@ -640,6 +702,8 @@ class Sm90PrefillKernel:
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
         wg_mma_pv = tiled_mma_pv.get_slice(wg_layout(wg))
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        if const_expr(cfg.q_stages > 1):
+            tSrQ = tSrQ[None, None, None, q_state.index]
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_transpose_view(sV)))
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((TM, TN)), Float32)
@@ -679,6 +743,7 @@ class Sm90PrefillKernel:
             self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
             self._turn_end(wg)
             warpgroup.wait_group(0)
+            self._stamp(mMask, tile, 4 * wg + 1, tid % 128 == 0)
             pipe_k.consumer_release(state)
             self._softmax_block(acc_S, row_m, row_l, row_scale, n * TN, kv_len, qpos, pos_first, pos_last, sc_in,
                                 sc_out, window_left, t, mask, "dynamic")
@@ -698,7 +763,8 @@ class Sm90PrefillKernel:
             else:
                 for i in cutlass.range(n_blk - 1, unroll=1):
                     state = self._mainloop_block(*blk, state, blk_lo, n_blk, 2, i, "dynamic")
-            pipe_q.consumer_release(q_state)  # the last S GEMM is complete
+            if const_expr(not cfg.smem_epilogue):
+                pipe_q.consumer_release(q_state)  # the last S GEMM is complete
             if const_expr(cfg.rescale_o_before_pv):
                 sm.rescale_rows(acc_O, DV // 8, row_scale)
             pipe_v.consumer_wait(state)
@@ -707,16 +773,36 @@ class Sm90PrefillKernel:
             self._gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False)
             self._turn_end(wg)
             warpgroup.wait_group(0)
+            self._stamp(mMask, tile, 4 * wg + 2, tid % 128 == 0)
             pipe_v.consumer_release(state)
             state.advance()
         else:
             # no GEMM read Q; the warp's lanes have all read the tile index (s_tile) before lane 0's release
             # lets the producer overwrite it
             cute.arch.sync_warp()
-            pipe_q.consumer_release(q_state)
+            if const_expr(not cfg.smem_epilogue):
+                pipe_q.consumer_release(q_state)
         sm.quad_sum_rows(row_l)
         # re-derive the tile's coordinates from the (opaque) tile index rather than keep them live through
         # the main loop, where the consumer's registers run out
+        e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp = self._epi_coords(mWork, tile, tid)
+        if const_expr(cfg.smem_epilogue):
+            # the warpgroup's Q rows are free once all its warps are past the last S GEMM; each warp stages its
+            # 16 rows of O there (own bytes), then releases Q once its reads of them are done
+            cute.arch.barrier(barrier_id=2 + self.NWG + wg, number_of_threads=128)
+            s_base = sQ_addr + self._staging_offset(q_state, wg, e_warp)
+            epilogue.store_rows_staged(mO, mLSE, mSinks, acc_O, row_m, row_l, e_row0, e_qo_len, e_q_start, e_kvh,
+                                       e_lane, e_warp, s_base, self.DV, self.G, cfg.use_sinks, self.dtype)
+            ptx.fence_proxy_async_shared()  # before the next TMA load overwrites the staged rows
+            pipe_q.consumer_release(q_state)
+        else:
+            self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp)
+        self._stamp(mMask, tile, 4 * wg + 3, tid % 128 == 0)
+        return state
+
+    @cute.jit
+    def _epi_coords(self, mWork, tile, tid):
+        """(row0, qo_len, q_start, kv head, lane, consumer warp) of tile ``tile`` for the epilogue."""
         W = mWork.shape[0]
         t_o = ptx.opaque_i32(tile)
         wi = t_o % W
@@ -726,8 +812,29 @@ class Sm90PrefillKernel:
         q_start = mWork[wi, W_Q_START]
         lane = ptx.opaque_i32(tid) % 32
         warp = ptx.opaque_i32(tid) // 32
-        self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
-        return state
+        return row0, qo_len, q_start, kvh, lane, warp
+
+    def _staging_offset(self, q_state, wg, warp):
+        """Byte offset in ``sQ`` of consumer warp ``warp``'s ``16 x head_dim_vo`` staging rows: inside its
+        warpgroup's 64 Q rows of the current Q stage, which the K-major 128-byte-swizzled layout stores as
+        ``head_dim_qk / 64`` runs of 8 KiB (64 rows x 64 columns each, one per 64-column atom at ``atom *
+        tile_m * 128``), ``256 / head_dim_vo`` warps per run."""
+        TM, DQ, DV = self.TM, self.DQ, self.DV
+        per_run = 256 // DV
+        wl = warp % 4
+        off = (wl // per_run) * (TM * 128) + wg * (64 * 128) + (wl % per_run) * (32 * DV)
+        if const_expr(self.cfg.q_stages > 1):
+            off = off + q_state.index * (TM * DQ * 2)
+        return off
+
+    @cute.jit
+    def _stamp(self, mMask, t, slot: cutlass.Constexpr, pred):
+        """``trace``: ``%clock64`` into 64-bit slot ``slot`` of tile ``t``'s 128-byte record in ``mMask``
+        (slots 4 wg + 0..3: consumer warpgroup ``wg`` at the tile's start (Q landed), its first S GEMM done,
+        its last P V done, its epilogue done; 12: the CTA index (32-bit); 13: the producer handing Q over)."""
+        if const_expr(self.cfg.trace):
+            if pred:
+                ptx.stamp_clock64(mMask.iterator.toint() + t * 128 + slot * 8)
 
     @cute.jit
     def _mainloop_block(self, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v,
@@ -737,8 +844,9 @@ class Sm90PrefillKernel:
         block; returned advanced): S of
         this block and P V of the previous one issued together in this warpgroup's ping-pong turn, this
         block's softmax while P V runs.  ``mask_mode``: see :meth:`_softmax_block`.  ``v_wait_late`` /
-        ``k_release_early`` / ``loop_split`` (the caller) are session-5 variants of FlashAttention's loop
-        order, built and checked in PTX/SASS only, not yet run on a GPU (off by default)."""
+        ``k_release_early`` / ``loop_split`` (the caller) are variants of FlashAttention's loop order
+        (session 5), timed on the H200 in session 6: the head_dim 64 default uses ``loop_split`` and
+        ``v_wait_late`` (3% faster there), elsewhere they measured 0-3% slower."""
         cfg = self.cfg
         DV = self.DV
         state_v = state.clone()

@@ -1,0 +1,98 @@
+"""Per-tile timeline of the SM90 prefill kernel on one benchmark case (development aid).
+
+Builds the case of ``perf/bench_prefill.py`` with ``CUTEDSL_ATTN_PREFILL_TUNE`` = the variant plus
+``trace=1`` (the kernel then writes ``%clock64`` stamps per tile into its mask argument:
+:meth:`cutedsl_attn.sm90.prefill.Sm90PrefillKernel._stamp`), runs it with the L2 flushed, and reports
+where a CTA's time goes, in SM cycles summed over CTAs (consumer warpgroups 0 and 1): per tile the wait before it starts (its Q
+landing), the first S GEMM, the main loop to the last P V, the epilogue.
+
+Usage: python perf/trace_prefill.py --case varlen [--variants "default;q_stages=2"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from bench_prefill import CASES, DEV, DT, case_inputs
+
+
+def trace(variant, q, k, v, indptr, hq, hkv, d, causal):
+    import cutedsl_attn as ca
+
+    tune = "trace=1" if variant == "default" else variant + ",trace=1"
+    os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = tune
+    try:
+        w = ca.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=DEV), "NHD")
+        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+    finally:
+        os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
+    tiles = w._plan["work"].shape[0] * hkv
+    buf = torch.zeros(tiles * 128, dtype=torch.uint8, device=DEV)
+    w._plan["mask"] = buf
+    o = w.run(q, k, v)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    for _ in range(3):
+        flush.zero_()
+        torch.cuda._sleep(4_000_000)
+        buf.zero_()
+        w.run(q, k, v, out=o)
+    torch.cuda.synchronize()
+    rec = buf.view(torch.int64).view(tiles, 16).cpu()
+    return w, rec
+
+
+def analyse(rec):
+    rec = rec[rec[:, 0] != 0]  # tiles that ran (padding work rows have no record)
+    cta = (rec[:, 12] & 0xFFFFFFFF)
+    out = dict(tiles=int(rec.shape[0]))
+    tot = dict(wait=0, first_s=0, main=0, epi=0, busy=0, hand_lead=0)
+    n_gap = 0
+    for c in cta.unique().tolist():
+        r = rec[cta == c]
+        r = r[torch.argsort(r[:, 0])]
+        start = torch.minimum(r[:, 0], r[:, 4])
+        end = torch.maximum(r[:, 3], r[:, 7])
+        tot["busy"] += int(end[-1] - start[0])
+        tot["first_s"] += int(((r[:, 1] - r[:, 0]) + (r[:, 5] - r[:, 4])).sum()) // 2
+        tot["main"] += int(((r[:, 2] - r[:, 1]) + (r[:, 6] - r[:, 5])).sum()) // 2
+        tot["epi"] += int(((r[:, 3] - r[:, 2]) + (r[:, 7] - r[:, 6])).sum()) // 2
+        if r.shape[0] > 1:
+            tot["wait"] += int((start[1:] - end[:-1]).clamp(min=0).sum())
+            tot["hand_lead"] += int((start[1:] - r[1:, 13]).sum())
+            n_gap += r.shape[0] - 1
+    busy = tot["busy"]
+    for key in ("wait", "first_s", "main", "epi"):
+        out[key + "_frac"] = round(tot[key] / busy, 4)
+    out["per_tile_cycles"] = {key: round(tot[key] / max(1, out["tiles"]), 1) for key in ("wait", "first_s", "main", "epi")}
+    out["q_issue_to_start_cycles"] = round(tot["hand_lead"] / max(1, n_gap), 1)
+    out["ctas"] = int(cta.unique().numel())
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", required=True)
+    ap.add_argument("--variants", default="default")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    found = [c for c in CASES if a.case in c[0]]
+    if len(found) != 1:
+        raise SystemExit(f"--case {a.case!r} must name exactly one of {[c[0] for c in CASES]}")
+    (name, lens, hq, hkv, d, causal), = found
+    lens, q, k, v, indptr = case_inputs(lens, hq, hkv, d)
+    res = {}
+    for var in [x.strip() for x in a.variants.split(";") if x.strip()]:
+        w, rec = trace(var, q, k, v, indptr, hq, hkv, d, causal)
+        res[var] = analyse(rec)
+        print(name, var, json.dumps(res[var]), flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, f"trace_{a.case.replace(' ', '_')}.json"), "w") as f:
+        json.dump(dict(case=name, results=res), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

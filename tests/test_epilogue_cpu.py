@@ -1,0 +1,41 @@
+"""The staged epilogue's shared-memory layout (common.epilogue.staged_offset / stmatrix_row), replayed in
+Python against the PTX semantics of ``stmatrix.sync.aligned.m8n8.x4`` and 16-byte ``ld.shared``: every element
+of a warp's 16 rows lands once, the read-back chunk (r, c) holds row r's columns 8c..8c+7, and neither the
+stores nor the loads have bank conflicts (each 8-address phase covers all 32 banks once)."""
+
+import pytest
+
+from cutedsl_attn.common.epilogue import staged_offset, stmatrix_row
+
+
+@pytest.mark.parametrize("dv", [64, 128, 256])
+def test_staged_layout_roundtrip_and_banks(dv):
+    mem = {}  # byte offset -> (row, column) of the bf16 element stored there
+    for dd in range(0, dv // 8, 2):
+        addr = {}
+        for lane in range(32):  # lane L gives the row address of matrix L // 8, row L % 8
+            r, c = stmatrix_row(lane, dd)
+            addr[(lane // 8, lane % 8)] = staged_offset(r, c, dv)
+            assert staged_offset(r, c, dv) % 16 == 0
+        for m in range(4):  # one matrix per phase: 8 rows x 16 bytes over distinct 4-bank groups
+            banks = sorted((addr[(m, j)] // 4) % 32 // 4 for j in range(8))
+            assert banks == list(range(8)), (dd, m, banks)
+        for lane in range(32):  # register i of a lane: matrix i, row lane // 4, columns 2 (lane % 4) + 0/1
+            for i, (dblk, half) in enumerate([(dd, 0), (dd, 1), (dd + 1, 0), (dd + 1, 1)]):
+                row, col = half * 8 + lane // 4, dblk * 8 + 2 * (lane % 4)
+                base = addr[(i, lane // 4)] + 4 * (lane % 4)
+                for e in range(2):
+                    assert base + 2 * e not in mem
+                    mem[base + 2 * e] = (row, col + e)
+    assert len(mem) == 16 * dv and max(mem) < 16 * dv * 2
+    cpr = dv // 8
+    for it in range(16 * cpr // 32):
+        phases = {}
+        for lane in range(32):
+            idx = it * 32 + lane
+            r, c = idx // cpr, idx % cpr
+            off = staged_offset(r, c, dv)
+            assert [mem[off + 2 * e] for e in range(8)] == [(r, 8 * c + e) for e in range(8)]
+            phases.setdefault(lane // 8, []).append((off // 16) % 8)
+        for ph in phases.values():  # a 16-byte load serves 8 lanes per wavefront: 8 distinct bank groups
+            assert sorted(ph) == list(range(8)), ph
