@@ -68,7 +68,7 @@ def _kernel_config(args) -> dict:
     if args.op == "prefill":
         if args.num_warps or args.num_stages:
             raise ValueError("prefill: --num-warps and --num-stages do not apply; the SM90 kernel's tiles are tuned "
-                             "with CUTEDSL_ATTN_PREFILL_TUNE (e.g. 'tile_n=128,num_stages=3', see cutedsl_attn.inspect)")
+                             "with CUTEDSL_ATTN_PREFILL_TUNE (e.g. 'tile_n=128,q_stages=1,num_stages=3', see cutedsl_attn.inspect)")
         return dict(
             dtype=args.dtype, head_dim_qk=args.head_dim,
             # head_dim_vo defaults to head_dim, except 192 (the DeepSeek MLA prefill shape 192/128)

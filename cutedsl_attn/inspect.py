@@ -55,9 +55,9 @@ key                   values                                        default
 The environment is not consulted for the target (``arch`` is explicit), but the dispatch
 layer's switches are: ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` makes ``kernel="auto"`` pick
 the portable kernel (an explicit ``kernel="sm90"`` overrides it) and
-``CUTEDSL_ATTN_PREFILL_TUNE`` overrides the SM90 kernel's tuning fields (``tile_n``, ``num_stages``,
-``num_wg``, ``pingpong``, ``num_ctas``, ``rescale_o_before_pv``, ``ex2_poly``, ``claim_after_q``,
-``loop_split``, ``v_wait_late``, ``k_release_early``; tuning experiments).
+``CUTEDSL_ATTN_PREFILL_TUNE`` overrides the SM90 kernel's tuning fields
+(``cutedsl_attn.sm90.prefill.TUNING_FIELDS``: ``tile_n``, ``num_stages``, ``num_wg``, ``q_stages``,
+``smem_epilogue``, ``num_ctas``, ...; tuning experiments).
 """
 
 from __future__ import annotations

@@ -30,9 +30,11 @@ def trace(variant, q, k, v, indptr, hq, hkv, d, causal):
         w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
     finally:
         os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
+    if not getattr(w._plan["cfg"], "trace", False):
+        raise SystemExit(f"{variant}: planned {type(w._plan['cfg']).__name__} without trace (not the SM90 kernel?)")
     tiles = w._plan["work"].shape[0] * hkv
-    buf = torch.zeros(tiles * 128, dtype=torch.uint8, device=DEV)
-    w._plan["mask"] = buf
+    buf = w._plan["mask"]  # the plan's trace buffer: 128 bytes per tile
+    assert buf.numel() == tiles * 128
     o = w.run(q, k, v)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     for _ in range(3):

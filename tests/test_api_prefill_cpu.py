@@ -1447,6 +1447,25 @@ def test_sm90_kernel_chosen_and_portable_forced(rec, monkeypatch):
     assert type(w._plan["cfg"]).__name__ == "PrefillConfig"
 
 
+def test_sm90_trace_gets_its_own_buffer(rec, monkeypatch):
+    """``trace=1`` (a tuning field: per-tile %clock64 stamps into the kernel's mask argument) plans a zeroed
+    buffer of 128 bytes per tile for that argument, never the 1-byte dummy (the stamps would write past
+    it); also after the deprecated forward() re-plans the work table.  Without it the dummy is passed."""
+    w, p = planned_ragged(causal=True)
+    w.run(p["q"], p["k"], p["v"])
+    assert rec.last[1]["mask"].numel() == 1
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "trace=1")
+    w, p = planned_ragged(causal=True)
+    w.run(p["q"], p["k"], p["v"])
+    cfg, a = rec.last
+    assert cfg.trace and a["mask"].dtype == torch.uint8
+    assert a["mask"].numel() == a["work"].shape[0] * 2 * 128 and not a["mask"].any()  # hkv = 2
+    with pytest.warns(DeprecationWarning):
+        w.forward(p["q"], p["k"], p["v"], causal=True, window_left=3)
+    cfg, a = rec.last
+    assert cfg.trace and a["mask"].numel() == a["work"].shape[0] * 2 * 128
+
+
 @pytest.mark.parametrize("sm_scale", [-0.125, 0.0])
 def test_non_positive_sm_scale_plans_portable(rec, sm_scale):
     """The SM90 kernel folds the scale into the exponent after the row max of the raw logits (needs a scale

@@ -39,3 +39,37 @@ def test_staged_layout_roundtrip_and_banks(dv):
             phases.setdefault(lane // 8, []).append((off // 16) % 8)
         for ph in phases.values():  # a 16-byte load serves 8 lanes per wavefront: 8 distinct bank groups
             assert sorted(ph) == list(range(8)), ph
+
+
+class _Stage:
+    def __init__(self, index):
+        self.index = index
+
+
+@pytest.mark.parametrize("dq,dv,num_wg,q_stages", [(128, 128, 2, 2), (128, 128, 2, 1), (256, 256, 2, 1),
+                                                   (192, 128, 2, 1), (64, 64, 3, 2), (128, 64, 2, 2),
+                                                   (256, 128, 2, 1)])
+def test_staging_regions_inside_own_q_rows(dq, dv, num_wg, q_stages):
+    """Sm90PrefillKernel._staging_offset: each consumer warp's 16 x head_dim_vo staging bytes lie inside its
+    own warpgroup's 64 Q rows of the current Q stage (the K-major 128-byte-swizzled Q layout keeps the rows
+    of a 64-column atom together: row r of atom a at bytes a * tile_m * 128 + r * 128 of the stage; the
+    swizzle only permutes 16-byte chunks inside a row), and no two warps' regions overlap -- the other
+    warpgroup's in-flight S GEMM reads only its own rows."""
+    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig, Sm90PrefillKernel
+
+    cfg = Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=dq, head_dim_vo=dv, group_size=1, num_wg=num_wg,
+                            tile_n=64, q_stages=q_stages, smem_epilogue=True)
+    k = Sm90PrefillKernel(cfg)
+    tm, stage_bytes = 64 * num_wg, 64 * num_wg * dq * 2
+    for st in range(q_stages):
+        owner = {}  # byte -> warp
+        for warp in range(4 * num_wg):
+            wg = warp // 4
+            off = k._staging_offset(_Stage(st), wg, warp)
+            for b in range(off, off + 16 * dv * 2, 16):
+                rel = b - st * stage_bytes
+                assert 0 <= rel < stage_bytes, (warp, b)
+                atom, row = rel // (tm * 128), rel % (tm * 128) // 128
+                assert atom < dq // 64 and row // 64 == wg, (warp, b, atom, row)
+                assert b not in owner, (warp, owner.get(b), b)
+                owner[b] = warp

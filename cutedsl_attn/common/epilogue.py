@@ -83,8 +83,8 @@ def store_rows_staged(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start
     """:func:`store_rows` through shared memory: the warp's 16 normalised rows go to ``s_base`` (Int32
     shared-window byte address of ``16 * head_dim_vo * 2`` bytes that only this warp touches, 16-byte
     chunks XOR-swizzled by row so ``stmatrix`` and the read-back are free of bank conflicts), then every
-    lane copies whole 16-byte chunks to ``mO``: each store instruction writes two full rows (full 32-byte
-    sectors) instead of a quarter of eight rows.  Same rows, values, LSE and empty-row zeros as
+    lane copies whole 16-byte chunks to ``mO``: each store instruction writes 512 bytes of whole rows (two
+    rows at head_dim_vo 128; full 32-byte sectors) instead of 4 bytes per lane of eight rows.  Same rows, values, LSE and empty-row zeros as
     :func:`store_rows` with ``zero_empty_rows``; needs ``head_dim_vo % 64 == 0`` (8+ chunks per row)."""
     DV, G = head_dim_vo, group_size
     CPR = DV // 8  # 16-byte chunks per row

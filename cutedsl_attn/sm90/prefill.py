@@ -138,7 +138,7 @@ class Sm90PrefillConfig(Dtype16):
     # (:meth:`Sm90PrefillKernel._stamp`); perf/trace_prefill.py reads them
     trace: bool = False
     # epilogue through shared memory (the warpgroup's own Q rows, free after its last S GEMM; Q is released
-    # after the epilogue, so pair it with q_stages=2): 16-byte stores of whole rows
+    # after the epilogue, so a persistent grid pairs it with q_stages=2): 16-byte stores of whole rows
     smem_epilogue: bool = False
     arch: str = "sm_90a"
 
@@ -274,31 +274,34 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       200 us-sleep timing had it varying 2.15-2.34 ms).  At head_dim 256 it measured 6-7% slower (1.559
       vs 1.470 ms), so one CTA per tile there and at head_dim 192 (untimed), and always for paged K/V,
       which it does not serve;
-    * head_dim 64 (three warpgroups): FlashAttention's main-loop order, ``loop_split`` + ``v_wait_late`` --
+    * head_dim 64 (three warpgroups), ragged K/V: FlashAttention's main-loop order, ``loop_split`` + ``v_wait_late`` --
       3% faster in two interleaved A/B runs of session 6 (2.054-2.056 vs 2.118-2.124 ms, ragged, persistent);
-    * causal, ragged K/V at head_dim 128 (``head_dim_vo <= head_dim_qk``): two Q stages and the epilogue staged
+    * causal, ragged K/V at head_dim 128 (``head_dim_vo == head_dim_qk``, as run): two Q stages and the epilogue staged
       through the warpgroup's own Q rows (``q_stages=2, smem_epilogue``), which with two Q stages fits shared
       memory at tile_n 160, not 176: 2.8% faster on the varlen mix (5.658 vs 5.819 ms) and 0.7% on d128
       causal (1.615 vs 1.626), session 6 interleaved A/B (a second run: varlen 5.672 vs 5.813); two Q stages
       alone, or tile_n 160 alone, measured no gain (per-tile %clock64 traces, ``perf/trace_prefill.py``:
       the epilogue was 8% of a CTA's time on the varlen mix, 2,810 cycles per tile, 2,470 staged).  Not
       without a causal mask: d128 full measured 3% slower (3.096 vs 3.002 ms; more blocks of 160 than 176);
-    * head_dim 256 without window / soft cap / custom mask: the staged epilogue (one Q stage, one CTA per tile):
+    * head_dim 256 (``head_dim_vo`` 256) without window / soft cap / custom mask: the staged epilogue (one Q
+      stage, one CTA per tile):
       0.5% and 1.0% faster in two A/B runs (1.464 vs 1.471, 1.454 vs 1.468 ms).
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
     persistent = {"num_ctas": num_sms} if page_size == 0 and d <= 128 else {}
     if d <= 64 and 192 % group_size == 0 and plain:
-        tiles = {"tile_n": 128, "num_wg": 3, **persistent, "loop_split": True, "v_wait_late": True}
-    elif 64 < d <= 128 and plain and causal and page_size == 0 and head_dim_vo <= head_dim_qk:
+        tiles = {"tile_n": 128, "num_wg": 3, **persistent}
+        if page_size == 0:  # (measured on ragged K/V)
+            tiles.update(loop_split=True, v_wait_late=True)
+    elif 64 < d <= 128 and plain and causal and page_size == 0 and head_dim_vo == head_dim_qk:
         tiles = {"tile_n": 160, "num_wg": 2, **persistent, "q_stages": 2, "smem_epilogue": True}
     elif 64 < d <= 128 and plain:
         tiles = {"tile_n": 176, "num_wg": 2, **persistent}
     else:
         # custom masks: one byte load per score element; at tile_n 128 their addresses spill 240 B
         tiles = {"tile_n": 64 if d > 192 or use_custom_mask else 128, "num_wg": 2, **persistent}
-    if d > 192 and plain and head_dim_vo <= head_dim_qk:
+    if d > 192 and plain and head_dim_vo == head_dim_qk:
         tiles["smem_epilogue"] = True
     alt = 64 if d > 192 else 128
     if page_size >= 16 and not _page_rows(page_size, tiles["tile_n"]) and _page_rows(page_size, alt):
@@ -425,7 +428,8 @@ class Sm90PrefillKernel:
                 cpasync.prefetch_descriptor(tma_atom_V)
         one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.NWG)  # lane 0 of each warp
-        # Q and the tile index: one stage, filled by the producer's TMA, freed after the tile's last S GEMM
+        # Q and the tile index: q_stages buffers, filled by the producer's TMA, freed after the tile's last S GEMM
+        # (with smem_epilogue after its epilogue)
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=cfg.q_stages, producer_group=one,
             consumer_group=consumer_warps, tx_count=self.q_bytes, defer_sync=True)
@@ -560,8 +564,9 @@ class Sm90PrefillKernel:
         load).  The tile index is stored before the barrier arrive, whose release orders it for the
         consumers' wait."""
         pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-        if t >= 0:
-            self._stamp(mMaskT, t, 13, cute.arch.lane_idx() == 0)
+        if const_expr(self.cfg.trace):
+            if t >= 0:
+                self._stamp(mMaskT, t, 13, cute.arch.lane_idx() == 0)
         s_tile[self._q_index(q_state)] = t
         if t >= 0:
             TM, DQ = self.TM, self.DQ
@@ -690,7 +695,8 @@ class Sm90PrefillKernel:
         """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``; its Q has landed): KV blocks
         right to left with S of block j+1 and P V of block j in flight together (intra-warpgroup overlap),
         GEMM issue handed between warpgroups (ping-pong); Q is released to the producer after the last S
-        GEMM, so the next tile's Q loads during the last P V and the epilogue.  ``state``: the K/V ring
+        GEMM, so the next tile's Q loads during the last P V and the epilogue (with ``smem_epilogue`` after
+        the epilogue, which stages O in Q's rows: the next tile's Q then needs a second Q stage to load early).  ``state``: the K/V ring
         position, carried from tile to tile; returned advanced."""
         cfg = self.cfg
         row0 = mWork[wi, W_ROW0]
@@ -794,6 +800,7 @@ class Sm90PrefillKernel:
             epilogue.store_rows_staged(mO, mLSE, mSinks, acc_O, row_m, row_l, e_row0, e_qo_len, e_q_start, e_kvh,
                                        e_lane, e_warp, s_base, self.DV, self.G, cfg.use_sinks, self.dtype)
             ptx.fence_proxy_async_shared()  # before the next TMA load overwrites the staged rows
+            cute.arch.sync_warp()  # every lane's reads and fence before lane 0's release
             pipe_q.consumer_release(q_state)
         else:
             self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp)
