@@ -239,6 +239,31 @@ def test_epilogue_variants(monkeypatch, tune):
         run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True), sinks=True)
 
 
+@pytest.mark.parametrize("tune", ["tile_info_smem=1", "tile_info_smem=1,num_ctas=3"])
+def test_tile_info_smem(monkeypatch, tune):
+    """The producer copies each tile's work-table fields next to its index in shared memory
+    (``tile_info_smem``; written in session 6, not yet run on a GPU when committed): persistent and
+    few-CTA grids over two launches, empty rows / requests, the staged epilogue reading them after the main
+    loop (d128 causal), d128 full, d64, d256, a custom mask (its offset field), paged K/V."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    gen, _ = new_gen()
+    qo = rand_lens(gen, 12, 1, 1500)
+    kv = [q + x for q, x in zip(qo, rand_lens(gen, 12, 0, 800))]
+    w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
+    assert w._plan["cfg"].tile_info_smem and w._plan["cfg"].smem_epilogue
+    run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, layout="HND", launches=2)
+    run_ragged(qo, kv, 2, 8, 64, 64, BF16, opts=dict(causal=True), launches=2)
+    run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), mask="packed")
+    if "num_ctas" not in tune:
+        run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True))
+        gen, seed = new_gen()
+        c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
+        wp = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+        wp.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128,
+                16, causal=True, q_data_type=BF16)
+        run_paged_checked(wp, c, BF16, f"seed {seed}", causal=True)
+
+
 def test_lse_base_and_layout():
     gen, seed = new_gen()
     c = make_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, "NHD", gen)

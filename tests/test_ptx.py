@@ -560,6 +560,26 @@ def test_prefill_tuning_fields():
         Sm90PrefillConfig(**base, q_stages=2, tile_n=176)
 
 
+@pytest.mark.parametrize("keys", [dict(head_dim_qk=128, group_size=4, causal=True),
+                                  dict(head_dim_qk=64, group_size=8, causal=True),
+                                  dict(head_dim_qk=128, group_size=4, page_size=1, use_custom_mask=True)],
+                         ids=["hd128_staged", "hd64", "hd128_paged1_mask"])
+def test_sm90_prefill_tile_info_smem_ptx(monkeypatch, keys):
+    """``tile_info_smem`` (prepared, off; not yet run on a GPU): the consumers' scalar reads of the work table
+    (global ``ld`` of 32-bit fields) move to shared memory -- fewer global loads, more shared ones, same
+    GEMMs, no spills; off, the kernel is the default one."""
+    keys = dict(dtype="bfloat16", **keys)
+    ldg = r"ld\.global(\.nc)?\.[bsu]32"
+    off = ci.ptx("prefill", "sm_90a", **keys)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_info_smem=1")
+    assert ci.config("prefill", "sm_90a", **keys).tile_info_smem
+    on = ci.ptx("prefill", "sm_90a", **keys)
+    assert len(re.findall(ldg, on)) < len(re.findall(ldg, off))
+    assert len(re.findall(r"ld\.shared", on)) > len(re.findall(r"ld\.shared", off))
+    assert len(re.findall(r"wgmma\.mma_async", on)) == len(re.findall(r"wgmma\.mma_async", off))
+    assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
+
+
 def test_sm90_prefill_trace_ptx(monkeypatch):
     """``trace=1`` (perf/trace_prefill.py): %clock64 stamps stored to global memory at the tile's start, first S
     GEMM, last P V and epilogue (consumers) and the Q hand-over (producer); off, the PTX has none."""

@@ -95,6 +95,8 @@ NEG_INF = float("-inf")
 
 
 _SMEM_LIMIT = 227 * 1024
+# work-table fields the producer copies next to the tile index with tile_info_smem (7 fit the 8-int slot)
+_INFO_COLS = (W_BATCH, W_ROW0, W_QO_LEN, W_KV_LEN, W_Q_START, W_MASK_OFF)
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,10 @@ class Sm90PrefillConfig(Dtype16):
     # epilogue through shared memory (the warpgroup's own Q rows, free after its last S GEMM; Q is released
     # after the epilogue, so a persistent grid pairs it with q_stages=2): 16-byte stores of whole rows
     smem_epilogue: bool = False
+    # the producer copies the tile's work-table fields next to its index in shared memory (_INFO_COLS), so
+    # the consumers read them there instead of from global memory at the tile's start (and, with
+    # smem_epilogue, in the epilogue); prepared in session 6, not yet run on a GPU (off)
+    tile_info_smem: bool = False
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -391,7 +397,8 @@ class Sm90PrefillKernel:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * QS]
-            s_tile: cute.struct.MemRange[Int32, 2]  # per Q stage, the tile handed over with it (-1: none left)
+            # per Q stage, the tile handed over with it (-1: none left) [and its work-table fields: tile_info_smem]
+            s_tile: cute.struct.MemRange[Int32, 8 * QS if self.cfg.tile_info_smem else 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout_k)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -515,26 +522,40 @@ class Sm90PrefillKernel:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.S)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.q_stages)
             pipe_q.consumer_wait(q_state)
-            t = s_tile[self._q_index(q_state)]
+            t = s_tile[self._slot(q_state)]
             while t >= 0:
                 self._stamp(mMask, t, 4 * wg, ctid % 128 == 0)
                 if const_expr(cfg.trace):
                     if ctid == 0:
                         ptx.st_global_u32(mMask.iterator.toint() + t * 128 + 12 * 8, bx)
                 wi = t % W
-                b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
+                b, blk_lo, n_blk = self._tile(mWork, wi, window_left, s_tile, q_state)
                 # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
                 state = self._consume(mO, mLSE, mSinks, mMask, sQ, storage.sQ.data_ptr().toint(), sK, sV, pipe_q,
-                                      q_state, pipe_k, pipe_v,
+                                      q_state, s_tile, pipe_k, pipe_v,
                                       tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk, sm_scale,
                                       soft_cap, window_left, ptx.opaque_i32(ctid), ptx.opaque_i32(wg), state)
                 q_state.advance()
                 pipe_q.consumer_wait(q_state)
-                t = s_tile[self._q_index(q_state)]
+                t = s_tile[self._slot(q_state)]
 
     def _q_index(self, q_state):
-        """The Q stage's slot of ``s_tile`` (trace-time 0 with one stage, as before ``q_stages``)."""
+        """The Q stage's index (trace-time 0 with one stage, as before ``q_stages``)."""
         return q_state.index if const_expr(self.cfg.q_stages > 1) else 0
+
+    def _slot(self, q_state):
+        """Where the Q stage's tile index sits in ``s_tile`` (its work-table fields follow with
+        ``tile_info_smem``: ``_INFO_COLS``)."""
+        if const_expr(self.cfg.tile_info_smem):
+            return self._q_index(q_state) * 8
+        return self._q_index(q_state)
+
+    def _field(self, mWork, wi, col, s_tile=None, q_state=None):
+        """Work-table field ``col`` of work row ``wi``: from ``s_tile`` where the producer copied it
+        (``tile_info_smem`` and a Q stage given), else from global memory."""
+        if const_expr(self.cfg.tile_info_smem and s_tile is not None):
+            return s_tile[self._slot(q_state) + 1 + _INFO_COLS.index(col)]
+        return mWork[wi, col]
 
     @cute.jit
     def _claim_begin(self, mWork):
@@ -567,8 +588,11 @@ class Sm90PrefillKernel:
         if const_expr(self.cfg.trace):
             if t >= 0:
                 self._stamp(mMaskT, t, 13, cute.arch.lane_idx() == 0)
-        s_tile[self._q_index(q_state)] = t
+        s_tile[self._slot(q_state)] = t
         if t >= 0:
+            if const_expr(self.cfg.tile_info_smem):
+                for k, col in enumerate(_INFO_COLS):
+                    s_tile[self._slot(q_state) + 1 + k] = mWork[wi, col]
             TM, DQ = self.TM, self.DQ
             gQ = cute.local_tile(
                 cute.domain_offset(((0, mWork[wi, W_Q_START]), 0), tma_Q[None, None, kvh]), (TM, DQ),
@@ -584,12 +608,14 @@ class Sm90PrefillKernel:
                 cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(q_state))
 
     @cute.jit
-    def _tile(self, mWork, wi, window_left):
+    def _tile(self, mWork, wi, window_left, s_tile=None, q_state=None):
         """(request, KV block range) of work row ``wi``: blocks ``[blk_lo, blk_lo + n_blk)`` hold every KV
-        token some row of the tile can see; ``b < 0`` marks a padding row."""
+        token some row of the tile can see; ``b < 0`` marks a padding row.  (Consumers pass their Q stage's
+        ``s_tile``: :meth:`_field`.)"""
         cfg = self.cfg
-        b = mWork[wi, W_BATCH]
-        blk_lo, n_blk = masks.kv_block_range(mWork[wi, W_ROW0], mWork[wi, W_QO_LEN], mWork[wi, W_KV_LEN], window_left,
+        f = lambda col: self._field(mWork, wi, col, s_tile, q_state)  # noqa: E731
+        b = f(W_BATCH)
+        blk_lo, n_blk = masks.kv_block_range(f(W_ROW0), f(W_QO_LEN), f(W_KV_LEN), window_left,
                                              self.G, self.TM, self.TN, self.mask_causal, cfg.use_window)
         return b, blk_lo, n_blk
 
@@ -689,20 +715,20 @@ class Sm90PrefillKernel:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def _consume(self, mO, mLSE, mSinks, mMask, sQ, sQ_addr, sK, sV, pipe_q, q_state, pipe_k, pipe_v, tiled_mma_qk,
-                 tiled_mma_pv,
+    def _consume(self, mO, mLSE, mSinks, mMask, sQ, sQ_addr, sK, sV, pipe_q, q_state, s_tile, pipe_k, pipe_v,
+                 tiled_mma_qk, tiled_mma_pv,
                  mWork, tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state):
         """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``; its Q has landed): KV blocks
         right to left with S of block j+1 and P V of block j in flight together (intra-warpgroup overlap),
         GEMM issue handed between warpgroups (ping-pong); Q is released to the producer after the last S
         GEMM, so the next tile's Q loads during the last P V and the epilogue (with ``smem_epilogue`` after
-        the epilogue, which stages O in Q's rows: the next tile's Q then needs a second Q stage to load early).  ``state``: the K/V ring
-        position, carried from tile to tile; returned advanced."""
+        the epilogue, which stages O in Q's rows: the next tile's Q then needs a second Q stage to load
+        early).  ``state``: the K/V ring position, carried from tile to tile; returned advanced."""
         cfg = self.cfg
-        row0 = mWork[wi, W_ROW0]
-        qo_len = mWork[wi, W_QO_LEN]
-        kv_len = mWork[wi, W_KV_LEN]
-        q_start = mWork[wi, W_Q_START]
+        row0 = self._field(mWork, wi, W_ROW0, s_tile, q_state)
+        qo_len = self._field(mWork, wi, W_QO_LEN, s_tile, q_state)
+        kv_len = self._field(mWork, wi, W_KV_LEN, s_tile, q_state)
+        q_start = self._field(mWork, wi, W_Q_START, s_tile, q_state)
         TM, TN, DV, G = self.TM, self.TN, self.DV, self.G
         wg_layout = cute.make_layout(self.NWG, stride=128)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
@@ -733,7 +759,7 @@ class Sm90PrefillKernel:
             qpos[h] = (row0 + warp * 16 + g + 8 * h) // G + kv_len - qo_len
             if const_expr(cfg.use_custom_mask):  # padding rows read the request's last row
                 qtok = cutlass.min((row0 + warp * 16 + g + 8 * h) // G, qo_len - 1)
-                row_bit[h] = masks.custom_row_bit(mWork[wi, W_MASK_OFF], qtok, kv_len)
+                row_bit[h] = masks.custom_row_bit(self._field(mWork, wi, W_MASK_OFF, s_tile, q_state), qtok, kv_len)
         mask = (mMask, row_bit)
 
         sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap)
@@ -791,7 +817,9 @@ class Sm90PrefillKernel:
         sm.quad_sum_rows(row_l)
         # re-derive the tile's coordinates from the (opaque) tile index rather than keep them live through
         # the main loop, where the consumer's registers run out
-        e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp = self._epi_coords(mWork, tile, tid)
+        # (the Q stage, and with it s_tile's copy of the fields, is still held only with smem_epilogue)
+        e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp = self._epi_coords(
+            mWork, tile, tid, s_tile if const_expr(cfg.smem_epilogue) else None, q_state)
         if const_expr(cfg.smem_epilogue):
             # the warpgroup's Q rows are free once all its warps are past the last S GEMM; each warp stages its
             # 16 rows of O there (own bytes), then releases Q once its reads of them are done
@@ -808,15 +836,16 @@ class Sm90PrefillKernel:
         return state
 
     @cute.jit
-    def _epi_coords(self, mWork, tile, tid):
-        """(row0, qo_len, q_start, kv head, lane, consumer warp) of tile ``tile`` for the epilogue."""
+    def _epi_coords(self, mWork, tile, tid, s_tile=None, q_state=None):
+        """(row0, qo_len, q_start, kv head, lane, consumer warp) of tile ``tile`` for the epilogue (the
+        fields from ``s_tile`` where given: :meth:`_field`)."""
         W = mWork.shape[0]
         t_o = ptx.opaque_i32(tile)
         wi = t_o % W
         kvh = t_o // W
-        row0 = mWork[wi, W_ROW0]
-        qo_len = mWork[wi, W_QO_LEN]
-        q_start = mWork[wi, W_Q_START]
+        row0 = self._field(mWork, wi, W_ROW0, s_tile, q_state)
+        qo_len = self._field(mWork, wi, W_QO_LEN, s_tile, q_state)
+        q_start = self._field(mWork, wi, W_Q_START, s_tile, q_state)
         lane = ptx.opaque_i32(tid) % 32
         warp = ptx.opaque_i32(tid) // 32
         return row0, qo_len, q_start, kvh, lane, warp
