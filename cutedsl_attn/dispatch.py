@@ -131,11 +131,19 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
     supports (ragged or paged K/V, custom masks, no positional encoding, ``group_size`` dividing 128);
     everything else, and every other arch, runs the portable kernel.  The environment variable
     ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the portable kernel (benchmarks compare both).
+
+    Raises ValueError for ``CUTEDSL_ATTN_PREFILL_KERNEL`` other than ``auto`` / ``portable`` and for a
+    ``CUTEDSL_ATTN_PREFILL_TUNE`` that does not parse (:func:`_prefill_tune`), whichever kernel is picked.
     """
     if kernel not in ("auto", "portable", "sm90"):
         raise ValueError(f"kernel must be 'auto', 'portable' or 'sm90', got {kernel!r}")
+    env_kernel = os.environ.get("CUTEDSL_ATTN_PREFILL_KERNEL", "auto") or "auto"
+    if env_kernel not in ("auto", "portable"):
+        raise ValueError(f"CUTEDSL_ATTN_PREFILL_KERNEL must be 'auto' or 'portable', got {env_kernel!r}")
+    tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")
+    override = _prefill_tune(tune)  # its keys and values checked whichever kernel serves the problem
     cfg = _portable_prefill_config(**kwargs)
-    if kernel == "auto" and os.environ.get("CUTEDSL_ATTN_PREFILL_KERNEL", "auto") == "portable":
+    if kernel == "auto" and env_kernel == "portable":
         kernel = "portable"
     if kernel == "portable" or not positive_scale:
         return cfg
@@ -146,8 +154,6 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
         default = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
                                       use_soft_cap=cfg.use_soft_cap, use_custom_mask=cfg.use_custom_mask,
                                       page_size=cfg.page_size, causal=cfg.causal, num_sms=_num_sms())
-        tune = os.environ.get("CUTEDSL_ATTN_PREFILL_TUNE", "")
-        override = _prefill_tune(tune)
         if cfg.page_size > 0:
             override.pop("num_ctas", None)  # the persistent grid serves ragged K/V only (documented below)
         try:

@@ -51,6 +51,8 @@ def build(variant, q, k, v, indptr, lens, hq, hkv, d, causal, ws):
 
 
 def main():
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{os.path.basename(__file__)}: needs a CUDA GPU (timings run on the device)")
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True, help="a word of one perf/bench_prefill.py case name")
     ap.add_argument("--variants", default="default;fa4")

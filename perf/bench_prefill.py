@@ -82,6 +82,8 @@ def fi_call(ws, q, k, v, indptr, hq, hkv, d, causal):
 
 
 def main():
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{os.path.basename(__file__)}: needs a CUDA GPU (timings run on the device)")
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")

@@ -76,6 +76,8 @@ def analyse(rec):
 
 
 def main():
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{os.path.basename(__file__)}: needs a CUDA GPU (timings run on the device)")
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", required=True)
     ap.add_argument("--variants", default="default")

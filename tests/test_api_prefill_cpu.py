@@ -1196,6 +1196,7 @@ def _single(qo_len=37, kv_len=50, hq=8, hkv=2, dqk=64, dvo=None, dtype=BF16, lay
     ("o_dtype", NotImplementedError, "o_dtype"),
     ("fa2", NotImplementedError, "backend"),
     ("fa3", NotImplementedError, "backend"),
+    ("cudnn", NotImplementedError, "backend='cudnn' is served by the batch prefill wrappers"),
     ("backend", ValueError, "backend"),
     ("fp16_qk", NotImplementedError, "use_fp16_qk_reduction"),
     ("mask_shape", ValueError, "custom_mask"),
@@ -1240,7 +1241,7 @@ def test_single_errors(rec, case, exc, match):
         kw[case] = (torch.ones(1), torch.ones(1))
     elif case == "o_dtype":
         kw[case] = torch.float32
-    elif case in ("fa2", "fa3"):
+    elif case in ("fa2", "fa3", "cudnn"):
         kw["backend"] = case
     elif case == "backend":
         kw["backend"] = "magic"

@@ -519,6 +519,18 @@ def test_prefill_tune_env(monkeypatch):
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", bad)
         with pytest.raises(ValueError, match=f"CUTEDSL_ATTN_PREFILL_TUNE: .*{msg}"):
             ci.config("prefill", "sm_90a", **keys)
+    # parse errors raise whichever kernel serves the problem (head_dim 32 and RoPE run the portable kernel)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "foo=1")
+    for portable_keys in (dict(keys, head_dim_qk=32), dict(keys, pos_encoding_mode="ROPE_LLAMA")):
+        with pytest.raises(ValueError, match="CUTEDSL_ATTN_PREFILL_TUNE: 'foo=1'"):
+            ci.config("prefill", "sm_90a", **portable_keys)
+        with pytest.raises(ValueError, match="CUTEDSL_ATTN_PREFILL_TUNE: 'foo=1'"):
+            ci.config("prefill", "sm_100a", **keys)
+    monkeypatch.delenv("CUTEDSL_ATTN_PREFILL_TUNE")
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "Portable")
+    with pytest.raises(ValueError, match="CUTEDSL_ATTN_PREFILL_KERNEL must be 'auto' or 'portable', got 'Portable'"):
+        ci.config("prefill", "sm_90a", **keys)
+    monkeypatch.delenv("CUTEDSL_ATTN_PREFILL_KERNEL")
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "ex2_poly=9")
     with pytest.raises(ValueError, match=r"ex2_poly must be in 0\.\.8.*CUTEDSL_ATTN_PREFILL_TUNE"):
         ci.config("prefill", "sm_90a", **keys)

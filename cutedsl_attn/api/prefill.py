@@ -1281,6 +1281,9 @@ def single_prefill_with_kv_cache(
     every call (host work, no synchronisation).
     """
     check_kv_layout(kv_layout)
+    if backend == "cudnn":
+        raise NotImplementedError("single_prefill_with_kv_cache: backend='cudnn' is served by the batch prefill "
+                                  f"wrappers (cuDNN frontend graphs), not here; supported here: {_SUPPORTED_BACKENDS}")
     _check_backend(backend)
     for n, x in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)):
         if x is not None:

@@ -257,13 +257,13 @@ def unsupported_reason(cfg) -> str | None:
 def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
                   use_soft_cap: bool = False, use_custom_mask: bool = False, page_size: int = 0,
                   causal: bool = False, num_sms: int = 132) -> dict:
-    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3-5):
+    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3-6):
 
     * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
       two warpgroups on B2 x 8192 x 64 heads causal -- where it fits 160 registers per consumer thread
       without spilling: no sliding window, soft cap or custom mask (those spill 16-224 B), and ``192 %
-      group_size == 0``.  At 160 registers ptxas still serialises the softmax after P V
-      (``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``, expected failure); tile_n 112
+      group_size == 0``.  At 160 registers ptxas serialises the softmax after P V (so the SASS overlap
+      test, ``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``, leaves d64 out); tile_n 112
       keeps the overlap in SASS but measured 2% slower (2.194 vs 2.155 ms; 96: 3.5% slower);
     * head_dim 128: tile_n 176 -- 1.5-5.5% faster than 128 on the d128 rows, 9% on the varlen mix -- without
       window, soft cap or custom mask (with them tile_n 176 spills 16-184 B; 128 does not);
