@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench_prefill import CASES, DEV, DT, case_inputs, fa4_call, fi_call, flops
+from bench_prefill import CASES, DEV, case_inputs, fa4_call, fi_call, flops, plan_ours
 
 from cutedsl_attn.timing import KernelTimer
 
@@ -34,18 +34,9 @@ def build(variant, q, k, v, indptr, lens, hq, hkv, d, causal, ws):
         return fa4_call(q, k, v, indptr, lens, causal)
     if variant == "fi":
         return fi_call(ws, q, k, v, indptr, hq, hkv, d, causal)
-    import cutedsl_attn as ca
-
-    saved = os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)  # "default" means the dispatch defaults
-    if variant != "default":
-        os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = variant
-    try:
-        w = ca.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=DEV), "NHD")
-        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
-    finally:
-        os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
-        if saved is not None:
-            os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = saved
+    # "default" means the dispatch defaults (any CUTEDSL_ATTN_PREFILL_TUNE of the process unset for the plan)
+    w = plan_ours(torch.empty(256 << 20, dtype=torch.uint8, device=DEV), indptr, hq, hkv, d, causal,
+                  {"CUTEDSL_ATTN_PREFILL_TUNE": None if variant == "default" else variant})
     o = w.run(q, k, v)
     return lambda: w.run(q, k, v, out=o)
 

@@ -63,6 +63,28 @@ def case_inputs(lens, hq, hkv, d):
     return lens, q, k, v, indptr
 
 
+def plan_ours(ws, indptr, hq, hkv, d, causal, env=None):
+    """Our ragged wrapper planned on the case, with ``env`` (environment variable -> value, e.g.
+    ``{"CUTEDSL_ATTN_PREFILL_TUNE": "tile_n=128"}``; ``None`` / ``""`` unsets one: the dispatch defaults)
+    in force for the plan only, the previous values restored after."""
+    import cutedsl_attn as ca
+
+    env = env or {}
+    saved = {key: os.environ.pop(key, None) for key in env}
+    try:
+        for key, val in env.items():
+            if val:
+                os.environ[key] = val
+        w = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+    finally:
+        for key, val in saved.items():
+            os.environ.pop(key, None)
+            if val is not None:
+                os.environ[key] = val
+    return w
+
+
 def fa4_call(q, k, v, indptr, lens, causal):
     """FlashAttention-4 (``flash_attn.cute``) varlen forward on the case, as a no-argument callable."""
     from flash_attn.cute import flash_attn_varlen_func
@@ -92,7 +114,6 @@ def main():
     ap.add_argument("--cases", default="", help="only the cases whose name contains one of these ';'-separated words")
     args = ap.parse_args()
     tunes = [x for x in args.tune.split(";") if x]
-    import cutedsl_attn as ca
 
     try:
         import flash_attn.cute  # noqa: F401
@@ -122,31 +143,21 @@ def main():
         lens, q, k, v, indptr = case_inputs(lens, hq, hkv, d)
         fl = flops(lens, hq, d, d, causal)
         row = dict(case=name, tflop=fl / 1e12)
-        w = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+        w = plan_ours(ws, indptr, hq, hkv, d, causal)
         o = w.run(q, k, v)
         t = timed(lambda: w.run(q, k, v, out=o))
         row["ours_ms"], row["ours_tf"] = t * 1e3, fl / t / 1e12
         row["ours_kernel"] = type(w._plan["cfg"]).__name__
         for tune in tunes:
-            os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = tune
             try:
-                wt = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-                wt.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+                wt = plan_ours(ws, indptr, hq, hkv, d, causal, {"CUTEDSL_ATTN_PREFILL_TUNE": tune})
                 ot = wt.run(q, k, v)
                 row[f"tune[{tune}]_relerr"] = ((ot.float() - o.float()).norm() / o.float().norm()).item()
                 row[f"tune[{tune}]_ms"] = timed(lambda: wt.run(q, k, v, out=ot)) * 1e3
             except Exception as e:  # noqa: BLE001
                 print(f"tune {tune} failed:", repr(e)[:300])
-            finally:
-                os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
-        if not args.no_portable:
-            os.environ["CUTEDSL_ATTN_PREFILL_KERNEL"] = "portable"  # the portable kernel's share
-            try:
-                wp = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-                wp.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
-            finally:
-                os.environ.pop("CUTEDSL_ATTN_PREFILL_KERNEL", None)
+        if not args.no_portable:  # the portable kernel's share
+            wp = plan_ours(ws, indptr, hq, hkv, d, causal, {"CUTEDSL_ATTN_PREFILL_KERNEL": "portable"})
             op = wp.run(q, k, v)
             row["portable_relerr"] = ((op.float() - o.float()).norm() / o.float().norm()).item()
             row["portable_ms"] = timed(lambda: wp.run(q, k, v, out=op), reps=3) * 1e3

@@ -17,31 +17,23 @@ import os
 
 import torch
 
-from bench_prefill import CASES, DEV, DT, case_inputs
+from bench_prefill import CASES, DEV, case_inputs, plan_ours
+
+from cutedsl_attn.timing import KernelTimer
 
 
 def trace(variant, q, k, v, indptr, hq, hkv, d, causal):
-    import cutedsl_attn as ca
-
     tune = "trace=1" if variant == "default" else variant + ",trace=1"
-    os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = tune
-    try:
-        w = ca.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device=DEV), "NHD")
-        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
-    finally:
-        os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
+    w = plan_ours(torch.empty(256 << 20, dtype=torch.uint8, device=DEV), indptr, hq, hkv, d, causal,
+                  {"CUTEDSL_ATTN_PREFILL_TUNE": tune})
     if not getattr(w._plan["cfg"], "trace", False):
         raise SystemExit(f"{variant}: planned {type(w._plan['cfg']).__name__} without trace (not the SM90 kernel?)")
     tiles = w._plan["work"].shape[0] * hkv
     buf = w._plan["mask"]  # the plan's trace buffer: 128 bytes per tile
     assert buf.numel() == tiles * 128
     o = w.run(q, k, v)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    for _ in range(3):
-        flush.zero_()
-        torch.cuda._sleep(4_000_000)
-        buf.zero_()
-        w.run(q, k, v, out=o)
+    buf.zero_()
+    KernelTimer(DEV, sleep_cycles=4_000_000)(lambda: w.run(q, k, v, out=o), reps=3)  # L2 flushed, 2 ms sleep
     torch.cuda.synchronize()
     rec = buf.view(torch.int64).view(tiles, 16).cpu()
     return w, rec

@@ -97,6 +97,14 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"unknown backend {backend!r}; supported: {_SUPPORTED_BACKENDS}")
 
 
+def _trace_buffer(cfg, work, num_kv_heads, device, mask):
+    """The kernel's mask argument: for a ``trace`` config (development traces, perf/trace_prefill.py) a zeroed
+    buffer of 128 bytes per tile of ``work`` -- the stamps would write past the 1-byte dummy -- else ``mask``."""
+    if getattr(cfg, "trace", False):
+        return torch.zeros(work.shape[0] * num_kv_heads * 128, dtype=torch.uint8, device=device)
+    return mask
+
+
 def _check_head_dims(head_dim_qk, head_dim_vo) -> tuple[int, int]:
     head_dim_qk = check_int("head_dim_qk", head_dim_qk)
     head_dim_vo = head_dim_qk if head_dim_vo is None else check_int("head_dim_vo", head_dim_vo)
@@ -427,8 +435,7 @@ class _BatchPrefillBase:
                 mask = packed.to(dev, non_blocking=non_blocking)
                 if mask.numel() == 0:
                     mask = self._dummy_u8
-        if getattr(cfg, "trace", False):  # development traces (perf/trace_prefill.py): 128 B per tile
-            mask = torch.zeros(work.shape[0] * num_kv_heads * 128, dtype=torch.uint8, device=dev)
+        mask = _trace_buffer(cfg, work, num_kv_heads, dev, mask)
         if self._use_cuda_graph:
             if self._work_dev is None:
                 self._graph_rows, self._graph_tile_m, self._max_total_num_rows = num_rows, tile_m, max_rows
@@ -501,9 +508,7 @@ class _BatchPrefillBase:
                 rp["qo_lens"], rp["kv_lens"], rp["q_starts"], rp["kv_starts"], rp["mask_bits"],
                 group_size=cfg.group_size, tile_m=cfg.tile_m, causal=cfg.causal, window_left=window_left)
             p.update(work=work.to(self.device), num_work=num_work)
-        if getattr(cfg, "trace", False):  # development traces: 128 B per tile of this work table
-            p["mask"] = torch.zeros(p["work"].shape[0] * p["num_kv_heads"] * 128, dtype=torch.uint8,
-                                    device=self.device)
+        p["mask"] = _trace_buffer(cfg, p["work"], p["num_kv_heads"], self.device, p["mask"])
         alibi = self._alibi_slopes(pos_encoding_mode, p["num_qo_heads"], True)
         p.update(cfg=cfg, causal=bool(causal), window_left=window_left, soft_cap=cap, sm_scale=scale,
                  pos_encoding_mode=pos_encoding_mode, alibi=alibi, rope_rcp_scale=rope_rcp_scale,

@@ -21,6 +21,30 @@ NEG_INF = float("-inf")
 
 
 @cute.jit
+def _row_factor(mSinks, row_m, row_l, h: cutlass.Constexpr, head, use_sinks: cutlass.Constexpr):
+    """(factor, lse) of the lane's row ``h`` (:func:`softmax.finalize_row`), with the sink logit of query head
+    ``head`` (natural log, converted to log2 units) where ``use_sinks``."""
+    sink_l2 = Float32(NEG_INF)
+    if const_expr(use_sinks):
+        sink_l2 = mSinks[head] * LOG2E
+    return sm.finalize_row(row_m[h], row_l[h], sink_l2)
+
+
+@cute.jit
+def _scaled_pair(acc, i: cutlass.Constexpr, inv, zero_empty_rows: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    """``acc[i], acc[i + 1]`` times ``inv`` packed into one 32-bit word; with ``zero_empty_rows`` an exact 0
+    where ``inv == 0`` (a row that saw no key), whatever ``acc`` holds."""
+    inv_ok = inv != Float32(0.0)
+    o0 = acc[i] * inv
+    if const_expr(zero_empty_rows):
+        o0 = Float32(cutlass.select_(inv_ok, o0, Float32(0.0)))
+    o1 = acc[i + 1] * inv
+    if const_expr(zero_empty_rows):
+        o1 = Float32(cutlass.select_(inv_ok, o1, Float32(0.0)))
+    return ptx.pack2(o0, o1, dtype)
+
+
+@cute.jit
 def store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp,
                head_dim_vo: cutlass.Constexpr, group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr,
                dtype: cutlass.Constexpr, zero_empty_rows: cutlass.Constexpr):
@@ -43,20 +67,10 @@ def store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, 
         if pr < qo_len * G:
             tok = q_start + pr // G
             head = kvh * G + pr % G
-            sink_l2 = Float32(NEG_INF)
-            if const_expr(use_sinks):
-                sink_l2 = mSinks[head] * LOG2E
-            inv, lse = sm.finalize_row(row_m[h], row_l[h], sink_l2)
+            inv, lse = _row_factor(mSinks, row_m, row_l, h, head, use_sinks)
             row_addr = o_base + ((Int64(tok) * hq + head) * DV) * 2
-            inv_ok = inv != Float32(0.0)
             for dd in cutlass.range_constexpr(DV // 8):
-                o0 = acc[dd * 4 + 2 * h] * inv
-                if const_expr(zero_empty_rows):
-                    o0 = Float32(cutlass.select_(inv_ok, o0, Float32(0.0)))
-                o1 = acc[dd * 4 + 2 * h + 1] * inv
-                if const_expr(zero_empty_rows):
-                    o1 = Float32(cutlass.select_(inv_ok, o1, Float32(0.0)))
-                v = ptx.pack2(o0, o1, dtype)
+                v = _scaled_pair(acc, dd * 4 + 2 * h, inv, zero_empty_rows, dtype)
                 ptx.st_global_u32(row_addr + (dd * 8 + 2 * t) * 2, v)
             if t == 0:
                 mLSE[tok, head] = lse
@@ -96,18 +110,9 @@ def store_rows_staged(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start
     lses = []
     for h in cutlass.range_constexpr(2):
         pr = row0 + warp * 16 + g + 8 * h
-        sink_l2 = Float32(NEG_INF)
-        if const_expr(use_sinks):
-            sink_l2 = mSinks[kvh * G + pr % G] * LOG2E
-        inv, lse = sm.finalize_row(row_m[h], row_l[h], sink_l2)
+        inv, lse = _row_factor(mSinks, row_m, row_l, h, kvh * G + pr % G, use_sinks)
         lses.append(lse)
-        inv_ok = inv != Float32(0.0)
-        row_words = []
-        for dd in cutlass.range_constexpr(DV // 8):
-            o0 = Float32(cutlass.select_(inv_ok, acc[dd * 4 + 2 * h] * inv, Float32(0.0)))
-            o1 = Float32(cutlass.select_(inv_ok, acc[dd * 4 + 2 * h + 1] * inv, Float32(0.0)))
-            row_words.append(ptx.pack2(o0, o1, dtype))
-        words.append(row_words)
+        words.append([_scaled_pair(acc, dd * 4 + 2 * h, inv, True, dtype) for dd in range(DV // 8)])
     # stmatrix x4: matrices (dd, row half 0), (dd, 1), (dd + 1, 0), (dd + 1, 1)
     for dd in cutlass.range_constexpr(0, DV // 8, 2):
         r_st, c = stmatrix_row(lane, dd)
