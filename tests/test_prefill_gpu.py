@@ -41,6 +41,14 @@ def rand_lens(gen, n, lo, hi):
     return torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
 
 
+def rand_appends(n, max_qo, max_extra, gen=None):
+    """Random append problems: ``n`` query lengths in [1, max_qo], each request's KV length its query length
+    plus [0, max_extra] (``gen``: a fresh seed by default)."""
+    gen = gen if gen is not None else new_gen()[0]
+    qo = rand_lens(gen, n, 1, max_qo)
+    return qo, [q + x for q, x in zip(qo, rand_lens(gen, n, 0, max_extra))]
+
+
 def indptr(lens):
     return torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
 
@@ -110,13 +118,10 @@ def run_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout="NHD", *, o
     ("short", "long", 2, 4, 128, 128, BF16, "NHD", True),  # decode-like appends into long KVs
 ])
 def test_ragged_sweep(qo, kv, hkv, group, dqk, dvo, dtype, layout, causal):
-    gen, _ = new_gen()
     if qo == "random":
-        qo = rand_lens(gen, 6, 1, 1500)
-        kv = [q + x for q, x in zip(qo, rand_lens(gen, 6, 0, 1500))]
+        qo, kv = rand_appends(6, 1500, 1500)
     elif qo == "short":
-        qo = rand_lens(gen, 8, 1, 64)
-        kv = [q + x for q, x in zip(qo, rand_lens(gen, 8, 0, 4000))]
+        qo, kv = rand_appends(8, 64, 4000)
     run_ragged(qo, kv, hkv, group, dqk, dvo, dtype, layout, opts=dict(causal=causal))
 
 
@@ -126,9 +131,7 @@ def test_ragged_persistent(monkeypatch, num_ctas):
     the oracle on two launches of one plan (the launch's last claim resets the counter, which then reads
     0), with 3 CTAs (each claims many tiles) and with one per SM, at head_dim 128 and 64 (the defaults)."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", f"num_ctas={num_ctas}")
-    gen, _ = new_gen()
-    qo = rand_lens(gen, 12, 1, 1500)
-    kv = [q + x for q, x in zip(qo, rand_lens(gen, 12, 0, 800))]
+    qo, kv = rand_appends(12, 1500, 800)
     for group, d, opts, sinks in ((4, 128, dict(causal=True), False),
                                   (1, 128, dict(causal=True, window_left=100, logits_soft_cap=7.0), True),
                                   (8, 64, dict(causal=True), False)):  # three consumer warpgroups
@@ -211,9 +214,7 @@ def test_q_double_buffer(monkeypatch, tune):
     (many tiles each, both stages reused) and one per SM, two launches of one plan, causal with empty rows,
     window + soft cap + sinks, head_dim 64 with three warpgroups."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
-    gen, _ = new_gen()
-    qo = rand_lens(gen, 12, 1, 1500)
-    kv = [q + x for q, x in zip(qo, rand_lens(gen, 12, 0, 800))]
+    qo, kv = rand_appends(12, 1500, 800)
     w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), launches=2)
     assert w._plan["cfg"].q_stages == 2 and w._plan["cfg"].num_ctas > 0
     run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0),
@@ -246,9 +247,7 @@ def test_tile_info_smem(monkeypatch, tune):
     few-CTA grids over two launches, empty rows / requests, the staged epilogue reading them after the main
     loop (d128 causal), d128 full, d64, d256, a custom mask (its offset field), paged K/V."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
-    gen, _ = new_gen()
-    qo = rand_lens(gen, 12, 1, 1500)
-    kv = [q + x for q, x in zip(qo, rand_lens(gen, 12, 0, 800))]
+    qo, kv = rand_appends(12, 1500, 800)
     w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
     assert w._plan["cfg"].tile_info_smem and w._plan["cfg"].smem_epilogue
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, layout="HND", launches=2)
