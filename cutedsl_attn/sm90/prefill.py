@@ -267,7 +267,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       keeps the overlap in SASS but measured 2% slower (2.194 vs 2.155 ms; 96: 3.5% slower);
     * head_dim 128: tile_n 176 -- 1.5-5.5% faster than 128 on the d128 rows, 9% on the varlen mix -- without
       window, soft cap or custom mask (with them tile_n 176 spills 16-184 B; 128 does not);
-    * head_dim 192: tile_n 128; head_dim 256: tile_n 64 (shared memory; 80 measured the same);
+    * head_dim 192: tile_n 128; head_dim 256: tile_n 64 (shared memory; 80 measured the same with ping-pong;
+      without a window, soft cap or custom mask 80 and no ping-pong, below);
     * a custom mask: two warpgroups x tile_n 64 (the mask's per-element byte loads spill 240 B at 128; at
       head_dim 256 still 16-40 B, a correctness path);
     * paged K/V with ``page_size >= 16``: where the choice above gives no TMA box (:func:`_page_rows`: a
@@ -291,7 +292,10 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       without a causal mask: d128 full measured 3% slower (3.096 vs 3.002 ms; more blocks of 160 than 176);
     * head_dim 256 (``head_dim_vo`` 256) without window / soft cap / custom mask: the staged epilogue (one Q
       stage, one CTA per tile):
-      0.5% and 1.0% faster in two A/B runs (1.464 vs 1.471, 1.454 vs 1.468 ms).
+      0.5% and 1.0% faster in two A/B runs (1.464 vs 1.471, 1.454 vs 1.468 ms); and FlashAttention-4's
+      tiles there, tile_n 80 without ping-pong, O rescaled while the S GEMM runs: 2.4-2.8% faster in two
+      interleaved A/B runs of session 7 (1.452 / 1.458 vs 1.494 ms, FA4 1.457 / 1.461; ragged, causal; the
+      same without the staged epilogue: 1.493; persistent: 1.573).
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
@@ -308,10 +312,13 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
         # custom masks: one byte load per score element; at tile_n 128 their addresses spill 240 B
         tiles = {"tile_n": 64 if d > 192 or use_custom_mask else 128, "num_wg": 2, **persistent}
     if d > 192 and plain and head_dim_vo == head_dim_qk:
-        tiles["smem_epilogue"] = True
+        # FlashAttention-4's SM90 head_dim 256 tiles (128 x 80, no ping-pong, O rescaled while S runs)
+        tiles.update(tile_n=80, pingpong=False, rescale_o_before_pv=True, smem_epilogue=True)
     alt = 64 if d > 192 else 128
     if page_size >= 16 and not _page_rows(page_size, tiles["tile_n"]) and _page_rows(page_size, alt):
         tiles["tile_n"] = alt  # blocks of whole pages (or inside one page): full K/V blocks by TMA
+        if d > 192:  # (no ping-pong was timed at tile_n 80 only)
+            tiles.update(pingpong=True, rescale_o_before_pv=False)
     return tiles
 
 
