@@ -776,11 +776,7 @@ class Sm90PrefillKernel:
 
         if n_blk > 0:
             n = blk_lo + n_blk - 1
-            pipe_k.consumer_wait(state)
-            self._proxy_fence()
-            self._turn_begin(wg)
-            self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
-            self._turn_end(wg)
+            self._first_s(tiled_mma_qk, acc_S, tSrQ, tSrK, pipe_k, state, wg)
             warpgroup.wait_group(0)
             self._stamp(mMask, tile, 4 * wg + 1, tid % 128 == 0)
             pipe_k.consumer_release(state)
@@ -821,6 +817,16 @@ class Sm90PrefillKernel:
             cute.arch.sync_warp()
             if const_expr(not cfg.smem_epilogue):
                 pipe_q.consumer_release(q_state)
+        self._tile_epilogue(mO, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state, s_tile, acc_O, row_m, row_l,
+                            tile, tid, wg)
+        return state
+
+    @cute.jit
+    def _tile_epilogue(self, mO, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state, s_tile, acc_O, row_m, row_l,
+                       tile, tid, wg):
+        """Normalise O by the row sums and store it and the LSE (staged through the Q rows with
+        ``smem_epilogue``, which then releases the Q stage)."""
+        cfg = self.cfg
         sm.quad_sum_rows(row_l)
         # re-derive the tile's coordinates from the (opaque) tile index rather than keep them live through
         # the main loop, where the consumer's registers run out
@@ -840,7 +846,16 @@ class Sm90PrefillKernel:
         else:
             self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp)
         self._stamp(mMask, tile, 4 * wg + 3, tid % 128 == 0)
-        return state
+
+    @cute.jit
+    def _first_s(self, tiled_mma_qk, acc_S, tSrQ, tSrK, pipe_k, state, wg):
+        """Issue a tile's first S GEMM (its last K block, stage ``state``) in the warpgroup's ping-pong turn;
+        the caller waits."""
+        pipe_k.consumer_wait(state)
+        self._proxy_fence()
+        self._turn_begin(wg)
+        self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
+        self._turn_end(wg)
 
     @cute.jit
     def _epi_coords(self, mWork, tile, tid, s_tile=None, q_state=None):
