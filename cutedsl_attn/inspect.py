@@ -40,7 +40,7 @@ key                   values                                        default
 ===================== ============================================= ===========
 ``dtype``             as decode                                     ``bfloat16``
 ``head_dim_qk``       32, 64, 128, 192, 256                         128
-``head_dim_vo``       32, 64, 128, 256                              head_dim_qk
+``head_dim_vo``       32, 64, 128, 256                              head_dim_qk (128 for 192)
 ``group_size``        query heads per kv head, 1..16                4
 ``page_size``         0 (ragged K/V) or >= 1 (paged)                0
 ``causal``            bool                                          False
@@ -152,7 +152,8 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
         kernel = merged["kernel"]
         cfg = dispatch.prefill_config(
             kernel=kernel,
-            dtype=torch_dtype, head_dim_qk=dqk, head_dim_vo=merged["head_dim_vo"] or dqk,
+            # head_dim_vo defaults to head_dim_qk, except 192 (DeepSeek's 192/128 prefill), as the CLI
+            dtype=torch_dtype, head_dim_qk=dqk, head_dim_vo=merged["head_dim_vo"] or (128 if dqk == 192 else dqk),
             group_size=merged["group_size"], page_size=merged["page_size"], causal=bool(merged["causal"]),
             use_window=bool(merged["use_window"]), use_soft_cap=bool(merged["use_soft_cap"]),
             use_sinks=bool(merged["use_sinks"]), use_custom_mask=bool(merged["use_custom_mask"]),
@@ -360,11 +361,17 @@ def resources(op: str = "decode", arch: str = "sm_90a", **config_kw) -> dict[str
     """``{"registers": ..., "stack_bytes": ...}`` of one kernel configuration (see :func:`cubin_resources`).
 
     Compiles like :func:`ptx` with ``--keep-cubin`` (the DSL's own assembler: no GPU and no
-    CUDA toolkit needed), so spills are visible on a CPU-only machine.  Raises like :func:`ptx`,
-    plus ``RuntimeError`` when the compiler wrote no cubin.
+    CUDA toolkit needed), so spills are visible on a CPU-only machine.  ``registers`` is the launch
+    count; the warp-specialised SM90 prefill kernel rebalances them with ``setmaxnreg``, so for it the
+    result also holds ``consumer_registers`` and ``producer_registers`` (per thread of a consumer /
+    the producer warpgroup, the config's ``registers``).  Raises like :func:`ptx`, plus
+    ``RuntimeError`` when the compiler wrote no cubin.
     """
     op_, cfg = _cache_key(op, arch, config_kw)
-    return cubin_resources(_cubin_cached(op_, cfg))
+    res = cubin_resources(_cubin_cached(op_, cfg))
+    if type(cfg).__name__ == "Sm90PrefillConfig":
+        res["consumer_registers"], res["producer_registers"] = cfg.registers
+    return res
 
 
 def _find_tool(name: str):

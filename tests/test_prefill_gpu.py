@@ -70,14 +70,20 @@ def make_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout, gen):
 
 
 def run_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout="NHD", *, opts=None, sinks=False,
-               mask=None, run_kw=None, launches=1):
+               mask=None, run_kw=None, launches=1, k_ramp=0.0):
     """Plan + run with poisoned outputs, compare with ``ref.ragged_prefill``; returns the wrapper.
 
     ``opts``: causal / window_left / logits_soft_cap / sm_scale (plan and oracle);
     ``mask``: None, "custom" or "packed" (a random custom mask for the batch); ``launches``: runs of
-    the one plan, each poisoned and checked."""
+    the one plan, each poisoned and checked; ``k_ramp``: each request's key at position j of n scaled by
+    ``1 + k_ramp * (1 - j / n)`` (larger logits to the left: the kernels walk the KV blocks right to left,
+    so the rows' running max keeps growing)."""
     gen, seed = new_gen()
     c = make_ragged(qo_lens, kv_lens, hkv, group, dqk, dvo, dtype, layout, gen)
+    if k_ramp:
+        ramp = torch.cat([1 + k_ramp * (1 - torch.arange(n, dtype=torch.float32) / n) for n in kv_lens])
+        c["k"] = (c["k"].float() * ramp.to(DEV)[:, None, None]).to(dtype)
+        c["k_in"] = c["k"] if layout == "NHD" else c["k"].transpose(0, 1).contiguous()
     opts = dict(opts or {})
     ref_kw = dict(opts)
     plan_kw = dict(opts)
@@ -208,6 +214,33 @@ def test_loop_order_variants(monkeypatch, tune):
     run_paged_checked(wp, c, BF16, f"seed {seed}", causal=True)
 
 
+@pytest.mark.parametrize("tune", ["rescale_threshold=8", "rescale_threshold=8,rescale_o_before_pv=1,num_ctas=3"])
+def test_rescale_threshold(monkeypatch, tune):
+    """FlashAttention-4's conditional rescaling (``rescale_threshold``, session 7): a row keeps its running
+    max until a block's exceeds it by more than 8 (log2 units), O is rescaled only where some row of the
+    warp moved it -- with the row max growing past the threshold block after block (key norms ramping up
+    to the left, a large ``sm_scale``), sinks, soft cap + window, GQA, head_dim 64 / 256, full attention
+    (tile_n 176), persistent grids, paged K/V."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
+    assert w._plan["cfg"].rescale_threshold == 8
+    qo, kv = rand_appends(8, 1500, 800)
+    run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True, sm_scale=0.5), k_ramp=3.0, launches=2)
+    run_ragged(qo, kv, 2, 8, 64, 64, FP16, opts=dict(causal=True, sm_scale=0.5), k_ramp=3.0, sinks=True)
+    run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0),
+               k_ramp=3.0)
+    run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True, sm_scale=0.3),
+               k_ramp=3.0)
+    run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, layout="HND", k_ramp=3.0)
+    gen, seed = new_gen()
+    c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
+    wp = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    wp.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, 16,
+            causal=True, q_data_type=BF16)
+    assert wp._plan["cfg"].rescale_threshold == 8
+    run_paged_checked(wp, c, BF16, f"seed {seed}", causal=True)
+
+
 @pytest.mark.parametrize("tune", ["q_stages=2,num_ctas=3,tile_n=128", "q_stages=2,tile_n=160,loop_split=1,v_wait_late=1"])
 def test_q_double_buffer(monkeypatch, tune):
     """Two Q stages (the producer loads the next tile's Q while this one runs): persistent grid with 3 CTAs
@@ -243,7 +276,7 @@ def test_epilogue_variants(monkeypatch, tune):
 @pytest.mark.parametrize("tune", ["tile_info_smem=1", "tile_info_smem=1,num_ctas=3"])
 def test_tile_info_smem(monkeypatch, tune):
     """The producer copies each tile's work-table fields next to its index in shared memory
-    (``tile_info_smem``; written in session 6, not yet run on a GPU when committed): persistent and
+    (``tile_info_smem``; written in session 6, first run on the H200 in session 7): persistent and
     few-CTA grids over two launches, empty rows / requests, the staged epilogue reading them after the main
     loop (d128 causal), d128 full, d64, d256, a custom mask (its offset field), paged K/V."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)

@@ -105,6 +105,10 @@ def test_config_defaults_and_arch():
     cfg = ci.config("decode", "blackwell")
     assert (cfg.dtype, cfg.head_dim, cfg.page_size, cfg.group_size, cfg.arch) == ("bfloat16", 128, 16, 4, "sm_100a")
     assert ci.config("decode", "sm_90a", dtype="fp16", head_dim=256).num_stages == 2
+    # prefill: head_dim_vo defaults to head_dim_qk, except 192 (DeepSeek's 192/128), as the CLI
+    assert ci.config("prefill", "sm_90a", head_dim_qk=192).head_dim_vo == 128
+    assert ci.config("prefill", "sm_90a", head_dim_qk=64).head_dim_vo == 64
+    assert ci.config("prefill", "sm_90a", head_dim_qk=192, head_dim_vo=64, kernel="portable").head_dim_vo == 64
 
 
 @pytest.mark.parametrize("kw,exc,match", [
@@ -352,6 +356,9 @@ def test_sm90_prefill_ptx(name):
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer};", text)
     # ping-pong hand-off between the consumer warpgroups, except at head_dim 256 (FA4's tiles there)
     assert cfg.pingpong == (name != "bf16_hd256_causal") and cfg.rescale_o_before_pv == (not cfg.pingpong)
+    # FlashAttention-4's conditional rescaling there too: O rescaled behind a warp vote on the row factors
+    assert cfg.rescale_threshold == (8 if name == "bf16_hd256_causal" else 0)
+    assert ("vote.sync.any.pred" in text) == (cfg.rescale_threshold > 0)
     if cfg.pingpong:
         assert "bar.arrive" in text
     assert s.get("ld.local", 0) == 0 and s.get("st.local", 0) == 0, "register spills"
@@ -388,8 +395,9 @@ def test_sm90_prefill_no_spills(name):
     keys, _, num_wg = SM90_PREFILL_CONFIGS[name]
     res = ci.resources("prefill", "sm_90a", **keys)
     assert res["stack_bytes"] == 0, res
-    # 65536 registers / (128 * (num_wg + 1)) threads at launch; setmaxnreg rebalances them
+    # 65536 registers / (128 * (num_wg + 1)) threads at launch; setmaxnreg rebalances them (reported too)
     assert res["registers"] == {2: 168, 3: 128}[num_wg], res
+    assert (res["consumer_registers"], res["producer_registers"]) == {2: (240, 24), 3: (160, 32)}[num_wg], res
 
 
 @pytest.mark.parametrize("keys", [
@@ -431,15 +439,20 @@ def _main_loop_overlap(text):
                     reason="no cuobjdump/nvdisasm here")
 @pytest.mark.parametrize("name", ["bf16_hd128_g4_causal", "bf16_hd256_window", "bf16_hd192_128_g8",
                                   "bf16_hd256_causal"])
-def test_sm90_prefill_softmax_overlaps_pv(name):
+def test_sm90_prefill_softmax_overlaps_pv(name, monkeypatch):
     """Intra-warpgroup overlap as measured best: ptxas keeps the wait for P V right behind the K stage's
     mbarrier arrive.  Released right after the wait for S, ptxas scheduled that wait ahead of every
     exponential-scaling FFMA (found with ncu on the H200: 13% of the warps' stall samples on it; releasing
     K after the softmax fixed it, 1-7% faster), so at least half the block's scaling FFMAs and some
     exponentials must sit before the wait.  (More is not better: pinning the arrive to the row sums put
     every exponential before the wait and measured 2-6% slower, session 5; at head_dim 64 causal ptxas
-    keeps none there, the best measured variant too.)"""
+    keeps none there, the best measured variant too.)  The head_dim 256 default's conditional rescaling
+    (``rescale_threshold``, a warp-vote branch in the loop) also leaves no exponential before the wait,
+    and measured 1.3% faster than without it (session 7; two warpgroups without ping-pong there): checked
+    here without it."""
     keys, tile_n, _ = SM90_PREFILL_CONFIGS[name]
+    if name == "bf16_hd256_causal":
+        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "rescale_threshold=0")
     text = ci.sass("prefill", "sm_90a", **keys)
     assert text.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1, "one wait_group(1): the main loop's wait for S"
     ffma, mufu = _main_loop_overlap(text)
@@ -510,6 +523,26 @@ def test_sm90_prefill_persistent_needs_ragged_kv(monkeypatch):
     assert (paged.num_ctas, paged.tile_n) == (0, 128)
 
 
+def test_sm90_prefill_head_dim_256_tiles():
+    """head_dim 256 takes FlashAttention-4's SM90 tiles and conditional rescaling (measured faster, session 7)
+    where they were timed -- plain ragged or TMA-paged blocks of 80 -- and the ping-pong tiles of 64 elsewhere;
+    ``rescale_threshold`` (log2 units) is range-checked."""
+    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig, default_tiles
+
+    fa4 = dict(tile_n=80, num_wg=2, pingpong=False, rescale_o_before_pv=True, smem_epilogue=True, rescale_threshold=8)
+    assert default_tiles(256, 256, 1, causal=True) == fa4
+    assert default_tiles(256, 256, 2, page_size=16) == fa4  # 5 pages of 16 per block: TMA per page
+    for ps in (32, 128):  # no TMA box for 80 rows: whole pages of 64
+        assert default_tiles(256, 256, 1, causal=True, page_size=ps) == dict(
+            tile_n=64, num_wg=2, pingpong=True, rescale_o_before_pv=False, smem_epilogue=True, rescale_threshold=0)
+    assert default_tiles(256, 256, 1, causal=True, use_window=True) == dict(tile_n=64, num_wg=2)
+    base = dict(dtype="bfloat16", head_dim_qk=256, head_dim_vo=256, group_size=1, tile_n=64)
+    assert Sm90PrefillConfig(**base, rescale_threshold=16).rescale_threshold == 16
+    for bad in (-1, 17, True):
+        with pytest.raises(ValueError, match="rescale_threshold"):
+            Sm90PrefillConfig(**base, rescale_threshold=bad)
+
+
 def test_prefill_tune_env(monkeypatch):
     """CUTEDSL_ATTN_PREFILL_TUNE: integer and boolean fields parsed, bad items named with the variable."""
     keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=1)
@@ -543,7 +576,7 @@ def test_prefill_tune_env(monkeypatch):
         Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, claim_after_q=2)
     # an override that does not fit this problem names the variable and the problem's default tiles
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_n=128")
-    with pytest.raises(ValueError, match=r"shared memory .*CUTEDSL_ATTN_PREFILL_TUNE='tile_n=128'.*'tile_n': 64"):
+    with pytest.raises(ValueError, match=r"shared memory .*CUTEDSL_ATTN_PREFILL_TUNE='tile_n=128'.*'tile_n': 80"):
         ci.config("prefill", "sm_90a", **{**keys, "head_dim_qk": 256})
 
 
@@ -580,7 +613,7 @@ def test_prefill_tuning_fields():
                                   dict(head_dim_qk=128, group_size=4, page_size=1, use_custom_mask=True)],
                          ids=["hd128_staged", "hd64", "hd128_paged1_mask"])
 def test_sm90_prefill_tile_info_smem_ptx(monkeypatch, keys):
-    """``tile_info_smem`` (prepared, off; not yet run on a GPU): the consumers' scalar reads of the work table
+    """``tile_info_smem`` (off: no gain measured on the H200, session 7): the consumers' scalar reads of the work table
     (global ``ld`` of 32-bit fields) move to shared memory -- fewer global loads, more shared ones, same
     GEMMs, no spills; off, the kernel is the default one."""
     keys = dict(dtype="bfloat16", **keys)

@@ -36,7 +36,8 @@ def logit_scales(sm_scale, soft_cap, use_soft_cap: bool):
     return sm_scale * LOG2E, Float32(1.0)
 
 
-def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=None, ex2_poly: int = 0):
+def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=None, ex2_poly: int = 0,
+                        max_slack: int = 0):
     """Turn ``sacc`` (logits, -inf where masked) into probabilities in place.
 
     Without ``logit_scale`` the logits are already in log2 units.  With it (a positive
@@ -49,11 +50,18 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
     run as :func:`cutedsl_attn.common.ptx.ex2_poly` (FMA pipe) instead of ``ex2`` (MUFU, 16 per clock
     per SM on Hopper: at head_dim 64 the softmax exponentials take as long as both GEMMs).
 
+    ``max_slack`` (log2 units, 0: exact): a row keeps its running max while the block's max exceeds it by
+    at most this much, so its factor stays exactly 1 (the caller may then skip the rescale of O); the
+    probabilities of that row then reach ``2^max_slack`` instead of 1, and its sum and LSE use the same
+    max, so O / l and the LSE are unchanged (FlashAttention-4's conditional rescaling uses 8).
+
     Updates ``row_m``/``row_l`` (log2 units) and writes the factor ``scale[h]`` by which the
     output accumulator rows must be multiplied (see :func:`rescale_rows`).
     """
     if not 0 <= ex2_poly <= 8:
         raise ValueError(f"ex2_poly must be in 0..8, got {ex2_poly}")
+    if not 0 <= max_slack <= 16:
+        raise ValueError(f"max_slack must be in 0..16, got {max_slack}")
     for h in range(2):
         vals = [sacc[4 * n + 2 * h + e] for n in range(n_tiles) for e in range(2)]
         mx = _tree(vals, cute.arch.fmax)  # independent partial maxima: a short dependency chain
@@ -62,6 +70,9 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
         if logit_scale is not None:
             mx = mx * logit_scale
         m_new = cute.arch.fmax(row_m[h], mx)
+        if max_slack:
+            # (a first finite max: inf > slack; no finite max yet: NaN, not <= slack -- both take m_new)
+            m_new = cutlass.select_(m_new - row_m[h] <= Float32(max_slack), row_m[h], m_new)
         m_use = _finite_or_zero(m_new)
         scale[h] = ptx.ex2(row_m[h] - m_use)
         row_m[h] = m_new

@@ -144,8 +144,13 @@ class Sm90PrefillConfig(Dtype16):
     smem_epilogue: bool = False
     # the producer copies the tile's work-table fields next to its index in shared memory (_INFO_COLS), so
     # the consumers read them there instead of from global memory at the tile's start (and, with
-    # smem_epilogue, in the epilogue); prepared in session 6, not yet run on a GPU (off)
+    # smem_epilogue, in the epilogue); session 6, run on the H200 in session 7: passes its GPU test, no gain
+    # measured (varlen 5.680 vs 5.663 ms, d128 causal equal; off)
     tile_info_smem: bool = False
+    # log2 units by which a row's max may grow before O is rescaled (FlashAttention-4's conditional rescaling
+    # uses 8; common.softmax.online_softmax_step's max_slack): the O rescale is skipped while no row of the
+    # warp moved its max; 0: exact maxima, O rescaled every block; session 7
+    rescale_threshold: int = 0
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -211,7 +216,7 @@ def _page_rows(page_size: int, tile_n: int) -> int:
 def unsupported_reason(cfg) -> str | None:
     """Why the SM90 kernel cannot serve ``cfg`` (a prefill config of either kernel), or None."""
     for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size", "tile_n", "num_stages", "num_wg",
-                 "num_ctas", "ex2_poly", "q_stages"):
+                 "num_ctas", "ex2_poly", "q_stages", "rescale_threshold"):
         v = getattr(cfg, name, 0)
         if isinstance(v, bool) or not isinstance(v, int):
             return f"{name} must be an int, got {v!r}"
@@ -237,6 +242,8 @@ def unsupported_reason(cfg) -> str | None:
             return f"q_stages must be 1 or 2, got {cfg.q_stages}"
         if not 0 <= cfg.ex2_poly <= 8:
             return f"ex2_poly must be in 0..8, got {cfg.ex2_poly}"
+        if not 0 <= cfg.rescale_threshold <= 16:
+            return f"rescale_threshold must be in 0..16, got {cfg.rescale_threshold}"
         for name in TUNING_FIELDS:  # bool fields take bools, int ones ints (not bools)
             v, want_bool = getattr(cfg, name), isinstance(getattr(Sm90PrefillConfig, name), bool)
             if want_bool != isinstance(v, bool) or not isinstance(v, int):
@@ -295,7 +302,10 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       0.5% and 1.0% faster in two A/B runs (1.464 vs 1.471, 1.454 vs 1.468 ms); and FlashAttention-4's
       tiles there, tile_n 80 without ping-pong, O rescaled while the S GEMM runs: 2.4-2.8% faster in two
       interleaved A/B runs of session 7 (1.452 / 1.458 vs 1.494 ms, FA4 1.457 / 1.461; ragged, causal; the
-      same without the staged epilogue: 1.493; persistent: 1.573).
+      same without the staged epilogue: 1.493; persistent: 1.573); with FlashAttention-4's conditional
+      rescaling (``rescale_threshold=8``) on top, 1.3% faster again in two A/B runs (1.457 vs 1.476, 1.452 vs
+      1.471 ms; FA4 1.472 / 1.476) -- at d64, d128 causal and on the varlen mix it measured 1.3-2.7% slower;
+      paged blocks that fall back to tile_n 64 keep the ping-pong tiles without it (as timed in session 6).
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
@@ -312,13 +322,14 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
         # custom masks: one byte load per score element; at tile_n 128 their addresses spill 240 B
         tiles = {"tile_n": 64 if d > 192 or use_custom_mask else 128, "num_wg": 2, **persistent}
     if d > 192 and plain and head_dim_vo == head_dim_qk:
-        # FlashAttention-4's SM90 head_dim 256 tiles (128 x 80, no ping-pong, O rescaled while S runs)
-        tiles.update(tile_n=80, pingpong=False, rescale_o_before_pv=True, smem_epilogue=True)
+        # FlashAttention-4's SM90 head_dim 256 tiles (128 x 80, no ping-pong, O rescaled while S runs) and its
+        # conditional rescaling (O rescaled only where a row's max grew by more than 8, log2 units)
+        tiles.update(tile_n=80, pingpong=False, rescale_o_before_pv=True, smem_epilogue=True, rescale_threshold=8)
     alt = 64 if d > 192 else 128
     if page_size >= 16 and not _page_rows(page_size, tiles["tile_n"]) and _page_rows(page_size, alt):
         tiles["tile_n"] = alt  # blocks of whole pages (or inside one page): full K/V blocks by TMA
         if d > 192:  # (no ping-pong was timed at tile_n 80 only)
-            tiles.update(pingpong=True, rescale_o_before_pv=False)
+            tiles.update(pingpong=True, rescale_o_before_pv=False, rescale_threshold=0)
     return tiles
 
 
@@ -735,7 +746,6 @@ class Sm90PrefillKernel:
         row0 = self._field(mWork, wi, W_ROW0, s_tile, q_state)
         qo_len = self._field(mWork, wi, W_QO_LEN, s_tile, q_state)
         kv_len = self._field(mWork, wi, W_KV_LEN, s_tile, q_state)
-        q_start = self._field(mWork, wi, W_Q_START, s_tile, q_state)
         TM, TN, DV, G = self.TM, self.TN, self.DV, self.G
         wg_layout = cute.make_layout(self.NWG, stride=128)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_layout(wg))
@@ -801,7 +811,7 @@ class Sm90PrefillKernel:
             if const_expr(not cfg.smem_epilogue):
                 pipe_q.consumer_release(q_state)  # the last S GEMM is complete
             if const_expr(cfg.rescale_o_before_pv):
-                sm.rescale_rows(acc_O, DV // 8, row_scale)
+                self._rescale_o(acc_O, row_scale)
             pipe_v.consumer_wait(state)
             self._proxy_fence()
             self._turn_begin(wg)
@@ -906,7 +916,6 @@ class Sm90PrefillKernel:
         (session 5), timed on the H200 in session 6: the head_dim 64 default uses ``loop_split`` and
         ``v_wait_late`` (3% faster there), elsewhere they measured 0-3% slower."""
         cfg = self.cfg
-        DV = self.DV
         state_v = state.clone()
         state.advance()
         n = blk_lo + n_blk - skip - i
@@ -917,7 +926,7 @@ class Sm90PrefillKernel:
         self._turn_begin(wg)
         self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
         if const_expr(cfg.rescale_o_before_pv):  # the previous block's factor, while S is in flight
-            sm.rescale_rows(acc_O, DV // 8, row_scale)
+            self._rescale_o(acc_O, row_scale)
         if const_expr(cfg.v_wait_late):  # (FlashAttention's order: V waited for inside the turn, after S)
             pipe_v.consumer_wait(state_v)
             self._proxy_fence()
@@ -940,9 +949,19 @@ class Sm90PrefillKernel:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(state_v)
         if const_expr(not cfg.rescale_o_before_pv):
-            sm.rescale_rows(acc_O, DV // 8, row_scale)
+            self._rescale_o(acc_O, row_scale)
         self._to_p(acc_S, tOrP)
         return state
+
+    @cute.jit
+    def _rescale_o(self, acc_O, row_scale):
+        """O rows times their factors; with ``rescale_threshold`` only where some row of the warp moved its
+        max (a factor other than exactly 1; a warp-uniform branch)."""
+        if const_expr(self.cfg.rescale_threshold > 0):
+            if cute.arch.vote_any_sync((row_scale[0] != Float32(1.0)) | (row_scale[1] != Float32(1.0))):
+                sm.rescale_rows(acc_O, self.DV // 8, row_scale)
+        else:
+            sm.rescale_rows(acc_O, self.DV // 8, row_scale)
 
     @cute.jit
     def _proxy_fence(self):
@@ -1025,7 +1044,7 @@ class Sm90PrefillKernel:
                     acc_S[i] = ptx.tanh(acc_S[i] * sc_in) * sc_out
         # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2)
         logit_scale = None if cfg.use_soft_cap else sc_in
-        sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly)
+        sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly, cfg.rescale_threshold)
 
     def _window_cuts(self, tok0, pos_last, window_left, kv_len):
         """Whether the sliding window (``window_left >= 0``, clamped to ``kv_len`` as in :mod:`common.masks`)
