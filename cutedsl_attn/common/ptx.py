@@ -132,8 +132,9 @@ def ex2_poly(x):
     ``x = n + f`` with ``n = round(x)`` (the 1.5 * 2^23 addition) and ``f`` in [-1/2, 1/2]; 2^f is a
     cubic (:data:`EX2_POLY_COEFFS`, relative error <= 1.01e-4) and ``n`` is added to its exponent field.
     Inputs in (-127, -126) give denormal-range results up to 87% off (values below 2^-126, as good as 0
-    next to a softmax row sum >= 1).  9 instructions: max, 3 add, 3 fma, shl, add.  Positive inputs are outside its contract (the
-    softmax subtracts the row max first)."""
+    next to a softmax row sum >= 1).  9 instructions: max, 3 add, 3 fma, shl, add.  Meant for ``x <= 0`` (the
+    softmax subtracts the row max first); with ``rescale_threshold`` (a stale max) inputs reach that
+    threshold (<= 15), where the same split holds (exponent field up to 127)."""
     c1, c2, c3 = (_f32_hex(c) for c in EX2_POLY_COEFFS)
     return _inline(
         "{ .reg .f32 x, t, n, f, p; .reg .b32 pb, tb;\n"

@@ -53,15 +53,16 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
     ``max_slack`` (log2 units, 0: exact): a row keeps its running max while the block's max exceeds it by
     at most this much, so its factor stays exactly 1 (the caller may then skip the rescale of O); the
     probabilities of that row then reach ``2^max_slack`` instead of 1, and its sum and LSE use the same
-    max, so O / l and the LSE are unchanged (FlashAttention-4's conditional rescaling uses 8).
+    max, so O / l and the LSE are unchanged (FlashAttention-4's conditional rescaling uses 8); at most 15, so
+    P fits float16.
 
     Updates ``row_m``/``row_l`` (log2 units) and writes the factor ``scale[h]`` by which the
     output accumulator rows must be multiplied (see :func:`rescale_rows`).
     """
     if not 0 <= ex2_poly <= 8:
         raise ValueError(f"ex2_poly must be in 0..8, got {ex2_poly}")
-    if not 0 <= max_slack <= 16:
-        raise ValueError(f"max_slack must be in 0..16, got {max_slack}")
+    if not 0 <= max_slack <= 15:  # P <= 2^max_slack must fit the 16-bit P (float16 max 65504)
+        raise ValueError(f"max_slack must be in 0..15, got {max_slack}")
     for h in range(2):
         vals = [sacc[4 * n + 2 * h + e] for n in range(n_tiles) for e in range(2)]
         mx = _tree(vals, cute.arch.fmax)  # independent partial maxima: a short dependency chain

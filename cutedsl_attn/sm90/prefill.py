@@ -48,7 +48,10 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   wait for ``P V`` ahead of the exponentials and the overlap was lost -- see
   ``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``); inter-warpgroup ping-pong:
   the consumer warpgroups take turns issuing their GEMMs (named barriers), so one's softmax
-  overlaps the other's GEMMs (FA3's schedule).
+  overlaps the other's GEMMs (FA3's schedule).  At head_dim 256 (plain, ragged) the default is
+  FlashAttention-4's instead: tile_n 80, no ping-pong, O rescaled while S runs and only where a row's
+  max grew by more than 8 (``rescale_threshold``); ptxas then keeps no exponential ahead of the
+  ``P V`` wait, and it measured faster (perf/RESULTS.md, session 7).
 * epilogue (normalised, sinks folded in, LSE base 2) straight from registers, or with
   ``smem_epilogue`` staged through the warpgroup's own Q rows (free after its last ``S`` GEMM):
   ``stmatrix`` of each warp's 16 rows, then whole-row 16-byte stores
@@ -242,8 +245,8 @@ def unsupported_reason(cfg) -> str | None:
             return f"q_stages must be 1 or 2, got {cfg.q_stages}"
         if not 0 <= cfg.ex2_poly <= 8:
             return f"ex2_poly must be in 0..8, got {cfg.ex2_poly}"
-        if not 0 <= cfg.rescale_threshold <= 16:
-            return f"rescale_threshold must be in 0..16, got {cfg.rescale_threshold}"
+        if not 0 <= cfg.rescale_threshold <= 15:  # P <= 2^threshold must fit float16 (max 65504)
+            return f"rescale_threshold must be in 0..15, got {cfg.rescale_threshold}"
         for name in TUNING_FIELDS:  # bool fields take bools, int ones ints (not bools)
             v, want_bool = getattr(cfg, name), isinstance(getattr(Sm90PrefillConfig, name), bool)
             if want_bool != isinstance(v, bool) or not isinstance(v, int):
@@ -304,8 +307,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       interleaved A/B runs of session 7 (1.452 / 1.458 vs 1.494 ms, FA4 1.457 / 1.461; ragged, causal; the
       same without the staged epilogue: 1.493; persistent: 1.573); with FlashAttention-4's conditional
       rescaling (``rescale_threshold=8``) on top, 1.3% faster again in two A/B runs (1.457 vs 1.476, 1.452 vs
-      1.471 ms; FA4 1.472 / 1.476) -- at d64, d128 causal and on the varlen mix it measured 1.3-2.7% slower;
-      paged blocks that fall back to tile_n 64 keep the ping-pong tiles without it (as timed in session 6).
+      1.471 ms; FA4 1.472 / 1.476) -- at d64, d128 causal and on the varlen mix it measured 1.3-2.7% slower.
+      Both for ragged K/V only, as timed: paged K/V keep tile_n 64 with ping-pong (session 6's tiles).
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
@@ -322,14 +325,14 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
         # custom masks: one byte load per score element; at tile_n 128 their addresses spill 240 B
         tiles = {"tile_n": 64 if d > 192 or use_custom_mask else 128, "num_wg": 2, **persistent}
     if d > 192 and plain and head_dim_vo == head_dim_qk:
-        # FlashAttention-4's SM90 head_dim 256 tiles (128 x 80, no ping-pong, O rescaled while S runs) and its
-        # conditional rescaling (O rescaled only where a row's max grew by more than 8, log2 units)
-        tiles.update(tile_n=80, pingpong=False, rescale_o_before_pv=True, smem_epilogue=True, rescale_threshold=8)
+        tiles["smem_epilogue"] = True
+        if page_size == 0:
+            # FlashAttention-4's SM90 head_dim 256 tiles (128 x 80, no ping-pong, O rescaled while S runs) and
+            # its conditional rescaling (O rescaled only where a row's max grew by more than 8, log2 units)
+            tiles.update(tile_n=80, pingpong=False, rescale_o_before_pv=True, rescale_threshold=8)
     alt = 64 if d > 192 else 128
     if page_size >= 16 and not _page_rows(page_size, tiles["tile_n"]) and _page_rows(page_size, alt):
         tiles["tile_n"] = alt  # blocks of whole pages (or inside one page): full K/V blocks by TMA
-        if d > 192:  # (no ping-pong was timed at tile_n 80 only)
-            tiles.update(pingpong=True, rescale_o_before_pv=False, rescale_threshold=0)
     return tiles
 
 
