@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench_prefill import CASES, DEV, case_inputs, fa4_call, fi_call, flops, plan_ours
+from bench_prefill import DEV, case_inputs, fa4_call, fi_call, find_case, flops, plan_ours
 
 from cutedsl_attn.timing import KernelTimer
 
@@ -54,11 +54,7 @@ def main():
                     help="GPU sleep cycles before each timed call (default ~2 ms; 400000 drifted, RESULTS session 5)")
     a = ap.parse_args()
     timer = KernelTimer(DEV, sleep_cycles=a.sleep)
-    found = [c for c in CASES if a.case in c[0]]
-    if len(found) != 1:
-        raise SystemExit(f"--case {a.case!r} must name exactly one of {[c[0] for c in CASES]}; matched "
-                         f"{[c[0] for c in found]}")
-    (name, lens, hq, hkv, d, causal), = found
+    name, lens, hq, hkv, d, causal = find_case(a.case)
     lens, q, k, v, indptr = case_inputs(lens, hq, hkv, d)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     variants = [x.strip() for x in a.variants.split(";") if x.strip()]

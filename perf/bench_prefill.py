@@ -50,6 +50,16 @@ CASES = [
 ]
 
 
+def find_case(word):
+    """The one case of :data:`CASES` whose name contains ``word``; ``SystemExit`` naming them all otherwise
+    (the ``--case`` argument of perf/ab_prefill.py and perf/trace_prefill.py)."""
+    found = [c for c in CASES if word in c[0]]
+    if len(found) != 1:
+        raise SystemExit(f"--case {word!r} must name exactly one of {[c[0] for c in CASES]}; matched "
+                         f"{[c[0] for c in found]}")
+    return found[0]
+
+
 def case_inputs(lens, hq, hkv, d):
     """``(lens, q, k, v, indptr)`` of a case: ``lens`` as given, or for the varlen mix (``None``) 64 lengths
     in [128, 4096] drawn from seed 0; random bf16 Q/K/V (NHD, ragged) and the shared indptr."""
