@@ -236,4 +236,3 @@ def test_tensor_inputs_equal_list_inputs():
     b = plan_prefill(torch.tensor(qo, dtype=torch.int32), torch.tensor(kv), torch.tensor([0, 5, 5]),
                      torch.tensor([0, 6, 9], dtype=torch.int64), None, group_size=2, tile_m=32, causal=True)
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
-

@@ -206,12 +206,7 @@ def test_loop_order_variants(monkeypatch, tune):
     assert w._plan["cfg"].loop_split
     run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0))
     run_ragged(MIXED_QO, MIXED_KV, 2, 8, 64, 64, BF16, opts=dict(causal=True))
-    gen, seed = new_gen()
-    c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
-    wp = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
-    wp.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, 16,
-            causal=True, q_data_type=BF16)
-    run_paged_checked(wp, c, BF16, f"seed {seed}", causal=True)
+    run_paged_mixed16()
 
 
 @pytest.mark.parametrize("tune", ["rescale_threshold=8", "rescale_threshold=8,rescale_o_before_pv=1,num_ctas=3"])
@@ -232,13 +227,7 @@ def test_rescale_threshold(monkeypatch, tune):
     run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True, sm_scale=0.3),
                k_ramp=3.0)
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, layout="HND", k_ramp=3.0)
-    gen, seed = new_gen()
-    c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
-    wp = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
-    wp.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, 16,
-            causal=True, q_data_type=BF16)
-    assert wp._plan["cfg"].rescale_threshold == 8
-    run_paged_checked(wp, c, BF16, f"seed {seed}", causal=True)
+    assert run_paged_mixed16()._plan["cfg"].rescale_threshold == 8
 
 
 @pytest.mark.parametrize("tune", ["q_stages=2,num_ctas=3,tile_n=128", "q_stages=2,tile_n=160,loop_split=1,v_wait_late=1"])
@@ -288,12 +277,7 @@ def test_tile_info_smem(monkeypatch, tune):
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), mask="packed")
     if "num_ctas" not in tune:
         run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True))
-        gen, seed = new_gen()
-        c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
-        wp = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
-        wp.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128,
-                16, causal=True, q_data_type=BF16)
-        run_paged_checked(wp, c, BF16, f"seed {seed}", causal=True)
+        run_paged_mixed16()
 
 
 def test_lse_base_and_layout():
@@ -340,6 +324,18 @@ def run_paged_checked(w, c, dtype, what, *, kv=None, run_kw=None, **oracle_kw):
     torch.cuda.synchronize()
     o_ref, lse_ref = paged_oracle(c, **oracle_kw)
     return check(out, lse, o_ref, lse_ref, dtype, what)
+
+
+def run_paged_mixed16():
+    """The mixed batch (``MIXED_QO`` / ``MIXED_KV``) in a paged cache of 16-token pages, 2 kv heads x 4, head_dim
+    128, bf16, causal: planned, run and checked (:func:`run_paged_checked`); returns the wrapper."""
+    gen, seed = new_gen()
+    c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
+    wp = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    wp.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, 16,
+            causal=True, q_data_type=BF16)
+    run_paged_checked(wp, c, BF16, f"seed {seed}", causal=True)
+    return wp
 
 
 @pytest.mark.parametrize("ps,hkv,group,dtype,layout,causal", [
