@@ -548,7 +548,7 @@ class Sm90PrefillKernel:
                 self._stamp(mMask, t, 4 * wg, ctid % 128 == 0)
                 if const_expr(cfg.trace):
                     if ctid == 0:
-                        ptx.st_global_u32(mMask.iterator.toint() + t * 128 + 12 * 8, bx)
+                        ptx.st_global_u32(self._record_addr(mMask, t, 12), bx)
                 wi = t % W
                 b, blk_lo, n_blk = self._tile(mWork, wi, window_left, s_tile, q_state)
                 # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
@@ -894,9 +894,7 @@ class Sm90PrefillKernel:
         per_run = 256 // DV
         wl = warp % 4
         off = (wl // per_run) * (TM * 128) + wg * (64 * 128) + (wl % per_run) * (32 * DV)
-        if const_expr(self.cfg.q_stages > 1):
-            off = off + q_state.index * (TM * DQ * 2)
-        return off
+        return off + self._q_index(q_state) * (TM * DQ * 2)
 
     @cute.jit
     def _stamp(self, mMask, t, slot: cutlass.Constexpr, pred):
@@ -905,7 +903,11 @@ class Sm90PrefillKernel:
         its last P V done, its epilogue done; 12: the CTA index (32-bit); 13: the producer handing Q over)."""
         if const_expr(self.cfg.trace):
             if pred:
-                ptx.stamp_clock64(mMask.iterator.toint() + t * 128 + slot * 8)
+                ptx.stamp_clock64(self._record_addr(mMask, t, slot))
+
+    def _record_addr(self, mMask, t, slot: int):
+        """``trace``: global byte address of 64-bit slot ``slot`` of tile ``t``'s 128-byte record in ``mMask``."""
+        return mMask.iterator.toint() + t * 128 + slot * 8
 
     @cute.jit
     def _mainloop_block(self, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v,
