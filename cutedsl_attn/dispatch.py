@@ -156,8 +156,11 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
                                       page_size=cfg.page_size, causal=cfg.causal, num_sms=_num_sms())
         if cfg.page_size > 0:
             override.pop("num_ctas", None)  # the persistent grid serves ragged K/V only (documented below)
+        tiles = {**default, **override}
+        if not tiles.get("smem_epilogue") and "tma_epilogue" not in override:
+            tiles.pop("tma_epilogue", None)  # the default's TMA store rides on the staged epilogue turned off
         try:
-            return _sm90.Sm90PrefillConfig(**fields, **{**default, **override})
+            return _sm90.Sm90PrefillConfig(**fields, **tiles)
         except ValueError as e:
             if tune.strip():  # the override applies to every SM90 problem of the process, as given
                 raise ValueError(f"{e} (with CUTEDSL_ATTN_PREFILL_TUNE={tune!r}; for this problem the default "
@@ -181,7 +184,8 @@ def _prefill_tune(text: str) -> dict:
     overrides: integer fields take integers, boolean ones ``0/1/true/false``.  The overrides replace the
     defaults of :func:`cutedsl_attn.sm90.prefill.default_tiles` as given, for every SM90 problem of the
     process (``num_ctas``, the persistent grid, for those with ragged K/V only: paged ones keep one CTA
-    per tile): a combination that does not fit shared memory raises when a problem is planned, one that
+    per tile; ``smem_epilogue=0`` also drops a default ``tma_epilogue``, which stores the staged rows): a
+    combination that does not fit shared memory raises when a problem is planned, one that
     spills registers only runs slower (``cutedsl_attn.inspect.resources`` shows the stack frame).
 
     Raises ValueError naming the variable for an item that is not ``key=value``, a key outside

@@ -96,7 +96,7 @@ def main():
               f"{max(rounds[var]) * 1e3:.3f} | {rel} | {host[var] * 1e6:.0f} |")
     print("(vs first: time / the first variant's time; < 1 is faster)")
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"ab_{a.case.replace(' ', '_')}.json"), "w") as f:
+    with open(os.path.join(a.out, f"ab_{a.case.replace(' ', '_').replace('/', '-')}.json"), "w") as f:
         json.dump(dict(case=name, results=res), f, indent=1)
 
 

@@ -81,7 +81,7 @@ def main():
         res[var] = analyse(rec)
         print(name, var, json.dumps(res[var]), flush=True)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"trace_{a.case.replace(' ', '_')}.json"), "w") as f:
+    with open(os.path.join(a.out, f"trace_{a.case.replace(' ', '_').replace('/', '-')}.json"), "w") as f:
         json.dump(dict(case=name, results=res), f, indent=1)
 
 

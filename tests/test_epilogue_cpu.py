@@ -15,8 +15,8 @@ def test_staged_layout_roundtrip_and_banks(dv):
         addr = {}
         for lane in range(32):  # lane L gives the row address of matrix L // 8, row L % 8
             r, c = stmatrix_row(lane, dd)
-            addr[(lane // 8, lane % 8)] = staged_offset(r, c, dv)
-            assert staged_offset(r, c, dv) % 16 == 0
+            addr[(lane // 8, lane % 8)] = staged_offset(r, c)
+            assert staged_offset(r, c) % 16 == 0
         for m in range(4):  # one matrix per phase: 8 rows x 16 bytes over distinct 4-bank groups
             banks = sorted((addr[(m, j)] // 4) % 32 // 4 for j in range(8))
             assert banks == list(range(8)), (dd, m, banks)
@@ -28,13 +28,17 @@ def test_staged_layout_roundtrip_and_banks(dv):
                     assert base + 2 * e not in mem
                     mem[base + 2 * e] = (row, col + e)
     assert len(mem) == 16 * dv and max(mem) < 16 * dv * 2
+    for off, (r, col) in mem.items():  # the TMA box layout: 16 x 64 columns per 2 KiB, 128-byte swizzle
+        box, rest = divmod(off, 2048)
+        assert box == col // 64 and rest // 128 == r
+        assert ((rest % 128) // 16) ^ (r % 8) == (col % 64) // 8 and (rest % 16) // 2 == col % 8
     cpr = dv // 8
     for it in range(16 * cpr // 32):
         phases = {}
         for lane in range(32):
             idx = it * 32 + lane
             r, c = idx // cpr, idx % cpr
-            off = staged_offset(r, c, dv)
+            off = staged_offset(r, c)
             assert [mem[off + 2 * e] for e in range(8)] == [(r, 8 * c + e) for e in range(8)]
             phases.setdefault(lane // 8, []).append((off // 16) % 8)
         for ph in phases.values():  # a 16-byte load serves 8 lanes per wavefront: 8 distinct bank groups

@@ -262,6 +262,28 @@ def test_epilogue_variants(monkeypatch, tune):
         run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True), sinks=True)
 
 
+@pytest.mark.parametrize("tune", ["smem_epilogue=1,tma_epilogue=1",
+                                  "smem_epilogue=1,tma_epilogue=1,q_stages=2,tile_n=128,num_ctas=3"])
+def test_tma_epilogue(monkeypatch, tune):
+    """The staged epilogue's TMA store (``tma_epilogue``, session 8): a warp whose 16 packed rows lie in the
+    request stores them with one TMA box per 64 columns, a warp at the request's end stores row by row --
+    ragged appends and the mixed batch (requests ending inside warps, empty rows and requests), group sizes
+    1 / 4 / 8 / 16, sinks, fp16, head_dim 64 (three warpgroups) / 192-128 / 256, full attention, a
+    persistent grid of 3 CTAs reusing both Q stages over two launches, paged K/V."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    qo, kv = rand_appends(12, 1500, 800)
+    w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
+    assert w._plan["cfg"].tma_epilogue and w._plan["cfg"].smem_epilogue
+    run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True), launches=2)
+    run_ragged(MIXED_QO, MIXED_KV, 1, 16, 128, 128, BF16, opts=dict(causal=True))
+    run_ragged(MIXED_QO, MIXED_KV, 2, 8, 64, 64, BF16, opts=dict(causal=True))
+    run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, layout="HND")
+    if "q_stages" not in tune:  # (one Q stage: the other head dims' shared memory)
+        run_ragged([5, 200, 333, 1], [5, 400, 2000, 0], 2, 2, 192, 128, BF16, opts=dict(causal=True))
+        run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True), sinks=True)
+        assert run_paged_mixed16()._plan["cfg"].tma_epilogue
+
+
 @pytest.mark.parametrize("tune", ["tile_info_smem=1", "tile_info_smem=1,num_ctas=3"])
 def test_tile_info_smem(monkeypatch, tune):
     """The producer copies each tile's work-table fields next to its index in shared memory

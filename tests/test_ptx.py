@@ -341,13 +341,17 @@ def test_sm90_prefill_ptx(name):
     staged = len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", text))
     assert cfg.smem_epilogue == (name in ("bf16_hd128_g4_causal", "bf16_hd256_causal"))
     assert cfg.q_stages == (2 if name == "bf16_hd128_g4_causal" else 1)
+    # (and there a warp whose 16 staged rows lie in the request stores them by TMA, one box per 64 columns)
+    assert cfg.tma_epilogue == (name == "bf16_hd128_g4_causal")
     if cfg.smem_epilogue:
         assert staged == dvo // 16 and len(re.findall(r"st\.global\.v4\.b32", text)) == 16 * dvo // 8 // 32
     else:
         assert staged == 0 and len(re.findall(r"st\.global\.u32", text)) >= 2 * (dvo // 8)
     assert s["mma.sync"] == 0 and s["tcgen05"] == 0
     # Q, K and V arrive by TMA, one box per 64 columns (the 128-byte swizzle atom)
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd", text)) == 2 * (dqk // 64) + dvo // 64
+    # (and O leaves by TMA with tma_epilogue)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd", text)) == 2 * (dqk // 64) + dvo // 64 * (
+        1 + cfg.tma_epilogue)
     assert "mbarrier.try_wait.parity" in text or "mbarrier.try_wait" in text
     consumer, producer = cfg.registers
     assert (consumer, producer) == {2: (240, 24), 3: (160, 32)}[num_wg]
@@ -465,7 +469,9 @@ def test_sm90_prefill_softmax_overlaps_pv(name, monkeypatch):
 @pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
                     reason="no cuobjdump/nvdisasm here")
 @pytest.mark.parametrize("tune,page_size", [("num_ctas=132", 0), ("rescale_o_before_pv=1", 0),
-                                            ("pingpong=0,num_wg=3", 0), ("rescale_o_before_pv=1", 16)])
+                                            ("pingpong=0,num_wg=3", 0), ("rescale_o_before_pv=1", 16),
+                                            ("smem_epilogue=1,tma_epilogue=1", 0),
+                                            ("smem_epilogue=1,tma_epilogue=1,num_wg=3", 0)])
 def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size):
     """The tuning options (CUTEDSL_ATTN_PREFILL_TUNE) build spill-free kernels whose wgmma pipeline survives
     ptxas.  The persistent variant's first version failed both (LLVM hoisted per-thread addresses out of
@@ -479,6 +485,11 @@ def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size)
         assert cfg.num_ctas == 132
         ptx = ci.ptx("prefill", "sm_90a", **keys)
         assert "%nctaid.x" in ptx and "atom.global.add.u32" in ptx, "tiles claimed from an atomic counter"
+    if "tma_epilogue" in tune:  # a warp's staged rows leave by TMA, one lane issuing, reads waited for
+        assert cfg.tma_epilogue
+        ptx = ci.ptx("prefill", "sm_90a", **keys)
+        assert ptx.count("cp.async.bulk.tensor.4d.global.shared::cta") == cfg.head_dim_vo // 64
+        assert "cp.async.bulk.wait_group.read" in ptx
     text = ci.sass("prefill", "sm_90a", **keys)
     # one wait per GEMM site: first block, the main loop (two waits; loop_split: two main loops), last P V
     assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= (6 if cfg.loop_split else 4)
@@ -580,6 +591,15 @@ def test_prefill_tune_env(monkeypatch):
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_n=128")
     with pytest.raises(ValueError, match=r"shared memory .*CUTEDSL_ATTN_PREFILL_TUNE='tile_n=128'.*'tile_n': 80"):
         ci.config("prefill", "sm_90a", **{**keys, "head_dim_qk": 256})
+    # turning the staged epilogue off drops the default's TMA store of the staged rows (d128 causal), unless
+    # the override asks for it too (then the config names the rule)
+    causal = dict(keys, group_size=4, causal=True)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "smem_epilogue=0,q_stages=1,tile_n=176")
+    cfg = ci.config("prefill", "sm_90a", **causal)
+    assert (cfg.smem_epilogue, cfg.tma_epilogue, cfg.tile_n) == (False, False, 176)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "smem_epilogue=0,tma_epilogue=1")
+    with pytest.raises(ValueError, match="tma_epilogue stores a warp's 16 staged rows"):
+        ci.config("prefill", "sm_90a", **causal)
 
 
 def test_prefill_tuning_fields():
@@ -608,6 +628,9 @@ def test_prefill_tuning_fields():
             Sm90PrefillConfig(**base, **bad, trace=True)
     with pytest.raises(ValueError, match="shared memory"):  # two Q stages at tile_n 176 do not fit
         Sm90PrefillConfig(**base, q_stages=2, tile_n=176)
+    for bad in (dict(), dict(smem_epilogue=True, group_size=32)):  # TMA boxes of a warp's 16 staged rows
+        with pytest.raises(ValueError, match="tma_epilogue stores a warp's 16 staged rows"):
+            Sm90PrefillConfig(**{**base, **bad}, tma_epilogue=True)
 
 
 @pytest.mark.parametrize("keys", [dict(head_dim_qk=128, group_size=4, causal=True),

@@ -76,11 +76,13 @@ def store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, 
                 mLSE[tok, head] = lse
 
 
-def staged_offset(r, c, head_dim_vo: int):
+def staged_offset(r, c):
     """Byte offset of 16-byte chunk ``c`` (columns ``8c .. 8c+7``) of row ``r`` (0..15) in a warp's staging
-    rows of :func:`store_rows_staged`: rows of ``head_dim_vo * 2`` bytes, chunks XOR-swizzled by ``r % 8``
-    (plain ints or DSL integers; ``tests/test_epilogue_cpu.py`` replays it)."""
-    return r * (head_dim_vo * 2) + ((c ^ (r % 8)) * 16)
+    rows of :func:`store_rows_staged`: one 2 KiB box of 16 rows x 64 columns per 64 columns, 128-byte rows,
+    chunks XOR-swizzled by ``r % 8`` -- the K-major 128-byte-swizzled layout that a TMA box of 16 x 64 reads
+    (staging base 1 KiB aligned), conflict-free for ``stmatrix`` and 16-byte loads (plain ints or DSL
+    integers; ``tests/test_epilogue_cpu.py`` replays it)."""
+    return (c // 8) * 2048 + r * 128 + (((c % 8) ^ (r % 8)) * 16)
 
 
 def stmatrix_row(lane, dd: int):
@@ -91,22 +93,16 @@ def stmatrix_row(lane, dd: int):
 
 
 @cute.jit
-def store_rows_staged(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp, s_base,
-                      head_dim_vo: cutlass.Constexpr, group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr,
-                      dtype: cutlass.Constexpr):
-    """:func:`store_rows` through shared memory: the warp's 16 normalised rows go to ``s_base`` (Int32
-    shared-window byte address of ``16 * head_dim_vo * 2`` bytes that only this warp touches, 16-byte
-    chunks XOR-swizzled by row so ``stmatrix`` and the read-back are free of bank conflicts), then every
-    lane copies whole 16-byte chunks to ``mO``: each store instruction writes 512 bytes of whole rows (two
-    rows at head_dim_vo 128; full 32-byte sectors) instead of 4 bytes per lane of eight rows.  Same rows, values, LSE and empty-row zeros as
-    :func:`store_rows` with ``zero_empty_rows``; needs ``head_dim_vo % 64 == 0`` (8+ chunks per row)."""
+def stage_rows(mSinks, acc, row_m, row_l, row0, kvh, lane, warp, s_base, head_dim_vo: cutlass.Constexpr,
+               group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr, dtype: cutlass.Constexpr):
+    """Normalise the warp's 16 rows (sinks folded in, exact 0 for rows that saw no key) and ``stmatrix`` them
+    to ``s_base`` (Int32 shared-window byte address, 1 KiB aligned, of ``16 * head_dim_vo * 2`` bytes that
+    only this warp touches; :func:`staged_offset`'s layout).  Returns the LSE of the lane's two rows (base
+    2).  The caller syncs the warp before reading the rows back (:func:`store_staged_rows`) or hands them
+    to a TMA store."""
     DV, G = head_dim_vo, group_size
-    CPR = DV // 8  # 16-byte chunks per row
     g = lane // 4
-    t = lane % 4
-    hq = mO.shape[1]
-    o_base = mO.iterator.toint()
-    words = []  # words[dd][h]: the packed pair of row g + 8h, columns 8 dd + 2t, +1
+    words = []  # words[h][dd]: the packed pair of row g + 8h, columns 8 dd + 2t, +1
     lses = []
     for h in cutlass.range_constexpr(2):
         pr = row0 + warp * 16 + g + 8 * h
@@ -116,22 +112,59 @@ def store_rows_staged(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start
     # stmatrix x4: matrices (dd, row half 0), (dd, 1), (dd + 1, 0), (dd + 1, 1)
     for dd in cutlass.range_constexpr(0, DV // 8, 2):
         r_st, c = stmatrix_row(lane, dd)
-        ptx.stmatrix_x4(s_base + staged_offset(r_st, c, DV),
+        ptx.stmatrix_x4(s_base + staged_offset(r_st, c),
                         words[0][dd], words[1][dd], words[0][dd + 1], words[1][dd + 1])
-    cute.arch.sync_warp()
+    return lses[0], lses[1]
+
+
+@cute.jit
+def store_staged_rows(mO, row0, qo_len, q_start, kvh, lane, warp, s_base, head_dim_vo: cutlass.Constexpr,
+                      group_size: cutlass.Constexpr):
+    """Copy the warp's 16 staged rows (:func:`stage_rows`, warp synced) from shared memory to ``mO``, whole
+    16-byte chunks per lane: each store instruction writes 512 bytes of whole rows (two rows at head_dim_vo
+    128; full 32-byte sectors).  Rows past the request (``qo_len * group_size``) are not written."""
+    DV, G = head_dim_vo, group_size
+    CPR = DV // 8  # 16-byte chunks per row
+    hq = mO.shape[1]
+    o_base = mO.iterator.toint()
     limit = qo_len * G
     for it in cutlass.range_constexpr(16 * CPR // 32):
         idx = it * 32 + lane
         r = idx // CPR
         c = idx % CPR
-        v = ptx.ld_shared_v4_b32(s_base + staged_offset(r, c, DV))
+        v = ptx.ld_shared_v4_b32(s_base + staged_offset(r, c))
         pr = row0 + warp * 16 + r
         if pr < limit:
             tok = q_start + pr // G
             head = kvh * G + pr % G
             ptx.st_global_v4_b32(o_base + ((Int64(tok) * hq + head) * DV + c * 8) * 2, v[0], v[1], v[2], v[3])
+
+
+@cute.jit
+def store_lse(mLSE, lse0, lse1, row0, qo_len, q_start, kvh, lane, warp, group_size: cutlass.Constexpr):
+    """The base-2 LSE of the lane's two rows (:func:`stage_rows`) into ``mLSE [tokens, Hq]``, by each row's
+    first lane; rows past the request are not written."""
+    G = group_size
+    g = lane // 4
+    lses = [lse0, lse1]
     for h in cutlass.range_constexpr(2):
         pr = row0 + warp * 16 + g + 8 * h
-        if pr < limit:
-            if t == 0:
+        if pr < qo_len * G:
+            if lane % 4 == 0:
                 mLSE[q_start + pr // G, kvh * G + pr % G] = lses[h]
+
+
+@cute.jit
+def store_rows_staged(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp, s_base,
+                      head_dim_vo: cutlass.Constexpr, group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr,
+                      dtype: cutlass.Constexpr):
+    """:func:`store_rows` through shared memory (:func:`stage_rows`, :func:`store_staged_rows`,
+    :func:`store_lse`): the warp's 16 normalised rows go to ``s_base`` (16-byte chunks XOR-swizzled by row so
+    ``stmatrix`` and the read-back are free of bank conflicts), then every lane copies whole 16-byte chunks
+    to ``mO`` instead of 4 bytes per lane of eight rows.  Same rows, values, LSE and empty-row zeros as
+    :func:`store_rows` with ``zero_empty_rows``; needs ``head_dim_vo % 64 == 0`` (8+ chunks per row)."""
+    lse0, lse1 = stage_rows(mSinks, acc, row_m, row_l, row0, kvh, lane, warp, s_base, head_dim_vo, group_size,
+                            use_sinks, dtype)
+    cute.arch.sync_warp()
+    store_staged_rows(mO, row0, qo_len, q_start, kvh, lane, warp, s_base, head_dim_vo, group_size)
+    store_lse(mLSE, lse0, lse1, row0, qo_len, q_start, kvh, lane, warp, group_size)

@@ -56,7 +56,11 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   ``smem_epilogue`` staged through the warpgroup's own Q rows (free after its last ``S`` GEMM):
   ``stmatrix`` of each warp's 16 rows, then whole-row 16-byte stores
   (:func:`cutedsl_attn.common.epilogue.store_rows_staged`); the default for causal ragged head_dim
-  128 (with two Q stages and tile_n 160, so the next tile's Q has its own buffer) and head_dim 256.
+  128 (with two Q stages and tile_n 160, so the next tile's Q has its own buffer) and head_dim 256.  With
+  ``tma_epilogue`` (the causal ragged head_dim 128 default where the group size divides 16) a warp whose 16
+  staged rows all lie in the request hands them to one TMA store per 64 columns (the staging rows are
+  16 x 64 boxes in the 128-byte swizzle a TMA box reads) and waits only for its reads before releasing Q;
+  a warp at the request's end stores row by row as before.
 * custom masks: one byte of the packed mask per score, every block masked (two warpgroups x
   ``tile_n`` 64, :func:`default_tiles`).
 
@@ -154,6 +158,10 @@ class Sm90PrefillConfig(Dtype16):
     # uses 8; common.softmax.online_softmax_step's max_slack): the O rescale is skipped while no row of the
     # warp moved its max; 0: exact maxima, O rescaled every block; session 7
     rescale_threshold: int = 0
+    # with smem_epilogue: a warp whose 16 staged rows all lie in the request stores them with TMA (one box of
+    # 16 rows x 64 columns per 64 columns) instead of reading them back into registers; a partial warp (the
+    # request's end) stores as before (session 8)
+    tma_epilogue: bool = False
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -253,6 +261,9 @@ def unsupported_reason(cfg) -> str | None:
                 return f"{name} must be {'a bool' if want_bool else 'an int'}, got {v!r}"
         if cfg.smem_epilogue and cfg.head_dim_vo > cfg.head_dim_qk:
             return "smem_epilogue stages O in the Q rows: needs head_dim_vo <= head_dim_qk"
+        if cfg.tma_epilogue and (not cfg.smem_epilogue or 16 % cfg.group_size):
+            return ("tma_epilogue stores a warp's 16 staged rows as whole query tokens: needs smem_epilogue and "
+                    f"a group_size dividing 16, got smem_epilogue={cfg.smem_epilogue}, group_size={cfg.group_size}")
         if cfg.trace and (cfg.use_custom_mask or cfg.page_size > 0):
             return "trace writes into the mask argument: ragged K/V without a custom mask only"
         if cfg.num_ctas < 0:
@@ -309,6 +320,10 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       rescaling (``rescale_threshold=8``) on top, 1.3% faster again in two A/B runs (1.457 vs 1.476, 1.452 vs
       1.471 ms; FA4 1.472 / 1.476) -- at d64, d128 causal and on the varlen mix it measured 1.3-2.7% slower.
       Both for ragged K/V only, as timed: paged K/V keep tile_n 64 with ping-pong (session 6's tiles).
+    * causal ragged head_dim 128 with the staged epilogue and a group size dividing 16: its warps store O by
+      TMA (``tma_epilogue``, session 8): 2.7% faster on the varlen mix (5.453 vs 5.605 ms, paired ratio over
+      30 interleaved rounds 0.974), 0.4-0.6% on d128 causal and GQA 32/8; at head_dim 256 equal (1.385 vs
+      1.386), at d64 with a staged epilogue 0.6-1.9% slower, at d128 full within noise -- so not there.
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
@@ -319,6 +334,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
             tiles.update(loop_split=True, v_wait_late=True)
     elif 64 < d <= 128 and plain and causal and page_size == 0 and head_dim_vo == head_dim_qk:
         tiles = {"tile_n": 160, "num_wg": 2, **persistent, "q_stages": 2, "smem_epilogue": True}
+        if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
+            tiles["tma_epilogue"] = True
     elif 64 < d <= 128 and plain:
         tiles = {"tile_n": 176, "num_wg": 2, **persistent}
     else:
@@ -412,6 +429,16 @@ class Sm90PrefillKernel:
             mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[0, 2, 1]))
             tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(g2s, mK_t, cute.select(sK_layout, mode=[0, 1]), (TN, DQ), 1)
             tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(g2s, mV_t, cute.select(sV_layout, mode=[0, 1]), (TN, DV), 1)
+        tma_atom_O = tma_O = None
+        # (a kernel argument either way; only tma_epilogue reads it)
+        sO_layout = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (16, 16, DV), dt, 1), mode=[0, 1])
+        if const_expr(self.cfg.tma_epilogue):
+            # O as ((group, tokens), dim, kv_heads) like Q; one store = a warp's 16 packed rows x head_dim_vo
+            # from its staging rows (common.epilogue.staged_offset: 16 x 64 boxes, 128-byte swizzle)
+            mO_t = cute.make_tensor(mO.iterator, cute.make_layout(
+                ((G, mO.shape[0]), DV, hkv), stride=((mO.stride[1], mO.stride[0]), 1, G * mO.stride[1])))
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO_t, sO_layout,
+                                                            ((G, 16 // G), DV), 1)
 
         @cute.struct
         class SharedStorage:
@@ -432,16 +459,17 @@ class Sm90PrefillKernel:
         grid = (mWork.shape[0], hkv, 1)
         if const_expr(self.cfg.num_ctas > 0):
             grid = (cutlass.min(mWork.shape[0] * hkv, self.cfg.num_ctas), 1, 1)
-        self.kernel(mQ, mK, mV, mIdx, tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mWork, mO, mLSE, mSinks,
-                    mMask, sm_scale, soft_cap, window_left, sQ_layout_k, sK_layout, sV_layout, tiled_mma_qk, tiled_mma_pv).launch(
+        self.kernel(mQ, mK, mV, mIdx, tma_Q, tma_K, tma_V, tma_O, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, mWork,
+                    mO, mLSE, mSinks, mMask, sm_scale, soft_cap, window_left, sQ_layout_k, sK_layout, sV_layout,
+                    sO_layout, tiled_mma_qk, tiled_mma_pv).launch(
             grid=grid, block=(self.cfg.num_threads, 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream,
         )
 
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mIdx, tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mWork, mO, mLSE,
-               mSinks, mMask, sm_scale: Float32, soft_cap: Float32, window_left: Int32,
+    def kernel(self, mQ, mK, mV, mIdx, tma_Q, tma_K, tma_V, tma_O, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+               mWork, mO, mLSE, mSinks, mMask, sm_scale: Float32, soft_cap: Float32, window_left: Int32,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+               sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
         """Device entry: one CTA per (work row, kv head) tile, or (``num_ctas > 0``) a persistent CTA that
         takes tiles from an atomic counter; see the module docstring."""
         cfg = self.cfg
@@ -552,8 +580,8 @@ class Sm90PrefillKernel:
                 wi = t % W
                 b, blk_lo, n_blk = self._tile(mWork, wi, window_left, s_tile, q_state)
                 # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
-                state = self._consume(mO, mLSE, mSinks, mMask, sQ, storage.sQ.data_ptr().toint(), sK, sV, pipe_q,
-                                      q_state, s_tile, pipe_k, pipe_v,
+                state = self._consume(mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ,
+                                      storage.sQ.data_ptr().toint(), sK, sV, pipe_q, q_state, s_tile, pipe_k, pipe_v,
                                       tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk, sm_scale,
                                       soft_cap, window_left, ptx.opaque_i32(ctid), ptx.opaque_i32(wg), state)
                 q_state.advance()
@@ -736,8 +764,8 @@ class Sm90PrefillKernel:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def _consume(self, mO, mLSE, mSinks, mMask, sQ, sQ_addr, sK, sV, pipe_q, q_state, s_tile, pipe_k, pipe_v,
-                 tiled_mma_qk, tiled_mma_pv,
+    def _consume(self, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ, sQ_addr, sK, sV, pipe_q, q_state,
+                 s_tile, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                  mWork, tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state):
         """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``; its Q has landed): KV blocks
         right to left with S of block j+1 and P V of block j in flight together (intra-warpgroup overlap),
@@ -830,15 +858,16 @@ class Sm90PrefillKernel:
             cute.arch.sync_warp()
             if const_expr(not cfg.smem_epilogue):
                 pipe_q.consumer_release(q_state)
-        self._tile_epilogue(mO, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state, s_tile, acc_O, row_m, row_l,
-                            tile, tid, wg)
+        self._tile_epilogue(mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state,
+                            s_tile, acc_O, row_m, row_l, tile, tid, wg)
         return state
 
     @cute.jit
-    def _tile_epilogue(self, mO, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state, s_tile, acc_O, row_m, row_l,
-                       tile, tid, wg):
+    def _tile_epilogue(self, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state,
+                       s_tile, acc_O, row_m, row_l, tile, tid, wg):
         """Normalise O by the row sums and store it and the LSE (staged through the Q rows with
-        ``smem_epilogue``, which then releases the Q stage)."""
+        ``smem_epilogue``, which then releases the Q stage; with ``tma_epilogue`` a warp whose rows all lie in
+        the request stores them by TMA, :meth:`_tma_store_o`)."""
         cfg = self.cfg
         sm.quad_sum_rows(row_l)
         # re-derive the tile's coordinates from the (opaque) tile index rather than keep them live through
@@ -851,14 +880,45 @@ class Sm90PrefillKernel:
             # 16 rows of O there (own bytes), then releases Q once its reads of them are done
             cute.arch.barrier(barrier_id=2 + self.NWG + wg, number_of_threads=128)
             s_base = sQ_addr + self._staging_offset(q_state, wg, e_warp)
-            epilogue.store_rows_staged(mO, mLSE, mSinks, acc_O, row_m, row_l, e_row0, e_qo_len, e_q_start, e_kvh,
-                                       e_lane, e_warp, s_base, self.DV, self.G, cfg.use_sinks, self.dtype)
+            if const_expr(cfg.tma_epilogue):
+                lse0, lse1 = epilogue.stage_rows(mSinks, acc_O, row_m, row_l, e_row0, e_kvh, e_lane, e_warp, s_base,
+                                                 self.DV, self.G, cfg.use_sinks, self.dtype)
+                ptx.fence_proxy_async_shared()  # the stmatrix writes, before the TMA store (async proxy) reads
+                cute.arch.sync_warp()
+                if e_row0 + e_warp * 16 + 16 <= e_qo_len * self.G:
+                    self._tma_store_o(tma_O, tma_atom_O, sO_layout, s_base, e_row0, e_q_start, e_kvh, e_lane, e_warp)
+                else:
+                    epilogue.store_staged_rows(mO, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, s_base,
+                                               self.DV, self.G)
+                epilogue.store_lse(mLSE, lse0, lse1, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, self.G)
+            else:
+                epilogue.store_rows_staged(mO, mLSE, mSinks, acc_O, row_m, row_l, e_row0, e_qo_len, e_q_start, e_kvh,
+                                           e_lane, e_warp, s_base, self.DV, self.G, cfg.use_sinks, self.dtype)
             ptx.fence_proxy_async_shared()  # before the next TMA load overwrites the staged rows
             cute.arch.sync_warp()  # every lane's reads and fence before lane 0's release
             pipe_q.consumer_release(q_state)
         else:
             self._epilogue(mO, mLSE, mSinks, acc_O, row_m, row_l, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp)
         self._stamp(mMask, tile, 4 * wg + 3, tid % 128 == 0)
+
+    @cute.jit
+    def _tma_store_o(self, tma_O, tma_atom_O, sO_layout, s_base, row0, q_start, kvh, lane, warp):
+        """``tma_epilogue``: store the warp's 16 staged rows (all inside the request) with TMA, one box per 64
+        columns, and wait until the boxes have been read out of shared memory, so the Q stage they occupy can
+        be released."""
+        TMW = 16
+        ptr = cute.make_ptr(self.dtype, s_base, cute.AddressSpace.smem, assumed_align=1024)
+        sO = cute.make_tensor(cute.recast_ptr(ptr, sO_layout.inner, dtype=self.dtype), sO_layout.outer)
+        gO = cute.local_tile(cute.domain_offset(((0, q_start), 0), tma_O[None, None, kvh]), (TMW, self.DV),
+                             ((row0 + warp * TMW) // TMW, 0))
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                           cute.group_modes(gO, 0, 2))
+        # one lane issues (the DSL 4.8.1 emits the store unpredicated: every calling lane would store) and
+        # waits for its bulk group's reads; the caller's warp sync then orders the release after them
+        if lane == 0:
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _first_s(self, tiled_mma_qk, acc_S, tSrQ, tSrK, pipe_k, state, wg):
