@@ -52,13 +52,15 @@ class _Stage:
 
 @pytest.mark.parametrize("dq,dv,num_wg,q_stages", [(128, 128, 2, 2), (128, 128, 2, 1), (256, 256, 2, 1),
                                                    (192, 128, 2, 1), (64, 64, 3, 2), (128, 64, 2, 2),
-                                                   (256, 128, 2, 1)])
+                                                   (256, 128, 2, 1), (128, 128, 3, 1), (64, 64, 2, 1),
+                                                   (192, 64, 3, 1)])
 def test_staging_regions_inside_own_q_rows(dq, dv, num_wg, q_stages):
     """Sm90PrefillKernel._staging_offset: each consumer warp's 16 x head_dim_vo staging bytes lie inside its
     own warpgroup's 64 Q rows of the current Q stage (the K-major 128-byte-swizzled Q layout keeps the rows
     of a 64-column atom together: row r of atom a at bytes a * tile_m * 128 + r * 128 of the stage; the
     swizzle only permutes 16-byte chunks inside a row), and no two warps' regions overlap -- the other
-    warpgroup's in-flight S GEMM reads only its own rows."""
+    warpgroup's in-flight S GEMM reads only its own rows; every region starts on 1 KiB (relative to the
+    1 KiB-aligned sQ), as the TMA store's 128-byte-swizzle boxes need (``tma_epilogue``)."""
     from cutedsl_attn.sm90.prefill import Sm90PrefillConfig, Sm90PrefillKernel
 
     cfg = Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=dq, head_dim_vo=dv, group_size=1, num_wg=num_wg,
@@ -70,6 +72,7 @@ def test_staging_regions_inside_own_q_rows(dq, dv, num_wg, q_stages):
         for warp in range(4 * num_wg):
             wg = warp // 4
             off = k._staging_offset(_Stage(st), wg, warp)
+            assert off % 1024 == 0, (warp, off)  # (sQ is 1 KiB aligned) the TMA store's 128-byte swizzle boxes
             for b in range(off, off + 16 * dv * 2, 16):
                 rel = b - st * stage_bytes
                 assert 0 <= rel < stage_bytes, (warp, b)

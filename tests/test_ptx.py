@@ -488,8 +488,13 @@ def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size)
     if "tma_epilogue" in tune:  # a warp's staged rows leave by TMA, one lane issuing, reads waited for
         assert cfg.tma_epilogue
         ptx = ci.ptx("prefill", "sm_90a", **keys)
-        assert ptx.count("cp.async.bulk.tensor.4d.global.shared::cta") == cfg.head_dim_vo // 64
+        stores = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
+        assert len(stores) == cfg.head_dim_vo // 64
         assert "cp.async.bulk.wait_group.read" in ptx
+        # issued under `lane == 0` (CuTe DSL 4.8.1 emits the store unpredicated, no elect of its own): were a
+        # DSL upgrade to add an elect.sync inside that one-lane branch, it would hang -- fail here first
+        before = ptx.split(stores[0], 1)[0].rsplit("bar.warp.sync", 1)[1]
+        assert "elect.sync" not in before
     text = ci.sass("prefill", "sm_90a", **keys)
     # one wait per GEMM site: first block, the main loop (two waits; loop_split: two main loops), last P V
     assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= (6 if cfg.loop_split else 4)
