@@ -6,9 +6,14 @@ causal = H*(Dqk+Dvo)*Lq*(2*Lkv - Lq).  The ceiling is a bf16 8192^3 torch matmul
 the same run.
 
 ``--tune "k=v,...;..."`` also times our kernel under each ``CUTEDSL_ATTN_PREFILL_TUNE`` setting
-(tuning experiments, same process); ``--no-portable`` skips the portable kernel's share.
+(tuning experiments, same process); ``--no-portable`` skips the portable kernel's share.  ``--rounds R``
+times ours and the peers of a case interleaved instead (:meth:`cutedsl_attn.timing.KernelTimer.interleaved`:
+R rounds of one call each, the order reversed every other round) and reports the medians and the paired
+ratios (median over rounds of peer / ours; on the H200 every kernel's time on the varlen mix drifted by up
+to 10% within a second, so one-after-the-other medians can differ by more than the kernels do: session 8).
 
 Usage: python perf/bench_prefill.py [--out DIR] [--quick] [--no-portable] [--tune SETTINGS] [--cases WORDS]
+                                    [--rounds R]
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 import torch
 
-from cutedsl_attn.timing import KernelTimer
+from cutedsl_attn.timing import KernelTimer, paired_ratio
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
@@ -122,6 +128,8 @@ def main():
     ap.add_argument("--no-portable", action="store_true")
     ap.add_argument("--tune", default="", help="extra CUTEDSL_ATTN_PREFILL_TUNE settings, ';'-separated")
     ap.add_argument("--cases", default="", help="only the cases whose name contains one of these ';'-separated words")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="> 0: time ours and the peers interleaved over this many rounds of one call (paired ratios)")
     args = ap.parse_args()
     tunes = [x for x in args.tune.split(";") if x]
 
@@ -155,8 +163,10 @@ def main():
         row = dict(case=name, tflop=fl / 1e12)
         w = plan_ours(ws, indptr, hq, hkv, d, causal)
         o = w.run(q, k, v)
-        t = timed(lambda: w.run(q, k, v, out=o))
-        row["ours_ms"], row["ours_tf"] = t * 1e3, fl / t / 1e12
+        fns = {"ours": lambda: w.run(q, k, v, out=o)}  # (with --rounds: timed below, with the peers)
+        if not args.rounds:
+            t = timed(fns["ours"])
+            row["ours_ms"], row["ours_tf"] = t * 1e3, fl / t / 1e12
         row["ours_kernel"] = type(w._plan["cfg"]).__name__
         for tune in tunes:
             try:
@@ -177,7 +187,7 @@ def main():
                 fo = fa4()
                 fo = fo[0] if isinstance(fo, tuple) else fo
                 row["fa4_relerr"] = ((fo.float() - o.float()).norm() / o.float().norm()).item()
-                row["fa4_ms"] = timed(fa4) * 1e3
+                fns["fa4"] = fa4
             except Exception as e:  # noqa: BLE001
                 print("fa4 failed:", repr(e)[:300])
         if have_fi and d == 128:
@@ -185,7 +195,7 @@ def main():
                 fi = fi_call(ws, q, k, v, indptr, hq, hkv, d, causal)
                 fo = fi()
                 row["fi_relerr"] = ((fo.float() - o.float()).norm() / o.float().norm()).item()
-                row["fi_ms"] = timed(fi) * 1e3
+                fns["fi"] = fi
             except Exception as e:  # noqa: BLE001
                 print("flashinfer failed:", repr(e)[:300])
         if len(set(lens)) == 1:
@@ -199,9 +209,22 @@ def main():
                 def cudnn():
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
-                row["cudnn_ms"] = timed(cudnn) * 1e3
+                cudnn()
+                fns["cudnn"] = cudnn
             except Exception as e:  # noqa: BLE001
                 print("cudnn sdpa failed:", repr(e)[:300])
+        if args.rounds:  # interleaved: medians, and each peer's paired ratio to ours
+            series = _timer.interleaved(fns, args.rounds)
+            for key, ts in series.items():
+                row[f"{key}_ms"] = statistics.median(ts) * 1e3
+                if key != "ours":
+                    row[f"{key}_paired"] = paired_ratio(ts, series["ours"])
+            row["ours_tf"] = fl / (row["ours_ms"] * 1e-3) / 1e12
+            row["rounds"] = args.rounds
+        else:
+            for key in ("fa4", "fi", "cudnn"):
+                if key in fns:
+                    row[f"{key}_ms"] = timed(fns[key]) * 1e3
         rows.append(row)
         print(json.dumps(row))
         del q, k, v
@@ -209,13 +232,18 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_prefill.json"), "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), gemm_tflops=gemm_tf, rows=rows), f, indent=1)
-    print(f"\nGPU {torch.cuda.get_device_name()}; bf16 GEMM ceiling {gemm_tf:.0f} TFLOP/s")
+    print(f"\nGPU {torch.cuda.get_device_name()}; bf16 GEMM ceiling {gemm_tf:.0f} TFLOP/s"
+          + (f"; ours and the peers interleaved over {args.rounds} rounds (ratios: median of paired per-round ratios)"
+             if args.rounds else ""))
     print("| case | ours ms | ours TFLOP/s | % GEMM | vs FA4 | vs FI fa3 | vs cuDNN | portable kernel / ours |"
           + "".join(f" tune[{t}] ms |" for t in tunes))
     print("|---|---|---|---|---|---|---|---|" + "---|" * len(tunes))
     for r in rows:
         def ratio(k):
-            return f"{r[k] / r['ours_ms']:.2f}x ({r[k]:.3f})" if k in r else "n/a"
+            if k not in r:
+                return "n/a"
+            paired = r.get(k.replace("_ms", "_paired"))  # (--rounds: the paired ratio)
+            return f"{paired if paired is not None else r[k] / r['ours_ms']:.2f}x ({r[k]:.3f})"
         print(f"| {r['case']} | {r['ours_ms']:.3f} | {r['ours_tf']:.0f} | {100 * r['ours_tf'] / gemm_tf:.0f}% | "
               f"{ratio('fa4_ms')} | {ratio('fi_ms')} | {ratio('cudnn_ms')} | {ratio('portable_ms')} |"
               + "".join(f" {r.get(f'tune[{t}]_ms', float('nan')):.3f} (err {r.get(f'tune[{t}]_relerr', float('nan')):.0e}) |"
