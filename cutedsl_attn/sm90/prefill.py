@@ -226,8 +226,7 @@ def _page_rows(page_size: int, tile_n: int) -> int:
 
 def unsupported_reason(cfg) -> str | None:
     """Why the SM90 kernel cannot serve ``cfg`` (a prefill config of either kernel), or None."""
-    for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size", "tile_n", "num_stages", "num_wg",
-                 "num_ctas", "ex2_poly", "q_stages", "rescale_threshold"):
+    for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size"):  # (the tuning fields: below)
         v = getattr(cfg, name, 0)
         if isinstance(v, bool) or not isinstance(v, int):
             return f"{name} must be an int, got {v!r}"
@@ -241,10 +240,13 @@ def unsupported_reason(cfg) -> str | None:
         return "positional encodings are served by the portable kernel"
     if cfg.group_size < 1 or 128 % cfg.group_size != 0:
         return f"group_size must divide 128, got {cfg.group_size}"
-    tile_n = getattr(cfg, "tile_n", 128)
     if isinstance(cfg, Sm90PrefillConfig):
-        if not 64 <= tile_n <= 192 or tile_n % 16:
-            return f"tile_n must be a multiple of 16 in [64, 192], got {tile_n}"
+        for name in TUNING_FIELDS:  # bool fields take bools, int ones ints (not bools), before the range checks
+            v, want_bool = getattr(cfg, name), isinstance(getattr(Sm90PrefillConfig, name), bool)
+            if want_bool != isinstance(v, bool) or not isinstance(v, int):
+                return f"{name} must be {'a bool' if want_bool else 'an int'}, got {v!r}"
+        if not 64 <= cfg.tile_n <= 192 or cfg.tile_n % 16:
+            return f"tile_n must be a multiple of 16 in [64, 192], got {cfg.tile_n}"
         if cfg.num_stages not in (2, 3):
             return f"num_stages must be 2 or 3, got {cfg.num_stages}"
         if cfg.num_wg not in (2, 3) or (64 * cfg.num_wg) % cfg.group_size:
@@ -255,10 +257,6 @@ def unsupported_reason(cfg) -> str | None:
             return f"ex2_poly must be in 0..8, got {cfg.ex2_poly}"
         if not 0 <= cfg.rescale_threshold <= 15:  # P <= 2^threshold must fit float16 (max 65504)
             return f"rescale_threshold must be in 0..15, got {cfg.rescale_threshold}"
-        for name in TUNING_FIELDS:  # bool fields take bools, int ones ints (not bools)
-            v, want_bool = getattr(cfg, name), isinstance(getattr(Sm90PrefillConfig, name), bool)
-            if want_bool != isinstance(v, bool) or not isinstance(v, int):
-                return f"{name} must be {'a bool' if want_bool else 'an int'}, got {v!r}"
         if cfg.smem_epilogue and cfg.head_dim_vo > cfg.head_dim_qk:
             return "smem_epilogue stages O in the Q rows: needs head_dim_vo <= head_dim_qk"
         if cfg.tma_epilogue and (not cfg.smem_epilogue or 16 % cfg.group_size):
