@@ -78,7 +78,7 @@ def store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, 
 
 def staged_offset(r, c):
     """Byte offset of 16-byte chunk ``c`` (columns ``8c .. 8c+7``) of row ``r`` (0..15) in a warp's staging
-    rows of :func:`store_rows_staged`: one 2 KiB box of 16 rows x 64 columns per 64 columns, 128-byte rows,
+    rows (:func:`stage_rows`): one 2 KiB box of 16 rows x 64 columns per 64 columns, 128-byte rows,
     chunks XOR-swizzled by ``r % 8`` -- the K-major 128-byte-swizzled layout that a TMA box of 16 x 64 reads
     (staging base 1 KiB aligned), conflict-free for ``stmatrix`` and 16-byte loads (plain ints or DSL
     integers; ``tests/test_epilogue_cpu.py`` replays it)."""
@@ -122,7 +122,10 @@ def store_staged_rows(mO, row0, qo_len, q_start, kvh, lane, warp, s_base, head_d
                       group_size: cutlass.Constexpr):
     """Copy the warp's 16 staged rows (:func:`stage_rows`, warp synced) from shared memory to ``mO``, whole
     16-byte chunks per lane: each store instruction writes 512 bytes of whole rows (two rows at head_dim_vo
-    128; full 32-byte sectors).  Rows past the request (``qo_len * group_size``) are not written."""
+    128; full 32-byte sectors) instead of :func:`store_rows`' 4 bytes per lane of eight rows; with
+    :func:`stage_rows` and :func:`store_lse` the same rows, values, LSE and empty-row zeros as
+    :func:`store_rows` with ``zero_empty_rows`` (needs ``head_dim_vo % 64 == 0``: 8+ chunks per row).  Rows
+    past the request (``qo_len * group_size``) are not written."""
     DV, G = head_dim_vo, group_size
     CPR = DV // 8  # 16-byte chunks per row
     hq = mO.shape[1]
@@ -152,19 +155,3 @@ def store_lse(mLSE, lse0, lse1, row0, qo_len, q_start, kvh, lane, warp, group_si
         if pr < qo_len * G:
             if lane % 4 == 0:
                 mLSE[q_start + pr // G, kvh * G + pr % G] = lses[h]
-
-
-@cute.jit
-def store_rows_staged(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp, s_base,
-                      head_dim_vo: cutlass.Constexpr, group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr,
-                      dtype: cutlass.Constexpr):
-    """:func:`store_rows` through shared memory (:func:`stage_rows`, :func:`store_staged_rows`,
-    :func:`store_lse`): the warp's 16 normalised rows go to ``s_base`` (16-byte chunks XOR-swizzled by row so
-    ``stmatrix`` and the read-back are free of bank conflicts), then every lane copies whole 16-byte chunks
-    to ``mO`` instead of 4 bytes per lane of eight rows.  Same rows, values, LSE and empty-row zeros as
-    :func:`store_rows` with ``zero_empty_rows``; needs ``head_dim_vo % 64 == 0`` (8+ chunks per row)."""
-    lse0, lse1 = stage_rows(mSinks, acc, row_m, row_l, row0, kvh, lane, warp, s_base, head_dim_vo, group_size,
-                            use_sinks, dtype)
-    cute.arch.sync_warp()
-    store_staged_rows(mO, row0, qo_len, q_start, kvh, lane, warp, s_base, head_dim_vo, group_size)
-    store_lse(mLSE, lse0, lse1, row0, qo_len, q_start, kvh, lane, warp, group_size)

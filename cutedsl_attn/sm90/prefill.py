@@ -55,7 +55,7 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
 * epilogue (normalised, sinks folded in, LSE base 2) straight from registers, or with
   ``smem_epilogue`` staged through the warpgroup's own Q rows (free after its last ``S`` GEMM):
   ``stmatrix`` of each warp's 16 rows, then whole-row 16-byte stores
-  (:func:`cutedsl_attn.common.epilogue.store_rows_staged`); the default for causal ragged head_dim
+  (:func:`cutedsl_attn.common.epilogue.stage_rows`, ``store_staged_rows``, ``store_lse``); the default for causal ragged head_dim
   128 (with two Q stages and tile_n 160, so the next tile's Q has its own buffer) and head_dim 256.  With
   ``tma_epilogue`` (the causal ragged head_dim 128 default where the group size divides 16) a warp whose 16
   staged rows all lie in the request hands them to one TMA store per 64 columns (the staging rows are
@@ -878,20 +878,21 @@ class Sm90PrefillKernel:
             # 16 rows of O there (own bytes), then releases Q once its reads of them are done
             cute.arch.barrier(barrier_id=2 + self.NWG + wg, number_of_threads=128)
             s_base = sQ_addr + self._staging_offset(q_state, wg, e_warp)
+            lse0, lse1 = epilogue.stage_rows(mSinks, acc_O, row_m, row_l, e_row0, e_kvh, e_lane, e_warp, s_base,
+                                             self.DV, self.G, cfg.use_sinks, self.dtype)
             if const_expr(cfg.tma_epilogue):
-                lse0, lse1 = epilogue.stage_rows(mSinks, acc_O, row_m, row_l, e_row0, e_kvh, e_lane, e_warp, s_base,
-                                                 self.DV, self.G, cfg.use_sinks, self.dtype)
                 ptx.fence_proxy_async_shared()  # the stmatrix writes, before the TMA store (async proxy) reads
-                cute.arch.sync_warp()
-                if e_row0 + e_warp * 16 + 16 <= e_qo_len * self.G:
+            cute.arch.sync_warp()
+            if const_expr(cfg.tma_epilogue):
+                if e_row0 + e_warp * 16 + 16 <= e_qo_len * self.G:  # all 16 rows in the request
                     self._tma_store_o(tma_O, tma_atom_O, sO_layout, s_base, e_row0, e_q_start, e_kvh, e_lane, e_warp)
                 else:
                     epilogue.store_staged_rows(mO, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, s_base,
                                                self.DV, self.G)
-                epilogue.store_lse(mLSE, lse0, lse1, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, self.G)
             else:
-                epilogue.store_rows_staged(mO, mLSE, mSinks, acc_O, row_m, row_l, e_row0, e_qo_len, e_q_start, e_kvh,
-                                           e_lane, e_warp, s_base, self.DV, self.G, cfg.use_sinks, self.dtype)
+                epilogue.store_staged_rows(mO, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, s_base, self.DV,
+                                           self.G)
+            epilogue.store_lse(mLSE, lse0, lse1, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, self.G)
             ptx.fence_proxy_async_shared()  # before the next TMA load overwrites the staged rows
             cute.arch.sync_warp()  # every lane's reads and fence before lane 0's release
             pipe_q.consumer_release(q_state)
