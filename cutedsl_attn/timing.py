@@ -40,24 +40,24 @@ class KernelTimer:
             ts.append(a.elapsed_time(b) * 1e-3)
         return statistics.median(ts)
 
-    def interleaved(self, fns: dict, rounds: int, reps: int = 1) -> dict:
-        """``{name: [seconds per round]}``: each round times every ``fns[name]`` (the median of ``reps`` calls,
-        as :meth:`__call__`) one after the other, the order reversed every other round, so a drift of the GPU's
-        speed during the run lands on every variant alike (on the H200 a kernel's time on the varlen mix drifted
-        by up to 10% within a second, peers' too: perf/RESULTS.md, session 8).  Compare two variants with
-        :func:`paired_ratio`."""
+    def interleaved(self, fns: dict, rounds: int, calls: int = 1) -> dict:
+        """``{name: [[seconds of each call] for each round]}``: each round times every ``fns[name]`` ``calls``
+        times (each call timed on its own, as :meth:`__call__` with one rep) one variant after the other, the
+        order reversed every other round, so a drift of the GPU's speed during the run lands on every variant
+        alike (on the H200 a kernel's time on the varlen mix drifted by up to 10% within a second, peers' too:
+        perf/RESULTS.md, session 8).  Compare two variants' round medians with :func:`paired_ratio`."""
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
         names = list(fns)
         out = {k: [] for k in names}
         for r in range(rounds):
             for k in names if r % 2 == 0 else names[::-1]:
-                out[k].append(self(fns[k], reps=reps))
+                out[k].append([self(fns[k], reps=1) for _ in range(calls)])
         return out
 
 
 def paired_ratio(a: list, b: list) -> float:
-    """Median over rounds of ``a[i] / b[i]`` (times of two variants from the same rounds of
+    """Median over rounds of ``a[i] / b[i]`` (two variants' times, e.g. round medians, from the same rounds of
     :meth:`KernelTimer.interleaved`): ``> 1`` means ``b`` was faster."""
     if len(a) != len(b) or not a:
         raise ValueError(f"paired_ratio needs two equally long, non-empty series, got {len(a)} and {len(b)}")

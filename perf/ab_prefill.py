@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench_prefill import DEV, case_inputs, fa4_call, fi_call, find_case, flops, plan_ours
+from bench_prefill import DEV, case_inputs, case_slug, fa4_call, fi_call, find_case, flops, plan_ours
 
 from cutedsl_attn.timing import KernelTimer
 
@@ -65,14 +65,9 @@ def main():
             fns[var]()
         except Exception as e:  # noqa: BLE001
             print(f"{var}: unavailable ({repr(e)[:200]})")
-    samples = {var: [] for var in fns}
-    rounds = {var: [] for var in fns}
-    for r in range(a.rounds):
-        order = list(fns) if r % 2 == 0 else list(fns)[::-1]  # alternate the order, too
-        for var in order:
-            ts = [timer(fns[var], reps=1) for _ in range(a.reps)]
-            samples[var] += ts
-            rounds[var].append(statistics.median(ts))
+    per_call = timer.interleaved(fns, a.rounds, a.reps)  # round-robin, the order reversed every other round
+    samples = {var: [t for rnd in per_call[var] for t in rnd] for var in fns}
+    rounds = {var: [statistics.median(rnd) for rnd in per_call[var]] for var in fns}
     host = {}
     for var in fns:  # host time per call (enqueue only): must stay well below the sleep before a timed call
         torch.cuda.synchronize()
@@ -96,7 +91,7 @@ def main():
               f"{max(rounds[var]) * 1e3:.3f} | {rel} | {host[var] * 1e6:.0f} |")
     print("(vs first: time / the first variant's time; < 1 is faster)")
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"ab_{a.case.replace(' ', '_').replace('/', '-')}.json"), "w") as f:
+    with open(os.path.join(a.out, f"ab_{case_slug(a.case)}.json"), "w") as f:
         json.dump(dict(case=name, results=res), f, indent=1)
 
 

@@ -66,6 +66,11 @@ def find_case(word):
     return found[0]
 
 
+def case_slug(word):
+    """``word`` (a ``--case`` argument) as part of a file name: spaces to ``_``, the ``/`` of ``h32/8`` to ``-``."""
+    return word.replace(" ", "_").replace("/", "-")
+
+
 def case_inputs(lens, hq, hkv, d):
     """``(lens, q, k, v, indptr)`` of a case: ``lens`` as given, or for the varlen mix (``None``) 64 lengths
     in [128, 4096] drawn from seed 0; random bf16 Q/K/V (NHD, ragged) and the shared indptr."""
@@ -214,7 +219,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print("cudnn sdpa failed:", repr(e)[:300])
         if args.rounds:  # interleaved: medians, and each peer's paired ratio to ours
-            series = _timer.interleaved(fns, args.rounds)
+            series = {k: [statistics.median(c) for c in v] for k, v in _timer.interleaved(fns, args.rounds).items()}
             for key, ts in series.items():
                 row[f"{key}_ms"] = statistics.median(ts) * 1e3
                 if key != "ours":

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from bench_prefill import DEV, case_inputs, find_case, plan_ours, timed
+from bench_prefill import DEV, case_inputs, case_slug, find_case, plan_ours, timed
 
 
 def trace(variant, q, k, v, indptr, hq, hkv, d, causal):
@@ -81,7 +81,7 @@ def main():
         res[var] = analyse(rec)
         print(name, var, json.dumps(res[var]), flush=True)
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"trace_{a.case.replace(' ', '_').replace('/', '-')}.json"), "w") as f:
+    with open(os.path.join(a.out, f"trace_{case_slug(a.case)}.json"), "w") as f:
         json.dump(dict(case=name, results=res), f, indent=1)
 
 

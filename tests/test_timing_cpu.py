@@ -22,11 +22,12 @@ class _FakeTimer(KernelTimer):
 def test_interleaved_round_robin_and_paired_ratio():
     t = _FakeTimer({"ours": 1.0, "fa4": 1.1, "fi": 1.3})
     fns = {k: (lambda k=k: k) for k in ("ours", "fa4", "fi")}
-    series = t.interleaved(fns, rounds=4, reps=2)
-    # every variant once per round, the order reversed every other round, each call the median of reps
-    assert [n for n, _ in t.order] == ["ours", "fa4", "fi", "fi", "fa4", "ours"] * 2
-    assert all(r == 2 for _, r in t.order)
-    assert {k: len(v) for k, v in series.items()} == {"ours": 4, "fa4": 4, "fi": 4}
+    per_call = t.interleaved(fns, rounds=4, calls=2)
+    # every variant `calls` times per round, the order reversed every other round, each call timed on its own
+    assert [n for n, _ in t.order] == [n for n in ["ours", "fa4", "fi", "fi", "fa4", "ours"] * 2 for _ in (0, 1)]
+    assert all(r == 1 for _, r in t.order)
+    assert {k: [len(c) for c in v] for k, v in per_call.items()} == {k: [2] * 4 for k in ("ours", "fa4", "fi")}
+    series = {k: [sum(c) / len(c) for c in v] for k, v in per_call.items()}  # round medians (of two calls)
     # the drift (up to 60% over the run here) cancels in the paired ratios: within the drift of one round
     assert 1.1 * 0.9 < paired_ratio(series["fa4"], series["ours"]) < 1.1 * 1.1
     assert 1.3 * 0.9 < paired_ratio(series["fi"], series["ours"]) < 1.3 * 1.1
