@@ -155,7 +155,8 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
                                       use_soft_cap=cfg.use_soft_cap, use_custom_mask=cfg.use_custom_mask,
                                       page_size=cfg.page_size, causal=cfg.causal, num_sms=_num_sms())
         if cfg.page_size > 0:
-            override.pop("num_ctas", None)  # the persistent grid serves ragged K/V only (documented below)
+            for name in ("num_ctas", "head_section_mib"):  # ragged K/V only (documented below)
+                override.pop(name, None)
         tiles = {**default, **override}
         if not tiles.get("smem_epilogue") and "tma_epilogue" not in override:
             tiles.pop("tma_epilogue", None)  # the default's TMA store rides on the staged epilogue turned off
@@ -183,8 +184,8 @@ def _prefill_tune(text: str) -> dict:
     """Parse ``CUTEDSL_ATTN_PREFILL_TUNE`` (``"key=value,..."``, tuning experiments only) into SM90 config
     overrides: integer fields take integers, boolean ones ``0/1/true/false``.  The overrides replace the
     defaults of :func:`cutedsl_attn.sm90.prefill.default_tiles` as given, for every SM90 problem of the
-    process (``num_ctas``, the persistent grid, for those with ragged K/V only: paged ones keep one CTA
-    per tile; ``smem_epilogue=0`` also drops a default ``tma_epilogue``, which stores the staged rows): a
+    process (``num_ctas``, the persistent grid, and ``head_section_mib``, the tile order by sections of kv
+    heads, for those with ragged K/V only: paged ones keep one CTA per tile in the plain order; ``smem_epilogue=0`` also drops a default ``tma_epilogue``, which stores the staged rows): a
     combination that does not fit shared memory raises when a problem is planned, one that
     spills registers only runs slower (``cutedsl_attn.inspect.resources`` shows the stack frame).
 

@@ -25,7 +25,7 @@ import torch
 
 from bench_prefill import DEV, case_inputs, case_slug, fa4_call, fi_call, find_case, flops, plan_ours
 
-from cutedsl_attn.timing import KernelTimer
+from cutedsl_attn.timing import KernelTimer, paired_ratio
 
 
 def build(variant, q, k, v, indptr, lens, hq, hkv, d, causal, ws):
@@ -80,16 +80,20 @@ def main():
     fl = flops(lens, hq, d, d, causal)
     base = statistics.median(samples[variants[0]]) if variants[0] in samples else None
     print(f"\n{name}: {a.rounds} rounds x {a.reps} calls, interleaved ({torch.cuda.get_device_name()})")
-    print("| variant | median ms | TFLOP/s | round medians min-max ms | vs first | host us/call |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | median ms | TFLOP/s | round medians min-max ms | vs first | paired vs first | host us/call |")
+    print("|---|---|---|---|---|---|---|")
     res = {}
     for var in fns:
         m = statistics.median(samples[var])
         res[var] = dict(median_ms=m * 1e3, rounds_ms=[x * 1e3 for x in rounds[var]], host_us=host[var] * 1e6)
         rel = f"{m / base:.3f}" if base else "n/a"
+        paired = paired_ratio(rounds[var], rounds[variants[0]]) if base else None
+        res[var]["paired_vs_first"] = paired
         print(f"| {var} | {m * 1e3:.3f} | {fl / m / 1e12:.0f} | {min(rounds[var]) * 1e3:.3f}-"
-              f"{max(rounds[var]) * 1e3:.3f} | {rel} | {host[var] * 1e6:.0f} |")
-    print("(vs first: time / the first variant's time; < 1 is faster)")
+              f"{max(rounds[var]) * 1e3:.3f} | {rel} | {'n/a' if paired is None else f'{paired:.3f}'} | "
+              f"{host[var] * 1e6:.0f} |")
+    print("(vs first: median time / the first variant's; paired: median over rounds of the round-median ratio; "
+          "< 1 is faster)")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"ab_{case_slug(a.case)}.json"), "w") as f:
         json.dump(dict(case=name, results=res), f, indent=1)

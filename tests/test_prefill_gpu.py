@@ -284,6 +284,25 @@ def test_tma_epilogue(monkeypatch, tune):
         assert run_paged_mixed16()._plan["cfg"].tma_epilogue
 
 
+@pytest.mark.parametrize("tune", ["head_section_mib=7", "head_section_mib=7,num_ctas=3",
+                                  "head_section_mib=1024,num_ctas=0"])
+def test_head_sections(monkeypatch, tune):
+    """The tile order by sections of kv heads (``head_section_mib``, session 9): every tile exactly once
+    (outputs poisoned) over two launches, with 7 kv heads and K/V of 5,000 tokens -- at head_dim 128 7 MiB
+    make sections of 2, 2 and 3 heads (the remainder joins the last), at head_dim 64 one section of all 7;
+    1024 MiB: one section (global longest-first order) on the one-CTA-per-tile grid; d128 causal with the
+    staged TMA epilogue (its coordinates re-derived from the tile index), d128 full, d64 (three warpgroups)."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    qo, kv = [1000, 7, 1500, 0, 600, 1], [1800, 7, 2000, 50, 1140, 3]
+    assert sum(kv) == 5000
+    mib = int(tune.split(",")[0].split("=")[1])
+    for group, d, causal in ((4, 128, True), (1, 128, False), (2, 64, True)):
+        heads = max(1, min(7, (mib << 20) // ((2 * d) * 2) // 5000))
+        assert heads == {7: {128: 2, 64: 5}[d], 1024: 7}[mib]
+        w = run_ragged(qo, kv, 7, group, d, d, BF16, opts=dict(causal=causal), sinks=causal, launches=2)
+        assert w._plan["cfg"].head_section_mib == mib
+
+
 @pytest.mark.parametrize("tune", ["tile_info_smem=1", "tile_info_smem=1,num_ctas=3"])
 def test_tile_info_smem(monkeypatch, tune):
     """The producer copies each tile's work-table fields next to its index in shared memory

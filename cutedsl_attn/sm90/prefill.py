@@ -5,7 +5,9 @@ query rows of one request, the same decomposition and work table as the portable
 (:mod:`cutedsl_attn.planning.prefill`, request-major, longest first), so the API layer plans once for
 either.  The grid is ``(work rows, kv heads)`` with the work row fastest: the CTAs in flight
 are mostly tiles of one kv head and share its K/V through L2 (measured: the largest single
-speed-up of this kernel, perf/RESULTS.md).  ``num_ctas > 0`` (ragged K/V) instead launches a
+speed-up of this kernel, perf/RESULTS.md); with ``head_section_mib`` (the causal default on the
+persistent grid) tile ``t`` instead walks sections of a few kv heads, rows of the section in the table's
+longest-first order with its heads fastest (:meth:`Sm90PrefillKernel._tile_coords`).  ``num_ctas > 0`` (ragged K/V) instead launches a
 persistent grid of ``min(num_ctas, tiles)`` CTAs: CTA ``i`` starts with tile ``i`` and then
 claims the next unclaimed tile from an atomic counter (``work[0, W_SCHED]``, reset to 0 by the
 launch's last claim), so the tiles start in the same order as with one CTA per tile (the L2
@@ -162,6 +164,12 @@ class Sm90PrefillConfig(Dtype16):
     # 16 rows x 64 columns per 64 columns) instead of reading them back into registers; a partial warp (the
     # request's end) stores as before (session 8)
     tma_epilogue: bool = False
+    # ragged K/V: the tiles go out in sections of S kv heads, S = this many MiB // one kv head's K+V bytes
+    # (clamped to [1, kv heads]; the remainder heads join the last section), row by row with the heads of the
+    # section fastest -- so the work table's longest-first order holds across S heads at a time, not one (the
+    # last head's long tiles started late: a 1.6% tail at head_dim 64, perf/RESULTS.md session 9) while the
+    # tiles in flight still share S heads' K/V through L2; 0: one head at a time (S = 1)
+    head_section_mib: int = 0
     arch: str = "sm_90a"
 
     def __post_init__(self):
@@ -264,6 +272,10 @@ def unsupported_reason(cfg) -> str | None:
                     f"a group_size dividing 16, got smem_epilogue={cfg.smem_epilogue}, group_size={cfg.group_size}")
         if cfg.trace and (cfg.use_custom_mask or cfg.page_size > 0):
             return "trace writes into the mask argument: ragged K/V without a custom mask only"
+        if not 0 <= cfg.head_section_mib <= 1024:
+            return f"head_section_mib must be in 0..1024, got {cfg.head_section_mib}"
+        if cfg.head_section_mib and cfg.page_size > 0:
+            return "head_section_mib > 0 (kv-head sections of the tile order) needs ragged K/V (page_size 0)"
         if cfg.num_ctas < 0:
             return f"num_ctas must be >= 0, got {cfg.num_ctas}"
         if cfg.num_ctas > 0 and cfg.page_size > 0:
@@ -318,6 +330,13 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       rescaling (``rescale_threshold=8``) on top, 1.3% faster again in two A/B runs (1.457 vs 1.476, 1.452 vs
       1.471 ms; FA4 1.472 / 1.476) -- at d64, d128 causal and on the varlen mix it measured 1.3-2.7% slower.
       Both for ragged K/V only, as timed: paged K/V keep tile_n 64 with ping-pong (session 6's tiles).
+    * causal ragged K/V at head_dim <= 128 (the persistent grid): the tiles go out in sections of kv heads whose
+      K+V fit 32 MiB (``head_section_mib``), longest first inside a section, instead of one kv head at a
+      time -- interleaved A/B over 30 rounds, session 9: d128 causal 1.590-1.598 vs 1.628-1.640 ms (paired
+      0.976, twice; FA4 1.623-1.641), d64 2.045-2.075 vs 2.079-2.129 (0.979-0.985), GQA 32/8 equal, the
+      varlen mix untouched (one kv head's K+V exceed 32 MiB there, so S = 1); 16 and 64 MiB less, all heads
+      at once (1024) 5-9% slower.  d128 full equal within noise (1.005), d256 (one CTA per tile) 0.6% slower:
+      not there.  Window / soft-cap / custom-mask problems get it too, untimed (the order alone changes);
     * causal ragged head_dim 128 with the staged epilogue and a group size dividing 16: its warps store O by
       TMA (``tma_epilogue``, session 8): 2.7% faster on the varlen mix (5.453 vs 5.605 ms, paired ratio over
       30 interleaved rounds 0.974), 0.4-0.6% on d128 causal and GQA 32/8; at head_dim 256 equal (1.385 vs
@@ -345,6 +364,11 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
             # FlashAttention-4's SM90 head_dim 256 tiles (128 x 80, no ping-pong, O rescaled while S runs) and
             # its conditional rescaling (O rescaled only where a row's max grew by more than 8, log2 units)
             tiles.update(tile_n=80, pingpong=False, rescale_o_before_pv=True, rescale_threshold=8)
+    if causal and not use_custom_mask and persistent:  # (a custom mask replaces causal)
+        # the tile order by sections of kv heads whose K+V fit 32 MiB (4 heads of 16,384 tokens at head_dim
+        # 128, 8 at 64): 2.4% faster at d128 causal, 2.1% at d64; GQA 32/8 equal; the varlen mix unchanged
+        # (S = 1 there); all heads at once 5-9% slower (L2), 64 MiB 1-1.5% slower (session 9)
+        tiles["head_section_mib"] = 32
     alt = 64 if d > 192 else 128
     if page_size >= 16 and not _page_rows(page_size, tiles["tile_n"]) and _page_rows(page_size, alt):
         tiles["tile_n"] = alt  # blocks of whole pages (or inside one page): full K/V blocks by TMA
@@ -529,8 +553,7 @@ class Sm90PrefillKernel:
                         claim = Int32(0)
                         if const_expr(cfg.num_ctas > 0 and not cfg.claim_after_q):
                             claim = self._claim_begin(mWork)
-                        wi = t % W
-                        kvh = t // W
+                        wi, kvh = self._tile_coords(t, W, mK)
                         b, blk_lo, n_blk = self._tile(mWork, wi, window_left)
                         if b >= 0:
                             self._hand_over(pipe_q, q_state, s_tile, t, tma_atom_Q, tma_Q, sQ, mWork, wi, kvh, mMask)
@@ -575,12 +598,12 @@ class Sm90PrefillKernel:
                 if const_expr(cfg.trace):
                     if ctid == 0:
                         ptx.st_global_u32(self._record_addr(mMask, t, 12), bx)
-                wi = t % W
+                wi, kvh = self._tile_coords(t, W, mK)
                 b, blk_lo, n_blk = self._tile(mWork, wi, window_left, s_tile, q_state)
                 # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
-                state = self._consume(mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ,
+                state = self._consume(mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ,
                                       storage.sQ.data_ptr().toint(), sK, sV, pipe_q, q_state, s_tile, pipe_k, pipe_v,
-                                      tiled_mma_qk, tiled_mma_pv, mWork, t, wi, t // W, blk_lo, n_blk, sm_scale,
+                                      tiled_mma_qk, tiled_mma_pv, mWork, t, wi, kvh, blk_lo, n_blk, sm_scale,
                                       soft_cap, window_left, ptx.opaque_i32(ctid), ptx.opaque_i32(wg), state)
                 q_state.advance()
                 pipe_q.consumer_wait(q_state)
@@ -762,7 +785,7 @@ class Sm90PrefillKernel:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def _consume(self, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ, sQ_addr, sK, sV, pipe_q, q_state,
+    def _consume(self, mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ, sQ_addr, sK, sV, pipe_q, q_state,
                  s_tile, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
                  mWork, tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state):
         """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``; its Q has landed): KV blocks
@@ -856,12 +879,12 @@ class Sm90PrefillKernel:
             cute.arch.sync_warp()
             if const_expr(not cfg.smem_epilogue):
                 pipe_q.consumer_release(q_state)
-        self._tile_epilogue(mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state,
+        self._tile_epilogue(mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state,
                             s_tile, acc_O, row_m, row_l, tile, tid, wg)
         return state
 
     @cute.jit
-    def _tile_epilogue(self, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state,
+    def _tile_epilogue(self, mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state,
                        s_tile, acc_O, row_m, row_l, tile, tid, wg):
         """Normalise O by the row sums and store it and the LSE (staged through the Q rows with
         ``smem_epilogue``, which then releases the Q stage; with ``tma_epilogue`` a warp whose rows all lie in
@@ -872,7 +895,7 @@ class Sm90PrefillKernel:
         # the main loop, where the consumer's registers run out
         # (the Q stage, and with it s_tile's copy of the fields, is still held only with smem_epilogue)
         e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp = self._epi_coords(
-            mWork, tile, tid, s_tile if const_expr(cfg.smem_epilogue) else None, q_state)
+            mK, mWork, tile, tid, s_tile if const_expr(cfg.smem_epilogue) else None, q_state)
         if const_expr(cfg.smem_epilogue):
             # the warpgroup's Q rows are free once all its warps are past the last S GEMM; each warp stages its
             # 16 rows of O there (own bytes), then releases Q once its reads of them are done
@@ -930,13 +953,33 @@ class Sm90PrefillKernel:
         self._turn_end(wg)
 
     @cute.jit
-    def _epi_coords(self, mWork, tile, tid, s_tile=None, q_state=None):
+    def _tile_coords(self, t, W, mK):
+        """(work row, kv head) of tile ``t`` of ``W`` work rows per kv head: work row fastest (``t % W``,
+        ``t // W``), or with ``head_section_mib`` by sections of S kv heads (:attr:`Sm90PrefillConfig.
+        head_section_mib`; ragged K/V): section ``t // (W * S)`` (the last one also takes the ``hkv % S``
+        remainder heads), inside it work row ``idx // s`` of kv head ``h0 + idx % s``.  S is derived from
+        kernel parameters (K's token count, the head dims), so callers need not keep it live."""
+        res = (t % W, t // W)
+        if const_expr(self.cfg.head_section_mib > 0):
+            hkv = mK.shape[1]
+            # one kv head's K+V bytes per token: (DQ + DV) * 2; the budget in tokens is a compile-time int
+            budget_tok = (self.cfg.head_section_mib << 20) // ((self.DQ + self.DV) * 2)
+            sec_heads = cutlass.max(cutlass.min(Int32(budget_tok) // cutlass.max(mK.shape[0], 1), hkv), 1)
+            n_sec = hkv // sec_heads
+            sec = cutlass.min(t // (W * sec_heads), n_sec - 1)
+            h0 = sec * sec_heads
+            s_eff = sec_heads
+            if sec == n_sec - 1:
+                s_eff = hkv - h0
+            idx = t - h0 * W
+            res = (idx // s_eff, h0 + idx % s_eff)
+        return res
+
+    @cute.jit
+    def _epi_coords(self, mK, mWork, tile, tid, s_tile=None, q_state=None):
         """(row0, qo_len, q_start, kv head, lane, consumer warp) of tile ``tile`` for the epilogue (the
         fields from ``s_tile`` where given: :meth:`_field`)."""
-        W = mWork.shape[0]
-        t_o = ptx.opaque_i32(tile)
-        wi = t_o % W
-        kvh = t_o // W
+        wi, kvh = self._tile_coords(ptx.opaque_i32(tile), mWork.shape[0], mK)
         row0 = self._field(mWork, wi, W_ROW0, s_tile, q_state)
         qo_len = self._field(mWork, wi, W_QO_LEN, s_tile, q_state)
         q_start = self._field(mWork, wi, W_Q_START, s_tile, q_state)
