@@ -248,7 +248,9 @@ def main():
             if k not in r:
                 return "n/a"
             paired = r.get(k.replace("_ms", "_paired"))  # (--rounds: the paired ratio)
-            return f"{paired if paired is not None else r[k] / r['ours_ms']:.2f}x ({r[k]:.3f})"
+            if paired is not None:
+                return f"{paired:.3f}x ({r[k]:.3f})"
+            return f"{r[k] / r['ours_ms']:.2f}x ({r[k]:.3f})"
         print(f"| {r['case']} | {r['ours_ms']:.3f} | {r['ours_tf']:.0f} | {100 * r['ours_tf'] / gemm_tf:.0f}% | "
               f"{ratio('fa4_ms')} | {ratio('fi_ms')} | {ratio('cudnn_ms')} | {ratio('portable_ms')} |"
               + "".join(f" {r.get(f'tune[{t}]_ms', float('nan')):.3f} (err {r.get(f'tune[{t}]_relerr', float('nan')):.0e}) |"
