@@ -529,7 +529,8 @@ def test_sm90_paged_odd_page_size_builds_with_gather():
 def test_sm90_prefill_persistent_needs_ragged_kv(monkeypatch):
     """The persistent grid claims tiles in the producer warp, which the paged gather does not have to
     itself: a persistent paged config is refused naming the rule, and the tuning variable's ``num_ctas``
-    applies to ragged problems only (as documented), so one setting serves a process with both."""
+    applies to ragged problems only (as documented), so one setting serves a process with both; likewise the
+    tile order by sections of kv heads (``head_section_mib``, which reads K's token count), range-checked."""
     from cutedsl_attn.sm90.prefill import Sm90PrefillConfig
 
     with pytest.raises(ValueError, match=r"num_ctas > 0 .* needs ragged K/V"):

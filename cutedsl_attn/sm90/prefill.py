@@ -166,9 +166,11 @@ class Sm90PrefillConfig(Dtype16):
     tma_epilogue: bool = False
     # ragged K/V: the tiles go out in sections of S kv heads, S = this many MiB // one kv head's K+V bytes
     # (clamped to [1, kv heads]; the remainder heads join the last section), row by row with the heads of the
-    # section fastest -- so the work table's longest-first order holds across S heads at a time, not one (the
-    # last head's long tiles started late: a 1.6% tail at head_dim 64, perf/RESULTS.md session 9) while the
-    # tiles in flight still share S heads' K/V through L2; 0: one head at a time (S = 1)
+    # section fastest -- so the work table's longest-first order holds across S heads at a time, not one, while
+    # the tiles in flight still share S heads' K/V through L2 (measured faster for causal problems, session 9;
+    # why is not fully understood: a tail model explains 0.3% of the 2.4% at d128, perf/RESULTS.md); K's token
+    # count is its buffer's rows (a larger buffer than the batch needs gives a smaller S); 0: one head at a
+    # time (S = 1)
     head_section_mib: int = 0
     arch: str = "sm_90a"
 
@@ -336,7 +338,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       0.976, twice; FA4 1.623-1.641), d64 2.045-2.075 vs 2.079-2.129 (0.979-0.985), GQA 32/8 equal, the
       varlen mix untouched (one kv head's K+V exceed 32 MiB there, so S = 1); 16 and 64 MiB less, all heads
       at once (1024) 5-9% slower.  d128 full equal within noise (1.005), d256 (one CTA per tile) 0.6% slower:
-      not there.  Window / soft-cap / custom-mask problems get it too, untimed (the order alone changes);
+      not there.  Window / soft-cap problems get it too, untimed (the order alone changes); custom-mask
+      problems (the mask replaces causal) do not;
     * causal ragged head_dim 128 with the staged epilogue and a group size dividing 16: its warps store O by
       TMA (``tma_epilogue``, session 8): 2.7% faster on the varlen mix (5.453 vs 5.605 ms, paired ratio over
       30 interleaved rounds 0.974), 0.4-0.6% on d128 causal and GQA 32/8; at head_dim 256 equal (1.385 vs
@@ -366,8 +369,9 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
             tiles.update(tile_n=80, pingpong=False, rescale_o_before_pv=True, rescale_threshold=8)
     if causal and not use_custom_mask and persistent:  # (a custom mask replaces causal)
         # the tile order by sections of kv heads whose K+V fit 32 MiB (4 heads of 16,384 tokens at head_dim
-        # 128, 8 at 64): 2.4% faster at d128 causal, 2.1% at d64; GQA 32/8 equal; the varlen mix unchanged
-        # (S = 1 there); all heads at once 5-9% slower (L2), 64 MiB 1-1.5% slower (session 9)
+        # 128, 8 at 64): 2.4% faster at d128 causal, 1.5-2.1% at d64; GQA 32/8 equal; the varlen mix unchanged
+        # (S = 1 there); all heads at once 5-9% slower at d128 / d64 (1.5% GQA), 64 MiB 1-1.5% slower than 32
+        # at d128 / GQA (session 9)
         tiles["head_section_mib"] = 32
     alt = 64 if d > 192 else 128
     if page_size >= 16 and not _page_rows(page_size, tiles["tile_n"]) and _page_rows(page_size, alt):
@@ -477,7 +481,8 @@ class Sm90PrefillKernel:
         self.k_bytes = TN * DQ * 2
         self.v_bytes = TN * DV * 2
         self.q_bytes = TM * DQ * 2
-        # work row fastest: the CTAs in flight share one kv head's K/V through L2
+        # work row fastest: the CTAs in flight share one kv head's K/V through L2 (the kernel maps blockIdx to
+        # (work row, kv head) itself: _tile_coords)
         grid = (mWork.shape[0], hkv, 1)
         if const_expr(self.cfg.num_ctas > 0):
             grid = (cutlass.min(mWork.shape[0] * hkv, self.cfg.num_ctas), 1, 1)
@@ -538,8 +543,9 @@ class Sm90PrefillKernel:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         s_tile = storage.s_tile.get_tensor(cute.make_layout(2))
 
-        # tiles: t = work row + W * kv head (work row fastest), the order the CTAs of a one-tile-per-CTA
-        # grid start in; a persistent CTA starts with tile blockIdx.x and then takes the next unclaimed one
+        # tiles: t = work row + W * kv head (work row fastest; with head_section_mib by sections of kv heads,
+        # _tile_coords), the order the CTAs of a one-tile-per-CTA grid start in; a persistent CTA starts with
+        # tile blockIdx.x and then takes the next unclaimed one
         W = mWork.shape[0]
         num_tiles = W * mK.shape[2 if self.paged else 1]
         if warp_idx < 4:
