@@ -14,6 +14,7 @@ Subcommands::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -21,8 +22,9 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=["decode", "prefill"],
                    help="kernel family (decode: the paged-decode kernel; prefill: the prefill kernel dispatch picks "
                         "for --arch, see --kernel)")
-    p.add_argument("--arch", default="sm_90a",
-                   help="target architecture: sm_90a (default), sm_100a, sm_103a, hopper, blackwell")
+    p.add_argument("--arch", default=os.environ.get("CUTEDSL_ATTN_ARCH") or "sm_90a",
+                   help="target architecture: sm_90a, sm_100a, sm_103a, hopper, blackwell (default: "
+                        "$CUTEDSL_ATTN_ARCH when set, else sm_90a)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float16")
     p.add_argument("--head-dim", type=int, default=128,
                    help="decode: 32, 64, 128 (default) or 256; prefill: head_dim_qk 32/64/128/192/256")
@@ -110,6 +112,8 @@ def main(argv=None) -> int:
     try:
         if args.command in ("ptx", "sass"):
             _kernel_config(args)  # validates the flags for the op
+        if args.command == "sass" and args.summary:
+            raise ValueError("--summary applies to ptx only (sass prints the disassembly)")
         # the kernel and tiles the dispatch layer chose, on stderr (stdout stays the PTX / SASS)
         print(f"config: {ci.config(args.op, args.arch, **_kernel_config(args))!r}", file=sys.stderr)
         if args.command == "ptx":

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import cutedsl_attn as ca
 from cutedsl_attn import inspect as ci
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,6 +255,27 @@ def test_cli_help_and_errors():
     assert main(["ptx", "prefill", "--num-warps", "8"]) == 2  # decode-only flag on prefill
     assert main(["ptx", "decode", "--causal"]) == 2  # prefill-only flag on decode
     assert main(["ptx", "decode", "--head-dim", "32", "--group-size", "1", "--summary"]) == 0
+    assert main(["sass", "decode", "--summary"]) == 2  # (ptx only: refused, not silently ignored)
+
+
+def test_cli_arch_default_from_env(monkeypatch):
+    """``--arch`` defaults to ``CUTEDSL_ATTN_ARCH`` where set (the README's cross-compile switch), else sm_90a."""
+    from cutedsl_attn.__main__ import build_parser
+
+    sub = ["ptx", "decode"]
+    monkeypatch.delenv("CUTEDSL_ATTN_ARCH", raising=False)
+    assert build_parser().parse_args(sub).arch == "sm_90a"
+    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_100a")
+    assert build_parser().parse_args(sub).arch == "sm_100a"
+    assert build_parser().parse_args([*sub, "--arch", "sm_90a"]).arch == "sm_90a"
+
+
+def test_run_return_lse_documented():
+    """Every wrapper's ``run_return_lse`` is ``run(..., return_lse=True)`` with a docstring of its own."""
+    for cls in (ca.BatchDecodeWithPagedKVCacheWrapper, ca.BatchPrefillWithRaggedKVCacheWrapper,
+                ca.BatchPrefillWithPagedKVCacheWrapper):
+        doc = cls.run_return_lse.__doc__
+        assert doc and "return_lse=True" in doc and "base 2" in doc and ":meth:`run`" in doc, cls
 
 
 def test_demo_cpu_path():

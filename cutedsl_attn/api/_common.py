@@ -300,3 +300,19 @@ def paged_kv_views(paged_kv_cache, kv_layout: str, *, page_size: int, num_kv_hea
         if t.device != device:
             raise ValueError(f"the kv cache is on {t.device}, expected {device}")
     return k, v
+
+
+def return_lse_method(lse_shape: str):
+    """A wrapper's ``run_return_lse`` (FlashInfer's name): ``run(..., return_lse=True)`` with a docstring of its
+    own (a ``functools.partialmethod`` shows none in ``help()``); ``lse_shape`` names the LSE's shape."""
+
+    def run_return_lse(self, *args, **kwargs):
+        return self.run(*args, return_lse=True, **kwargs)
+
+    run_return_lse.__doc__ = (
+        "``run(*args, return_lse=True, **kwargs)``, as FlashInfer's ``run_return_lse``: returns ``(out, lse)``, "
+        f"``lse`` float32 ``{lse_shape}``, base 2 as in FlashInfer (where :meth:`run` takes ``lse_base``, as it "
+        "says).\n\n"
+        "Arguments, shapes, dtypes and the errors raised: see :meth:`run` (passing ``return_lse`` here is a "
+        "``TypeError``).")
+    return run_return_lse

@@ -18,7 +18,6 @@ import math
 import os
 import threading
 import warnings
-from functools import partialmethod
 
 import torch
 
@@ -26,6 +25,7 @@ from .. import dispatch
 from ..planning.decode import WORK_COLS, max_items, plan_paged_decode
 from ..ref.attention import alibi_slopes
 from ._common import (
+    return_lse_method,
     canonical_dtype,
     check_head_dim,
     check_heads,
@@ -614,7 +614,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             out.mul_(v_factor)
         return (out, lse) if return_lse else out
 
-    run_return_lse = partialmethod(run, return_lse=True)
+    run_return_lse = return_lse_method("[batch_size, num_qo_heads]")
     forward = run
     forward_return_lse = run_return_lse
 

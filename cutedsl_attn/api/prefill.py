@@ -45,7 +45,6 @@ import math
 import numbers
 import threading
 import warnings
-from functools import partialmethod
 
 import torch
 
@@ -53,6 +52,7 @@ from .. import dispatch
 from ..planning.prefill import max_tiles, plan_prefill
 from ..ref.attention import alibi_slopes
 from ._common import (
+    return_lse_method,
     canonical_dtype,
     check_float,
     check_heads,
@@ -885,7 +885,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                 raise ValueError(f"{n} is on {t.device}, expected {self.device}")
         return k, v
 
-    run_return_lse = partialmethod(run, return_lse=True)
+    run_return_lse = return_lse_method("[total_q, num_qo_heads]")
 
     def forward(self, q, k, v, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, window_left=-1,
                 logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None):
@@ -1200,7 +1200,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                             lse=lse, return_lse=return_lse, lse_base=lse_base, lse_layout=lse_layout, sinks=sinks,
                             enable_pdl=enable_pdl, kv_cache_sf=kv_cache_sf)
 
-    run_return_lse = partialmethod(run, return_lse=True)
+    run_return_lse = return_lse_method("[total_q, num_qo_heads]")
 
     def forward(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
                 k_scale=None, v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None, rope_scale=None,
