@@ -628,6 +628,16 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
     ``plan()`` is host work and cannot be captured; ``run()`` can, and a captured
     graph stays valid across re-plans of the same batch size (new lengths, new
     pages): the work table, split counters and partial buffers keep their addresses.
+
+    Args:
+      workspace_buffer, kv_layout, use_tensor_cores: as :class:`BatchDecodeWithPagedKVCacheWrapper`.
+      indptr_buffer: int32 CUDA ``[B+1]``; indices_buffer: int32 CUDA ``[max_pages]``;
+      last_page_len_buffer: int32 CUDA ``[B]`` -- the fixed batch size ``B`` and page capacity of every
+      later ``plan()``, which copies the CSR page table into them.
+
+    Raises:
+      TypeError / ValueError: as the base class for bad or missing buffers (e.g. ``len(indptr_buffer) !=
+      len(last_page_len_buffer) + 1``).
     """
 
     def __init__(
@@ -679,6 +689,12 @@ def single_decode_with_kv_cache(
 
     The KV is served as a paged cache of page size 1 over the contiguous rows (no
     copy); the page index array is cached per (device, length bucket).
+
+    Raises:
+      KeyError: ``kv_layout`` not NHD/HND (as FlashInfer).  TypeError / ValueError: a non-tensor or wrongly
+      shaped q / k / v, k and v shapes differing, q's head_dim not k's; the checks of
+      :meth:`BatchDecodeWithPagedKVCacheWrapper.plan` / ``run`` (head dims, head counts, scales, window).
+      NotImplementedError: q / k / v dtypes differing, or what the wrapper does not serve.
     """
     check_kv_layout(kv_layout)
     check_tensor("q", q, ndim=2)
