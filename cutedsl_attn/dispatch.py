@@ -185,7 +185,8 @@ def _prefill_tune(text: str) -> dict:
     overrides: integer fields take integers, boolean ones ``0/1/true/false``.  The overrides replace the
     defaults of :func:`cutedsl_attn.sm90.prefill.default_tiles` as given, for every SM90 problem of the
     process (``num_ctas``, the persistent grid, and ``head_section_mib``, the tile order by sections of kv
-    heads, for those with ragged K/V only: paged ones keep one CTA per tile in the plain order; ``smem_epilogue=0`` also drops a default ``tma_epilogue``, which stores the staged rows): a
+    heads, for those with ragged K/V only: paged ones keep one CTA per tile in the plain order;
+    ``smem_epilogue=0`` also drops a default ``tma_epilogue``, which stores the staged rows): a
     combination that does not fit shared memory raises when a problem is planned, one that
     spills registers only runs slower (``cutedsl_attn.inspect.resources`` shows the stack frame).
 

@@ -25,7 +25,6 @@ from .. import dispatch
 from ..planning.decode import WORK_COLS, max_items, plan_paged_decode
 from ..ref.attention import alibi_slopes
 from ._common import (
-    return_lse_method,
     canonical_dtype,
     check_head_dim,
     check_heads,
@@ -38,6 +37,7 @@ from ._common import (
     csr_kv_lens,
     kernel_entry_error,
     paged_kv_views,
+    return_lse_method,
     run_scale,
 )
 

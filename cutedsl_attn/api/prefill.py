@@ -52,7 +52,6 @@ from .. import dispatch
 from ..planning.prefill import max_tiles, plan_prefill
 from ..ref.attention import alibi_slopes
 from ._common import (
-    return_lse_method,
     canonical_dtype,
     check_float,
     check_heads,
@@ -67,6 +66,7 @@ from ._common import (
     indptr_host,
     kernel_entry_error,
     paged_kv_views,
+    return_lse_method,
     run_scale,
 )
 from .quantization import segment_packbits

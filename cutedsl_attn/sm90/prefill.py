@@ -7,9 +7,9 @@ either.  The grid is ``(work rows, kv heads)`` with the work row fastest: the CT
 are mostly tiles of one kv head and share its K/V through L2 (measured: the largest single
 speed-up of this kernel, perf/RESULTS.md); with ``head_section_mib`` (the causal default on the
 persistent grid) tile ``t`` instead walks sections of a few kv heads, rows of the section in the table's
-longest-first order with its heads fastest (:meth:`Sm90PrefillKernel._tile_coords`).  ``num_ctas > 0`` (ragged K/V) instead launches a
-persistent grid of ``min(num_ctas, tiles)`` CTAs: CTA ``i`` starts with tile ``i`` and then
-claims the next unclaimed tile from an atomic counter (``work[0, W_SCHED]``, reset to 0 by the
+longest-first order with its heads fastest (:meth:`Sm90PrefillKernel._tile_coords`).  ``num_ctas > 0``
+(ragged K/V) instead launches a persistent grid of ``min(num_ctas, tiles)`` CTAs: CTA ``i`` starts
+with tile ``i`` and then claims the next unclaimed tile from an atomic counter (``work[0, W_SCHED]``, reset to 0 by the
 launch's last claim), so the tiles start in the same order as with one CTA per tile (the L2
 sharing survives) while a CTA's next Q and K/V load during its current tile's last GEMMs and
 epilogue (the K/V ring, the Q stage and the ping-pong turn carry from tile to tile).
