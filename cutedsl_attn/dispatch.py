@@ -103,6 +103,7 @@ def _portable_prefill_config(
     use_sinks: bool = False,
     use_custom_mask: bool = False,
     pos_encoding_mode: str = "NONE",
+    score_mod=None,
     arch: str | None = None,
 ):
     """The portable (SM80-class) prefill kernel configuration for a problem."""
@@ -112,7 +113,7 @@ def _portable_prefill_config(
         dtype=_TORCH_TO_NAME[dtype], head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group_size,
         page_size=page_size, causal=causal, use_window=use_window, use_soft_cap=use_soft_cap,
         use_sinks=use_sinks, use_custom_mask=use_custom_mask, pos_encoding_mode=pos_encoding_mode,
-        arch=arch or target_arch(),
+        score_mod=score_mod, arch=arch or target_arch(),
     )
 
 
@@ -152,7 +153,8 @@ def prefill_config(*, positive_scale: bool = True, kernel: str = "auto", **kwarg
     if _sm90.unsupported_reason(cfg) is None:
         fields = {name: getattr(cfg, name) for name in _sm90.PROBLEM_FIELDS}  # the tuning fields come next
         default = _sm90.default_tiles(cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size, use_window=cfg.use_window,
-                                      use_soft_cap=cfg.use_soft_cap, use_custom_mask=cfg.use_custom_mask,
+                                      use_soft_cap=cfg.use_soft_cap, use_score_mod=cfg.score_mod is not None,
+                                      use_custom_mask=cfg.use_custom_mask,
                                       page_size=cfg.page_size, causal=cfg.causal, num_sms=_num_sms())
         if cfg.page_size > 0:
             for name in ("num_ctas", "head_section_mib"):  # ragged K/V only (documented below)

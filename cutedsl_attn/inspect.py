@@ -49,6 +49,7 @@ key                   values                                        default
 ``use_sinks``         bool                                          False
 ``use_custom_mask``   bool                                          False
 ``pos_encoding_mode`` ``"NONE"``, ``"ROPE_LLAMA"``, ``"ALIBI"``     ``NONE``
+``score_mod``         a Python callable traced into the logits      None
 ``kernel``            ``"auto"``, ``"portable"``, ``"sm90"``         ``auto``
 ===================== ============================================= ===========
 
@@ -88,7 +89,7 @@ DEFAULTS = {
     "prefill": dict(
         dtype="bfloat16", head_dim_qk=128, head_dim_vo=None, group_size=4, page_size=0, causal=False,
         use_window=False, use_soft_cap=False, use_sinks=False, use_custom_mask=False, pos_encoding_mode="NONE",
-        kernel="auto",
+        score_mod=None, kernel="auto",
     ),
 }
 
@@ -157,7 +158,7 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
             group_size=merged["group_size"], page_size=merged["page_size"], causal=bool(merged["causal"]),
             use_window=bool(merged["use_window"]), use_soft_cap=bool(merged["use_soft_cap"]),
             use_sinks=bool(merged["use_sinks"]), use_custom_mask=bool(merged["use_custom_mask"]),
-            pos_encoding_mode=merged["pos_encoding_mode"], arch=arch,
+            pos_encoding_mode=merged["pos_encoding_mode"], score_mod=merged["score_mod"], arch=arch,
         )
         if kernel == "sm90" and type(cfg).__name__ != "Sm90PrefillConfig":
             from .sm90.prefill import unsupported_reason

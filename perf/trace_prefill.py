@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from cutedsl_attn.planning.prefill import tile_kv_range
+
 from bench_prefill import DEV, case_inputs, case_slug, find_case, plan_ours, timed
 
 
@@ -34,10 +36,26 @@ def trace(variant, q, k, v, indptr, hq, hkv, d, causal):
     timed(lambda: w.run(q, k, v, out=o), reps=3)  # the benchmark's timing: L2 flushed, 2 ms sleep
     torch.cuda.synchronize()
     rec = buf.view(torch.int64).view(tiles, 16).cpu()
-    return w, rec
+    return w, rec, block_steps(w, hkv)
 
 
-def analyse(rec):
+def block_steps(w, hkv):
+    """KV blocks summed over the plan's tiles (every kv head), from its work table: the main loop of a tile
+    with n blocks runs n - 1 steps (S of block i + 1 with P V of block i)."""
+    cfg = w._plan["cfg"]
+    work = w._plan["work"].cpu().tolist()
+    total = 0
+    for b, row0, qo_len, kv_len, *_ in work:
+        if b < 0:
+            continue
+        lo, hi = tile_kv_range(row0, qo_len, kv_len, group_size=cfg.group_size, tile_m=cfg.tile_m,
+                               causal=cfg.causal)
+        if hi > lo:
+            total += -(-hi // cfg.tile_n) - lo // cfg.tile_n
+    return total * hkv
+
+
+def analyse(rec, blocks=0):
     rec = rec[rec[:, 0] != 0]  # tiles that ran (padding work rows have no record)
     cta = (rec[:, 12] & 0xFFFFFFFF)
     out = dict(tiles=int(rec.shape[0]))
@@ -62,6 +80,18 @@ def analyse(rec):
     out["per_tile_cycles"] = {key: round(tot[key] / max(1, out["tiles"]), 1) for key in ("wait", "first_s", "main", "epi")}
     out["q_issue_to_start_cycles"] = round(tot["hand_lead"] / max(1, n_gap), 1)
     out["ctas"] = int(cta.unique().numel())
+    fine = rec[(rec[:, 8] != 0) & (rec[:, 14] != 0)]
+    if fine.shape[0]:  # the finer stamps of warpgroup 0 (two consumer warpgroups): mean cycles per tile
+        segs = dict(start_to_range=(0, 14), range_to_turn=(14, 15), turn_to_s_done=(15, 1), pv_done_to_coords=(2, 8),
+                    coords_to_barrier=(8, 9), barrier_to_staged=(9, 10), staged_to_stored=(10, 11),
+                    stored_to_end=(11, 3))
+        out["wg0_segments"] = {k: round(float((fine[:, j] - fine[:, i]).double().mean()), 1) for k, (i, j) in segs.items()}
+        # warpgroup 1 after warpgroup 0 at the tile's start, first S done, last P V done, epilogue done
+        out["wg1_lag"] = {k: round(float((fine[:, 4 + i] - fine[:, i]).double().mean()), 1)
+                          for k, i in (("start", 0), ("s_done", 1), ("pv_done", 2), ("end", 3))}
+    if blocks:  # main loop cycles per step (S of the next block + P V of this one, both warpgroups)
+        out["blocks_per_tile"] = round(blocks / max(1, out["tiles"]), 2)
+        out["main_cycles_per_step"] = round(tot["main"] / max(1, blocks - out["tiles"]), 1)
     return out
 
 
@@ -77,8 +107,8 @@ def main():
     lens, q, k, v, indptr = case_inputs(lens, hq, hkv, d)
     res = {}
     for var in [x.strip() for x in a.variants.split(";") if x.strip()]:
-        w, rec = trace(var, q, k, v, indptr, hq, hkv, d, causal)
-        res[var] = analyse(rec)
+        w, rec, blocks = trace(var, q, k, v, indptr, hq, hkv, d, causal)
+        res[var] = analyse(rec, blocks)
         print(name, var, json.dumps(res[var]), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"trace_{case_slug(a.case)}.json"), "w") as f:

@@ -1554,3 +1554,59 @@ def test_single_prefill_wrappers_are_per_thread(rec):
     t.start()
     t.join()
     assert len(seen) == 2 and seen[0] != seen[1]
+
+
+# ============================================================================= score_mod (this package's extension)
+def _bias(score, b, h, q_idx, kv_idx):
+    return score - 0.02 * (q_idx - kv_idx) + 0.1 * h
+
+
+def test_score_mod_reaches_both_kernels(rec):
+    """plan(score_mod=...) puts the callable into the kernel config (and so its compile key): the SM90 kernel where
+    it applies (every logit scaled before the max), the portable one elsewhere
+    (head_dim 32); the paged wrapper and single_prefill_with_kv_cache take it too."""
+    w, p = planned_ragged(causal=True, score_mod=_bias)
+    w.run(p["q"], p["k"], p["v"])
+    cfg = rec.last[0]
+    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.score_mod is _bias and cfg.causal
+    # head_dim 64: three warpgroups x tile_n 128 and FlashAttention's loop order, as without one (perf/RESULTS.md)
+    assert not cfg.positive_scale_only and (cfg.tile_n, cfg.num_wg, cfg.loop_split) == (128, 3, True)
+    p128 = ragged_problem(dqk=128)
+    w, _ = planned_ragged(p128, causal=True, score_mod=_bias)
+    w.run(p128["q"], p128["k"], p128["v"])
+    assert (rec.last[0].tile_n, rec.last[0].smem_epilogue) == (176, False)  # head_dim 128: tile_n 176, no staging
+    p32 = ragged_problem(dqk=32)
+    w, _ = planned_ragged(p32, score_mod=_bias)
+    w.run(p32["q"], p32["k"], p32["v"])
+    assert type(rec.last[0]).__name__ == "PrefillConfig" and rec.last[0].score_mod is _bias
+    wp, pp = planned_paged(score_mod=_bias)
+    wp.run(pp["q"], pp["cache"])
+    assert rec.last[0].score_mod is _bias and rec.last[0].page_size == 16
+    q, k = torch.randn(7, 8, 64).to(BF16), torch.randn(9, 2, 64).to(BF16)
+    ca.single_prefill_with_kv_cache(q, k, k.clone(), score_mod=_bias)
+    assert rec.last[0].score_mod is _bias
+    w, p = planned_ragged(causal=True)  # no score_mod: none in the config
+    w.run(p["q"], p["k"], p["v"])
+    assert rec.last[0].score_mod is None
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(score_mod=1.5), TypeError, "score_mod must be a callable"),
+    (dict(score_mod=_bias, logits_soft_cap=5.0), NotImplementedError, "score_mod together with logits_soft_cap"),
+    (dict(score_mod=_bias, pos_encoding_mode="ALIBI"), NotImplementedError, "score_mod together with pos_encoding"),
+])
+def test_score_mod_errors(rec, kw, exc, match):
+    _ragged_plan_raises(exc, match, **kw)
+    _paged_plan_raises(exc, match, **kw)
+    assert rec.calls == []
+
+
+def test_score_mod_not_with_cudnn_or_a_forward_soft_cap(rec):
+    p = ragged_problem()
+    w = Ragged(ws(), "NHD", backend="cudnn")
+    with pytest.raises(NotImplementedError, match="score_mod is not supported with backend='cudnn'"):
+        w.plan(*ragged_args(p), q_data_type=BF16, score_mod=_bias)
+    w, p = planned_ragged(score_mod=_bias)
+    with pytest.warns(DeprecationWarning), pytest.raises(NotImplementedError, match="score_mod together with"):
+        w.forward(p["q"], p["k"], p["v"], logits_soft_cap=3.0)
+    assert rec.calls == []

@@ -669,3 +669,66 @@ def test_pos_multirow_decode(mode):
     torch.cuda.synchronize()
     o_ref, lse_ref = paged_oracle(c, causal=True, **kw)
     check(o, lse, o_ref, lse_ref, BF16, f"seed {seed} {mode}")
+
+
+# ----------------------------------------------------------------------------- score_mod
+def _rel_bias(score, batch_idx, head_idx, q_idx, kv_idx):
+    """Python arithmetic only: the kernels trace it with CuTe DSL scalars, the oracle calls it on tensors."""
+    return score - 0.004 * (q_idx - kv_idx) + 0.2 * head_idx - 0.5 * batch_idx
+
+
+def _capped(score, batch_idx, head_idx, q_idx, kv_idx):
+    """A soft cap written as a score_mod: the argument's type picks the math (torch in the oracle, cute.math in
+    the kernel, where the call is traced)."""
+    if isinstance(score, torch.Tensor):
+        return 6.0 * torch.tanh(score / 6.0)
+    import cutlass.cute as cute
+    return 6.0 * cute.math.tanh(score / 6.0)
+
+
+def _band(score, batch_idx, head_idx, q_idx, kv_idx):
+    """A mask through the score_mod: keys more than 40 tokens before the query's index (counted from the request's
+    first query token) get -inf; rows can lose every key."""
+    if isinstance(score, torch.Tensor):
+        return torch.where(kv_idx < q_idx - 40, float("-inf"), score)
+    import cutlass
+    return cutlass.select_(kv_idx < q_idx - 40, cutlass.Float32(float("-inf")), score)
+
+
+@pytest.mark.parametrize("kernel,d,group,fn,opts,dtype", [
+    ("sm90", 128, 4, _rel_bias, dict(causal=True), BF16),
+    ("sm90", 64, 8, _capped, dict(causal=True), BF16),
+    ("sm90", 128, 1, _band, dict(causal=False, window_left=300), FP16),
+    ("sm90", 256, 2, _rel_bias, dict(causal=True, sm_scale=0.05), BF16),
+    ("portable", 128, 4, _rel_bias, dict(causal=True), BF16),
+    ("portable", 32, 4, _band, dict(causal=True), BF16),
+])
+def test_score_mod(monkeypatch, kernel, d, group, fn, opts, dtype):
+    """A Python score_mod traced into the SM90 kernel (its default where it applies) and the portable one
+    (forced, or head_dim 32): ragged batches with empty requests, qo != kv, rows left with no key, two
+    launches of the persistent grid; the oracle calls the same function on float64 tensors."""
+    if kernel == "portable":
+        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "portable")
+    w = run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, dtype, opts=dict(opts, score_mod=fn), sinks=(d == 64),
+                   launches=2)
+    cfg = w._plan["cfg"]
+    assert type(cfg).__name__ == ("Sm90PrefillConfig" if kernel == "sm90" and d >= 64 else "PrefillConfig")
+    assert cfg.score_mod is fn
+
+
+def test_score_mod_paged_and_single():
+    """score_mod on the paged wrapper (16-token pages, TMA blocks) and through single_prefill_with_kv_cache."""
+    gen, seed = new_gen()
+    c = make_paged(MIXED_QO, MIXED_KV, 16, 2, 4, 128, BF16, "NHD", gen)
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, 16,
+           causal=True, q_data_type=BF16, score_mod=_rel_bias)
+    assert w._plan["cfg"].score_mod is _rel_bias
+    run_paged_checked(w, c, BF16, f"seed {seed} paged", causal=True, score_mod=_rel_bias)
+    q = torch.randn(300, 8, 128, generator=gen).to(BF16).to(DEV)
+    k = torch.randn(700, 2, 128, generator=gen).to(BF16).to(DEV)
+    v = torch.randn(700, 2, 128, generator=gen).to(BF16).to(DEV)
+    o, lse = ca.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True, score_mod=_capped)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = ref.attention(q, k, v, causal=True, score_mod=_capped)
+    check(o, lse, o_ref, lse_ref, BF16, f"seed {seed} single")

@@ -706,12 +706,14 @@ def test_sm90_prefill_tile_info_smem_ptx(monkeypatch, keys):
 
 def test_sm90_prefill_trace_ptx(monkeypatch):
     """``trace=1`` (perf/trace_prefill.py): %clock64 stamps stored to global memory at the tile's start, first S
-    GEMM, last P V and epilogue (consumers) and the Q hand-over (producer); off, the PTX has none."""
+    GEMM, last P V and epilogue (consumers), finer ones in warpgroup 0 and the Q hand-over (producer); off, the PTX
+    has none."""
     keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True)
     assert "%clock64" not in ci.ptx("prefill", "sm_90a", **keys)
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "trace=1")
     text = ci.ptx("prefill", "sm_90a", **keys)
-    assert text.count("%clock64") == 5 and len(re.findall(r"st\.global\.u64", text)) >= 5
+    # 5 stamps, and 6 finer ones of warpgroup 0 with two consumer warpgroups (Sm90PrefillKernel._stamp_fine)
+    assert text.count("%clock64") == 11 and len(re.findall(r"st\.global\.u64", text)) >= 11
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
 
@@ -870,3 +872,38 @@ def test_prefill_config_pos_encoding_mode():
     base = dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
     assert PrefillConfig(**base).pos_encoding_mode == "NONE"
     assert len({PrefillConfig(**base, pos_encoding_mode=m) for m in ("NONE", "ROPE_LLAMA", "ALIBI")}) == 3
+
+
+def _make_bias(c):
+    def bias(score, batch_idx, head_idx, q_idx, kv_idx):
+        return score - c * (q_idx - kv_idx) + 0.125 * head_idx - 0.5 * batch_idx
+    return bias
+
+
+def _f32_hex(v: float) -> str:
+    import struct
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+@pytest.mark.parametrize("arch,kernel", [("sm_90a", "sm90"), ("sm_100a", "portable")])
+def test_score_mod_traced_into_prefill(arch, kernel):
+    """A user score_mod (a Python closure) is traced into the prefill kernel: the SM90 kernel for sm_90a (still
+    wgmma + TMA) and the portable one for sm_100a (mma.sync); the closure's value is in the PTX and in the
+    compile key (another value, another kernel), and no score_mod means no such code."""
+    keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True, kernel=kernel)
+    b1, b2 = _make_bias(0.03), _make_bias(0.07)
+    c1, c2 = ci.config("prefill", arch, score_mod=b1, **keys), ci.config("prefill", arch, score_mod=b2, **keys)
+    assert type(c1).__name__ == ("Sm90PrefillConfig" if kernel == "sm90" else "PrefillConfig")
+    assert c1.score_mod is b1 and c1 != c2
+    from cutedsl_attn.compile.cache import config_key
+    assert config_key(c1) != config_key(c2)
+    assert config_key(c1) == config_key(ci.config("prefill", arch, score_mod=_make_bias(0.03), **keys))
+    t1 = ci.ptx("prefill", arch, score_mod=b1, **keys)
+    t0 = ci.ptx("prefill", arch, **keys)
+    assert _f32_hex(0.03) in t1 and _f32_hex(0.07) not in t1 and _f32_hex(0.03) not in t0
+    # q_idx - kv_idx, head_idx and batch_idx converted to float per score
+    assert t1.count("cvt.rn.f32.s32") > t0.count("cvt.rn.f32.s32") + 32
+    if kernel == "sm90":
+        assert "wgmma.mma_async" in t1 and "cp.async.bulk.tensor" in t1
+    else:
+        assert "mma.sync.aligned.m16n8k16" in t1

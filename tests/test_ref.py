@@ -74,6 +74,8 @@ def naive_attention(
     rope_scale=None,
     rope_theta=None,
     custom_mask=None,
+    score_mod=None,
+    batch_idx=0,
 ):
     Q, K, V = q.double().tolist(), k.double().tolist(), v.double().tolist()
     qo_len, Hq, D = len(Q), q.shape[1], q.shape[2]
@@ -115,6 +117,8 @@ def naive_attention(
                     s = logits_soft_cap * math.tanh(s / logits_soft_cap)
                 if pos_encoding_mode == "ALIBI":
                     s += slopes[h] * (j - ia)
+                if score_mod is not None:  # python scalars: request, query head, query token, key token
+                    s = float(score_mod(s, batch_idx, h, i, j))
                 logits.append((s, j))
             if S is not None:
                 logits.append((S[h], None))
@@ -705,3 +709,59 @@ def test_paged_prefill(page_size):
     b = paged_prefill(qd, kc, vc, torch.arange(5, dtype=torch.int32), indptr, indices, last, window_left=3, causal=True)
     torch.testing.assert_close(a[0], b[0], atol=0, rtol=0)
     torch.testing.assert_close(a[1], b[1], atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------
+# score_mod (this package's extension, FlashAttention-4 style)
+# ----------------------------------------------------------------------------------
+def _rel_bias(score, b, h, i, j):
+    """Python arithmetic only: the same function serves python scalars (naive), torch tensors (oracle) and
+    CuTe DSL scalars (kernels)."""
+    return score - 0.05 * (i - j) + 0.1 * h - 0.3 * b
+
+
+@pytest.mark.parametrize("causal,window_left", [(False, -1), (True, -1), (True, 5)])
+def test_score_mod_vs_naive(causal, window_left):
+    """The oracle's score_mod (one call on broadcasting tensors) against the naive per-score python call, with
+    the masks applied after it, GQA, qo < kv and a batch index."""
+    q, k, v = rand_qkv(7, 19, 4, 2, 16, seed=3)
+    for b in (0, 3):
+        got = attention(q, k, v, causal=causal, window_left=window_left, score_mod=_rel_bias, batch_idx=b)
+        want = naive_attention(q, k, v, causal=causal, window_left=window_left, score_mod=_rel_bias, batch_idx=b)
+        assert_matches(got, want)
+
+
+def test_score_mod_as_alibi():
+    """A score_mod adding FlashInfer's ALiBi bias equals pos_encoding_mode="ALIBI" (independent slopes)."""
+    q, k, v = rand_qkv(6, 11, 8, 2, 16, seed=4)
+    slopes = torch.tensor(naive_alibi_slopes(8), dtype=torch.float64)
+    off = 11 - 6
+
+    def alibi(score, b, h, i, j):
+        return score + slopes[h.long()] * (j - (i + off))  # (the oracle passes float64 indices)
+
+    assert_matches(attention(q, k, v, causal=True, score_mod=alibi),
+                   attention(q, k, v, causal=True, pos_encoding_mode="ALIBI"))
+
+
+def test_score_mod_batch_index_and_minus_inf():
+    """ragged_prefill passes each request's index: a per-request constant leaves O unchanged and shifts the LSE
+    by constant * log2(e); a score_mod returning -inf hides keys like a mask (rows left with none: O 0, LSE -inf)."""
+    q, k, v = rand_qkv(12, 20, 2, 1, 8, seed=5)
+    qo_indptr, kv_indptr = torch.tensor([0, 5, 5, 12]), torch.tensor([0, 8, 13, 20])
+    o0, lse0 = ragged_prefill(q, k, v, qo_indptr, kv_indptr, causal=True)
+    o1, lse1 = ragged_prefill(q, k, v, qo_indptr, kv_indptr, causal=True,
+                              score_mod=lambda s, b, h, i, j: s + 0.7 * b)
+    torch.testing.assert_close(o1, o0, atol=1e-12, rtol=1e-12)
+    shift = torch.tensor([0.0] * 5 + [2 * 0.7 * LOG2E] * 7, dtype=torch.float64)[:, None]
+    torch.testing.assert_close(lse1, lse0 + shift, atol=1e-12, rtol=1e-12)
+    # keys more than 2 behind the query (bottom-right position) hidden through the score_mod = window_left=2
+    off = 20 - 12
+
+    def far(s, b, h, i, j):
+        return torch.where(i + off - j > 2, float("-inf"), s)
+
+    o2, lse2 = attention(q, k, v, causal=True, score_mod=far)
+    assert_matches((o2, lse2), attention(q, k, v, causal=True, window_left=2))
+    with pytest.raises(TypeError, match="score_mod"):
+        attention(q, k, v, score_mod=3)

@@ -160,6 +160,22 @@ def _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left, logits
     return window_left, cap, scale, rope_rcp_scale, rope_log2_theta
 
 
+def _check_score_mod(score_mod, cap, pos_encoding_mode, backend) -> None:
+    """``TypeError`` for a non-callable ``score_mod``; ``NotImplementedError`` for the combinations not served."""
+    if score_mod is None:
+        return
+    if not callable(score_mod):
+        raise TypeError(f"score_mod must be a callable or None, got {type(score_mod).__name__}")
+    if backend == "cudnn":
+        raise NotImplementedError("score_mod is not supported with backend='cudnn' (use 'auto' or 'cute')")
+    if cap > 0:
+        raise NotImplementedError("score_mod together with logits_soft_cap is not supported; apply the cap inside "
+                                  "the score_mod (cap * cute.math.tanh(score / cap))")
+    if pos_encoding_mode == "ALIBI":
+        raise NotImplementedError("score_mod together with pos_encoding_mode='ALIBI' is not supported; add the "
+                                  "bias inside the score_mod")
+
+
 def _takes_pos_args(cfg) -> bool:
     """Whether the kernel of ``cfg`` takes the positional-encoding arguments (``alibi_slopes`` after ``sinks``;
     ``rope_rcp_scale``, ``rope_log2_theta`` after ``window_left``): the configs that have a
@@ -287,7 +303,7 @@ class _BatchPrefillBase:
                      num_kv_heads,
                      head_dim_qk, head_dim_vo, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
                      use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta,
-                     q_data_type, kv_data_type, o_data_type, non_blocking, graph_copies) -> None:
+                     q_data_type, kv_data_type, o_data_type, non_blocking, graph_copies, score_mod=None) -> None:
         """Everything after the index arrays are parsed: options, mask, config, work table, buffers.
 
         ``flat_indices``: the flat page-id array the kernel reads (None when ragged); ``table``:
@@ -295,14 +311,18 @@ class _BatchPrefillBase:
         ``graph_copies``: ``[(dst_buffer, src_tensor), ...]`` of the caller-visible CUDA-graph
         buffers, written only after every check has passed (a rejected plan leaves them intact).
         """
+        if score_mod is not None:
+            _check_score_mod(score_mod, 0.0, "NONE", self._backend)
         if self._backend == "cudnn":  # cuDNN frontend graphs (cutedsl_attn/api/cudnn.py) take every argument
             kw = dict(locals())
+            kw.pop("score_mod")
             del kw["self"]
             from .cudnn import plan_wrapper
             return plan_wrapper(self, **kw)
         window_left, cap, scale, rope_rcp_scale, rope_log2_theta = _check_options(
             pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, head_dim_qk,
             rope_scale, rope_theta)
+        _check_score_mod(score_mod, cap, pos_encoding_mode, self._backend)
         dt = _check_dtypes(q_data_type, kv_data_type, o_data_type)
         num_qo_heads = check_int("num_qo_heads", num_qo_heads)
         num_kv_heads = check_int("num_kv_heads", num_kv_heads)
@@ -364,7 +384,7 @@ class _BatchPrefillBase:
 
         # the shape part of the kernel choice (kept for forward()'s re-dispatch) and the options part
         cfg_kw = dict(dtype=dt, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group,
-                      page_size=page_size, use_sinks=False, use_custom_mask=use_mask)
+                      page_size=page_size, use_sinks=False, use_custom_mask=use_mask, score_mod=score_mod)
         cfg = dispatch.prefill_config(
             **cfg_kw, causal=bool(causal) and not use_mask, use_window=window_left >= 0, use_soft_cap=cap > 0,
             pos_encoding_mode=pos_encoding_mode, positive_scale=scale > 0,
@@ -495,6 +515,7 @@ class _BatchPrefillBase:
             pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, p["head_dim_qk"],
             rope_scale, rope_theta)
         rp = p["replan"]
+        _check_score_mod(rp["cfg_kw"]["score_mod"], cap, pos_encoding_mode, self._backend)
         cfg = dispatch.prefill_config(
             **rp["cfg_kw"], causal=bool(causal) and not p["use_mask"], use_window=window_left >= 0,
             use_soft_cap=cap > 0, pos_encoding_mode=pos_encoding_mode, positive_scale=scale > 0)
@@ -717,6 +738,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         v_indptr: torch.Tensor | None = None,
         o_indptr: torch.Tensor | None = None,
         uniform_q_len: int | None = None,
+        *,
+        score_mod=None,
     ) -> None:
         """Plan a ragged prefill batch (FlashInfer semantics; see the module and class docstrings).
 
@@ -761,12 +784,25 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             cuDNN-backend hints in FlashInfer; accepted when consistent with ``qo_indptr`` /
             ``kv_indptr`` (``ValueError`` otherwise).
           uniform_q_len: optional hint; if given every request must have that many query rows.
+          score_mod: this package's extension (not in FlashInfer; FlashAttention-4's ``score_mod``), keyword only:
+            a Python callable ``score_mod(score, batch_idx, head_idx, q_idx, kv_idx) -> score`` traced into the
+            kernel (no C++), applied to every logit ``score = sm_scale * q.k`` (natural-log units, as the
+            oracle's) before the masks; ``batch_idx`` the request, ``head_idx`` the query head, ``q_idx`` /
+            ``kv_idx`` the query / key token counted from the request's first (not bottom-right positions).
+            The kernel calls it with CuTe DSL scalars (Float32 score, Int32 indices): Python arithmetic,
+            comparisons through ``cutlass.select_`` and ``cute.math`` functions work; tensors do not.  Its
+            source, closure values and referenced globals are part of the compile key (a change compiles
+            anew; mutating a closure after the first call is not seen, as in FlashAttention-4).  Returning
+            ``-inf`` hides a key.  Not with ``logits_soft_cap`` or ``ALIBI`` (``NotImplementedError``: fold
+            them into the function) nor ``backend="cudnn"``.  Verified on the H200 with the SM90 and the
+            portable kernels.
 
         Raises:
           TypeError, ValueError: malformed arguments (each message names the argument), CUDA-graph
-            limits (batch size, total rows, mask buffer size).
+            limits (batch size, total rows, mask buffer size); a non-callable ``score_mod`` (TypeError).
           KeyError: unknown ``pos_encoding_mode``.
-          NotImplementedError: the unsupported options above, head dims, group > 16, ALIBI with a soft cap.
+          NotImplementedError: the unsupported options above, head dims, group > 16, ALIBI with a soft cap,
+            ``score_mod`` with a soft cap, ALIBI or the cuDNN backend.
         """
         qo_h = indptr_host("qo_indptr", qo_indptr)
         B = qo_h.shape[0] - 1
@@ -802,7 +838,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
             window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking,
-            graph_copies=copies,
+            graph_copies=copies, score_mod=score_mod,
         )
 
     begin_forward = plan
@@ -1011,6 +1047,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         fixed_split_size: int | None = None,
         disable_split_kv: bool = False,
         uniform_q_len: int | None = None,
+        *,
+        score_mod=None,
     ) -> None:
         """Plan a paged prefill batch (FlashInfer semantics; see the module and class docstrings).
 
@@ -1026,7 +1064,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
           custom_mask, packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction,
             sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, q/kv/o_data_type,
             non_blocking, multi-item scoring arguments, fixed_split_size, disable_split_kv,
-            max_token_per_sequence, uniform_q_len: as
+            max_token_per_sequence, uniform_q_len, score_mod (keyword only; this package's extension): as
             :meth:`BatchPrefillWithRaggedKVCacheWrapper.plan`.
           block_tables, seq_lens: dense page table ``[B, max_pages]`` int32 on the device and
             ``[B]`` KV lengths (tokens); used instead of the CSR arrays when ``block_tables`` is
@@ -1124,7 +1162,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
             window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
             q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking,
-            graph_copies=copies,
+            graph_copies=copies, score_mod=score_mod,
         )
 
     begin_forward = plan
@@ -1249,6 +1287,8 @@ def single_prefill_with_kv_cache(
     kv_cache_sf=None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    *,
+    score_mod=None,
 ):
     """Prefill / append attention of one request against a contiguous KV (FlashInfer's function).
 
@@ -1272,6 +1312,8 @@ def single_prefill_with_kv_cache(
       return_lse: also return the base-2 LSE ``[qo_len, num_qo_heads]`` (float32).
       kv_cache_sf: NVFP4 scale factors, not supported (``NotImplementedError``).
       k_scale: float multiplied into ``sm_scale``.  v_scale: float multiplying the output.
+      score_mod: keyword only, this package's extension: as :meth:`BatchPrefillWithRaggedKVCacheWrapper.plan`
+        (``batch_idx`` is 0).
 
     Returns:
       ``o`` ``[qo_len, num_qo_heads, head_dim_vo]`` in q's dtype, or ``(o, lse)``.
@@ -1334,7 +1376,7 @@ def single_prefill_with_kv_cache(
         head_dim_vo=dvo, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
         pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction, window_left=window_left,
         logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-        q_data_type=q.dtype,
+        q_data_type=q.dtype, score_mod=score_mod,
     )
     return w.run(q, k, v, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
 

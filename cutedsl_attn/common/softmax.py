@@ -27,13 +27,26 @@ def _finite_or_zero(x):
     return Float32(cutlass.select_(x == Float32(NEG_INF), Float32(0.0), x))
 
 
-def logit_scales(sm_scale, soft_cap, use_soft_cap: bool):
+def logit_scales(sm_scale, soft_cap, use_soft_cap: bool, use_score_mod: bool = False):
     """``(sc_in, sc_out)`` with which a raw ``q.k`` becomes a log2-unit logit ``sc_out * f(sc_in * q.k)``:
     ``f`` the identity and ``(sm_scale * log2 e, 1)`` without a soft cap, ``f = tanh`` and
-    ``(sm_scale / cap, cap * log2 e)`` with one (FlashInfer's ``cap * tanh(s / cap)`` on scaled logits)."""
+    ``(sm_scale / cap, cap * log2 e)`` with one (FlashInfer's ``cap * tanh(s / cap)`` on scaled logits),
+    ``f`` the user's ``score_mod`` and ``(sm_scale, log2 e)`` with one (:func:`score_mod_logit`)."""
+    if use_score_mod:
+        return sm_scale, Float32(LOG2E)
     if use_soft_cap:
         return sm_scale / soft_cap, soft_cap * LOG2E
     return sm_scale * LOG2E, Float32(1.0)
+
+
+def score_mod_logit(score_mod, raw, sc_in, batch_idx, head_idx, q_idx, kv_idx):
+    """The natural-log-unit logit of one score under a user ``score_mod`` (traced into the kernel, as
+    FlashAttention-4's ``score_mod``): ``score_mod(sm_scale * q.k, batch_idx, head_idx, q_idx, kv_idx)`` with
+    ``sc_in = sm_scale`` from :func:`logit_scales`, whose ``sc_out = log2 e`` the caller applies (or folds into
+    the exponent: :func:`online_softmax_step`'s ``logit_scale``).  The callable gets a Float32 score (natural-log
+    units, as the oracle's logits) and Int32 indices: the request, the query head, the query token and the key
+    token, both counted from the request's first; masks are applied to its result afterwards."""
+    return Float32(score_mod(raw * sc_in, batch_idx, head_idx, q_idx, kv_idx))
 
 
 def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=None, ex2_poly: int = 0,

@@ -77,6 +77,9 @@ class PrefillConfig(Dtype16):
     use_sinks: bool = False
     use_custom_mask: bool = False
     pos_encoding_mode: str = "NONE"  # "NONE" | "ROPE_LLAMA" | "ALIBI"
+    # a user function traced into the logits (common.softmax.score_mod_logit): score_mod(score, batch_idx,
+    # head_idx, q_idx, kv_idx) -> score on sm_scale * q.k before the masks; part of the compile key; None: no code
+    score_mod: object = None
     num_warps: int = 4
     tile_n: int = 64
     num_stages: int = 2
@@ -100,6 +103,10 @@ class PrefillConfig(Dtype16):
         if self.pos_encoding_mode not in ("NONE", "ROPE_LLAMA", "ALIBI"):
             raise ValueError(
                 f"pos_encoding_mode must be NONE, ROPE_LLAMA or ALIBI, got {self.pos_encoding_mode!r}")
+        if self.score_mod is not None and (not callable(self.score_mod) or self.use_soft_cap
+                                           or self.pos_encoding_mode == "ALIBI"):
+            raise ValueError("score_mod must be a callable, and not combined with a soft cap or ALiBi (fold them "
+                             "into the score_mod)")
         if self.num_warps not in (4, 8) or self.tile_n not in (32, 64) or self.num_stages != 2:
             raise ValueError("num_warps must be 4 or 8, tile_n 32 or 64, num_stages 2")
 
@@ -196,7 +203,7 @@ class PrefillKernel:
             kv_start = mWork[wi, W_KV_START]
             mask_off = mWork[wi, W_MASK_OFF]
 
-            sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap)
+            sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap, cfg.score_mod is not None)
             # kv token range any row of this tile can see
             blk_lo, n_blk = masks.kv_block_range(row0, qo_len, kv_len, window_left, G, TM, TN, self.mask_causal,
                                                  cfg.use_window)
@@ -211,7 +218,7 @@ class PrefillKernel:
             row_l = cute.make_rmem_tensor((2,), Float32)
             self._mainloop(mK, mV, mIdx, mMask, mAlibi, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len,
                            kv_start, mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, rope_rcp_scale,
-                           rope_log2_theta, tidx, lane, warp)
+                           rope_log2_theta, tidx, lane, warp, b)
             self._epilogue(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
 
     # ------------------------------------------------------------------ loads
@@ -255,7 +262,7 @@ class PrefillKernel:
     @cute.jit
     def _mainloop(self, mK, mV, mIdx, mMask, mAlibi, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len,
                   kv_start, mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, rope_rcp_scale,
-                  rope_log2_theta, tidx, lane, warp):
+                  rope_log2_theta, tidx, lane, warp, b):
         DQ, DV, G, TN, RQ, RV = self.DQ, self.DV, self.G, self.TN, self.RQ, self.RV
         g = lane // 4
         t = lane % 4
@@ -276,6 +283,10 @@ class PrefillKernel:
         if const_expr(self.alibi):
             for h in cutlass.range_constexpr(2):
                 slope[h] = mAlibi[kvh * G + (row0 + warp * 16 + g + 8 * h) % G] * LOG2E
+        q_head = cute.make_rmem_tensor((2,), Int32)  # score_mod: the query head of rows g and g+8
+        if const_expr(self.cfg.score_mod is not None):
+            for h in cutlass.range_constexpr(2):
+                q_head[h] = kvh * G + (row0 + warp * 16 + g + 8 * h) % G
 
         # Q has landed once at most one group (the first K/V tile) is pending
         ptx.cp_async_wait(1)
@@ -335,6 +346,9 @@ class PrefillKernel:
                     x = sacc[4 * n8 + e] * sc_in
                     if const_expr(self.cfg.use_soft_cap):
                         x = ptx.tanh(x) * sc_out
+                    if const_expr(self.cfg.score_mod is not None):  # (qpos - kv_len + qo_len: the query token)
+                        x = sm.score_mod_logit(self.cfg.score_mod, sacc[4 * n8 + e], sc_in, b, q_head[h],
+                                               qpos[h] - kv_len + qo_len, j) * sc_out
                     if const_expr(self.alibi):
                         x = x + slope[h] * Float32(j - qpos[h])
                     ok = masks.visible(j, kv_len, qpos[h], window_left, causal=self.mask_causal,

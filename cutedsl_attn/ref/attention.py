@@ -26,6 +26,7 @@ Conventions (source: FlashInfer 0.7.2, ``include/flashinfer/attention/variants.c
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Optional, Tuple
@@ -231,6 +232,8 @@ def attention(
     rope_scale: Optional[float] = None,
     rope_theta: Optional[float] = None,
     custom_mask: Optional[torch.Tensor] = None,
+    score_mod=None,
+    batch_idx: int = 0,
     dtype: torch.dtype = torch.float64,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference softmax attention for ONE request (FlashInfer FA2 semantics).
@@ -251,6 +254,11 @@ def attention(
        added after the soft cap (FlashInfer's kernel adds it before the tanh but then
        applies ``sm_scale`` twice when both are enabled, so that combination has no
        reliable upstream meaning; this oracle follows the project spec order).
+    4b. ``score_mod`` (this package's extension, as FlashAttention-4's): ``s = score_mod(s, batch_idx, h, i, j)``
+       called once with broadcasting tensors -- ``s`` ``[Hq, qo_len, kv_len]``, ``batch_idx`` 0-d, ``h``
+       ``[Hq, 1, 1]``, ``i`` ``[1, qo_len, 1]`` (query token of the request), ``j`` ``[1, 1, kv_len]`` (key
+       token), all in ``dtype`` (the indices integer-valued, so a bias on them is computed in ``dtype``; the
+       kernels pass Int32 indices and compute in float32); its result must broadcast to ``s``'s shape.
     5. Visibility: ``custom_mask[i, j]`` (``False`` = masked) if given, which replaces
        ``causal``; else ``j <= i_abs`` if ``causal`` (bottom-right aligned); else all keys.
        ``window_left = w >= 0`` additionally requires ``j >= i_abs - w`` (so at most
@@ -276,6 +284,9 @@ def attention(
         pos_encoding_mode: ``"NONE"``, ``"ROPE_LLAMA"`` or ``"ALIBI"``.
         rope_scale, rope_theta: RoPE parameters (``None`` -> 1.0, 1e4).
         custom_mask: bool ``[qo_len, kv_len]`` (``True`` = visible), any device.
+        score_mod: callable or None (step 4b); the kernels trace the same callable with CuTe DSL scalars, so
+            one written with Python arithmetic serves both.
+        batch_idx: the request's index passed to ``score_mod``.
         dtype: compute/output dtype, ``torch.float64`` (default) or ``torch.float32``.
 
     Returns:
@@ -283,7 +294,8 @@ def attention(
         in ``dtype`` on ``q``'s device.
 
     Raises:
-        TypeError: non-tensor or non-float q/k/v/sinks, non-bool custom_mask, bad ``dtype``.
+        TypeError: non-tensor or non-float q/k/v/sinks, non-bool custom_mask, bad ``dtype``, a non-callable
+            ``score_mod``.
         ValueError: wrong ndim/shape (head counts, head dims, kv lengths, mask or sink
             shape), ``Hq % Hkv != 0``, tensors on different devices, ``window_left < -1``,
             odd ``Dqk`` with ROPE_LLAMA.
@@ -292,6 +304,8 @@ def attention(
     _validate_qkv(q, k, v)
     _check_pos_encoding_mode(pos_encoding_mode)
     _check_oracle_dtype(dtype)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"score_mod must be callable or None, got {type(score_mod).__name__}")
     qo_len, kv_len = q.shape[0], k.shape[0]
     if custom_mask is not None:
         if not isinstance(custom_mask, torch.Tensor):
@@ -318,6 +332,8 @@ def attention(
         rope_scale=rope_scale,
         rope_theta=rope_theta,
         custom_mask=custom_mask,
+        score_mod=score_mod,
+        batch_idx=batch_idx,
         dtype=dtype,
     )
 
@@ -387,6 +403,8 @@ def _attention_core(
     rope_theta,
     custom_mask,
     dtype,
+    score_mod=None,
+    batch_idx=0,
 ):
     """Validated single-request attention; see :func:`attention`."""
     dev = q.device
@@ -425,6 +443,12 @@ def _attention_core(
     if pos_encoding_mode == "ALIBI":
         slopes = alibi_slopes(hq).to(device=dev, dtype=dtype)
         s = s + slopes[:, None, None] * rel[None]
+    if score_mod is not None:
+        # the indices as integer-valued tensors of ``dtype``: a bias on them is computed in float64 too
+        ar = functools.partial(torch.arange, device=dev, dtype=dtype)
+        s = score_mod(s, torch.tensor(float(batch_idx), device=dev, dtype=dtype), ar(hq)[:, None, None],
+                      ar(qo_len)[None, :, None], ar(kv_len)[None, None, :])
+        s = torch.as_tensor(s, dtype=dtype, device=dev).expand(hq, qo_len, kv_len)
 
     if custom_mask is not None:
         visible = custom_mask.to(device=dev, dtype=torch.bool)
@@ -696,6 +720,7 @@ _BATCH_KW = (
     "rope_scale",
     "rope_theta",
     "custom_mask",
+    "score_mod",
     "dtype",
 )
 
@@ -725,13 +750,13 @@ def _batched_attention(q_segments, ks, vs, kw):
             )
     os_, lses = [], []
     moff = 0
-    for qb, kb, vb in zip(q_segments, ks, vs):
+    for b, (qb, kb, vb) in enumerate(zip(q_segments, ks, vs)):
         mb = None
         if mask is not None:
             n = qb.shape[0] * kb.shape[0]
             mb = mask[moff : moff + n].reshape(qb.shape[0], kb.shape[0])
             moff += n
-        o, lse = attention(qb, kb.to(qb.device), vb.to(qb.device), custom_mask=mb, **kw)
+        o, lse = attention(qb, kb.to(qb.device), vb.to(qb.device), custom_mask=mb, batch_idx=b, **kw)
         os_.append(o)
         lses.append(lse)
     return os_, lses, dtype

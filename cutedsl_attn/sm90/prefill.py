@@ -127,6 +127,10 @@ class Sm90PrefillConfig(Dtype16):
     use_soft_cap: bool = False
     use_sinks: bool = False
     use_custom_mask: bool = False  # packed bits per request (replaces causal; every block masked)
+    # a user function traced into the softmax (common.softmax.score_mod_logit): score_mod(score, batch_idx,
+    # head_idx, q_idx, kv_idx) -> score on sm_scale * q.k before the masks; part of the compile key (its
+    # source, closure values and globals: compile.cache.hash_callable); None: no code
+    score_mod: object = None
     tile_n: int = 128
     num_stages: int = 2
     num_wg: int = 2  # consumer warpgroups (64 query rows each)
@@ -190,8 +194,9 @@ class Sm90PrefillConfig(Dtype16):
     @property
     def positive_scale_only(self) -> bool:
         """Without a soft cap the softmax scale is folded into the exponent after the row max of the
-        raw logits, which is only the max of the scaled ones for a positive scale (the API checks)."""
-        return not self.use_soft_cap
+        raw logits, which is only the max of the scaled ones for a positive scale (the API checks); a soft cap or a
+        ``score_mod`` scales every logit before the max."""
+        return not (self.use_soft_cap or self.score_mod is not None)
 
     @property
     def registers(self) -> tuple[int, int]:
@@ -220,7 +225,7 @@ class Sm90PrefillConfig(Dtype16):
 # the fields a problem fixes; every other field of Sm90PrefillConfig is a tuning choice (default_tiles, or
 # CUTEDSL_ATTN_PREFILL_TUNE for experiments)
 PROBLEM_FIELDS = ("dtype", "head_dim_qk", "head_dim_vo", "group_size", "page_size", "causal", "use_window",
-                   "use_soft_cap", "use_sinks", "use_custom_mask", "arch")
+                   "use_soft_cap", "use_sinks", "use_custom_mask", "score_mod", "arch")
 TUNING_FIELDS = tuple(f.name for f in fields(Sm90PrefillConfig) if f.name not in PROBLEM_FIELDS)
 
 
@@ -248,6 +253,9 @@ def unsupported_reason(cfg) -> str | None:
         return f"head_dim_qk must be 64/128/192/256 and head_dim_vo 64/128/256, got {cfg.head_dim_qk}/{cfg.head_dim_vo}"
     if getattr(cfg, "pos_encoding_mode", "NONE") != "NONE":
         return "positional encodings are served by the portable kernel"
+    score_mod = getattr(cfg, "score_mod", None)
+    if score_mod is not None and (not callable(score_mod) or cfg.use_soft_cap):
+        return "score_mod must be a callable, and not combined with a soft cap (fold the cap into the score_mod)"
     if cfg.group_size < 1 or 128 % cfg.group_size != 0:
         return f"group_size must divide 128, got {cfg.group_size}"
     if isinstance(cfg, Sm90PrefillConfig):
@@ -289,7 +297,7 @@ def unsupported_reason(cfg) -> str | None:
 
 def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
                   use_soft_cap: bool = False, use_custom_mask: bool = False, page_size: int = 0,
-                  causal: bool = False, num_sms: int = 132) -> dict:
+                  causal: bool = False, num_sms: int = 132, use_score_mod: bool = False) -> dict:
     """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3-6):
 
     * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
@@ -347,8 +355,15 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
     """
     d = max(head_dim_qk, head_dim_vo)
     plain = not use_window and not use_soft_cap and not use_custom_mask  # their masks / tanh need registers
+    # a score_mod (session 10, perf/bench_score_mod.py: a relative bias, interleaved): at head_dim 64 the plain
+    # tiles (three warpgroups: 2.82 vs 3.26 ms for two x tile_n 128; with FlashAttention's loop order 2.68 vs
+    # 2.74), at head_dim 128 the non-causal ones (tile_n 176: 1.95 vs 1.99 for 128 before the exponent folded
+    # log2 e, equal after; the staged epilogue at tile_n 160: 2.01); elsewhere the soft cap's tiles (untimed).  A heavy score_mod can spill a few bytes at three warpgroups (24 B
+    # for a select at group 4, checked with ptxas)
+    smod_plain = plain and use_score_mod
+    plain = plain and not use_score_mod
     persistent = {"num_ctas": num_sms} if page_size == 0 and d <= 128 else {}
-    if d <= 64 and 192 % group_size == 0 and plain:
+    if d <= 64 and 192 % group_size == 0 and (plain or smod_plain):
         tiles = {"tile_n": 128, "num_wg": 3, **persistent}
         if page_size == 0:  # (measured on ragged K/V)
             tiles.update(loop_split=True, v_wait_late=True)
@@ -356,7 +371,7 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
         tiles = {"tile_n": 160, "num_wg": 2, **persistent, "q_stages": 2, "smem_epilogue": True}
         if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
             tiles["tma_epilogue"] = True
-    elif 64 < d <= 128 and plain:
+    elif 64 < d <= 128 and (plain or smod_plain):
         tiles = {"tile_n": 176, "num_wg": 2, **persistent}
     else:
         # custom masks: one byte load per score element; at tile_n 128 their addresses spill 240 B
@@ -606,6 +621,7 @@ class Sm90PrefillKernel:
                         ptx.st_global_u32(self._record_addr(mMask, t, 12), bx)
                 wi, kvh = self._tile_coords(t, W, mK)
                 b, blk_lo, n_blk = self._tile(mWork, wi, window_left, s_tile, q_state)
+                self._stamp_fine(mMask, t, 14, wg, ctid)
                 # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
                 state = self._consume(mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ,
                                       storage.sQ.data_ptr().toint(), sK, sV, pipe_q, q_state, s_tile, pipe_k, pipe_v,
@@ -836,15 +852,24 @@ class Sm90PrefillKernel:
                 qtok = cutlass.min((row0 + warp * 16 + g + 8 * h) // G, qo_len - 1)
                 row_bit[h] = masks.custom_row_bit(self._field(mWork, wi, W_MASK_OFF, s_tile, q_state), qtok, kv_len)
         mask = (mMask, row_bit)
+        if const_expr(cfg.score_mod is not None):
+            # score_mod's indices of the lane's two rows: request, query head and query token (of the request)
+            q_head = cute.make_rmem_tensor((2,), Int32)
+            q_idx = cute.make_rmem_tensor((2,), Int32)
+            for h in cutlass.range_constexpr(2):
+                pr = row0 + warp * 16 + g + 8 * h
+                q_head[h] = kvh * G + pr % G
+                q_idx[h] = pr // G
+            mask = (mMask, row_bit, self._field(mWork, wi, W_BATCH, s_tile, q_state), q_head, q_idx)
 
-        sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap)
+        sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap, cfg.score_mod is not None)
         # first / last query position of the tile (blocks ending before the first need no causal mask)
         pos_first = row0 // G + kv_len - qo_len
         pos_last = (cutlass.min(row0 + TM, qo_len * G) - 1) // G + kv_len - qo_len
 
         if n_blk > 0:
             n = blk_lo + n_blk - 1
-            self._first_s(tiled_mma_qk, acc_S, tSrQ, tSrK, pipe_k, state, wg)
+            self._first_s(tiled_mma_qk, acc_S, tSrQ, tSrK, pipe_k, state, wg, mMask, tile, tid)
             warpgroup.wait_group(0)
             self._stamp(mMask, tile, 4 * wg + 1, tid % 128 == 0)
             pipe_k.consumer_release(state)
@@ -902,16 +927,19 @@ class Sm90PrefillKernel:
         # (the Q stage, and with it s_tile's copy of the fields, is still held only with smem_epilogue)
         e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp = self._epi_coords(
             mK, mWork, tile, tid, s_tile if const_expr(cfg.smem_epilogue) else None, q_state)
+        self._stamp_fine(mMask, tile, 8, wg, tid)
         if const_expr(cfg.smem_epilogue):
             # the warpgroup's Q rows are free once all its warps are past the last S GEMM; each warp stages its
             # 16 rows of O there (own bytes), then releases Q once its reads of them are done
             cute.arch.barrier(barrier_id=2 + self.NWG + wg, number_of_threads=128)
+            self._stamp_fine(mMask, tile, 9, wg, tid)
             s_base = sQ_addr + self._staging_offset(q_state, wg, e_warp)
             lse0, lse1 = epilogue.stage_rows(mSinks, acc_O, row_m, row_l, e_row0, e_kvh, e_lane, e_warp, s_base,
                                              self.DV, self.G, cfg.use_sinks, self.dtype)
             if const_expr(cfg.tma_epilogue):
                 ptx.fence_proxy_async_shared()  # the stmatrix writes, before the TMA store (async proxy) reads
             cute.arch.sync_warp()
+            self._stamp_fine(mMask, tile, 10, wg, tid)
             if const_expr(cfg.tma_epilogue):
                 if e_row0 + e_warp * 16 + 16 <= e_qo_len * self.G:  # all 16 rows in the request
                     self._tma_store_o(tma_O, tma_atom_O, sO_layout, s_base, e_row0, e_q_start, e_kvh, e_lane, e_warp)
@@ -921,6 +949,7 @@ class Sm90PrefillKernel:
             else:
                 epilogue.store_staged_rows(mO, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, s_base, self.DV,
                                            self.G)
+            self._stamp_fine(mMask, tile, 11, wg, tid)
             epilogue.store_lse(mLSE, lse0, lse1, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, self.G)
             ptx.fence_proxy_async_shared()  # before the next TMA load overwrites the staged rows
             cute.arch.sync_warp()  # every lane's reads and fence before lane 0's release
@@ -949,12 +978,13 @@ class Sm90PrefillKernel:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _first_s(self, tiled_mma_qk, acc_S, tSrQ, tSrK, pipe_k, state, wg):
+    def _first_s(self, tiled_mma_qk, acc_S, tSrQ, tSrK, pipe_k, state, wg, mMask, tile, tid):
         """Issue a tile's first S GEMM (its last K block, stage ``state``) in the warpgroup's ping-pong turn;
         the caller waits."""
         pipe_k.consumer_wait(state)
         self._proxy_fence()
         self._turn_begin(wg)
+        self._stamp_fine(mMask, tile, 15, wg, tid)
         self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
         self._turn_end(wg)
 
@@ -1012,6 +1042,13 @@ class Sm90PrefillKernel:
         if const_expr(self.cfg.trace):
             if pred:
                 ptx.stamp_clock64(self._record_addr(mMask, t, slot))
+
+    def _stamp_fine(self, mMask, t, slot: cutlass.Constexpr, wg, tid):
+        """``trace`` with two consumer warpgroups: a finer stamp of warpgroup 0's thread 0 into slot ``slot``
+        (8..11: the epilogue's coordinates loaded, its warpgroup barrier passed, O staged, O stored; 14: the
+        tile's block range known; 15: the first S GEMM's ping-pong turn taken).  No code without ``trace``."""
+        if const_expr(self.cfg.trace and self.NWG == 2):
+            self._stamp(mMask, t, slot, tid == 0)  # consumer thread 0: warpgroup 0
 
     def _record_addr(self, mMask, t, slot: int):
         """``trace``: global byte address of 64-bit slot ``slot`` of tile ``t``'s 128-byte record in ``mMask``."""
@@ -1145,6 +1182,8 @@ class Sm90PrefillKernel:
                     x = acc_S[4 * j + e]
                     if const_expr(cfg.use_soft_cap):
                         x = ptx.tanh(x * sc_in) * sc_out
+                    if const_expr(cfg.score_mod is not None):
+                        x = self._score_mod(x, sc_in, sc_out, mask, h, tok0 + 2 * t + c)
                     ok = hi >= c
                     if const_expr(lo is not None):
                         ok = ok & (lo <= c)
@@ -1155,9 +1194,20 @@ class Sm90PrefillKernel:
             if const_expr(cfg.use_soft_cap):
                 for i in cutlass.range_constexpr(4 * n8):
                     acc_S[i] = ptx.tanh(acc_S[i] * sc_in) * sc_out
-        # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2)
-        logit_scale = None if cfg.use_soft_cap else sc_in
+            if const_expr(cfg.score_mod is not None):
+                for j in cutlass.range_constexpr(n8):
+                    for e in cutlass.range_constexpr(4):
+                        acc_S[4 * j + e] = self._score_mod(acc_S[4 * j + e], sc_in, sc_out, mask, e // 2,
+                                                           tok0 + 2 * t + j * 8 + (e % 2))
+        # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2); with a score_mod
+        # the logits are in natural-log units and log2(e) is folded there
+        logit_scale = None if cfg.use_soft_cap else (sc_out if cfg.score_mod is not None else sc_in)
         sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly, cfg.rescale_threshold)
+
+    def _score_mod(self, x, sc_in, sc_out, mask, h: int, kv_idx):
+        """``score_mod`` of one raw score of the lane's row ``h`` (indices from ``mask``: :meth:`_consume`), in
+        natural-log units (``sc_out = log2 e`` is folded into the exponent)."""
+        return sm.score_mod_logit(self.cfg.score_mod, x, sc_in, mask[2], mask[3][h], mask[4][h], kv_idx)
 
     def _window_cuts(self, tok0, pos_last, window_left, kv_len):
         """Whether the sliding window (``window_left >= 0``, clamped to ``kv_len`` as in :mod:`common.masks`)
