@@ -14,6 +14,9 @@ gathered through the page table when the cache is paged).  S = Q K^T and O += P 
 ``mma.m16n8k16`` (P re-used from the S accumulators as the A operand); online
 softmax in fp32 with exp2.
 
+A user ``score_mod`` (:class:`PrefillConfig`) is traced per score after the scale and before the masks
+(not with a soft cap or ALiBi), as in the SM90 kernel; verified on the H200 (session 10).
+
 Conventions (FlashInfer): causal is bottom-right (key ``j`` is visible to query ``i``
 iff ``j <= i + kv_len - qo_len``); ``window_left = w`` keeps ``w + 1`` keys; a custom
 mask (packed bits, little-endian, 1 = visible) replaces causal; soft cap

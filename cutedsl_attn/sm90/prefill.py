@@ -74,7 +74,8 @@ kernel for ``sm_scale <= 0``).
 
 Scope: fp16/bf16; head_dim_qk 64/128/192/256, head_dim_vo 64/128/256; ``tile_m`` a multiple
 of ``group_size``; custom masks (FlashInfer's packed bits, one byte load per score element
-in every block: a correctness path, not a fast one); no positional encoding (RoPE / ALiBi run on
+in every block: a correctness path, not a fast one); a user ``score_mod`` traced per score
+(:class:`Sm90PrefillConfig`; verified on the H200, session 10); no positional encoding (RoPE / ALiBi run on
 the portable kernel: :func:`unsupported_reason` says which).  Verified on an H200 (SM90): ragged (one CTA
 per tile and persistent) and paged (page 1/16/64/128, TMA and gather) against the float64
 oracle; it does not build for SM100.
