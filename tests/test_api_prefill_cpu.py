@@ -1610,3 +1610,34 @@ def test_score_mod_not_with_cudnn_or_a_forward_soft_cap(rec):
     with pytest.warns(DeprecationWarning), pytest.raises(NotImplementedError, match="score_mod together with"):
         w.forward(p["q"], p["k"], p["v"], logits_soft_cap=3.0)
     assert rec.calls == []
+
+
+def _make_bias(c):
+    def bias(score, b, h, q_idx, kv_idx):
+        return score - c * (q_idx - kv_idx)
+    return bias
+
+
+def test_score_mod_without_stable_key_fails_at_plan(rec):
+    """A callable object has no stable compile key: plan() raises TypeError naming score_mod (not run())."""
+    class RelBias:
+        def __call__(self, score, b, h, q_idx, kv_idx):
+            return score
+
+    _ragged_plan_raises(TypeError, "score_mod: cannot derive a stable hash", score_mod=RelBias())
+    ok = RelBias()
+    ok.__cute_hash__ = "rel-bias-v1"  # FA4's convention: an explicit key
+    w, p = planned_ragged(score_mod=ok)
+    w.run(p["q"], p["k"], p["v"])
+    assert rec.last[0].score_mod is ok
+
+
+def test_score_mod_cuda_graph_replan(rec):
+    """CUDA-graph mode: re-planning with an equal score_mod (a new function object of the same source and closure
+    values) is a length-only change; another closure value is refused, naming score_mod."""
+    p = ragged_problem()
+    w = Ragged(ws(), "NHD", use_cuda_graph=True, **ragged_graph_buffers(len(QO)))
+    w.plan(*ragged_args(p), q_data_type=BF16, causal=True, score_mod=_make_bias(0.1))
+    w.plan(*ragged_args(p), q_data_type=BF16, causal=True, score_mod=_make_bias(0.1))
+    with pytest.raises(ValueError, match="score_mod"):
+        w.plan(*ragged_args(p), q_data_type=BF16, causal=True, score_mod=_make_bias(0.2))

@@ -305,6 +305,63 @@ def test_config_key_callables():
     assert hash_callable(tagged) != hash_callable(_scaled(5.0))
 
 
+_BIAS_TABLE = (0.5, 0.25)
+_BIAS_SCALE = 1.0
+
+
+def _uses_globals(x, h):
+    return x * _BIAS_SCALE + _BIAS_TABLE[0] + _helper_mod.OFFSET + _helper_mod.shift(x)
+
+
+def test_hash_callable_referenced_globals(monkeypatch, tmp_path):
+    """Every global a function references is part of its hash (so of a disk-cached kernel's key): primitives,
+    tuples (by value), and a user module's attributes the code names (values and functions by source)."""
+    global _helper_mod
+    mod_path = tmp_path / "score_helpers.py"
+    mod_path.write_text("OFFSET = 1.0\ndef shift(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+    _helper_mod = importlib.import_module("score_helpers")
+    base = hash_callable(_uses_globals)
+    assert hash_callable(_uses_globals) == base
+    for name, value in (("_BIAS_TABLE", (0.9, 0.25)), ("_BIAS_SCALE", 2.0)):
+        monkeypatch.setitem(globals(), name, value)
+        assert hash_callable(_uses_globals) != base, name
+        monkeypatch.undo()
+        monkeypatch.syspath_prepend(str(tmp_path))
+    assert hash_callable(_uses_globals) == base
+    monkeypatch.setattr(_helper_mod, "OFFSET", 2.0)
+    assert hash_callable(_uses_globals) != base
+    monkeypatch.setattr(_helper_mod, "OFFSET", 1.0)
+    exec("def shift(x):\n    return x + 2\n", _helper_mod.__dict__)  # the helper's code changes
+    assert hash_callable(_uses_globals) != base
+
+
+_helper_mod = None
+
+
+def test_get_compiled_sees_a_changed_global(cache_dir, monkeypatch):
+    """A config holding a callable skips the equality memo: a global changed after the first use gives a new
+    build (the key re-derived), the unchanged one the cached build."""
+    monkeypatch.setenv("CUTEDSL_ATTN_DISABLE_DISK_CACHE", "1")
+    calls = []
+
+    def build(cfg):
+        calls.append(cfg)
+        return object()
+
+    f = _uses_globals_simple
+    a = get_compiled("fake_g", KeyCfg(score_mod=f), build)
+    assert get_compiled("fake_g", KeyCfg(score_mod=f), build) is a and len(calls) == 1
+    monkeypatch.setitem(globals(), "_BIAS_SCALE", 3.0)
+    b = get_compiled("fake_g", KeyCfg(score_mod=f), build)
+    assert b is not a and len(calls) == 2
+
+
+def _uses_globals_simple(x, h):
+    return x * _BIAS_SCALE
+
+
 def test_config_key_rejects():
     with pytest.raises(TypeError, match="unhashable"):
         config_key(KeyCfg(tiles=[128, 64]))

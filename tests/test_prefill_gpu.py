@@ -687,8 +687,8 @@ def _capped(score, batch_idx, head_idx, q_idx, kv_idx):
 
 
 def _band(score, batch_idx, head_idx, q_idx, kv_idx):
-    """A mask through the score_mod: keys more than 40 tokens before the query's index (counted from the request's
-    first query token) get -inf; rows can lose every key."""
+    """A mask through the score_mod: keys more than 40 tokens before the query's (bottom-right) position get -inf
+    (a 41-key window); with qo > kv rows can lose every key."""
     if isinstance(score, torch.Tensor):
         return torch.where(kv_idx < q_idx - 40, float("-inf"), score)
     import cutlass

@@ -117,8 +117,8 @@ def naive_attention(
                     s = logits_soft_cap * math.tanh(s / logits_soft_cap)
                 if pos_encoding_mode == "ALIBI":
                     s += slopes[h] * (j - ia)
-                if score_mod is not None:  # python scalars: request, query head, query token, key token
-                    s = float(score_mod(s, batch_idx, h, i, j))
+                if score_mod is not None:  # python scalars: request, query head, query position, key
+                    s = float(score_mod(s, batch_idx, h, ia, j))
                 logits.append((s, j))
             if S is not None:
                 logits.append((S[h], None))
@@ -732,13 +732,13 @@ def test_score_mod_vs_naive(causal, window_left):
 
 
 def test_score_mod_as_alibi():
-    """A score_mod adding FlashInfer's ALiBi bias equals pos_encoding_mode="ALIBI" (independent slopes)."""
+    """A score_mod adding FlashInfer's ALiBi bias equals pos_encoding_mode="ALIBI" (independent slopes), qo < kv:
+    q_idx is the query's bottom-right position."""
     q, k, v = rand_qkv(6, 11, 8, 2, 16, seed=4)
     slopes = torch.tensor(naive_alibi_slopes(8), dtype=torch.float64)
-    off = 11 - 6
 
     def alibi(score, b, h, i, j):
-        return score + slopes[h.long()] * (j - (i + off))  # (the oracle passes float64 indices)
+        return score + slopes[h] * (j - i)  # i: the query's bottom-right position
 
     assert_matches(attention(q, k, v, causal=True, score_mod=alibi),
                    attention(q, k, v, causal=True, pos_encoding_mode="ALIBI"))
@@ -755,13 +755,28 @@ def test_score_mod_batch_index_and_minus_inf():
     torch.testing.assert_close(o1, o0, atol=1e-12, rtol=1e-12)
     shift = torch.tensor([0.0] * 5 + [2 * 0.7 * LOG2E] * 7, dtype=torch.float64)[:, None]
     torch.testing.assert_close(lse1, lse0 + shift, atol=1e-12, rtol=1e-12)
-    # keys more than 2 behind the query (bottom-right position) hidden through the score_mod = window_left=2
-    off = 20 - 12
-
+    # keys more than 2 behind the query's (bottom-right) position hidden through the score_mod = window_left=2
     def far(s, b, h, i, j):
-        return torch.where(i + off - j > 2, float("-inf"), s)
+        return torch.where(i - j > 2, float("-inf"), s)
 
     o2, lse2 = attention(q, k, v, causal=True, score_mod=far)
     assert_matches((o2, lse2), attention(q, k, v, causal=True, window_left=2))
     with pytest.raises(TypeError, match="score_mod"):
         attention(q, k, v, score_mod=3)
+
+
+def test_score_mod_integer_indices_in_float64():
+    """The oracle's indices are int64 (bitwise operators work) and a python-float bias on them is float64."""
+    q, k, v = rand_qkv(5, 9, 2, 1, 8, seed=6)
+    seen = {}
+
+    def mod(s, b, h, i, j):
+        seen["dtypes"] = (b.dtype, h.dtype, i.dtype, j.dtype)
+        bias = 1e-9 * (j - i) + 0.25 * (j & 1)
+        seen["bias"] = bias.dtype
+        return s + bias
+
+    assert_matches(attention(q, k, v, causal=True, score_mod=mod),
+                   naive_attention(q, k, v, causal=True, score_mod=lambda s, b, h, i, j: s + 1e-9 * (j - i) + 0.25 * (j & 1)))
+    assert seen["dtypes"] == (torch.int64,) * 4 and seen["bias"] == torch.float64
+    assert torch.get_default_dtype() == torch.float32  # restored

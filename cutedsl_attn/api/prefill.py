@@ -49,6 +49,7 @@ import warnings
 import torch
 
 from .. import dispatch
+from ..compile.cache import config_key, hash_callable
 from ..planning.prefill import max_tiles, plan_prefill
 from ..ref.attention import alibi_slopes
 from ._common import (
@@ -166,6 +167,10 @@ def _check_score_mod(score_mod, cap, pos_encoding_mode, backend) -> None:
         return
     if not callable(score_mod):
         raise TypeError(f"score_mod must be a callable or None, got {type(score_mod).__name__}")
+    try:
+        hash_callable(score_mod)  # its compile key: a callable without a stable one fails here, not in run()
+    except TypeError as e:
+        raise TypeError(f"score_mod: {e}") from None
     if backend == "cudnn":
         raise NotImplementedError("score_mod is not supported with backend='cudnn' (use 'auto' or 'cute')")
     if cap > 0:
@@ -173,7 +178,8 @@ def _check_score_mod(score_mod, cap, pos_encoding_mode, backend) -> None:
                                   "the score_mod (cap * cute.math.tanh(score / cap))")
     if pos_encoding_mode == "ALIBI":
         raise NotImplementedError("score_mod together with pos_encoding_mode='ALIBI' is not supported; add the "
-                                  "bias inside the score_mod")
+                                  "bias inside the score_mod (slope * (kv_idx - q_idx): q_idx is the query's "
+                                  "bottom-right position)")
 
 
 def _takes_pos_args(cfg) -> bool:
@@ -406,7 +412,8 @@ class _BatchPrefillBase:
             # the lengths (work table, indices, mask bits) may change between plans
             sig = dict(causal=bool(causal), window_left=window_left, logits_soft_cap=cap, sm_scale=scale,
                        pos_encoding_mode=pos_encoding_mode, rope_scale=1.0 / rope_rcp_scale,
-                       rope_theta=2.0 ** rope_log2_theta, custom_mask=use_mask, kernel=cfg)
+                       rope_theta=2.0 ** rope_log2_theta, custom_mask=use_mask,
+                       score_mod=None if score_mod is None else hash_callable(score_mod), kernel=config_key(cfg))
             if self._graph_sig is None:
                 self._graph_sig = sig
             elif sig != self._graph_sig:
@@ -787,19 +794,23 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
           score_mod: this package's extension (not in FlashInfer; FlashAttention-4's ``score_mod``), keyword only:
             a Python callable ``score_mod(score, batch_idx, head_idx, q_idx, kv_idx) -> score`` traced into the
             kernel (no C++), applied to every logit ``score = sm_scale * q.k`` (natural-log units, as the
-            oracle's) before the masks; ``batch_idx`` the request, ``head_idx`` the query head, ``q_idx`` /
-            ``kv_idx`` the query / key token counted from the request's first (not bottom-right positions).
-            The kernel calls it with CuTe DSL scalars (Float32 score, Int32 indices): Python arithmetic,
-            comparisons through ``cutlass.select_`` and ``cute.math`` functions work; tensors do not.  Its
-            source, closure values and referenced globals are part of the compile key (a change compiles
-            anew; mutating a closure after the first call is not seen, as in FlashAttention-4).  Returning
-            ``-inf`` hides a key.  Not with ``logits_soft_cap`` or ``ALIBI`` (``NotImplementedError``: fold
-            them into the function) nor ``backend="cudnn"``.  Verified on the H200 with the SM90 and the
-            portable kernels.
+            oracle's) before the masks; ``batch_idx`` the request, ``head_idx`` the query head, ``kv_idx`` the
+            key (from the request's first) and ``q_idx`` the query's position on that axis, ``i + kv_len -
+            qo_len`` for its token ``i`` (FlashInfer's bottom-right alignment, as causal; the token index when
+            ``qo_len == kv_len``), so ``kv_idx - q_idx`` is ALiBi's distance.  The kernel calls it with CuTe DSL
+            scalars (Float32 score, Int32 indices): Python arithmetic, ``cutlass.select_`` / ``cutlass.min`` /
+            ``cutlass.max`` and ``cute.math`` functions work; Python's ``min`` / ``max`` / ``if`` on a score do
+            not trace, ``**`` on an Int32 crashes the DSL 4.8.1 compiler (write ``x * x``), and integer ``//`` /
+            ``%`` of negative values truncate (C) where the oracle floors (Python).  Its source, closure values
+            and referenced globals (values, user functions and the attributes of user modules it names) are part
+            of the compile key, re-derived at every plan: a change compiles anew.  Returning ``-inf`` hides a key.
+            Not with ``logits_soft_cap`` or ``ALIBI`` (``NotImplementedError``: fold them into the function) nor
+            ``backend="cudnn"``.  Verified on the H200 with the SM90 and the portable kernels.
 
         Raises:
           TypeError, ValueError: malformed arguments (each message names the argument), CUDA-graph
-            limits (batch size, total rows, mask buffer size); a non-callable ``score_mod`` (TypeError).
+            limits (batch size, total rows, mask buffer size); a ``score_mod`` that is not callable or has no
+            stable compile key (``TypeError``: e.g. an object with ``__call__``; give it ``__cute_hash__``).
           KeyError: unknown ``pos_encoding_mode``.
           NotImplementedError: the unsupported options above, head dims, group > 16, ALIBI with a soft cap,
             ``score_mod`` with a soft cap, ALIBI or the cuDNN backend.
@@ -1322,7 +1333,7 @@ def single_prefill_with_kv_cache(
       TypeError, ValueError: malformed arguments (naming them), e.g. ``rope_scale``/``rope_theta``
       not a finite value > 0.  KeyError: bad ``kv_layout`` or ``pos_encoding_mode``.
       NotImplementedError: the unsupported options above, head dims, group > 16, ALIBI with a
-      soft cap.
+      soft cap, ``score_mod`` with a soft cap or ALIBI (a bad ``score_mod``: ``TypeError``).
 
     Served by a cached :class:`BatchPrefillWithRaggedKVCacheWrapper` (one request), planned on
     every call (host work, no synchronisation).

@@ -44,8 +44,9 @@ def score_mod_logit(score_mod, raw, sc_in, batch_idx, head_idx, q_idx, kv_idx):
     FlashAttention-4's ``score_mod``): ``score_mod(sm_scale * q.k, batch_idx, head_idx, q_idx, kv_idx)`` with
     ``sc_in = sm_scale`` from :func:`logit_scales`, whose ``sc_out = log2 e`` the caller applies (or folds into
     the exponent: :func:`online_softmax_step`'s ``logit_scale``).  The callable gets a Float32 score (natural-log
-    units, as the oracle's logits) and Int32 indices: the request, the query head, the query token and the key
-    token, both counted from the request's first; masks are applied to its result afterwards."""
+    units, as the oracle's logits) and Int32 indices: the request, the query head, the query's position and the
+    key's, on the key axis of the request (query token ``i`` at ``i + kv_len - qo_len``, FlashInfer's bottom-right
+    alignment; key ``j`` at ``j``); masks are applied to its result afterwards."""
     return Float32(score_mod(raw * sc_in, batch_idx, head_idx, q_idx, kv_idx))
 
 

@@ -203,16 +203,44 @@ def _hash_function(f: types.FunctionType, h, visiting: set) -> None:
         h.update(f"|default={_value_repr(d, visiting)}".encode())
     for k, d in sorted((f.__kwdefaults__ or {}).items()):
         h.update(f"|kwdefault:{k}={_value_repr(d, visiting)}".encode())
-    # Referenced module globals: constants by value, same-module helpers by hash.
+    # Referenced module globals: constants by value, other values as closure values are (tuples, lists, dicts
+    # by content), user functions by hash (any module), library functions and modules by name; for a user
+    # module, every attribute the code names (``helpers.bias`` names ``bias``) by value / hash.
     g = f.__globals__
-    for name in sorted(set(_global_names(f.__code__))):
+    names = sorted(set(_global_names(f.__code__)))
+    for name in names:
         if name not in g:
             continue
         v = g[name]
         if type(v) in _PRIMITIVES:
             h.update(f"|global:{name}={v!r}".encode())
-        elif isinstance(v, types.FunctionType) and v.__module__ == f.__module__:
-            h.update(f"|global:{name}=fn:{hash_callable(v, _visiting=visiting)}".encode())
+        elif isinstance(v, types.ModuleType):
+            h.update(f"|global:{name}=module:{v.__name__}".encode())
+            if not _is_library(v.__name__):
+                for attr in names:
+                    if not attr.startswith("__") and hasattr(v, attr):
+                        h.update(f"|global:{name}.{attr}={_global_repr(getattr(v, attr), visiting)}".encode())
+        else:
+            h.update(f"|global:{name}={_global_repr(v, visiting)}".encode())
+
+
+# modules whose functions and attributes a user function may call without their code entering its hash
+_LIBRARY_PREFIXES = ("cutlass", "cuda", "torch", "math", "cmath", "numpy", "builtins", "operator", "functools",
+                     "typing", "cutedsl_attn")
+
+
+def _is_library(module_name) -> bool:
+    root = str(module_name or "").split(".")[0]
+    return root in _LIBRARY_PREFIXES or root.startswith("_")
+
+
+def _global_repr(v, visiting) -> str:
+    """A referenced global other than a primitive or a module: a library function (or class) by name, anything
+    else as a closure value (:func:`_value_repr`: user functions hashed, values encoded or ``repr``'d)."""
+    if (isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type))
+            and _is_library(getattr(v, "__module__", ""))):
+        return f"lib:{_qualname(v)}"
+    return _value_repr(v, visiting)
 
 
 def hash_callable(fn: Callable, *, _visiting: Optional[set] = None) -> str:
@@ -374,6 +402,13 @@ def _type_sig(v):
     if t is tuple:
         return (tuple,) + tuple(_type_sig(x) for x in v)
     return t
+
+
+def _holds_callable(cfg) -> bool:
+    """Whether a field of the config dataclass ``cfg`` holds a callable (not a class): its key must be re-derived."""
+    d = getattr(cfg, "__dict__", None)
+    vals = d.values() if d is not None else (getattr(cfg, f.name) for f in dataclasses.fields(cfg))
+    return any(callable(v) and not isinstance(v, type) for v in vals)
 
 
 def _memo_sig(cfg):
@@ -937,9 +972,10 @@ def get_compiled(name: str, cfg, build: Callable[[Any], Any], *, arch: Optional[
     ``CUTEDSL_ATTN_CACHE_LOCK_TIMEOUT``, and ``CUTEDSL_ATTN_ARCH`` (through
     :func:`target_arch` when ``cfg`` has no ``arch``).
 
-    Note: the in-process memo treats equal configs holding the *same* function
-    object as identical, so mutating a ``score_mod``'s closure after its first
-    use is not noticed (as in FA4). Distinct function objects are re-hashed.
+    Note: a config holding a callable (a ``score_mod``) skips the equality memo: its
+    key (:func:`hash_callable`: source, closure values, referenced globals) is derived
+    on every call, so a changed closure value or global gives another kernel (FA4's
+    memo would not see a mutated closure).  Call it once per plan, not per launch.
     """
     # Hot path: equality memo on the config itself (cheap: no key string).
     memo, fn = None, None
@@ -948,8 +984,8 @@ def get_compiled(name: str, cfg, build: Callable[[Any], Any], *, arch: Optional[
         if arch is None and getattr(cfg, "arch", None) is None:
             memo_arch = target_arch()  # env / device decide: part of the memo key
         try:
-            memo = (name, cfg, _memo_sig(cfg), memo_arch)
-            fn = _fast.get(memo)
+            memo = None if _holds_callable(cfg) else (name, cfg, _memo_sig(cfg), memo_arch)
+            fn = _fast.get(memo) if memo is not None else None
         except TypeError:  # unhashable field: config_key raises the proper error
             memo = None
         if fn is not None:

@@ -81,7 +81,8 @@ class PrefillConfig(Dtype16):
     use_custom_mask: bool = False
     pos_encoding_mode: str = "NONE"  # "NONE" | "ROPE_LLAMA" | "ALIBI"
     # a user function traced into the logits (common.softmax.score_mod_logit): score_mod(score, batch_idx,
-    # head_idx, q_idx, kv_idx) -> score on sm_scale * q.k before the masks; part of the compile key; None: no code
+    # head_idx, q_idx, kv_idx) -> score on sm_scale * q.k before the masks, q_idx the query's bottom-right
+    # position (kv_idx's axis); part of the compile key; None: no code
     score_mod: object = None
     num_warps: int = 4
     tile_n: int = 64
@@ -349,9 +350,9 @@ class PrefillKernel:
                     x = sacc[4 * n8 + e] * sc_in
                     if const_expr(self.cfg.use_soft_cap):
                         x = ptx.tanh(x) * sc_out
-                    if const_expr(self.cfg.score_mod is not None):  # (qpos - kv_len + qo_len: the query token)
-                        x = sm.score_mod_logit(self.cfg.score_mod, sacc[4 * n8 + e], sc_in, b, q_head[h],
-                                               qpos[h] - kv_len + qo_len, j) * sc_out
+                    if const_expr(self.cfg.score_mod is not None):  # (q_idx: the query's bottom-right position)
+                        x = sm.score_mod_logit(self.cfg.score_mod, sacc[4 * n8 + e], sc_in, b, q_head[h], qpos[h],
+                                               j) * sc_out
                     if const_expr(self.alibi):
                         x = x + slope[h] * Float32(j - qpos[h])
                     ok = masks.visible(j, kv_len, qpos[h], window_left, causal=self.mask_causal,

@@ -26,7 +26,6 @@ Conventions (source: FlashInfer 0.7.2, ``include/flashinfer/attention/variants.c
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from typing import Optional, Tuple
@@ -255,10 +254,12 @@ def attention(
        applies ``sm_scale`` twice when both are enabled, so that combination has no
        reliable upstream meaning; this oracle follows the project spec order).
     4b. ``score_mod`` (this package's extension, as FlashAttention-4's): ``s = score_mod(s, batch_idx, h, i, j)``
-       called once with broadcasting tensors -- ``s`` ``[Hq, qo_len, kv_len]``, ``batch_idx`` 0-d, ``h``
-       ``[Hq, 1, 1]``, ``i`` ``[1, qo_len, 1]`` (query token of the request), ``j`` ``[1, 1, kv_len]`` (key
-       token), all in ``dtype`` (the indices integer-valued, so a bias on them is computed in ``dtype``; the
-       kernels pass Int32 indices and compute in float32); its result must broadcast to ``s``'s shape.
+       called once with broadcasting tensors -- ``s`` ``[Hq, qo_len, kv_len]`` in ``dtype``, and int64
+       ``batch_idx`` (0-d), ``h`` ``[Hq, 1, 1]``, ``i_abs`` ``[1, qo_len, 1]`` (the query's bottom-right
+       position, as the kernels' ``q_idx``) and ``j`` ``[1, 1, kv_len]``, with torch's default dtype set to
+       ``dtype`` during the call (so ``0.1 * (j - i_abs)`` is computed in ``dtype``); its result must
+       broadcast to ``s``'s shape.  The kernels pass Int32 scalars and compute in float32; integer ``//`` and
+       ``%`` of negative values differ there (C's truncation vs Python's floor).
     5. Visibility: ``custom_mask[i, j]`` (``False`` = masked) if given, which replaces
        ``causal``; else ``j <= i_abs`` if ``causal`` (bottom-right aligned); else all keys.
        ``window_left = w >= 0`` additionally requires ``j >= i_abs - w`` (so at most
@@ -444,10 +445,15 @@ def _attention_core(
         slopes = alibi_slopes(hq).to(device=dev, dtype=dtype)
         s = s + slopes[:, None, None] * rel[None]
     if score_mod is not None:
-        # the indices as integer-valued tensors of ``dtype``: a bias on them is computed in float64 too
-        ar = functools.partial(torch.arange, device=dev, dtype=dtype)
-        s = score_mod(s, torch.tensor(float(batch_idx), device=dev, dtype=dtype), ar(hq)[:, None, None],
-                      ar(qo_len)[None, :, None], ar(kv_len)[None, None, :])
+        # int64 indices; torch's default dtype is ``dtype`` during the call, so an int tensor times a python
+        # float (a bias) is computed in ``dtype`` too, not float32
+        saved = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            s = score_mod(s, torch.tensor(int(batch_idx), device=dev), torch.arange(hq, device=dev)[:, None, None],
+                          i_abs[None, :, None], j_idx[None, None, :])
+        finally:
+            torch.set_default_dtype(saved)
         s = torch.as_tensor(s, dtype=dtype, device=dev).expand(hq, qo_len, kv_len)
 
     if custom_mask is not None:

@@ -129,8 +129,9 @@ class Sm90PrefillConfig(Dtype16):
     use_sinks: bool = False
     use_custom_mask: bool = False  # packed bits per request (replaces causal; every block masked)
     # a user function traced into the softmax (common.softmax.score_mod_logit): score_mod(score, batch_idx,
-    # head_idx, q_idx, kv_idx) -> score on sm_scale * q.k before the masks; part of the compile key (its
-    # source, closure values and globals: compile.cache.hash_callable); None: no code
+    # head_idx, q_idx, kv_idx) -> score on sm_scale * q.k before the masks, q_idx the query's bottom-right
+    # position (kv_idx's axis); part of the compile key (its source, closure values and globals:
+    # compile.cache.hash_callable); None: no code
     score_mod: object = None
     tile_n: int = 128
     num_stages: int = 2
@@ -854,14 +855,12 @@ class Sm90PrefillKernel:
                 row_bit[h] = masks.custom_row_bit(self._field(mWork, wi, W_MASK_OFF, s_tile, q_state), qtok, kv_len)
         mask = (mMask, row_bit)
         if const_expr(cfg.score_mod is not None):
-            # score_mod's indices of the lane's two rows: request, query head and query token (of the request)
+            # score_mod's indices of the lane's two rows: request, query head and (qpos) the query's bottom-right
+            # position on the key axis
             q_head = cute.make_rmem_tensor((2,), Int32)
-            q_idx = cute.make_rmem_tensor((2,), Int32)
             for h in cutlass.range_constexpr(2):
-                pr = row0 + warp * 16 + g + 8 * h
-                q_head[h] = kvh * G + pr % G
-                q_idx[h] = pr // G
-            mask = (mMask, row_bit, self._field(mWork, wi, W_BATCH, s_tile, q_state), q_head, q_idx)
+                q_head[h] = kvh * G + (row0 + warp * 16 + g + 8 * h) % G
+            mask = (mMask, row_bit, self._field(mWork, wi, W_BATCH, s_tile, q_state), q_head, qpos)
 
         sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap, cfg.score_mod is not None)
         # first / last query position of the tile (blocks ending before the first need no causal mask)
