@@ -360,8 +360,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
     # a score_mod (session 10, perf/bench_score_mod.py: a relative bias, interleaved): at head_dim 64 the plain
     # tiles (three warpgroups: 2.82 vs 3.26 ms for two x tile_n 128; with FlashAttention's loop order 2.68 vs
     # 2.74), at head_dim 128 the non-causal ones (tile_n 176: 1.95 vs 1.99 for 128 before the exponent folded
-    # log2 e, equal after; the staged epilogue at tile_n 160: 2.01); elsewhere the soft cap's tiles (untimed).  A heavy score_mod can spill a few bytes at three warpgroups (24 B
-    # for a select at group 4, checked with ptxas)
+    # log2 e, equal after; the staged epilogue at tile_n 160: 2.01); elsewhere the soft cap's tiles (untimed).
+    # A heavy score_mod can spill a few bytes at three warpgroups (24 B for a select at group 4, ptxas -v)
     smod_plain = plain and use_score_mod
     plain = plain and not use_score_mod
     persistent = {"num_ctas": num_sms} if page_size == 0 and d <= 128 else {}
@@ -623,7 +623,7 @@ class Sm90PrefillKernel:
                         ptx.st_global_u32(self._record_addr(mMask, t, 12), bx)
                 wi, kvh = self._tile_coords(t, W, mK)
                 b, blk_lo, n_blk = self._tile(mWork, wi, window_left, s_tile, q_state)
-                self._stamp_fine(mMask, t, 14, wg, ctid)
+                self._stamp_fine(mMask, t, 14, ctid)
                 # opaque per tile: keeps LLVM from hoisting the per-thread addresses out of the tile loop
                 state = self._consume(mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ,
                                       storage.sQ.data_ptr().toint(), sK, sV, pipe_q, q_state, s_tile, pipe_k, pipe_v,
@@ -927,19 +927,19 @@ class Sm90PrefillKernel:
         # (the Q stage, and with it s_tile's copy of the fields, is still held only with smem_epilogue)
         e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp = self._epi_coords(
             mK, mWork, tile, tid, s_tile if const_expr(cfg.smem_epilogue) else None, q_state)
-        self._stamp_fine(mMask, tile, 8, wg, tid)
+        self._stamp_fine(mMask, tile, 8, tid)
         if const_expr(cfg.smem_epilogue):
             # the warpgroup's Q rows are free once all its warps are past the last S GEMM; each warp stages its
             # 16 rows of O there (own bytes), then releases Q once its reads of them are done
             cute.arch.barrier(barrier_id=2 + self.NWG + wg, number_of_threads=128)
-            self._stamp_fine(mMask, tile, 9, wg, tid)
+            self._stamp_fine(mMask, tile, 9, tid)
             s_base = sQ_addr + self._staging_offset(q_state, wg, e_warp)
             lse0, lse1 = epilogue.stage_rows(mSinks, acc_O, row_m, row_l, e_row0, e_kvh, e_lane, e_warp, s_base,
                                              self.DV, self.G, cfg.use_sinks, self.dtype)
             if const_expr(cfg.tma_epilogue):
                 ptx.fence_proxy_async_shared()  # the stmatrix writes, before the TMA store (async proxy) reads
             cute.arch.sync_warp()
-            self._stamp_fine(mMask, tile, 10, wg, tid)
+            self._stamp_fine(mMask, tile, 10, tid)
             if const_expr(cfg.tma_epilogue):
                 if e_row0 + e_warp * 16 + 16 <= e_qo_len * self.G:  # all 16 rows in the request
                     self._tma_store_o(tma_O, tma_atom_O, sO_layout, s_base, e_row0, e_q_start, e_kvh, e_lane, e_warp)
@@ -949,7 +949,7 @@ class Sm90PrefillKernel:
             else:
                 epilogue.store_staged_rows(mO, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, s_base, self.DV,
                                            self.G)
-            self._stamp_fine(mMask, tile, 11, wg, tid)
+            self._stamp_fine(mMask, tile, 11, tid)
             epilogue.store_lse(mLSE, lse0, lse1, e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp, self.G)
             ptx.fence_proxy_async_shared()  # before the next TMA load overwrites the staged rows
             cute.arch.sync_warp()  # every lane's reads and fence before lane 0's release
@@ -984,7 +984,7 @@ class Sm90PrefillKernel:
         pipe_k.consumer_wait(state)
         self._proxy_fence()
         self._turn_begin(wg)
-        self._stamp_fine(mMask, tile, 15, wg, tid)
+        self._stamp_fine(mMask, tile, 15, tid)
         self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
         self._turn_end(wg)
 
@@ -1043,7 +1043,7 @@ class Sm90PrefillKernel:
             if pred:
                 ptx.stamp_clock64(self._record_addr(mMask, t, slot))
 
-    def _stamp_fine(self, mMask, t, slot: cutlass.Constexpr, wg, tid):
+    def _stamp_fine(self, mMask, t, slot: cutlass.Constexpr, tid):
         """``trace`` with two consumer warpgroups: a finer stamp of warpgroup 0's thread 0 into slot ``slot``
         (8..11: the epilogue's coordinates loaded, its warpgroup barrier passed, O staged, O stored; 14: the
         tile's block range known; 15: the first S GEMM's ping-pong turn taken).  No code without ``trace``."""
@@ -1183,7 +1183,7 @@ class Sm90PrefillKernel:
                     if const_expr(cfg.use_soft_cap):
                         x = ptx.tanh(x * sc_in) * sc_out
                     if const_expr(cfg.score_mod is not None):
-                        x = self._score_mod(x, sc_in, sc_out, mask, h, tok0 + 2 * t + c)
+                        x = self._score_mod(x, sc_in, mask, h, tok0 + 2 * t + c)
                     ok = hi >= c
                     if const_expr(lo is not None):
                         ok = ok & (lo <= c)
@@ -1197,14 +1197,14 @@ class Sm90PrefillKernel:
             if const_expr(cfg.score_mod is not None):
                 for j in cutlass.range_constexpr(n8):
                     for e in cutlass.range_constexpr(4):
-                        acc_S[4 * j + e] = self._score_mod(acc_S[4 * j + e], sc_in, sc_out, mask, e // 2,
+                        acc_S[4 * j + e] = self._score_mod(acc_S[4 * j + e], sc_in, mask, e // 2,
                                                            tok0 + 2 * t + j * 8 + (e % 2))
         # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2); with a score_mod
         # the logits are in natural-log units and log2(e) is folded there
         logit_scale = None if cfg.use_soft_cap else (sc_out if cfg.score_mod is not None else sc_in)
         sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly, cfg.rescale_threshold)
 
-    def _score_mod(self, x, sc_in, sc_out, mask, h: int, kv_idx):
+    def _score_mod(self, x, sc_in, mask, h: int, kv_idx):
         """``score_mod`` of one raw score of the lane's row ``h`` (indices from ``mask``: :meth:`_consume`), in
         natural-log units (``sc_out = log2 e`` is folded into the exponent)."""
         return sm.score_mod_logit(self.cfg.score_mod, x, sc_in, mask[2], mask[3][h], mask[4][h], kv_idx)
