@@ -161,8 +161,9 @@ def _check_options(pos_encoding_mode, use_fp16_qk_reduction, window_left, logits
     return window_left, cap, scale, rope_rcp_scale, rope_log2_theta
 
 
-def _check_score_mod(score_mod, cap, pos_encoding_mode, backend) -> None:
-    """``TypeError`` for a non-callable ``score_mod``; ``NotImplementedError`` for the combinations not served."""
+def _check_score_mod(score_mod, backend) -> None:
+    """``TypeError`` for a ``score_mod`` that is not callable or has no stable compile key; ``NotImplementedError``
+    with the cuDNN backend.  The options it cannot combine with: :func:`_check_score_mod_options`."""
     if score_mod is None:
         return
     if not callable(score_mod):
@@ -173,6 +174,12 @@ def _check_score_mod(score_mod, cap, pos_encoding_mode, backend) -> None:
         raise TypeError(f"score_mod: {e}") from None
     if backend == "cudnn":
         raise NotImplementedError("score_mod is not supported with backend='cudnn' (use 'auto' or 'cute')")
+
+
+def _check_score_mod_options(score_mod, cap, pos_encoding_mode) -> None:
+    """``NotImplementedError`` for a ``score_mod`` with a soft cap or ALiBi (validated options)."""
+    if score_mod is None:
+        return
     if cap > 0:
         raise NotImplementedError("score_mod together with logits_soft_cap is not supported; apply the cap inside "
                                   "the score_mod (cap * cute.math.tanh(score / cap))")
@@ -317,8 +324,7 @@ class _BatchPrefillBase:
         ``graph_copies``: ``[(dst_buffer, src_tensor), ...]`` of the caller-visible CUDA-graph
         buffers, written only after every check has passed (a rejected plan leaves them intact).
         """
-        if score_mod is not None:
-            _check_score_mod(score_mod, 0.0, "NONE", self._backend)
+        _check_score_mod(score_mod, self._backend)
         if self._backend == "cudnn":  # cuDNN frontend graphs (cutedsl_attn/api/cudnn.py) take every argument
             kw = dict(locals())
             kw.pop("score_mod")
@@ -328,7 +334,7 @@ class _BatchPrefillBase:
         window_left, cap, scale, rope_rcp_scale, rope_log2_theta = _check_options(
             pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, head_dim_qk,
             rope_scale, rope_theta)
-        _check_score_mod(score_mod, cap, pos_encoding_mode, self._backend)
+        _check_score_mod_options(score_mod, cap, pos_encoding_mode)
         dt = _check_dtypes(q_data_type, kv_data_type, o_data_type)
         num_qo_heads = check_int("num_qo_heads", num_qo_heads)
         num_kv_heads = check_int("num_kv_heads", num_kv_heads)
@@ -522,7 +528,7 @@ class _BatchPrefillBase:
             pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap, sm_scale, p["head_dim_qk"],
             rope_scale, rope_theta)
         rp = p["replan"]
-        _check_score_mod(rp["cfg_kw"]["score_mod"], cap, pos_encoding_mode, self._backend)
+        _check_score_mod_options(rp["cfg_kw"]["score_mod"], cap, pos_encoding_mode)
         cfg = dispatch.prefill_config(
             **rp["cfg_kw"], causal=bool(causal) and not p["use_mask"], use_window=window_left >= 0,
             use_soft_cap=cap > 0, pos_encoding_mode=pos_encoding_mode, positive_scale=scale > 0)
