@@ -404,18 +404,15 @@ def _type_sig(v):
     return t
 
 
-def _holds_callable(cfg) -> bool:
-    """Whether a field of the config dataclass ``cfg`` holds a callable (not a class): its key must be re-derived."""
+def _field_values(cfg) -> tuple:
+    """The field values of the config dataclass ``cfg`` (its ``__dict__`` where it has one: the hot path)."""
     d = getattr(cfg, "__dict__", None)
-    vals = d.values() if d is not None else (getattr(cfg, f.name) for f in dataclasses.fields(cfg))
-    return any(callable(v) and not isinstance(v, type) for v in vals)
+    return tuple(d.values()) if d is not None else tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg))
 
 
-def _memo_sig(cfg):
-    """Field types (deep through tuples): equal configs whose values differ only
-    in type (1 / 1.0 / True) must not share a memo entry."""
-    d = getattr(cfg, "__dict__", None)
-    vals = tuple(d.values()) if d is not None else tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg))
+def _memo_sig(vals: tuple):
+    """Field types (deep through tuples) of a config's field values (:func:`_field_values`): equal configs
+    whose values differ only in type (1 / 1.0 / True) must not share a memo entry."""
     sig = tuple(map(type, vals))
     if tuple in sig:
         sig = tuple(_type_sig(v) for v in vals)
@@ -984,7 +981,10 @@ def get_compiled(name: str, cfg, build: Callable[[Any], Any], *, arch: Optional[
         if arch is None and getattr(cfg, "arch", None) is None:
             memo_arch = target_arch()  # env / device decide: part of the memo key
         try:
-            memo = None if _holds_callable(cfg) else (name, cfg, _memo_sig(cfg), memo_arch)
+            vals = _field_values(cfg)
+            # a config holding a callable (not a class) re-derives its key: no memo entry
+            holds_callable = any(callable(v) and not isinstance(v, type) for v in vals)
+            memo = None if holds_callable else (name, cfg, _memo_sig(vals), memo_arch)
             fn = _fast.get(memo) if memo is not None else None
         except TypeError:  # unhashable field: config_key raises the proper error
             memo = None
