@@ -31,11 +31,8 @@ SLOPE = 0.004
 CASES = [("B2x8192 h32 d128 causal", 2, 8192, 32, 128), ("B2x8192 h64 d64 causal", 2, 8192, 64, 64)]
 
 
-def ours_bias(score, batch_idx, head_idx, q_idx, kv_idx):
-    return score - SLOPE * (q_idx - kv_idx)
-
-
-def flex_bias(score, b, h, q_idx, kv_idx):
+def rel_bias(score, batch_idx, head_idx, q_idx, kv_idx):
+    """Ours and FlexAttention's score_mod (the same signature)."""
     return score - SLOPE * (q_idx - kv_idx)
 
 
@@ -86,11 +83,11 @@ def main():
             o = w.run(q, k, v)
             return (lambda: w.run(q, k, v, out=o)), o, type(w._plan["cfg"]).__name__
 
-        fns["ours"], outs["ours"], kern = ours(ours_bias)
+        fns["ours"], outs["ours"], kern = ours(rel_bias)
         fns["ours, no score_mod"], _, _ = ours(None)
         for tune in [x for x in a.tune.split(";") if x.strip()]:
             try:
-                fns[f"ours {tune}"], outs[f"ours {tune}"], _ = ours(ours_bias, tune)
+                fns[f"ours {tune}"], outs[f"ours {tune}"], _ = ours(rel_bias, tune)
             except Exception as e:  # noqa: BLE001 -- e.g. a setting this head_dim does not take
                 errs[f"ours {tune}"] = f"{type(e).__name__}: {str(e)[:200]}"
         try:
@@ -110,7 +107,7 @@ def main():
             q4, k4, v4 = (x.view(B, L, H, D).transpose(1, 2).contiguous() for x in (q, k, v))
             bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, B=None, H=None, Q_LEN=L, KV_LEN=L, device=DEV)
             flex = torch.compile(flex_attention)
-            fl = lambda: flex(q4, k4, v4, score_mod=flex_bias, block_mask=bm)  # noqa: E731
+            fl = lambda: flex(q4, k4, v4, score_mod=rel_bias, block_mask=bm)  # noqa: E731
             outs["FlexAttention"] = fl().transpose(1, 2).reshape(B * L, H, D)
             fns["FlexAttention"] = fl
         except Exception as e:  # noqa: BLE001
