@@ -1434,12 +1434,14 @@ def test_pos_kernel_without_pos_args(rec):
 
 # ============================================================================= kernel choice (SM90 vs portable)
 def test_sm90_kernel_chosen_and_portable_forced(rec, monkeypatch):
-    """On sm_90a the dispatch layer plans the SM90 kernel (192-row tiles at head_dim 64, 128 above) for ragged
-    and paged problems it serves, the portable kernel (64-row tiles) for what it does not; the env override
-    forces portable."""
+    """On sm_90a the dispatch layer plans the SM90 kernel (192-row tiles at head_dim 64 and for ragged K/V at
+    128, else 128) for ragged and paged problems it serves, the portable kernel (64-row tiles) for what it does
+    not; the env override forces portable."""
     w, p = planned_ragged()
     assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].tile_m == 192
     w, p = planned_ragged(ragged_problem(dqk=128))
+    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].tile_m == 192
+    w, p = planned_ragged(ragged_problem(dqk=128), logits_soft_cap=30.0)
     assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].tile_m == 128
     w, p = planned_ragged(pos_encoding_mode="ALIBI")
     assert type(w._plan["cfg"]).__name__ == "PrefillConfig" and w._plan["cfg"].tile_m == 64

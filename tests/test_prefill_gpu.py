@@ -230,11 +230,13 @@ def test_rescale_threshold(monkeypatch, tune):
     assert run_paged_mixed16()._plan["cfg"].rescale_threshold == 8
 
 
-@pytest.mark.parametrize("tune", ["q_stages=2,num_ctas=3,tile_n=128", "q_stages=2,tile_n=160,loop_split=1,v_wait_late=1"])
+@pytest.mark.parametrize("tune", ["q_stages=2,num_ctas=3,tile_n=128",
+                                  "num_wg=2,q_stages=2,tile_n=160,loop_split=1,v_wait_late=1"])
 def test_q_double_buffer(monkeypatch, tune):
     """Two Q stages (the producer loads the next tile's Q while this one runs): persistent grid with 3 CTAs
     (many tiles each, both stages reused) and one per SM, two launches of one plan, causal with empty rows,
-    window + soft cap + sinks, head_dim 64 with three warpgroups."""
+    window + soft cap + sinks, head_dim 64 (three warpgroups; two in the second variant, whose tile_n 160 with
+    two Q stages fits shared memory only with two at head_dim 128)."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     qo, kv = rand_appends(12, 1500, 800)
     w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), launches=2)
@@ -244,13 +246,15 @@ def test_q_double_buffer(monkeypatch, tune):
     run_ragged(qo, kv, 2, 8, 64, 64, BF16, opts=dict(causal=True), launches=2)
 
 
-@pytest.mark.parametrize("tune", ["smem_epilogue=1,q_stages=1", "smem_epilogue=1,q_stages=2,tile_n=160,num_ctas=3",
+@pytest.mark.parametrize("tune", ["smem_epilogue=1,q_stages=1",
+                                  "num_wg=2,smem_epilogue=1,q_stages=2,tile_n=160,num_ctas=3",
                                   "smem_epilogue=0,q_stages=1,tile_n=176"])
 def test_epilogue_variants(monkeypatch, tune):
     """Epilogue variants (tuning fields): O staged through the warpgroup's own Q rows with whole-row 16-byte
     stores (the head_dim 128 default) with one or two Q stages, and straight from registers -- GQA with
-    empty rows and requests, sinks, head_dim 64 (three warpgroups), 192/128 and 256 (one CTA per tile), a
-    persistent grid of 3 CTAs reusing both Q stages over two launches."""
+    empty rows and requests, sinks, head_dim 64 (three warpgroups; two in the second variant, as at head_dim
+    128 there), 192/128 and 256 (one CTA per tile), a persistent grid of 3 CTAs reusing both Q stages over two
+    launches."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
     for key in tune.split(","):
@@ -301,6 +305,21 @@ def test_head_sections(monkeypatch, tune):
         assert heads == {7: {128: 2, 64: 5}[d], 1024: 7}[mib]
         w = run_ragged(qo, kv, 7, group, d, d, BF16, opts=dict(causal=causal), sinks=causal, launches=2)
         assert w._plan["cfg"].head_section_mib == mib
+
+
+@pytest.mark.parametrize("tune,d,group", [("num_wg=3,tile_n=80", 128, 4), ("num_wg=3,tile_n=64,num_ctas=3", 128, 1),
+                                          ("num_wg=4,tile_n=64", 64, 8), ("num_wg=4,tile_n=64,num_ctas=3", 64, 1)])
+def test_warpgroup_counts(monkeypatch, tune, d, group):
+    """Three consumer warpgroups at head_dim 128 (tile_m 192: with the causal default's two Q stages and staged
+    TMA epilogue) and four at head_dim 64 (tile_m 256, 112 registers per consumer thread): causal with empty
+    rows and requests, sinks, two launches of the persistent grid (132 CTAs, or 3 reusing every stage), fp16
+    appends, full attention."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    w = run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, opts=dict(causal=True), sinks=True, launches=2)
+    assert w._plan["cfg"].num_wg == int(tune[7]) and w._plan["cfg"].num_ctas > 0
+    qo, kv = rand_appends(12, 1500, 800)
+    run_ragged(qo, kv, 2, group, d, d, FP16, opts=dict(causal=True), launches=2)
+    run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, layout="HND")
 
 
 @pytest.mark.parametrize("tune", ["tile_info_smem=1", "tile_info_smem=1,num_ctas=3"])

@@ -26,8 +26,9 @@ served (FlashInfer's kernel applies ``sm_scale`` twice in that combination).
 What runs where (``cutedsl_attn.dispatch.prefill_config`` decides, once per ``plan()``):
 on SM90 the TMA + wgmma kernel (``cutedsl_attn.sm90.prefill``: a producer warpgroup (TMA for
 ragged K/V and for paged blocks of whole pages, a cp.async gather for the rest) and two or three
-wgmma consumer warpgroups, 128 or 192 packed rows per CTA) serves ragged and paged KV, custom
-masks included, without positional encoding, head_dim >= 64 and a group size dividing 128; everything else
+wgmma consumer warpgroups, 128 or 192 packed rows per CTA (four and 256 as a tuning option)) serves
+ragged and paged KV, custom masks included, without positional encoding, head_dim >= 64 and a group size
+dividing 128; everything else
 runs the portable CuTe DSL prefill kernel (``cutedsl_attn.portable.prefill``: ``cp.async`` +
 ``ldmatrix`` + ``mma.sync``, 64 packed rows per CTA).  Both pack the query heads of a kv
 head into the MMA rows and both are verified on an NVIDIA H200 (SM90); on SM100/SM103 the

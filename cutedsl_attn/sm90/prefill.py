@@ -1,6 +1,6 @@
 """SM90 (Hopper) prefill / append attention: TMA + wgmma, warp-specialised.
 
-One CTA per (work row, kv head): a tile of ``tile_m = 64 * num_wg`` (128 or 192) packed
+One CTA per (work row, kv head): a tile of ``tile_m = 64 * num_wg`` (128, 192 or 256) packed
 query rows of one request, the same decomposition and work table as the portable kernel
 (:mod:`cutedsl_attn.planning.prefill`, request-major, longest first), so the API layer plans once for
 either.  The grid is ``(work rows, kv heads)`` with the work row fastest: the CTAs in flight
@@ -36,7 +36,8 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   fence the generic-proxy writes before wgmma reads them.  KV blocks are walked right to left,
   so the block that needs the sequence-end / causal-diagonal mask comes first.  The producer gives its
   registers to the consumers (``setmaxnreg``: 24/240, 40/232 for the gather, 32/160 with
-  three consumer warpgroups).
+  three consumer warpgroups, 32/112 with four -- a tuning option at head_dim 64, measured slower; the
+  consumers' increase can only take what the producer's decrease frees of the launch allocation).
 * the consumer warpgroups, 64 rows each, wait for the tile's Q; then per KV block: ``S = Q K^T``
   (wgmma, both operands in shared memory), masks only on the blocks that need them, online
   softmax in fp32 with the scale folded into one
@@ -50,7 +51,10 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   wait for ``P V`` ahead of the exponentials and the overlap was lost -- see
   ``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``); inter-warpgroup ping-pong:
   the consumer warpgroups take turns issuing their GEMMs (named barriers), so one's softmax
-  overlaps the other's GEMMs (FA3's schedule).  At head_dim 256 (plain, ragged) the default is
+  overlaps the other's GEMMs (FA3's schedule), in a ring with three warpgroups (the ragged default at
+  head_dim 64 and 128 without window / soft cap / custom mask, tile_n 128 and 80: there ptxas keeps no
+  exponential ahead of the ``P V`` wait at 160 registers, and O is rescaled while S runs, only where a row's
+  max grew by more than 8 -- session 11).  At head_dim 256 (plain, ragged) the default is
   FlashAttention-4's instead: tile_n 80, no ping-pong, O rescaled while S runs and only where a row's
   max grew by more than 8 (``rescale_threshold``); ptxas then keeps no exponential ahead of the
   ``P V`` wait, and it measured faster (perf/RESULTS.md, session 7).
@@ -58,7 +62,7 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   ``smem_epilogue`` staged through the warpgroup's own Q rows (free after its last ``S`` GEMM):
   ``stmatrix`` of each warp's 16 rows, then whole-row 16-byte stores
   (:func:`cutedsl_attn.common.epilogue.stage_rows`, ``store_staged_rows``, ``store_lse``); the default for causal ragged head_dim
-  128 (with two Q stages and tile_n 160, so the next tile's Q has its own buffer) and head_dim 256.  With
+  128 (with two Q stages, so the next tile's Q has its own buffer) and head_dim 256.  With
   ``tma_epilogue`` (the causal ragged head_dim 128 default where the group size divides 16) a warp whose 16
   staged rows all lie in the request hands them to one TMA store per 64 columns (the staging rows are
   16 x 64 boxes in the 128-byte swizzle a TMA box reads) and waits only for its reads before releasing Q;
@@ -203,6 +207,8 @@ class Sm90PrefillConfig(Dtype16):
     @property
     def registers(self) -> tuple[int, int]:
         """(consumer, producer) registers per thread after ``setmaxnreg``."""
+        if self.num_wg == 4:  # 640 threads launch with 96 registers: setmaxnreg can only move those 61,440
+            return (112, 32)
         if self.num_wg == 3:
             return (160, 32)
         return (232, 40) if self.page_size > 0 else (240, 24)  # the cp.async gather needs producer registers
@@ -269,8 +275,10 @@ def unsupported_reason(cfg) -> str | None:
             return f"tile_n must be a multiple of 16 in [64, 192], got {cfg.tile_n}"
         if cfg.num_stages not in (2, 3):
             return f"num_stages must be 2 or 3, got {cfg.num_stages}"
-        if cfg.num_wg not in (2, 3) or (64 * cfg.num_wg) % cfg.group_size:
-            return f"num_wg must be 2 or 3 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
+        if cfg.num_wg not in (2, 3, 4) or (64 * cfg.num_wg) % cfg.group_size:
+            return f"num_wg must be 2, 3 or 4 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
+        if cfg.num_wg == 4 and max(cfg.head_dim_qk, cfg.head_dim_vo) > 64:  # 120 registers per consumer thread
+            return f"num_wg 4 needs head dims <= 64, got {cfg.head_dim_qk}/{cfg.head_dim_vo}"
         if cfg.q_stages not in (1, 2):
             return f"q_stages must be 1 or 2, got {cfg.q_stages}"
         if not 0 <= cfg.ex2_poly <= 8:
@@ -300,7 +308,21 @@ def unsupported_reason(cfg) -> str | None:
 def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
                   use_soft_cap: bool = False, use_custom_mask: bool = False, page_size: int = 0,
                   causal: bool = False, num_sms: int = 132, use_score_mod: bool = False) -> dict:
-    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3-6):
+    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3-11):
+
+    * ragged K/V at head_dim 128 (``head_dim_vo == head_dim_qk``, no window / soft cap / custom mask /
+      score_mod, ``192 % group_size == 0``), causal or not (session 11): three consumer warpgroups (tile_m 192)
+      x tile_n 80 (96 spills 32 B at 160 registers), conditional rescaling (``rescale_threshold=8``) with O
+      rescaled while the S GEMM runs; causal keeps the two Q stages and the staged TMA epilogue below.
+      Interleaved A/B, paired vs two warpgroups x tile_n 160 (causal) / 176 (full): the varlen mix 0.936
+      (30 rounds; FlashInfer then 1.117x), GQA 32/8 0.951, d128 causal 0.966, d128 full 0.942 (12-15 rounds).
+      Three warpgroups without the conditional rescaling measured 0.999 (varlen) and 1.032 (d128 causal),
+      tile_n 64 1.05-1.09 (vs two warpgroups), rescaling O after P V 1.02 (varlen, vs O rescaled early).
+      The bullets on head_dim 128 below are the paged / score_mod / window cases' tiles;
+    * head_dim 64 (three warpgroups, ragged, plain): the same conditional rescaling, O rescaled while S runs --
+      paired 0.978 in two interleaved runs (15 / 25 rounds, session 11); O rescaled early alone 0.999, the
+      threshold alone 1.6% slower (session 7).  Four warpgroups (tile_m 256, tile_n 64, 112 registers): 1.078,
+      with the rescaling 1.032 -- not used;
 
     * head_dim <= 64: three consumer warpgroups (tile_m 192) x tile_n 128 -- 2.19-2.29 vs 2.67 ms for
       two warpgroups on B2 x 8192 x 64 heads causal -- where it fits 160 registers per consumer thread
@@ -369,6 +391,15 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
         tiles = {"tile_n": 128, "num_wg": 3, **persistent}
         if page_size == 0:  # (measured on ragged K/V)
             tiles.update(loop_split=True, v_wait_late=True)
+            if plain:  # conditional rescaling with O rescaled while S runs: 2.2% faster (session 11)
+                tiles.update(rescale_threshold=8, rescale_o_before_pv=True)
+    elif 64 < d <= 128 and plain and page_size == 0 and head_dim_vo == head_dim_qk and 192 % group_size == 0:
+        # three consumer warpgroups x tile_n 80 with conditional rescaling, O rescaled while S runs (session 11)
+        tiles = {"tile_n": 80, "num_wg": 3, **persistent, "rescale_threshold": 8, "rescale_o_before_pv": True}
+        if causal:
+            tiles.update(q_stages=2, smem_epilogue=True)
+            if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
+                tiles["tma_epilogue"] = True
     elif 64 < d <= 128 and plain and causal and page_size == 0 and head_dim_vo == head_dim_qk:
         tiles = {"tile_n": 160, "num_wg": 2, **persistent, "q_stages": 2, "smem_epilogue": True}
         if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
