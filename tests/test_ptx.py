@@ -709,6 +709,14 @@ def test_prefill_tuning_fields():
     for bad in (dict(page_size=16), dict(use_custom_mask=True)):
         with pytest.raises(ValueError, match="trace writes into the mask argument"):
             Sm90PrefillConfig(**base, **bad, trace=True)
+    base64 = {**base, "head_dim_qk": 64, "head_dim_vo": 64}
+    with pytest.raises(ValueError, match="trace records at most three consumer warpgroups"):
+        Sm90PrefillConfig(**base64, num_wg=4, tile_n=64, trace=True)
+    with pytest.raises(ValueError, match="num_wg 4 needs head dims <= 64"):  # 112 registers per consumer thread
+        Sm90PrefillConfig(**base, num_wg=4, tile_n=64)
+    with pytest.raises(ValueError, match="num_wg must be 2, 3 or 4"):
+        Sm90PrefillConfig(**base64, num_wg=5)
+    assert Sm90PrefillConfig(**base64, num_wg=4, tile_n=64).tile_m == 256
     with pytest.raises(ValueError, match="shared memory"):  # two Q stages at tile_n 176 do not fit
         Sm90PrefillConfig(**base, q_stages=2, tile_n=176)
     for bad in (dict(), dict(smem_epilogue=True, group_size=32)):  # TMA boxes of a warp's 16 staged rows

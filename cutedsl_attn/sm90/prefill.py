@@ -292,6 +292,8 @@ def unsupported_reason(cfg) -> str | None:
                     f"a group_size dividing 16, got smem_epilogue={cfg.smem_epilogue}, group_size={cfg.group_size}")
         if cfg.trace and (cfg.use_custom_mask or cfg.page_size > 0):
             return "trace writes into the mask argument: ragged K/V without a custom mask only"
+        if cfg.trace and cfg.num_wg > 3:  # slots 4 wg + 0..3 of a 16-slot record; 12 and 13: CTA, hand-over
+            return f"trace records at most three consumer warpgroups, got num_wg={cfg.num_wg}"
         if not 0 <= cfg.head_section_mib <= 1024:
             return f"head_section_mib must be in 0..1024, got {cfg.head_section_mib}"
         if cfg.head_section_mib and cfg.page_size > 0:
