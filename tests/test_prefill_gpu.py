@@ -215,7 +215,7 @@ def test_rescale_threshold(monkeypatch, tune):
     max until a block's exceeds it by more than 8 (log2 units), O is rescaled only where some row of the
     warp moved it -- with the row max growing past the threshold block after block (key norms ramping up
     to the left, a large ``sm_scale``), sinks, soft cap + window, GQA, head_dim 64 / 256, full attention
-    (tile_n 176), persistent grids, paged K/V."""
+    (three warpgroups x tile_n 80), persistent grids, paged K/V."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
     assert w._plan["cfg"].rescale_threshold == 8
@@ -230,13 +230,14 @@ def test_rescale_threshold(monkeypatch, tune):
     assert run_paged_mixed16()._plan["cfg"].rescale_threshold == 8
 
 
-@pytest.mark.parametrize("tune", ["q_stages=2,num_ctas=3,tile_n=128",
+@pytest.mark.parametrize("tune", ["num_wg=2,q_stages=2,num_ctas=3,tile_n=128",
                                   "num_wg=2,q_stages=2,tile_n=160,loop_split=1,v_wait_late=1"])
 def test_q_double_buffer(monkeypatch, tune):
     """Two Q stages (the producer loads the next tile's Q while this one runs): persistent grid with 3 CTAs
     (many tiles each, both stages reused) and one per SM, two launches of one plan, causal with empty rows,
-    window + soft cap + sinks, head_dim 64 (three warpgroups; two in the second variant, whose tile_n 160 with
-    two Q stages fits shared memory only with two at head_dim 128)."""
+    window + soft cap + sinks, head_dim 64 -- with two consumer warpgroups (``num_wg=2``: three with two Q stages
+    are the head_dim 128 causal default, which every causal d128 test runs; tile_n 160 with two Q stages fits
+    shared memory only with two)."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     qo, kv = rand_appends(12, 1500, 800)
     w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), launches=2)
@@ -248,13 +249,13 @@ def test_q_double_buffer(monkeypatch, tune):
 
 @pytest.mark.parametrize("tune", ["smem_epilogue=1,q_stages=1",
                                   "num_wg=2,smem_epilogue=1,q_stages=2,tile_n=160,num_ctas=3",
-                                  "smem_epilogue=0,q_stages=1,tile_n=176"])
+                                  "num_wg=2,smem_epilogue=0,q_stages=1,tile_n=176"])
 def test_epilogue_variants(monkeypatch, tune):
     """Epilogue variants (tuning fields): O staged through the warpgroup's own Q rows with whole-row 16-byte
     stores (the head_dim 128 default) with one or two Q stages, and straight from registers -- GQA with
-    empty rows and requests, sinks, head_dim 64 (three warpgroups; two in the second variant, as at head_dim
-    128 there), 192/128 and 256 (one CTA per tile), a persistent grid of 3 CTAs reusing both Q stages over two
-    launches."""
+    empty rows and requests, sinks, head_dim 64, 192/128 and 256 (one CTA per tile), a persistent grid of 3
+    CTAs reusing both Q stages over two launches; the first variant with the default warpgroups (three at
+    head_dim 64 / 128), the others with two (``num_wg=2``: tile_n 160 / 176 fit three only spilling)."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
     for key in tune.split(","):
@@ -267,13 +268,14 @@ def test_epilogue_variants(monkeypatch, tune):
 
 
 @pytest.mark.parametrize("tune", ["smem_epilogue=1,tma_epilogue=1",
-                                  "smem_epilogue=1,tma_epilogue=1,q_stages=2,tile_n=128,num_ctas=3"])
+                                  "num_wg=2,smem_epilogue=1,tma_epilogue=1,q_stages=2,tile_n=128,num_ctas=3"])
 def test_tma_epilogue(monkeypatch, tune):
     """The staged epilogue's TMA store (``tma_epilogue``, session 8): a warp whose 16 packed rows lie in the
     request stores them with one TMA box per 64 columns, a warp at the request's end stores row by row --
     ragged appends and the mixed batch (requests ending inside warps, empty rows and requests), group sizes
-    1 / 4 / 8 / 16, sinks, fp16, head_dim 64 (three warpgroups) / 192-128 / 256, full attention, a
-    persistent grid of 3 CTAs reusing both Q stages over two launches, paged K/V."""
+    1 / 4 / 8 / 16, sinks, fp16, head_dim 64 / 192-128 / 256, full attention, a persistent grid of 3 CTAs
+    reusing both Q stages over two launches, paged K/V; the default warpgroups (three at head_dim 64 and for
+    ragged 128), then two (``num_wg=2``)."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     qo, kv = rand_appends(12, 1500, 800)
     w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)

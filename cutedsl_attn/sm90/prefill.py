@@ -51,10 +51,11 @@ CTA organisation (``128 * (num_wg + 1)`` threads: a producer and ``num_wg`` cons
   wait for ``P V`` ahead of the exponentials and the overlap was lost -- see
   ``tests/test_ptx.py::test_sm90_prefill_softmax_overlaps_pv``); inter-warpgroup ping-pong:
   the consumer warpgroups take turns issuing their GEMMs (named barriers), so one's softmax
-  overlaps the other's GEMMs (FA3's schedule), in a ring with three warpgroups (the ragged default at
-  head_dim 64 and 128 without window / soft cap / custom mask, tile_n 128 and 80: there ptxas keeps no
-  exponential ahead of the ``P V`` wait at 160 registers, and O is rescaled while S runs, only where a row's
-  max grew by more than 8 -- session 11).  At head_dim 256 (plain, ragged) the default is
+  overlaps the other's GEMMs (FA3's schedule), in a ring with three warpgroups (the default at head_dim 64
+  without window / soft cap / custom mask, tile_n 128, and for ragged K/V at head_dim 128 / 128 without those
+  or a score_mod, tile_n 80: at 160 registers ptxas keeps no exponential ahead of the ``P V`` wait; for plain
+  ragged problems of both O is rescaled while S runs, only where a row's max grew by more than 8 -- session
+  11).  At head_dim 256 (plain, ragged) the default is
   FlashAttention-4's instead: tile_n 80, no ping-pong, O rescaled while S runs and only where a row's
   max grew by more than 8 (``rescale_threshold``); ptxas then keeps no exponential ahead of the
   ``P V`` wait, and it measured faster (perf/RESULTS.md, session 7).
@@ -277,7 +278,7 @@ def unsupported_reason(cfg) -> str | None:
             return f"num_stages must be 2 or 3, got {cfg.num_stages}"
         if cfg.num_wg not in (2, 3, 4) or (64 * cfg.num_wg) % cfg.group_size:
             return f"num_wg must be 2, 3 or 4 with 64 * num_wg a multiple of group_size, got {cfg.num_wg}"
-        if cfg.num_wg == 4 and max(cfg.head_dim_qk, cfg.head_dim_vo) > 64:  # 120 registers per consumer thread
+        if cfg.num_wg == 4 and max(cfg.head_dim_qk, cfg.head_dim_vo) > 64:  # 112 registers per consumer thread
             return f"num_wg 4 needs head dims <= 64, got {cfg.head_dim_qk}/{cfg.head_dim_vo}"
         if cfg.q_stages not in (1, 2):
             return f"q_stages must be 1 or 2, got {cfg.q_stages}"
@@ -310,7 +311,7 @@ def unsupported_reason(cfg) -> str | None:
 def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
                   use_soft_cap: bool = False, use_custom_mask: bool = False, page_size: int = 0,
                   causal: bool = False, num_sms: int = 132, use_score_mod: bool = False) -> dict:
-    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, 2026-11-29 sessions 3-11):
+    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, sessions 3-11, 2026-11-29/30):
 
     * ragged K/V at head_dim 128 (``head_dim_vo == head_dim_qk``, no window / soft cap / custom mask /
       score_mod, ``192 % group_size == 0``), causal or not (session 11): three consumer warpgroups (tile_m 192)
@@ -320,7 +321,9 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       (30 rounds; FlashInfer then 1.117x), GQA 32/8 0.951, d128 causal 0.966, d128 full 0.942 (12-15 rounds).
       Three warpgroups without the conditional rescaling measured 0.999 (varlen) and 1.032 (d128 causal),
       tile_n 64 1.05-1.09 (vs two warpgroups), rescaling O after P V 1.02 (varlen, vs O rescaled early).
-      The bullets on head_dim 128 below are the paged / score_mod / window cases' tiles;
+      The head_dim 128 bullets below were measured with two warpgroups: tile_n 176 is now the paged and
+      score_mod problems' tiles (windows and soft caps take 128); the two Q stages and the staged / TMA
+      epilogue carried over to the three warpgroups (tile_n 160 was the largest two Q stages fit with two);
     * head_dim 64 (three warpgroups, ragged, plain): the same conditional rescaling, O rescaled while S runs --
       paired 0.978 in two interleaved runs (15 / 25 rounds, session 11); O rescaled early alone 0.999, the
       threshold alone 1.6% slower (session 7).  Four warpgroups (tile_m 256, tile_n 64, 112 registers): 1.078,
@@ -402,10 +405,6 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
             tiles.update(q_stages=2, smem_epilogue=True)
             if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
                 tiles["tma_epilogue"] = True
-    elif 64 < d <= 128 and plain and causal and page_size == 0 and head_dim_vo == head_dim_qk:
-        tiles = {"tile_n": 160, "num_wg": 2, **persistent, "q_stages": 2, "smem_epilogue": True}
-        if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
-            tiles["tma_epilogue"] = True
     elif 64 < d <= 128 and (plain or smod_plain):
         tiles = {"tile_n": 176, "num_wg": 2, **persistent}
     else:
