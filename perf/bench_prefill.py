@@ -84,10 +84,11 @@ def case_inputs(lens, hq, hkv, d):
     return lens, q, k, v, indptr
 
 
-def plan_ours(ws, indptr, hq, hkv, d, causal, env=None):
+def plan_ours(ws, indptr, hq, hkv, d, causal, env=None, **plan_kw):
     """Our ragged wrapper planned on the case, with ``env`` (environment variable -> value, e.g.
     ``{"CUTEDSL_ATTN_PREFILL_TUNE": "tile_n=128"}``; ``None`` / ``""`` unsets one: the dispatch defaults)
-    in force for the plan only, the previous values restored after."""
+    in force for the plan only, the previous values restored after; ``plan_kw`` (e.g. ``score_mod``) go to
+    ``plan()``."""
     import cutedsl_attn as ca
 
     env = env or {}
@@ -97,7 +98,7 @@ def plan_ours(ws, indptr, hq, hkv, d, causal, env=None):
             if val:
                 os.environ[key] = val
         w = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT)
+        w.plan(indptr, indptr, hq, hkv, d, causal=causal, q_data_type=DT, **plan_kw)
     finally:
         for key, val in saved.items():
             os.environ.pop(key, None)

@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from bench_prefill import DEV, DT, flops
+from bench_prefill import DEV, DT, flops, plan_ours
 
 from cutedsl_attn.timing import KernelTimer, paired_ratio
 
@@ -56,8 +56,6 @@ def main():
     ap.add_argument("--cases", default="", help="only the cases whose name contains one of these ';'-separated words")
     ap.add_argument("--tune", default="", help="';'-separated CUTEDSL_ATTN_PREFILL_TUNE settings of extra 'ours' variants")
     a = ap.parse_args()
-    import cutedsl_attn as ca
-
     timer = KernelTimer(DEV, sleep_cycles=4_000_000)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     results = []
@@ -73,13 +71,8 @@ def main():
         fns, outs, errs = {}, {}, {}
 
         def ours(score_mod, tune=""):
-            w = ca.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-            if tune:
-                os.environ["CUTEDSL_ATTN_PREFILL_TUNE"] = tune
-            try:
-                w.plan(indptr, indptr, H, H, D, causal=True, q_data_type=DT, score_mod=score_mod)
-            finally:
-                os.environ.pop("CUTEDSL_ATTN_PREFILL_TUNE", None)
+            w = plan_ours(ws, indptr, H, H, D, True, {"CUTEDSL_ATTN_PREFILL_TUNE": tune} if tune else None,
+                          score_mod=score_mod)
             o = w.run(q, k, v)
             return (lambda: w.run(q, k, v, out=o)), o, type(w._plan["cfg"]).__name__
 
@@ -116,8 +109,8 @@ def main():
         ref = outs["ours"].float()
         rel = {n: float((o.float() - ref).norm() / ref.norm()) for n, o in outs.items() if n != "ours"}
         t = timer.interleaved(fns, rounds=a.rounds)
-        med = {n: statistics.median(x[0] for x in s) for n, s in t.items()}
-        per = {n: [x[0] for x in s] for n, s in t.items()}
+        per = {n: [x[0] for x in s] for n, s in t.items()}  # one call per round
+        med = {n: statistics.median(p) for n, p in per.items()}
         fl_count = flops([L] * B, H, D, D, True)
         row = dict(case=name, kernel=kern, ms={n: round(m * 1e3, 3) for n, m in med.items()},
                    tflops={n: round(fl_count / m / 1e12) for n, m in med.items()},
