@@ -196,7 +196,7 @@ def test_ex2_poly(monkeypatch, d, group, ex2_poly):
     run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0))
 
 
-@pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1"])
+@pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1,stale_max=0"])
 def test_loop_order_variants(monkeypatch, tune):
     """The main-loop order variants (tuning fields; the d64 default uses the first two): masked blocks in their own loop, V
     waited for after S is issued, K released right after the S wait -- causal with empty rows and
@@ -228,6 +228,30 @@ def test_rescale_threshold(monkeypatch, tune):
                k_ramp=3.0)
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, layout="HND", k_ramp=3.0)
     assert run_paged_mixed16()._plan["cfg"].rescale_threshold == 8
+
+
+@pytest.mark.parametrize("tune", ["stale_max=1", "stale_max=1,rescale_threshold=0,num_ctas=3",
+                                  "stale_max=1,loop_split=0,v_wait_late=0,num_wg=2"])
+def test_stale_max(monkeypatch, tune):
+    """Exponentials against the running max as it stands (``stale_max``, session 12): unmasked blocks skip the
+    row max and redo the block exactly (S again from the held K stage) where a thread's partial row sum reaches
+    2^15 -- with the key norms ramping up 4x to the left at ``sm_scale`` 0.5 (the row max grows by tens of log2
+    units over the blocks, so blocks redo), sinks, a sliding window (its cut blocks masked, the rest stale),
+    full attention, GQA, head_dim 64 (FlashAttention's loop order: the unmasked loop) / 128 / 256, float16
+    (P < 2^15 fits it), persistent grids and two launches of one plan, paged K/V."""
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
+    assert w._plan["cfg"].stale_max
+    qo, kv = rand_appends(8, 1500, 800)
+    run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True, sm_scale=0.5), k_ramp=3.0, launches=2)
+    run_ragged(qo, kv, 2, 8, 64, 64, FP16, opts=dict(causal=True, sm_scale=0.5), k_ramp=3.0, sinks=True)
+    run_ragged(qo, kv, 3, 2, 64, 64, BF16, opts=dict(causal=True), k_ramp=3.0)
+    run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True, window_left=300), k_ramp=3.0)
+    run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, layout="HND", k_ramp=3.0)
+    run_ragged(MIXED_QO, MIXED_KV, 1, 2, 64, 64, BF16, opts=dict(sm_scale=0.4), k_ramp=3.0)
+    run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True, sm_scale=0.3),
+               k_ramp=3.0)
+    assert run_paged_mixed16()._plan["cfg"].stale_max
 
 
 @pytest.mark.parametrize("tune", ["num_wg=2,q_stages=2,num_ctas=3,tile_n=128",

@@ -155,12 +155,13 @@ def test_sass_with_tools():
 def test_sm90_prefill_wgmma_not_serialised(keys):
     """ptxas silently serialises every wgmma of a kernel (a wait after each one) when it cannot prove the
     accumulators untouched between issue and wait -- that cost a restructured variant of this kernel ~40%
-    on the H200.  The SASS must keep the pipeline: one wait per wait_group point of the source (4), not
-    one per HGMMA."""
+    on the H200.  The SASS must keep the pipeline: one wait per wait_group point of the source (4, and
+    ``stale_max``'s redo), not one per HGMMA."""
     text = ci.sass("prefill", "sm_90a", dtype="bfloat16", group_size=4, kernel="sm90", **keys)
+    cfg = ci.config("prefill", "sm_90a", dtype="bfloat16", group_size=4, kernel="sm90", **keys)
     hgmma = len(re.findall(r"\bHGMMA\.", text))
     waits = len(re.findall(r"WARPGROUP\.DEPBAR", text))
-    assert hgmma >= 16 and waits <= 4, (hgmma, waits)
+    assert hgmma >= 16 and waits <= 4 + cfg.stale_max, (hgmma, waits)  # (+ the stale_max redo's wait)
 
 
 # ----------------------------------------------------------------------------- instruction_summary (synthetic)
@@ -349,13 +350,17 @@ def test_sm90_prefill_ptx(name):
     assert re.search(rf"\.reqntid\s+{128 * (num_wg + 1)}, 1, 1", text), "1 producer + num_wg consumer warpgroups"
     qk = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k16\.f32\.{ab}\.{ab}", text)
     pv = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{dvo}k16\.f32\.{ab}\.{ab}", text)
-    # each GEMM is issued in two places (first block, main loop; three with loop_split's two main loops);
-    # QK: dqk/16 k-steps, PV: tile_n/16
+    # each GEMM is issued in two places (first block, main loop; three with loop_split's two main loops), S once
+    # more with stale_max (the redo of an unmasked block); QK: dqk/16 k-steps, PV: tile_n/16
     places = 3 if cfg.loop_split else 2
+    qk_places = places + cfg.stale_max
     if tile_n != dvo:
-        assert len(qk) == places * (dqk // 16) and len(pv) == places * (tile_n // 16)
+        assert len(qk) == qk_places * (dqk // 16) and len(pv) == places * (tile_n // 16)
     else:
-        assert len(qk) == places * (dqk // 16) + places * (tile_n // 16)
+        assert len(qk) == qk_places * (dqk // 16) + places * (tile_n // 16)
+    # stale_max (session 12) where measured faster: the plain three-warpgroup problems (ragged; d64, d128)
+    assert cfg.stale_max == (num_wg == 3)
+    assert ("bar.red.or.pred" in text) == cfg.stale_max  # the warpgroup agrees on a redo (a warpgroup GEMM)
     assert cfg.loop_split == (dqk == 64 and num_wg == 3)  # FlashAttention's loop order where it measured faster (d64)
     # conditional rescaling (O rescaled while S runs, except at d256) where it measured faster: d64 / d128 plain
     # ragged with three warpgroups (session 11), d256 plain ragged (session 7)
@@ -502,15 +507,24 @@ def test_sm90_prefill_softmax_overlaps_pv(name, monkeypatch):
     and measured 1.3% faster than without it (session 7; two warpgroups without ping-pong there): checked
     here without it.  Ragged head_dim 128 now takes three warpgroups at 160 registers (session 11), where
     ptxas keeps none there either (as at head_dim 64), measured 3.5-7% faster than two: the two-warpgroup
-    schedule (still that of paged K/V, a score_mod, a window or soft cap) is checked with those tiles."""
+    schedule (still that of paged K/V, a score_mod, a window or soft cap) is checked with those tiles.  With
+    ``stale_max`` (session 12, the three-warpgroup default) an unmasked block's exponentials have no row max
+    to wait for and the K stage is released after the redo check: ptxas puts every one of them before the
+    wait for P V (measured 4% faster at d128 causal)."""
     keys, tile_n, _ = SM90_PREFILL_CONFIGS[name]
     if name == "bf16_hd256_causal":
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "rescale_threshold=0")
     if name == "bf16_hd128_g4_causal":
-        assert _main_loop_overlap(ci.sass("prefill", "sm_90a", **keys)) == (0, 0)  # three warpgroups
+        # three warpgroups, stale_max: the main loop's masked (exact) and unmasked (stale) softmax, all of the
+        # latter's tile_n / 2 exponentials per thread before the wait
+        assert ci.config("prefill", "sm_90a", **keys).stale_max
+        ffma, mufu = _main_loop_overlap(ci.sass("prefill", "sm_90a", **keys))
+        assert ffma >= tile_n // 2 and mufu >= tile_n // 2, (ffma, mufu)
+        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "stale_max=0")
+        assert _main_loop_overlap(ci.sass("prefill", "sm_90a", **keys)) == (0, 0)  # (session 11's schedule)
         tile_n = 160
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "num_wg=2,tile_n=160,rescale_threshold=0,"
-                                                        "rescale_o_before_pv=0")
+                                                        "rescale_o_before_pv=0,stale_max=0")
     text = ci.sass("prefill", "sm_90a", **keys)
     assert text.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1, "one wait_group(1): the main loop's wait for S"
     ffma, mufu = _main_loop_overlap(text)
@@ -550,8 +564,9 @@ def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size)
         before = ptx.split(stores[0], 1)[0].rsplit("bar.warp.sync", 1)[1]
         assert "elect.sync" not in before
     text = ci.sass("prefill", "sm_90a", **keys)
-    # one wait per GEMM site: first block, the main loop (two waits; loop_split: two main loops), last P V
-    assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= (6 if cfg.loop_split else 4)
+    # one wait per GEMM site: first block, the main loop (two waits; loop_split: two main loops), last P V, and
+    # stale_max's redo of a block
+    assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= (6 if cfg.loop_split else 4) + cfg.stale_max
     assert len(re.findall(r"\bHGMMA\.", text)) >= 16
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
@@ -624,6 +639,29 @@ def test_sm90_prefill_head_dim_256_tiles():
     for bad in (-1, 16, True):
         with pytest.raises(ValueError, match="rescale_threshold"):
             Sm90PrefillConfig(**base, rescale_threshold=bad)
+
+
+def test_sm90_prefill_stale_max_config():
+    """``stale_max`` (session 12) is the default where it measured faster -- the plain three-warpgroup problems
+    with ragged K/V (d64, d128 causal and full, GQA) -- and not at head_dim 256 (equal), for paged K/V, windows,
+    soft caps, score_mods or custom masks (untimed or refused); it is refused where the block's logits are
+    not ``sm_scale * q.k`` (soft cap, score_mod), every block is masked (custom mask) or the K stage its redo
+    reads is released before the softmax (``k_release_early``)."""
+    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig, default_tiles
+
+    for d, g, causal in ((64, 1, True), (64, 8, False), (128, 1, True), (128, 4, True), (128, 1, False)):
+        assert default_tiles(d, d, g, causal=causal).get("stale_max") is True, (d, g, causal)
+    for d, kw in ((256, {}), (128, dict(page_size=16)), (64, dict(page_size=16)), (128, dict(use_window=True)),
+                  (128, dict(use_soft_cap=True)), (64, dict(use_score_mod=True)), (128, dict(use_custom_mask=True))):
+        assert not default_tiles(d, d, 1, causal=True, **kw).get("stale_max"), (d, kw)
+    base = dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
+    assert Sm90PrefillConfig(**base, stale_max=True, use_window=True, page_size=16).stale_max
+    for bad in (dict(use_soft_cap=True), dict(score_mod=lambda s, b, h, q, k: s), dict(use_custom_mask=True),
+                dict(k_release_early=True)):
+        with pytest.raises(ValueError, match="stale_max needs"):
+            Sm90PrefillConfig(**base, stale_max=True, **bad)
+    with pytest.raises(ValueError, match="stale_max must be a bool"):
+        Sm90PrefillConfig(**base, stale_max=1)
 
 
 def test_sm90_prefill_head_sections_default():
@@ -782,7 +820,8 @@ def test_sm90_prefill_custom_mask_ptx(keys):
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
 
-@pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1", "v_wait_late=1"])
+@pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1,stale_max=0",
+                                  "v_wait_late=1"])
 def test_sm90_prefill_loop_order_variants_build(monkeypatch, tune):
     """FlashAttention's main-loop order as tuning variants (the d64 default uses two; run on the H200 in
     session 6, ``tests/test_prefill_gpu.py::test_loop_order_variants``): ``loop_split`` issues the
@@ -797,7 +836,7 @@ def test_sm90_prefill_loop_order_variants_build(monkeypatch, tune):
     places = 3 if "loop_split" in tune else 2
     qk = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k16", text))
     pv = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16", text))
-    assert (qk, pv) == (places * 8, places * cfg.tile_n // 16), (qk, pv)
+    assert (qk, pv) == ((places + cfg.stale_max) * 8, places * cfg.tile_n // 16), (qk, pv)  # (+ the redo's S)
     assert text != base
     for extra in (dict(), dict(use_window=True, use_soft_cap=True), dict(page_size=16)):
         assert ci.resources("prefill", "sm_90a", **{**keys, **extra})["stack_bytes"] == 0, extra
@@ -822,9 +861,10 @@ def test_sm90_prefill_ex2_poly_ptx(monkeypatch, ex2_poly):
     cfg = ci.config("prefill", "sm_90a", **keys)
     assert cfg.ex2_poly == ex2_poly
     text = ci.ptx("prefill", "sm_90a", **keys)
-    # softmax of the first block and of the main loop (two with loop_split, the d64 default): 2 or 3 places x
-    # 2 rows x tile_n / 4 values per thread
-    values = (3 if cfg.loop_split else 2) * 2 * cfg.tile_n // 4
+    # softmax of the first block and of the main loop (two with loop_split, the d64 default), with stale_max
+    # also the unmasked blocks' stale step next to their redo's exact one: 2 or 3 places (+1) x 2 rows x
+    # tile_n / 4 values per thread
+    values = ((3 if cfg.loop_split else 2) + cfg.stale_max) * 2 * cfg.tile_n // 4
     n_poly = values * ex2_poly // 8
     assert len(re.findall(r"add\.rn\.f32\s+\S+,\s*\S+,\s*0f4B400000", text)) == n_poly
     assert len(re.findall(r"shl\.b32\s+\S+,\s*\S+,\s*23;", text)) == n_poly

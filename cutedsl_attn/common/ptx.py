@@ -113,6 +113,17 @@ def opaque_i32(x):
     return _inline("mov.b32 {$w0}, {$r0};", write_only_types=[Int32], read_only_args=[Int32(x)])
 
 
+def barrier_or(pred, barrier_id, num_threads: int):
+    """``bar.red.or.pred`` on named barrier ``barrier_id`` (Int32) over ``num_threads`` (compile time) threads: waits
+    for them like ``bar.sync`` and returns 1 (Int32) to each if ``pred`` (Int32, nonzero = true) holds for any."""
+    return _inline(
+        "{ .reg .pred q, p; setp.ne.s32 q, {$r0}, 0; "
+        f"bar.red.or.pred p, {{$r1}}, {int(num_threads)}, q; selp.s32 {{$w0}}, 1, 0, p; }}",
+        write_only_types=[Int32],
+        read_only_args=[Int32(pred), Int32(barrier_id)],
+    )
+
+
 def ex2(x):
     """2**x (``ex2.approx.ftz.f32``; ex2(-inf) = 0)."""
     return _inline("ex2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])

@@ -104,6 +104,42 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
         row_l[h] = row_l[h] * scale[h] + _tree(ps, lambda a, b: a + b)
 
 
+STALE_MAX_LIMIT = 15  # log2 bound on a thread's partial row sum in stale_max_step: P < 2^15 fits float16
+
+
+def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn=None, ex2_poly: int = 0):
+    """The online softmax step of a block known to be unmasked, against the running max as it stands (no
+    max of this block): ``2^(s * logit_scale - m)`` in place, then the thread's partial row sums are checked.
+
+    The softmax is exact for any reference ``m`` that O, the sums and the LSE share; the max only keeps P
+    from overflowing (and a reference from an earlier block's exact max keeps underflow as in the exact
+    step). A thread whose partial sum of a row (an upper bound of each of its probabilities of that row)
+    reaches ``2^STALE_MAX_LIMIT`` or is inf -- also a row without a finite max yet (``m = -inf``) -- marks the
+    block, and ``any_fn`` (a Boolean -> Boolean OR over the threads that must agree: the warp's vote by default;
+    a warpgroup-wide reduction where the redo issues a warpgroup GEMM) combines the marks. Returns that uniform Boolean: True means nothing was committed
+    (``row_l`` unchanged) and ``sacc`` no longer holds S, so the caller computes S again and runs
+    :func:`online_softmax_step`. Otherwise the block's sums are added and ``scale`` is exactly 1 (O keeps
+    its scale); ``row_m`` never changes here. Saves the row max (``max`` per score and two shuffles per row)
+    ahead of the exponentials; ``logit_scale`` > 0 as in :func:`online_softmax_step`."""
+    l_blk = []
+    for h in range(2):
+        ps = []
+        for n in range(n_tiles):
+            for e in range(2):
+                exp2 = ptx.ex2_poly if (2 * n + e) % 8 < ex2_poly else ptx.ex2  # (as online_softmax_step)
+                p = exp2(sacc[4 * n + 2 * h + e] * logit_scale - row_m[h])
+                sacc[4 * n + 2 * h + e] = p
+                ps.append(p)
+        l_blk.append(_tree(ps, lambda a, b: a + b))
+    limit = Float32(float(2 ** STALE_MAX_LIMIT))
+    bad = (l_blk[0] >= limit) | (l_blk[1] >= limit)
+    redo = cute.arch.vote_any_sync(bad) if any_fn is None else any_fn(bad)
+    for h in range(2):
+        row_l[h] = Float32(cutlass.select_(redo, row_l[h], row_l[h] + l_blk[h]))
+        scale[h] = Float32(1.0)
+    return redo
+
+
 def _tree(vals, op, lanes: int = 4):
     """Reduce ``vals`` with ``op`` through ``lanes`` independent partial results (instruction-level
     parallelism: a dependency chain of ``len(vals) / lanes`` instead of ``len(vals)``), then pairwise."""

@@ -171,6 +171,11 @@ class Sm90PrefillConfig(Dtype16):
     # uses 8; common.softmax.online_softmax_step's max_slack): the O rescale is skipped while no row of the
     # warp moved its max; 0: exact maxima, O rescaled every block; session 7
     rescale_threshold: int = 0
+    # blocks the main loop knows to be unmasked (no soft cap / score_mod / custom mask) take their exponentials
+    # against the running max as it stands, without this block's max (common.softmax.stale_max_step): a thread
+    # whose partial row sum reaches 2^15 makes its warpgroup (bar.red.or: the redo is a warpgroup GEMM) compute S
+    # again (the K stage is still held) and run the exact step; session 12
+    stale_max: bool = False
     # with smem_epilogue: a warp whose 16 staged rows all lie in the request stores them with TMA (one box of
     # 16 rows x 64 columns per 64 columns) instead of reading them back into registers; a partial warp (the
     # request's end) stores as before (session 8)
@@ -286,6 +291,9 @@ def unsupported_reason(cfg) -> str | None:
             return f"ex2_poly must be in 0..8, got {cfg.ex2_poly}"
         if not 0 <= cfg.rescale_threshold <= 15:  # P <= 2^threshold must fit float16 (max 65504)
             return f"rescale_threshold must be in 0..15, got {cfg.rescale_threshold}"
+        if cfg.stale_max and (cfg.use_soft_cap or score_mod is not None or cfg.use_custom_mask or cfg.k_release_early):
+            return ("stale_max needs logits scaled by sm_scale alone (no soft cap or score_mod), blocks without a "
+                    "custom mask, and the K stage held through the softmax (k_release_early off)")
         if cfg.smem_epilogue and cfg.head_dim_vo > cfg.head_dim_qk:
             return "smem_epilogue stages O in the Q rows: needs head_dim_vo <= head_dim_qk"
         if cfg.tma_epilogue and (not cfg.smem_epilogue or 16 % cfg.group_size):
@@ -324,6 +332,15 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       The head_dim 128 bullets below were measured with two warpgroups: tile_n 176 is now the paged and
       score_mod problems' tiles (windows and soft caps take 128); the two Q stages and the staged / TMA
       epilogue carried over to the three warpgroups (tile_n 160 was the largest two Q stages fit with two);
+    * the plain three-warpgroup problems of the two bullets here (ragged, head_dim 64 and 128, session 12):
+      ``stale_max`` -- the blocks the main loop knows to be unmasked skip the row max and take their
+      exponentials against the running max as it stands, redoing the block exactly (S again) where a
+      thread's partial row sum reaches 2^15 (:func:`common.softmax.stale_max_step`). Interleaved A/B, paired
+      vs without: d64 0.967 / 0.973 (20 rounds, warp vote / the warpgroup's ``bar.red`` that the redo's GEMM
+      needs), d128 causal 0.957 / 0.959, d128 full 0.977, GQA 32/8 0.951, the varlen mix 0.941 (warp
+      vote); head_dim 256 0.998 (not used there). With it at d64: three knobs measured no gain
+      (``num_stages=3`` 0.997, ``q_stages=2`` 1.000, no ping-pong 1.004), ``tile_n=112`` 1.028,
+      ``ex2_poly=1`` 1.047;
     * head_dim 64 (three warpgroups, ragged, plain): the same conditional rescaling, O rescaled while S runs --
       paired 0.978 in two interleaved runs (15 / 25 rounds, session 11); O rescaled early alone 0.999, the
       threshold alone 1.6% slower (session 7).  Four warpgroups (tile_m 256, tile_n 64, 112 registers): 1.078,
@@ -396,11 +413,13 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
         tiles = {"tile_n": 128, "num_wg": 3, **persistent}
         if page_size == 0:  # (measured on ragged K/V)
             tiles.update(loop_split=True, v_wait_late=True)
-            if plain:  # conditional rescaling with O rescaled while S runs: 2.2% faster (session 11)
-                tiles.update(rescale_threshold=8, rescale_o_before_pv=True)
+            if plain:  # conditional rescaling with O rescaled while S runs: 2.2% faster (session 11); the
+                # unmasked blocks against the running max as it stands: 2.7-3.3% faster (session 12)
+                tiles.update(rescale_threshold=8, rescale_o_before_pv=True, stale_max=True)
     elif 64 < d <= 128 and plain and page_size == 0 and head_dim_vo == head_dim_qk and 192 % group_size == 0:
         # three consumer warpgroups x tile_n 80 with conditional rescaling, O rescaled while S runs (session 11)
-        tiles = {"tile_n": 80, "num_wg": 3, **persistent, "rescale_threshold": 8, "rescale_o_before_pv": True}
+        tiles = {"tile_n": 80, "num_wg": 3, **persistent, "rescale_threshold": 8, "rescale_o_before_pv": True,
+                 "stale_max": True}  # (session 12: 2.3-5.9% faster)
         if causal:
             tiles.update(q_stages=2, smem_epilogue=True)
             if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
@@ -1117,8 +1136,15 @@ class Sm90PrefillKernel:
         warpgroup.wait_group(1)
         if const_expr(cfg.k_release_early):
             pipe_k.consumer_release(state)
-        self._softmax_block(acc_S, row_m, row_l, row_scale, n * self.TN, kv_len, qpos, pos_first, pos_last,
-                            sc_in, sc_out, window_left, t, mask, mask_mode)
+        stale = const_expr(cfg.stale_max and mask_mode != "all")
+        redo = self._softmax_block(acc_S, row_m, row_l, row_scale, n * self.TN, kv_len, qpos, pos_first, pos_last,
+                                   sc_in, sc_out, window_left, t, mask, mask_mode, stale, wg)
+        if const_expr(stale):
+            if redo:  # a row's max moved too far (warp-uniform): S again from the still-held K stage, exact step
+                self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
+                warpgroup.wait_group(0)
+                sm.online_softmax_step(acc_S, self.TN // 8, row_m, row_l, row_scale, sc_in, cfg.ex2_poly,
+                                       cfg.rescale_threshold)
         # released here by default, not right after wait_group(1): ptxas keeps the wait for P V right behind
         # this mbarrier arrive and hoists the arrive as far as its inputs allow, so its position decides how
         # much of the softmax runs while P V is in flight (right after wait_group(1): only the row max,
@@ -1139,7 +1165,7 @@ class Sm90PrefillKernel:
     def _rescale_o(self, acc_O, row_scale):
         """O rows times their factors; with ``rescale_threshold`` only where some row of the warp moved its
         max (a factor other than exactly 1; a warp-uniform branch)."""
-        if const_expr(self.cfg.rescale_threshold > 0):
+        if const_expr(self.cfg.rescale_threshold > 0 or self.cfg.stale_max):
             if cute.arch.vote_any_sync((row_scale[0] != Float32(1.0)) | (row_scale[1] != Float32(1.0))):
                 sm.rescale_rows(acc_O, self.DV // 8, row_scale)
         else:
@@ -1180,12 +1206,15 @@ class Sm90PrefillKernel:
 
     @cute.jit
     def _softmax_block(self, acc_S, row_m, row_l, row_scale, tok0, kv_len, qpos, pos_first, pos_last, sc_in, sc_out,
-                       window_left, t, mask, mask_mode: cutlass.Constexpr):
+                       window_left, t, mask, mask_mode: cutlass.Constexpr, stale: cutlass.Constexpr = False, wg=None):
         """Scale and mask S of the block starting at KV token ``tok0``, then the online softmax step;
         ``row_scale`` receives the factor for the O rows.  ``mask_mode``: ``"dynamic"`` masks where the block
         needs it (sequence end, causal diagonal, window; every block with a custom mask: ``mask = (mMask,
         row_bit)``); ``loop_split``'s ``"all"`` always, and ``"window"`` only where the sliding window cuts
-        the block (no mask code at all without a window or custom mask)."""
+        the block (no mask code at all without a window or custom mask).  ``stale`` (``stale_max``): a block
+        needing no mask takes :func:`common.softmax.stale_max_step`; returns its redo flag (False where the
+        block took the exact step), agreed by the warpgroup ``wg`` (the redo is a warpgroup GEMM):
+        :meth:`_wg_any`."""
         cfg = self.cfg
         TN = self.TN
         n8 = TN // 8
@@ -1201,40 +1230,66 @@ class Sm90PrefillKernel:
                 need_mask = need_mask | (tok0 + TN - 1 > pos_first)
             if const_expr(cfg.use_window):
                 need_mask = need_mask | self._window_cuts(tok0, pos_last, window_left, kv_len)
-        if need_mask:
-            # the lane's scores of row h are keys tok0 + 2t + c with c = 8j + (e % 2) known at trace time:
-            # one compare per bound and score (visible_range), no per-score key arithmetic
-            bounds = [masks.visible_range(tok0 + 2 * t, kv_len, qpos[h], window_left, causal=self.mask_causal,
-                                          use_window=cfg.use_window) for h in range(2)]
-            for j in cutlass.range_constexpr(n8):
-                for e in cutlass.range_constexpr(4):
-                    h = e // 2
-                    c = j * 8 + (e % 2)
-                    lo, hi = bounds[h]
-                    x = acc_S[4 * j + e]
-                    if const_expr(cfg.use_soft_cap):
-                        x = ptx.tanh(x * sc_in) * sc_out
-                    if const_expr(cfg.score_mod is not None):
-                        x = self._score_mod(x, sc_in, mask, h, tok0 + 2 * t + c)
-                    ok = hi >= c
-                    if const_expr(lo is not None):
-                        ok = ok & (lo <= c)
-                    if const_expr(cfg.use_custom_mask):
-                        ok = ok & masks.custom_visible(mask[0], mask[1][h], kv_len, tok0 + 2 * t + c)
-                    acc_S[4 * j + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
+        redo = cutlass.Boolean(False)
+        if const_expr(stale and isinstance(need_mask, bool)):  # "window" mode without a window: never masked
+            redo = sm.stale_max_step(acc_S, n8, row_m, row_l, row_scale, sc_in, lambda b: self._wg_any(b, wg),
+                                          cfg.ex2_poly)
+        elif const_expr(stale):  # (plain logits: no soft cap / score_mod / custom mask, unsupported_reason)
+            if need_mask:
+                self._mask_scores(acc_S, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out)
+                sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, sc_in, cfg.ex2_poly, cfg.rescale_threshold)
+            else:
+                redo = sm.stale_max_step(acc_S, n8, row_m, row_l, row_scale, sc_in, lambda b: self._wg_any(b, wg),
+                                          cfg.ex2_poly)
         else:
-            if const_expr(cfg.use_soft_cap):
-                for i in cutlass.range_constexpr(4 * n8):
-                    acc_S[i] = ptx.tanh(acc_S[i] * sc_in) * sc_out
-            if const_expr(cfg.score_mod is not None):
-                for j in cutlass.range_constexpr(n8):
-                    for e in cutlass.range_constexpr(4):
-                        acc_S[4 * j + e] = self._score_mod(acc_S[4 * j + e], sc_in, mask, e // 2,
-                                                           tok0 + 2 * t + j * 8 + (e % 2))
-        # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2); with a score_mod
-        # the logits are in natural-log units and log2(e) is folded there
-        logit_scale = None if cfg.use_soft_cap else (sc_out if cfg.score_mod is not None else sc_in)
-        sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly, cfg.rescale_threshold)
+            if need_mask:
+                self._mask_scores(acc_S, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out)
+            else:
+                if const_expr(cfg.use_soft_cap):
+                    for i in cutlass.range_constexpr(4 * n8):
+                        acc_S[i] = ptx.tanh(acc_S[i] * sc_in) * sc_out
+                if const_expr(cfg.score_mod is not None):
+                    for j in cutlass.range_constexpr(n8):
+                        for e in cutlass.range_constexpr(4):
+                            acc_S[4 * j + e] = self._score_mod(acc_S[4 * j + e], sc_in, mask, e // 2,
+                                                               tok0 + 2 * t + j * 8 + (e % 2))
+            # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2); with a
+            # score_mod the logits are in natural-log units and log2(e) is folded there
+            logit_scale = None if cfg.use_soft_cap else (sc_out if cfg.score_mod is not None else sc_in)
+            sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly,
+                                   cfg.rescale_threshold)
+        return redo
+
+    def _wg_any(self, pred, wg):
+        """Whether ``pred`` holds in any thread of consumer warpgroup ``wg`` (``bar.red.or`` on named barrier
+        ``2 + 2 * num_wg + wg``: ids 2.. are the ping-pong turns, 2 + num_wg.. the epilogue's)."""
+        return ptx.barrier_or(cutlass.select_(pred, Int32(1), Int32(0)), 2 + 2 * self.NWG + wg, 128) != Int32(0)
+
+    @cute.jit
+    def _mask_scores(self, acc_S, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out):
+        """Soft cap / ``score_mod`` and the masks of a block's scores (-inf where hidden)."""
+        cfg = self.cfg
+        n8 = self.TN // 8
+        # the lane's scores of row h are keys tok0 + 2t + c with c = 8j + (e % 2) known at trace time:
+        # one compare per bound and score (visible_range), no per-score key arithmetic
+        bounds = [masks.visible_range(tok0 + 2 * t, kv_len, qpos[h], window_left, causal=self.mask_causal,
+                                      use_window=cfg.use_window) for h in range(2)]
+        for j in cutlass.range_constexpr(n8):
+            for e in cutlass.range_constexpr(4):
+                h = e // 2
+                c = j * 8 + (e % 2)
+                lo, hi = bounds[h]
+                x = acc_S[4 * j + e]
+                if const_expr(cfg.use_soft_cap):
+                    x = ptx.tanh(x * sc_in) * sc_out
+                if const_expr(cfg.score_mod is not None):
+                    x = self._score_mod(x, sc_in, mask, h, tok0 + 2 * t + c)
+                ok = hi >= c
+                if const_expr(lo is not None):
+                    ok = ok & (lo <= c)
+                if const_expr(cfg.use_custom_mask):
+                    ok = ok & masks.custom_visible(mask[0], mask[1][h], kv_len, tok0 + 2 * t + c)
+                acc_S[4 * j + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
 
     def _score_mod(self, x, sc_in, mask, h: int, kv_idx):
         """``score_mod`` of one raw score of the lane's row ``h`` (indices from ``mask``: :meth:`_consume`), in
