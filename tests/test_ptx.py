@@ -989,5 +989,9 @@ def test_score_mod_traced_into_prefill(arch, kernel):
     assert t1.count("cvt.rn.f32.s32") > t0.count("cvt.rn.f32.s32") + 32
     if kernel == "sm90":
         assert "wgmma.mma_async" in t1 and "cp.async.bulk.tensor" in t1
+        # head_dim 128: three warpgroups x tile_n 80 with the conditional rescaling (measured faster, session 12),
+        # without spills for this score_mod
+        assert (c1.num_wg, c1.tile_n, c1.rescale_threshold, c1.stale_max) == (3, 80, 8, False)
+        assert ci.resources("prefill", arch, score_mod=b1, **keys)["stack_bytes"] == 0
     else:
         assert "mma.sync.aligned.m16n8k16" in t1

@@ -319,7 +319,7 @@ def unsupported_reason(cfg) -> str | None:
 def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_window: bool = False,
                   use_soft_cap: bool = False, use_custom_mask: bool = False, page_size: int = 0,
                   causal: bool = False, num_sms: int = 132, use_score_mod: bool = False) -> dict:
-    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, sessions 3-11, 2026-11-29/30):
+    """Tile choice per problem, measured on the H200 (perf/RESULTS.md, sessions 3-12, 2026-11-29/30):
 
     * ragged K/V at head_dim 128 (``head_dim_vo == head_dim_qk``, no window / soft cap / custom mask /
       score_mod, ``192 % group_size == 0``), causal or not (session 11): three consumer warpgroups (tile_m 192)
@@ -329,10 +329,14 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       (30 rounds; FlashInfer then 1.117x), GQA 32/8 0.951, d128 causal 0.966, d128 full 0.942 (12-15 rounds).
       Three warpgroups without the conditional rescaling measured 0.999 (varlen) and 1.032 (d128 causal),
       tile_n 64 1.05-1.09 (vs two warpgroups), rescaling O after P V 1.02 (varlen, vs O rescaled early).
-      The head_dim 128 bullets below were measured with two warpgroups: tile_n 176 is now the paged and
-      score_mod problems' tiles (windows and soft caps take 128); the two Q stages and the staged / TMA
-      epilogue carried over to the three warpgroups (tile_n 160 was the largest two Q stages fit with two);
-    * the plain three-warpgroup problems of the two bullets here (ragged, head_dim 64 and 128, session 12):
+      The head_dim 128 bullets below were measured with two warpgroups: tile_n 176 is now the paged
+      problems' tiles (windows and soft caps take 128); the two Q stages and the staged / TMA epilogue carried
+      over to the three warpgroups (tile_n 160 was the largest two Q stages fit with two);
+    * ragged K/V at head_dim 128 with a score_mod (otherwise as the first bullet, session 12): the same three
+      warpgroups x tile_n 80 with the conditional rescaling, no staged epilogue -- perf/bench_score_mod.py
+      (relative bias, causal, 12 rounds): 1.845 vs 1.954 ms for two warpgroups x tile_n 176 (FA4 1.882), 1.943
+      without the rescaling; full attention with a score_mod untimed;
+    * the plain three-warpgroup problems (ragged, head_dim 64 and the first bullet's 128, session 12):
       ``stale_max`` -- the blocks the main loop knows to be unmasked skip the row max and take their
       exponentials against the running max as it stands, redoing the block exactly (S again) where a
       thread's partial row sum reaches 2^15 (:func:`common.softmax.stale_max_step`). Interleaved A/B, paired
@@ -424,6 +428,11 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
             tiles.update(q_stages=2, smem_epilogue=True)
             if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
                 tiles["tma_epilogue"] = True
+    elif 64 < d <= 128 and smod_plain and page_size == 0 and head_dim_vo == head_dim_qk and 192 % group_size == 0:
+        # a score_mod at head_dim 128: three warpgroups x tile_n 80 with the conditional rescaling (session 12,
+        # perf/bench_score_mod.py, causal: 1.845 vs 1.954 ms for two x tile_n 176, FA4 1.882; the same without
+        # the rescaling 1.943), no staged epilogue (as timed); full attention untimed with a score_mod
+        tiles = {"tile_n": 80, "num_wg": 3, **persistent, "rescale_threshold": 8, "rescale_o_before_pv": True}
     elif 64 < d <= 128 and (plain or smod_plain):
         tiles = {"tile_n": 176, "num_wg": 2, **persistent}
     else:
