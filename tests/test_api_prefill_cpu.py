@@ -1576,7 +1576,10 @@ def test_score_mod_reaches_both_kernels(rec):
     p128 = ragged_problem(dqk=128)
     w, _ = planned_ragged(p128, causal=True, score_mod=_bias)
     w.run(p128["q"], p128["k"], p128["v"])
-    assert (rec.last[0].tile_n, rec.last[0].smem_epilogue) == (176, False)  # head_dim 128: tile_n 176, no staging
+    # head_dim 128: three warpgroups x tile_n 80 with the conditional rescaling, no staging, no stale_max (session 12)
+    c128 = rec.last[0]
+    assert (c128.tile_n, c128.num_wg, c128.rescale_threshold, c128.smem_epilogue, c128.stale_max) == (80, 3, 8, False,
+                                                                                                      False)
     p32 = ragged_problem(dqk=32)
     w, _ = planned_ragged(p32, score_mod=_bias)
     w.run(p32["q"], p32["k"], p32["v"])
