@@ -194,6 +194,10 @@ def test_ex2_poly(monkeypatch, d, group, ex2_poly):
     w = run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, opts=dict(causal=True))
     assert w._plan["cfg"].ex2_poly == ex2_poly
     run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0))
+    # (with the default stale_max: a row whose first unmasked block finds no finite max -- query 0 of qo 256 /
+    # kv 383 at d64 sees nothing in the two masked blocks -- where the polynomial would give NaN; the stale step
+    # keeps MUFU ex2)
+    run_ragged([256, 300], [383, 300], 1, group, d, d, BF16, opts=dict(causal=True))
 
 
 @pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1,stale_max=0"])
@@ -236,7 +240,8 @@ def test_stale_max(monkeypatch, tune):
     """Exponentials against the running max as it stands (``stale_max``, session 12): unmasked blocks skip the
     row max and redo the block exactly (S again from the held K stage) where a thread's partial row sum reaches
     2^15 -- with the key norms ramping up 4x to the left at ``sm_scale`` 0.5 (the row max grows by tens of log2
-    units over the blocks, so blocks redo), sinks, a sliding window (its cut blocks masked, the rest stale),
+    units over the blocks, so blocks redo: tests/test_stale_max_math.py counts them for this construction),
+    rows whose first unmasked block comes with no finite max yet, sinks, a sliding window (its cut blocks masked, the rest stale),
     full attention, GQA, head_dim 64 (FlashAttention's loop order: the unmasked loop) / 128 / 256, float16
     (P < 2^15 fits it), persistent grids and two launches of one plan, paged K/V."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
@@ -251,6 +256,10 @@ def test_stale_max(monkeypatch, tune):
     run_ragged(MIXED_QO, MIXED_KV, 1, 2, 64, 64, BF16, opts=dict(sm_scale=0.4), k_ramp=3.0)
     run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True, sm_scale=0.3),
                k_ramp=3.0)
+    # query 0 of qo 256 / kv 383 (position 127) sees nothing in the two masked blocks at tile_n 128: its first
+    # unmasked block starts from m = -inf (inf partial sums, a redo); at tile_n 80 the same for 240 / 319
+    run_ragged([256, 240, 64], [383, 319, 64], 1, 1, 64, 64, BF16, opts=dict(causal=True))
+    run_ragged([256, 240, 64], [383, 319, 64], 1, 1, 128, 128, FP16, opts=dict(causal=True))
     assert run_paged_mixed16()._plan["cfg"].stale_max
 
 

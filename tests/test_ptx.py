@@ -861,10 +861,11 @@ def test_sm90_prefill_ex2_poly_ptx(monkeypatch, ex2_poly):
     cfg = ci.config("prefill", "sm_90a", **keys)
     assert cfg.ex2_poly == ex2_poly
     text = ci.ptx("prefill", "sm_90a", **keys)
-    # softmax of the first block and of the main loop (two with loop_split, the d64 default), with stale_max
-    # also the unmasked blocks' stale step next to their redo's exact one: 2 or 3 places (+1) x 2 rows x
+    # softmax of the first block and of the main loop (two with loop_split, the d64 default; with stale_max the
+    # unmasked loop's exact step is its redo, and its stale step keeps MUFU ex2): 2 or 3 places x 2 rows x
     # tile_n / 4 values per thread
-    values = ((3 if cfg.loop_split else 2) + cfg.stale_max) * 2 * cfg.tile_n // 4
+    assert cfg.loop_split and cfg.stale_max
+    values = 3 * 2 * cfg.tile_n // 4
     n_poly = values * ex2_poly // 8
     assert len(re.findall(r"add\.rn\.f32\s+\S+,\s*\S+,\s*0f4B400000", text)) == n_poly
     assert len(re.findall(r"shl\.b32\s+\S+,\s*\S+,\s*23;", text)) == n_poly

@@ -39,7 +39,7 @@ def replay(s_log2, v, tile_n, threshold=8, p_dtype=torch.float16):
         if i > 0:  # stale_max_step
             p = torch.exp2(s - m[:, None])
             part = lane_sums(p)
-            if bool((part >= 2.0 ** STALE_MAX_LIMIT).any()):  # the warp(group)'s vote: redo
+            if not bool((part < 2.0 ** STALE_MAX_LIMIT).all()):  # the warpgroup's OR (inf, NaN too): redo
                 redos += 1
             else:
                 l_part += part
@@ -69,17 +69,20 @@ def oracle(s_log2, v):
     return w @ v.double(), torch.logsumexp(s * math.log(2.0), dim=1) / math.log(2.0)
 
 
-@pytest.mark.parametrize("ramp", [0.0, 3.0])
-def test_stale_max_replay_matches_float64(ramp):
-    seed = torch.seed() % 2**31
-    gen = torch.Generator().manual_seed(seed)
-    rows, n, d, tile_n = 16, 1024, 64, 128
+def _inputs(gen, ramp, rows=16, n=1024, d=64):
     q = torch.randn(rows, d, generator=gen)
     k = torch.randn(n, d, generator=gen)
     k *= (1.0 + ramp * (1.0 - torch.arange(n) / n))[:, None]  # larger logits to the left (processed last)
     v = torch.randn(n, d, generator=gen)
-    s_log2 = (q @ k.T) * (0.5 * 1.4426950408889634)
-    o, lse, redos, p_max = replay(s_log2, v, tile_n)
+    return (q @ k.T) * (0.5 * 1.4426950408889634), v
+
+
+@pytest.mark.parametrize("ramp", [0.0, 3.0])
+def test_stale_max_replay_matches_float64(ramp):
+    seed = torch.seed() % 2**31
+    gen = torch.Generator().manual_seed(seed)
+    s_log2, v = _inputs(gen, ramp)
+    o, lse, redos, p_max = replay(s_log2, v, 128)
     o_ref, lse_ref = oracle(s_log2, v)
     err = ((o.double() - o_ref).norm() / o_ref.norm()).item()
     assert err < 2e-3, (seed, err)  # float16 P rounding
@@ -87,8 +90,15 @@ def test_stale_max_replay_matches_float64(ramp):
     assert p_max < 2.0 ** STALE_MAX_LIMIT <= 65504.0  # P fits float16 (and bfloat16)
     if ramp:
         assert redos >= 1, seed  # the max grows by tens of log2 units over the blocks
-    else:
-        assert redos == 0, seed  # the first block's max stays within 15 log2 units of the rest's
+
+
+def test_stale_max_redo_counts():
+    """Flat logits (std ~6 log2 units at sm_scale 0.5) rarely move the max 15 log2 units past the first block's
+    (about 1% of draws do, a legitimate redo): fixed draws here, none redoing; keys ramping up 4x to the left
+    redo most blocks."""
+    counts = [replay(*_inputs(torch.Generator().manual_seed(seed), ramp), 128)[2]
+              for ramp in (0.0, 3.0) for seed in range(5)]
+    assert counts[:5] == [0] * 5 and min(counts[5:]) >= 3, counts
 
 
 def test_stale_max_redo_rule():
@@ -106,3 +116,9 @@ def test_stale_max_redo_rule():
     s[3, 5] = 14.0  # below the limit (with the lane's other 31 values at 2^-200): no redo
     _, _, redos, _ = replay(s, torch.ones(256, 1), 128)
     assert redos == 0
+    # a row with no finite max when its first stale block comes (every key of the first block hidden): its
+    # partial sums are inf, the block redoes, and the row ends with the second block's keys alone
+    s = torch.zeros(16, 256)
+    s[7, 128:] = -math.inf
+    o, lse, redos, _ = replay(s, torch.ones(256, 1), 128)
+    assert redos == 1 and abs(float(lse[7]) - 7.0) < 1e-5 and abs(float(lse[0]) - 8.0) < 1e-5

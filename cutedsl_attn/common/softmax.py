@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from . import ptx
 
@@ -107,7 +107,7 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
 STALE_MAX_LIMIT = 15  # log2 bound on a thread's partial row sum in stale_max_step: P < 2^15 fits float16
 
 
-def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn=None, ex2_poly: int = 0):
+def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn):
     """The online softmax step of a block known to be unmasked, against the running max as it stands (no
     max of this block): ``2^(s * logit_scale - m)`` in place, then the thread's partial row sums are checked.
 
@@ -115,8 +115,9 @@ def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn=
     from overflowing (and a reference from an earlier block's exact max keeps underflow as in the exact
     step). A thread whose partial sum of a row (an upper bound of each of its probabilities of that row)
     reaches ``2^STALE_MAX_LIMIT`` or is inf -- also a row without a finite max yet (``m = -inf``) -- marks the
-    block, and ``any_fn`` (a Boolean -> Boolean OR over the threads that must agree: the warp's vote by default;
-    a warpgroup-wide reduction where the redo issues a warpgroup GEMM) combines the marks. Returns that uniform Boolean: True means nothing was committed
+    block, and ``any_fn`` (a Boolean -> Boolean OR over every thread that takes part in the redo: a warpgroup-wide
+    reduction where the redo issues a warpgroup GEMM -- a warp vote there hung the H200, session 12) combines the
+    marks. Returns that uniform Boolean: True means nothing was committed
     (``row_l`` unchanged) and ``sacc`` no longer holds S, so the caller computes S again and runs
     :func:`online_softmax_step`. Otherwise the block's sums are added and ``scale`` is exactly 1 (O keeps
     its scale); ``row_m`` never changes here. Saves the row max (``max`` per score and two shuffles per row)
@@ -126,14 +127,15 @@ def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn=
         ps = []
         for n in range(n_tiles):
             for e in range(2):
-                exp2 = ptx.ex2_poly if (2 * n + e) % 8 < ex2_poly else ptx.ex2  # (as online_softmax_step)
-                p = exp2(sacc[4 * n + 2 * h + e] * logit_scale - row_m[h])
+                # MUFU ex2 only: the argument can be +inf (no finite max yet) or >= 128 here, where ex2 gives
+                # +inf and ptx.ex2_poly (clamped from below only) NaN or garbage
+                p = ptx.ex2(sacc[4 * n + 2 * h + e] * logit_scale - row_m[h])
                 sacc[4 * n + 2 * h + e] = p
                 ps.append(p)
         l_blk.append(_tree(ps, lambda a, b: a + b))
     limit = Float32(float(2 ** STALE_MAX_LIMIT))
-    bad = (l_blk[0] >= limit) | (l_blk[1] >= limit)
-    redo = cute.arch.vote_any_sync(bad) if any_fn is None else any_fn(bad)
+    ok = (l_blk[0] < limit) & (l_blk[1] < limit)  # (NaN is not ok either)
+    redo = any_fn(Int32(cutlass.select_(ok, Int32(0), Int32(1))) != Int32(0))
     for h in range(2):
         row_l[h] = Float32(cutlass.select_(redo, row_l[h], row_l[h] + l_blk[h]))
         scale[h] = Float32(1.0)

@@ -344,7 +344,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       needs), d128 causal 0.957 / 0.959, d128 full 0.977, GQA 32/8 0.951, the varlen mix 0.941 (warp
       vote); head_dim 256 0.998 (not used there). With it at d64: three knobs measured no gain
       (``num_stages=3`` 0.997, ``q_stages=2`` 1.000, no ping-pong 1.004), ``tile_n=112`` 1.028,
-      ``ex2_poly=1`` 1.047;
+      ``ex2_poly=1`` 1.047 (the polynomial then also in the stale step, which now keeps MUFU ``ex2``: its
+      argument can be +inf or >= 128 there, where the polynomial gives NaN or garbage);
     * head_dim 64 (three warpgroups, ragged, plain): the same conditional rescaling, O rescaled while S runs --
       paired 0.978 in two interleaved runs (15 / 25 rounds, session 11); O rescaled early alone 0.999, the
       threshold alone 1.6% slower (session 7).  Four warpgroups (tile_m 256, tile_n 64, 112 registers): 1.078,
@@ -1149,7 +1150,8 @@ class Sm90PrefillKernel:
         redo = self._softmax_block(acc_S, row_m, row_l, row_scale, n * self.TN, kv_len, qpos, pos_first, pos_last,
                                    sc_in, sc_out, window_left, t, mask, mask_mode, stale, wg)
         if const_expr(stale):
-            if redo:  # a row's max moved too far (warp-uniform): S again from the still-held K stage, exact step
+            if redo:  # a row's max moved too far (warpgroup-uniform: _wg_any): S again from the still-held K stage
+                # and the exact step (issued outside the ping-pong turn: a rare path)
                 self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
                 warpgroup.wait_group(0)
                 sm.online_softmax_step(acc_S, self.TN // 8, row_m, row_l, row_scale, sc_in, cfg.ex2_poly,
@@ -1172,8 +1174,8 @@ class Sm90PrefillKernel:
 
     @cute.jit
     def _rescale_o(self, acc_O, row_scale):
-        """O rows times their factors; with ``rescale_threshold`` only where some row of the warp moved its
-        max (a factor other than exactly 1; a warp-uniform branch)."""
+        """O rows times their factors; with ``rescale_threshold`` or ``stale_max`` only where some row of the
+        warp moved its max (a factor other than exactly 1; a warp-uniform branch)."""
         if const_expr(self.cfg.rescale_threshold > 0 or self.cfg.stale_max):
             if cute.arch.vote_any_sync((row_scale[0] != Float32(1.0)) | (row_scale[1] != Float32(1.0))):
                 sm.rescale_rows(acc_O, self.DV // 8, row_scale)
@@ -1241,15 +1243,13 @@ class Sm90PrefillKernel:
                 need_mask = need_mask | self._window_cuts(tok0, pos_last, window_left, kv_len)
         redo = cutlass.Boolean(False)
         if const_expr(stale and isinstance(need_mask, bool)):  # "window" mode without a window: never masked
-            redo = sm.stale_max_step(acc_S, n8, row_m, row_l, row_scale, sc_in, lambda b: self._wg_any(b, wg),
-                                          cfg.ex2_poly)
+            redo = sm.stale_max_step(acc_S, n8, row_m, row_l, row_scale, sc_in, lambda b: self._wg_any(b, wg))
         elif const_expr(stale):  # (plain logits: no soft cap / score_mod / custom mask, unsupported_reason)
             if need_mask:
                 self._mask_scores(acc_S, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out)
                 sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, sc_in, cfg.ex2_poly, cfg.rescale_threshold)
             else:
-                redo = sm.stale_max_step(acc_S, n8, row_m, row_l, row_scale, sc_in, lambda b: self._wg_any(b, wg),
-                                          cfg.ex2_poly)
+                redo = sm.stale_max_step(acc_S, n8, row_m, row_l, row_scale, sc_in, lambda b: self._wg_any(b, wg))
         else:
             if need_mask:
                 self._mask_scores(acc_S, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out)
