@@ -421,19 +421,18 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
             if plain:  # conditional rescaling with O rescaled while S runs: 2.2% faster (session 11); the
                 # unmasked blocks against the running max as it stands: 2.7-3.3% faster (session 12)
                 tiles.update(rescale_threshold=8, rescale_o_before_pv=True, stale_max=True)
-    elif 64 < d <= 128 and plain and page_size == 0 and head_dim_vo == head_dim_qk and 192 % group_size == 0:
-        # three consumer warpgroups x tile_n 80 with conditional rescaling, O rescaled while S runs (session 11)
-        tiles = {"tile_n": 80, "num_wg": 3, **persistent, "rescale_threshold": 8, "rescale_o_before_pv": True,
-                 "stale_max": True}  # (session 12: 2.3-5.9% faster)
-        if causal:
-            tiles.update(q_stages=2, smem_epilogue=True)
-            if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
-                tiles["tma_epilogue"] = True
-    elif 64 < d <= 128 and smod_plain and page_size == 0 and head_dim_vo == head_dim_qk and 192 % group_size == 0:
-        # a score_mod at head_dim 128: three warpgroups x tile_n 80 with the conditional rescaling (session 12,
-        # perf/bench_score_mod.py, causal: 1.845 vs 1.954 ms for two x tile_n 176, FA4 1.882; the same without
-        # the rescaling 1.943), no staged epilogue (as timed); full attention untimed with a score_mod
+    elif (64 < d <= 128 and (plain or smod_plain) and page_size == 0 and head_dim_vo == head_dim_qk
+          and 192 % group_size == 0):
+        # three consumer warpgroups x tile_n 80 with conditional rescaling, O rescaled while S runs (session 11;
+        # with a score_mod session 12, perf/bench_score_mod.py, causal: 1.845 vs 1.954 ms for two x tile_n 176,
+        # FA4 1.882, the same without the rescaling 1.943; full attention untimed with a score_mod)
         tiles = {"tile_n": 80, "num_wg": 3, **persistent, "rescale_threshold": 8, "rescale_o_before_pv": True}
+        if plain:  # (a score_mod: no stale_max, its logits are the function's; no staged epilogue, as timed)
+            tiles["stale_max"] = True  # (session 12: 2.3-5.9% faster)
+            if causal:
+                tiles.update(q_stages=2, smem_epilogue=True)
+                if 16 % group_size == 0:  # a warp's 16 staged rows are whole query tokens: stored by TMA
+                    tiles["tma_epilogue"] = True
     elif 64 < d <= 128 and (plain or smod_plain):
         tiles = {"tile_n": 176, "num_wg": 2, **persistent}
     else:
@@ -1154,8 +1153,8 @@ class Sm90PrefillKernel:
                 # and the exact step (issued outside the ping-pong turn: a rare path)
                 self._gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True)
                 warpgroup.wait_group(0)
-                sm.online_softmax_step(acc_S, self.TN // 8, row_m, row_l, row_scale, sc_in, cfg.ex2_poly,
-                                       cfg.rescale_threshold)
+                self._exact_block(acc_S, row_m, row_l, row_scale, n * self.TN, kv_len, qpos, window_left, t, mask,
+                                  sc_in, sc_out, False)
         # released here by default, not right after wait_group(1): ptxas keeps the wait for P V right behind
         # this mbarrier arrive and hoists the arrive as far as its inputs allow, so its position decides how
         # much of the softmax runs while P V is in flight (right after wait_group(1): only the row max,
@@ -1241,33 +1240,41 @@ class Sm90PrefillKernel:
                 need_mask = need_mask | (tok0 + TN - 1 > pos_first)
             if const_expr(cfg.use_window):
                 need_mask = need_mask | self._window_cuts(tok0, pos_last, window_left, kv_len)
+        exact = (acc_S, row_m, row_l, row_scale, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out)
         redo = cutlass.Boolean(False)
         if const_expr(stale and isinstance(need_mask, bool)):  # "window" mode without a window: never masked
             redo = sm.stale_max_step(acc_S, n8, row_m, row_l, row_scale, sc_in, lambda b: self._wg_any(b, wg))
         elif const_expr(stale):  # (plain logits: no soft cap / score_mod / custom mask, unsupported_reason)
             if need_mask:
-                self._mask_scores(acc_S, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out)
-                sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, sc_in, cfg.ex2_poly, cfg.rescale_threshold)
+                self._exact_block(*exact, True)
             else:
                 redo = sm.stale_max_step(acc_S, n8, row_m, row_l, row_scale, sc_in, lambda b: self._wg_any(b, wg))
         else:
-            if need_mask:
-                self._mask_scores(acc_S, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out)
-            else:
-                if const_expr(cfg.use_soft_cap):
-                    for i in cutlass.range_constexpr(4 * n8):
-                        acc_S[i] = ptx.tanh(acc_S[i] * sc_in) * sc_out
-                if const_expr(cfg.score_mod is not None):
-                    for j in cutlass.range_constexpr(n8):
-                        for e in cutlass.range_constexpr(4):
-                            acc_S[4 * j + e] = self._score_mod(acc_S[4 * j + e], sc_in, mask, e // 2,
-                                                               tok0 + 2 * t + j * 8 + (e % 2))
-            # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2); with a
-            # score_mod the logits are in natural-log units and log2(e) is folded there
-            logit_scale = None if cfg.use_soft_cap else (sc_out if cfg.score_mod is not None else sc_in)
-            sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly,
-                                   cfg.rescale_threshold)
+            self._exact_block(*exact, need_mask)
         return redo
+
+    @cute.jit
+    def _exact_block(self, acc_S, row_m, row_l, row_scale, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out,
+                     need_mask):
+        """The exact online softmax step (row max first) of the block starting at KV token ``tok0``, after the
+        soft cap / ``score_mod`` and, where ``need_mask``, the masks (:meth:`_mask_scores`)."""
+        cfg = self.cfg
+        n8 = self.TN // 8
+        if need_mask:
+            self._mask_scores(acc_S, tok0, kv_len, qpos, window_left, t, mask, sc_in, sc_out)
+        else:
+            if const_expr(cfg.use_soft_cap):
+                for i in cutlass.range_constexpr(4 * n8):
+                    acc_S[i] = ptx.tanh(acc_S[i] * sc_in) * sc_out
+            if const_expr(cfg.score_mod is not None):
+                for j in cutlass.range_constexpr(n8):
+                    for e in cutlass.range_constexpr(4):
+                        acc_S[4 * j + e] = self._score_mod(acc_S[4 * j + e], sc_in, mask, e // 2,
+                                                           tok0 + 2 * t + j * 8 + (e % 2))
+        # without a soft cap S stays raw and the scale is folded into the exponent (fma + ex2); with a score_mod
+        # the logits are in natural-log units and log2(e) is folded there
+        logit_scale = None if cfg.use_soft_cap else (sc_out if cfg.score_mod is not None else sc_in)
+        sm.online_softmax_step(acc_S, n8, row_m, row_l, row_scale, logit_scale, cfg.ex2_poly, cfg.rescale_threshold)
 
     def _wg_any(self, pred, wg):
         """Whether ``pred`` holds in any thread of consumer warpgroup ``wg`` (``bar.red.or`` on named barrier
