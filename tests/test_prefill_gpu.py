@@ -235,7 +235,9 @@ def test_rescale_threshold(monkeypatch, tune):
 
 
 @pytest.mark.parametrize("tune", ["stale_max=1", "stale_max=1,rescale_threshold=0,num_ctas=3",
-                                  "stale_max=1,loop_split=0,v_wait_late=0,num_wg=2"])
+                                  "stale_max=1,loop_split=0,v_wait_late=0,num_wg=2",
+                                  "stale_max=1,loop_split=1,p_tail=2", "stale_max=1,loop_split=1,p_tail=7,num_ctas=3",
+                                  "stale_max=1,loop_split=1,p_tail=2,p_wait_lead=0"])
 def test_stale_max(monkeypatch, tune):
     """Exponentials against the running max as it stands (``stale_max``, session 12): unmasked blocks skip the
     row max and redo the block exactly (S again from the held K stage) where a thread's partial row sum reaches
@@ -243,7 +245,9 @@ def test_stale_max(monkeypatch, tune):
     units over the blocks, so blocks redo: tests/test_stale_max_math.py counts them for this construction),
     rows whose first unmasked block comes with no finite max yet, sinks, a sliding window (its cut blocks masked, the rest stale),
     full attention, GQA, head_dim 64 (FlashAttention's loop order: the unmasked loop) / 128 / 256, float16
-    (P < 2^15 fits it), persistent grids and two launches of one plan, paged K/V."""
+    (P < 2^15 fits it), persistent grids and two launches of one plan, paged K/V; with ``p_tail`` (session 13)
+    the unmasked loop converts part of P early (its P V wait pinned by a predicated V release, ``p_wait_lead``,
+    inherited from the head_dim 64 default where not set to 0) and a redo converts it again."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
     assert w._plan["cfg"].stale_max
@@ -357,16 +361,20 @@ def test_warpgroup_counts(monkeypatch, tune, d, group):
     run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, layout="HND")
 
 
-@pytest.mark.parametrize("tune", ["tile_info_smem=1", "tile_info_smem=1,num_ctas=3"])
+@pytest.mark.parametrize("tune", ["tile_info_smem=1", "tile_info_smem=1,num_ctas=3", "epi_coords_early=1",
+                                  "epi_coords_early=1,tile_info_smem=1,num_ctas=3"])
 def test_tile_info_smem(monkeypatch, tune):
     """The producer copies each tile's work-table fields next to its index in shared memory
-    (``tile_info_smem``; written in session 6, first run on the H200 in session 7): persistent and
-    few-CTA grids over two launches, empty rows / requests, the staged epilogue reading them after the main
-    loop (d128 causal), d128 full, d64, d256, a custom mask (its offset field), paged K/V."""
+    (``tile_info_smem``; written in session 6, first run on the H200 in session 7), and the epilogue's
+    coordinates read before the Q stage's release (``epi_coords_early``, session 13; from those fields with
+    ``tile_info_smem``): persistent and few-CTA grids over two launches, empty rows / requests, the staged
+    epilogue reading them after the main loop (d128 causal), d128 full, d64, d256, a custom mask (its offset
+    field), paged K/V."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     qo, kv = rand_appends(12, 1500, 800)
     w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
-    assert w._plan["cfg"].tile_info_smem and w._plan["cfg"].smem_epilogue
+    cfg = w._plan["cfg"]
+    assert cfg.smem_epilogue and all(getattr(cfg, f.split("=")[0]) == int(f.split("=")[1]) for f in tune.split(","))
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, layout="HND", launches=2)
     run_ragged(qo, kv, 2, 8, 64, 64, BF16, opts=dict(causal=True), launches=2)
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), mask="packed")

@@ -534,6 +534,65 @@ def test_sm90_prefill_softmax_overlaps_pv(name, monkeypatch):
         assert _main_loop_overlap(ci.sass("prefill", "sm_90a", **keys))[1] == 0
 
 
+def _unmasked_loop_p(text):
+    """SASS of the d64 default's unmasked (stale) main loop, from its wait for S to its redo agreement
+    (``BAR.RED.OR``), then the fast path (the agreement's branch over the redo) to the loop's back edge:
+    (F2FP and MUFU.EX2 issued after the wait for P V and before the agreement, F2FP on the fast path, MUFU.EX2
+    before the wait for P V)."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    names = [t for _, t in ins]
+    for k, t in enumerate(names):
+        if "BAR.RED.OR" not in t:
+            continue
+        start = max(i for i in range(k) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in names[i])
+        body = names[start:k]
+        if any("HGMMA" in x for x in body):
+            continue
+        pv = [i for i, x in enumerate(body) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in x]
+        after_pv = body[pv[0]:] if pv else []
+        # the fast path: where the first branch after the agreement goes, to the next backward branch
+        target = int(re.search(r"BRA\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", next(x for x in names[k:] if "BRA" in x)).group(1), 16)
+        fast = []
+        for a, x in ins:
+            if a >= target:
+                fast.append(x)
+                m = re.search(r"BRA\s+0x([0-9a-f]+)", x)
+                if m and int(m.group(1), 16) < a:
+                    break
+        before_pv = body[:pv[0]] if pv else body
+        return (sum(bool(re.search(r"\bF2FP\b", x)) for x in after_pv),
+                sum(bool(re.search(r"\bMUFU\.EX2\b", x)) for x in after_pv),
+                sum(bool(re.search(r"\bF2FP\b", x)) for x in fast),
+                sum(bool(re.search(r"\bMUFU\.EX2\b", x)) for x in before_pv))
+    raise AssertionError("no unmasked loop with a redo agreement")
+
+
+@pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
+                    reason="no cuobjdump/nvdisasm here")
+def test_sm90_prefill_p_tail_converts_during_softmax(monkeypatch):
+    """``p_tail`` (the head_dim 64 default, session 13): the unmasked loop waits for the previous P V while its
+    exponentials run and converts P there (14 of 16 n8 tiles: 28 ``F2FP``, exponentials still to come after the
+    wait), leaving 2 tiles (4 ``F2FP``) for after the redo agreement; without it all 32 come after the softmax
+    (ncu on the H200: 9% of a consumer warp's time there).  ``p_wait_lead=4`` pins that wait late (the V
+    release predicated on the running row sums: at least 40 of the 64 exponentials before it, measured 0.9%
+    faster); unpinned, ptxas hoists it behind the first few."""
+    keys = dict(dtype="bfloat16", head_dim_qk=64, group_size=1, causal=True)
+    cfg = ci.config("prefill", "sm_90a", **keys)
+    assert cfg.stale_max and cfg.loop_split and (cfg.p_tail, cfg.p_wait_lead, cfg.tile_n) == (2, 4, 128)
+    f2fp, mufu, tail, before = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
+    assert f2fp == 28 and mufu >= 8 and tail == 4 and before >= 40, (f2fp, mufu, tail, before)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "p_wait_lead=0")
+    f2fp, mufu, tail, before = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
+    assert f2fp == 28 and tail == 4 and before <= 16, (f2fp, mufu, tail, before)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "p_tail=0")
+    f2fp, mufu, tail, before = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
+    assert f2fp == 0 and tail == 32, (f2fp, mufu, tail)
+    for bad in ("p_tail=16", "p_wait_lead=-1"):
+        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", bad)
+        with pytest.raises(ValueError, match=bad.split("=")[0]):
+            ci.config("prefill", "sm_90a", **keys)
+
+
 @pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
                     reason="no cuobjdump/nvdisasm here")
 @pytest.mark.parametrize("tune,page_size", [("num_ctas=132", 0), ("rescale_o_before_pv=1", 0),
@@ -565,8 +624,8 @@ def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size)
         assert "elect.sync" not in before
     text = ci.sass("prefill", "sm_90a", **keys)
     # one wait per GEMM site: first block, the main loop (two waits; loop_split: two main loops), last P V, and
-    # stale_max's redo of a block
-    assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= (6 if cfg.loop_split else 4) + cfg.stale_max
+    # stale_max's redo of a block, p_tail's wait inside the unmasked loop's softmax
+    assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= (6 if cfg.loop_split else 4) + cfg.stale_max + (cfg.p_tail > 0)
     assert len(re.findall(r"\bHGMMA\.", text)) >= 16
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
@@ -767,11 +826,13 @@ def test_prefill_tuning_fields():
                                   dict(head_dim_qk=128, group_size=4, page_size=1, use_custom_mask=True)],
                          ids=["hd128_staged", "hd64", "hd128_paged1_mask"])
 def test_sm90_prefill_tile_info_smem_ptx(monkeypatch, keys):
-    """``tile_info_smem`` (off: no gain measured on the H200, session 7): the consumers' scalar reads of the work table
-    (global ``ld`` of 32-bit fields) move to shared memory -- fewer global loads, more shared ones, same
-    GEMMs, no spills; off, the kernel is the default one."""
+    """``tile_info_smem`` (no gain measured alone on the H200, session 7; on at head_dim 64 since session 13): the
+    consumers' scalar reads of the work table (global ``ld`` of 32-bit fields) move to shared memory -- fewer global
+    loads, more shared ones, same GEMMs, no spills."""
     keys = dict(dtype="bfloat16", **keys)
     ldg = r"ld\.global(\.nc)?\.[bsu]32"
+    assert ci.config("prefill", "sm_90a", **keys).tile_info_smem == (keys["head_dim_qk"] == 64)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_info_smem=0")
     off = ci.ptx("prefill", "sm_90a", **keys)
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_info_smem=1")
     assert ci.config("prefill", "sm_90a", **keys).tile_info_smem

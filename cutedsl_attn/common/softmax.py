@@ -107,7 +107,8 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
 STALE_MAX_LIMIT = 15  # log2 bound on a thread's partial row sum in stale_max_step: P < 2^15 fits float16
 
 
-def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn):
+def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn, after_tile=None,
+                   running_sums: bool = False):
     """The online softmax step of a block known to be unmasked, against the running max as it stands (no
     max of this block): ``2^(s * logit_scale - m)`` in place, then the thread's partial row sums are checked.
 
@@ -121,18 +122,35 @@ def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn)
     (``row_l`` unchanged) and ``sacc`` no longer holds S, so the caller computes S again and runs
     :func:`online_softmax_step`. Otherwise the block's sums are added and ``scale`` is exactly 1 (O keeps
     its scale); ``row_m`` never changes here. Saves the row max (``max`` per score and two shuffles per row)
-    ahead of the exponentials; ``logit_scale`` > 0 as in :func:`online_softmax_step`."""
-    l_blk = []
-    for h in range(2):
-        ps = []
+    ahead of the exponentials; ``logit_scale`` > 0 as in :func:`online_softmax_step`.
+
+    ``after_tile``: called with ``n`` and (with ``running_sums``, else None) the two rows' sums so far once the
+    probabilities of n8 tile ``n`` (both rows) are in ``sacc``, the tiles in order -- the caller's hook to convert
+    them while the rest are computed."""
+    def exp_at(n, h, e):
+        # MUFU ex2 only: the argument can be +inf (no finite max yet) or >= 128 here, where ex2 gives +inf and
+        # ptx.ex2_poly (clamped from below only) NaN or garbage
+        p = ptx.ex2(sacc[4 * n + 2 * h + e] * logit_scale - row_m[h])
+        sacc[4 * n + 2 * h + e] = p
+        return p
+
+    if after_tile is None:  # row by row
+        l_blk = [_tree([exp_at(n, h, e) for n in range(n_tiles) for e in range(2)], lambda a, b: a + b)
+                 for h in range(2)]
+    elif running_sums:  # n8 tile by n8 tile (both rows), each row's sum running along (the hook gets it)
+        l_blk = [None, None]
         for n in range(n_tiles):
-            for e in range(2):
-                # MUFU ex2 only: the argument can be +inf (no finite max yet) or >= 128 here, where ex2 gives
-                # +inf and ptx.ex2_poly (clamped from below only) NaN or garbage
-                p = ptx.ex2(sacc[4 * n + 2 * h + e] * logit_scale - row_m[h])
-                sacc[4 * n + 2 * h + e] = p
-                ps.append(p)
-        l_blk.append(_tree(ps, lambda a, b: a + b))
+            for h in range(2):
+                pair = exp_at(n, h, 0) + exp_at(n, h, 1)
+                l_blk[h] = pair if n == 0 else l_blk[h] + pair
+            after_tile(n, l_blk)
+    else:  # n8 tile by n8 tile (both rows), the hook after each; the sums at the end
+        ps = ([], [])
+        for n in range(n_tiles):
+            for h in range(2):
+                ps[h].extend(exp_at(n, h, e) for e in range(2))
+            after_tile(n, None)
+        l_blk = [_tree(ps[h], lambda a, b: a + b) for h in range(2)]
     limit = Float32(float(2 ** STALE_MAX_LIMIT))
     ok = (l_blk[0] < limit) & (l_blk[1] < limit)  # (NaN is not ok either)
     redo = any_fn(Int32(cutlass.select_(ok, Int32(0), Int32(1))) != Int32(0))

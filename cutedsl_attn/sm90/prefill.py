@@ -165,8 +165,22 @@ class Sm90PrefillConfig(Dtype16):
     # the producer copies the tile's work-table fields next to its index in shared memory (_INFO_COLS), so
     # the consumers read them there instead of from global memory at the tile's start (and, with
     # smem_epilogue, in the epilogue); session 6, run on the H200 in session 7: passes its GPU test, no gain
-    # measured (varlen 5.680 vs 5.663 ms, d128 causal equal; off)
+    # measured alone (varlen 5.680 vs 5.663 ms, d128 causal equal); on at head_dim 64 with epi_coords_early
+    # (session 13, default_tiles)
     tile_info_smem: bool = False
+    # without smem_epilogue: the epilogue's tile coordinates (row0, qo_len, q_start) are read right after the main
+    # loop, before the Q stage's release and the last P V's wait -- from the Q stage's fields with tile_info_smem,
+    # else from global memory, whose latency then hides behind the last P V (session 13)
+    epi_coords_early: bool = False
+    # the unmasked loop of stale_max + loop_split (elsewhere no effect): the warpgroup waits for the previous block's
+    # P V once all but the last p_tail n8 tiles of a block's exponentials are issued and converts their P (its A
+    # registers are then free) while the rest run, leaving p_tail tiles to convert after the softmax instead of
+    # all of them (0: off, everything after; session 13)
+    p_tail: int = 0
+    # with p_tail: the wait for P V pinned this many n8 tiles before the conversion point (after max(1, tile_n / 8 -
+    # p_tail - p_wait_lead) tiles) by the V stage's release predicated on the rows' running sums, the tiles after
+    # it converted one by one (0: the wait where ptxas puts it, after the first few exponentials; session 13)
+    p_wait_lead: int = 0
     # log2 units by which a row's max may grow before O is rescaled (FlashAttention-4's conditional rescaling
     # uses 8; common.softmax.online_softmax_step's max_slack): the O rescale is skipped while no row of the
     # warp moved its max; 0: exact maxima, O rescaled every block; session 7
@@ -294,6 +308,10 @@ def unsupported_reason(cfg) -> str | None:
         if cfg.stale_max and (cfg.use_soft_cap or score_mod is not None or cfg.use_custom_mask or cfg.k_release_early):
             return ("stale_max needs logits scaled by sm_scale alone (no soft cap or score_mod), blocks without a "
                     "custom mask, and the K stage held through the softmax (k_release_early off)")
+        if cfg.p_wait_lead < 0:
+            return f"p_wait_lead must be >= 0, got {cfg.p_wait_lead}"
+        if not 0 <= cfg.p_tail < cfg.tile_n // 8:
+            return f"p_tail (n8 tiles of P converted after the softmax) must be in 0..{cfg.tile_n // 8 - 1}, got {cfg.p_tail}"
         if cfg.smem_epilogue and cfg.head_dim_vo > cfg.head_dim_qk:
             return "smem_epilogue stages O in the Q rows: needs head_dim_vo <= head_dim_qk"
         if cfg.tma_epilogue and (not cfg.smem_epilogue or 16 % cfg.group_size):
@@ -346,6 +364,23 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       (``num_stages=3`` 0.997, ``q_stages=2`` 1.000, no ping-pong 1.004), ``tile_n=112`` 1.028,
       ``ex2_poly=1`` 1.047 (the polynomial then also in the stale step, which now keeps MUFU ``ex2``: its
       argument can be +inf or >= 128 there, where the polynomial gives NaN or garbage);
+    * head_dim 64 with ``stale_max`` (ragged, plain; session 13, ncu: the tensor pipe and the MUFU (XU) were
+      both 63% busy, issue 43%; a consumer warp spent 9% of its time converting P after the P V wait and 6%
+      in the redo agreement's ``bar.red``): the unmasked loop waits for P V after 14 of its 16 n8 tiles
+      (``p_tail=2``) and converts their P while the last exponentials run, the wait itself pinned after 10
+      tiles (``p_wait_lead=4``: the V stage's release predicated on the running row sums; unpinned, ptxas
+      hoists it to the first exponentials, and its wait was then 2.8% of the ncu stall samples), the producer copies each tile's work-table fields into shared memory
+      (``tile_info_smem``), the epilogue reads its coordinates from there before the Q stage's release
+      (``epi_coords_early``) and the K/V ring has three stages. Interleaved A/B, paired vs the session-12
+      tiles (20 rounds): ``p_tail`` 8 / 4 / 2 / 1 0.998 / 0.994 / 0.992 / 0.992, with ``tile_info_smem``
+      0.991, with ``epi_coords_early`` too 0.986, all four 0.981 (FA4 then 1.081x slower than the session-12
+      tiles, so 1.10x of the new ones), then the pinned wait 0.991 (``p_wait_lead`` 10 / 4: 0.997 / 0.991, its
+      SASS waits after 48 / 50 of the 64 exponentials; FA4 1.113x); ``tile_info_smem`` alone 0.996, ``epi_coords_early`` alone (reading
+      global memory) 1.009, no ``v_wait_late`` 1.008 (vs ``p_tail`` alone). Not adopted: bf16 P rounded on
+      the integer ALU (add 0x8000 + ``prmt``, 3 instructions instead of one ``F2FP``) 1.103 slower, 1.052 at
+      d128 causal; a warp-local redo (each warp recomputing its rows with ``mma.sync`` after a warp vote, no
+      ``bar.red``) 1.004 at d64, 1.011 at d128 causal (``ldmatrix``/``mma`` registers spill 64-96 B);
+      ``p_tail`` at d128 causal (with ``loop_split``, tile_n 80: 4 and 2 of 10) 1.001 vs ``loop_split`` alone;
     * head_dim 64 (three warpgroups, ragged, plain): the same conditional rescaling, O rescaled while S runs --
       paired 0.978 in two interleaved runs (15 / 25 rounds, session 11); O rescaled early alone 0.999, the
       threshold alone 1.6% slower (session 7).  Four warpgroups (tile_m 256, tile_n 64, 112 registers): 1.078,
@@ -419,8 +454,11 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
         if page_size == 0:  # (measured on ragged K/V)
             tiles.update(loop_split=True, v_wait_late=True)
             if plain:  # conditional rescaling with O rescaled while S runs: 2.2% faster (session 11); the
-                # unmasked blocks against the running max as it stands: 2.7-3.3% faster (session 12)
-                tiles.update(rescale_threshold=8, rescale_o_before_pv=True, stale_max=True)
+                # unmasked blocks against the running max as it stands: 2.7-3.3% faster (session 12); P converted
+                # while the exponentials run, the tile's fields through shared memory, three K/V stages: 1.9%
+                # (session 13)
+                tiles.update(rescale_threshold=8, rescale_o_before_pv=True, stale_max=True, p_tail=2, p_wait_lead=4,
+                             tile_info_smem=True, epi_coords_early=True, num_stages=3)
     elif (64 < d <= 128 and (plain or smod_plain) and page_size == 0 and head_dim_vo == head_dim_qk
           and 192 % group_size == 0):
         # three consumer warpgroups x tile_n 80 with conditional rescaling, O rescaled while S runs (session 11;
@@ -927,6 +965,9 @@ class Sm90PrefillKernel:
         pos_first = row0 // G + kv_len - qo_len
         pos_last = (cutlass.min(row0 + TM, qo_len * G) - 1) // G + kv_len - qo_len
 
+        # epi_coords_early: the epilogue's coordinates, read in either branch below (a placeholder before: the
+        # DSL needs the values defined ahead of a dynamic branch that assigns them)
+        epi = (Int32(0),) * 6
         if n_blk > 0:
             n = blk_lo + n_blk - 1
             self._first_s(tiled_mma_qk, acc_S, tSrQ, tSrK, pipe_k, state, wg, mMask, tile, tid)
@@ -952,6 +993,8 @@ class Sm90PrefillKernel:
                 for i in cutlass.range(n_blk - 1, unroll=1):
                     state = self._mainloop_block(*blk, state, blk_lo, n_blk, 2, i, "dynamic")
             if const_expr(not cfg.smem_epilogue):
+                if const_expr(cfg.epi_coords_early):
+                    epi = self._epi_coords(mK, mWork, tile, tid, s_tile, q_state)
                 pipe_q.consumer_release(q_state)  # the last S GEMM is complete
             if const_expr(cfg.rescale_o_before_pv):
                 self._rescale_o(acc_O, row_scale)
@@ -969,24 +1012,30 @@ class Sm90PrefillKernel:
             # lets the producer overwrite it
             cute.arch.sync_warp()
             if const_expr(not cfg.smem_epilogue):
+                if const_expr(cfg.epi_coords_early):
+                    epi = self._epi_coords(mK, mWork, tile, tid, s_tile, q_state)
                 pipe_q.consumer_release(q_state)
         self._tile_epilogue(mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state,
-                            s_tile, acc_O, row_m, row_l, tile, tid, wg)
+                            s_tile, acc_O, row_m, row_l, tile, tid, wg, epi)
         return state
 
     @cute.jit
     def _tile_epilogue(self, mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state,
-                       s_tile, acc_O, row_m, row_l, tile, tid, wg):
+                       s_tile, acc_O, row_m, row_l, tile, tid, wg, epi):
         """Normalise O by the row sums and store it and the LSE (staged through the Q rows with
         ``smem_epilogue``, which then releases the Q stage; with ``tma_epilogue`` a warp whose rows all lie in
-        the request stores them by TMA, :meth:`_tma_store_o`)."""
+        the request stores them by TMA, :meth:`_tma_store_o`).  ``epi``: the coordinates read before the Q
+        stage's release (``epi_coords_early``), else unused."""
         cfg = self.cfg
         sm.quad_sum_rows(row_l)
         # re-derive the tile's coordinates from the (opaque) tile index rather than keep them live through
         # the main loop, where the consumer's registers run out
         # (the Q stage, and with it s_tile's copy of the fields, is still held only with smem_epilogue)
-        e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp = self._epi_coords(
-            mK, mWork, tile, tid, s_tile if const_expr(cfg.smem_epilogue) else None, q_state)
+        if const_expr(cfg.epi_coords_early and not cfg.smem_epilogue):
+            e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp = epi
+        else:
+            e_row0, e_qo_len, e_q_start, e_kvh, e_lane, e_warp = self._epi_coords(
+                mK, mWork, tile, tid, s_tile if const_expr(cfg.smem_epilogue) else None, q_state)
         self._stamp_fine(mMask, tile, 8, tid)
         if const_expr(cfg.smem_epilogue):
             # the warpgroup's Q rows are free once all its warps are past the last S GEMM; each warp stages its
@@ -1146,8 +1195,27 @@ class Sm90PrefillKernel:
         if const_expr(cfg.k_release_early):
             pipe_k.consumer_release(state)
         stale = const_expr(cfg.stale_max and mask_mode != "all")
-        redo = self._softmax_block(acc_S, row_m, row_l, row_scale, n * self.TN, kv_len, qpos, pos_first, pos_last,
-                                   sc_in, sc_out, window_left, t, mask, mask_mode, stale, wg)
+        # p_tail: blocks that are never masked (loop_split's unmasked loop without a window) convert all but the
+        # last p_tail n8 tiles of P while those tiles' exponentials run (P V waited for there)
+        early = const_expr(stale and cfg.p_tail > 0 and mask_mode == "window" and not cfg.use_window)
+        n_early = self.TN // 8 - cfg.p_tail
+        pin = const_expr(early and cfg.p_wait_lead > 0)
+        n_wait = max(1, n_early - cfg.p_wait_lead)
+        if const_expr(early):
+            def after_tile(j, l_run):
+                if const_expr(j == (n_wait if pin else n_early) - 1):
+                    if const_expr(pin):
+                        self._release_after(pipe_v, state_v, l_run[0] + l_run[1])
+                    warpgroup.wait_group(0)
+                    self._to_p(acc_S, tOrP, 0, 2 * (j + 1))
+                elif const_expr(pin and n_wait <= j < n_early):
+                    self._to_p(acc_S, tOrP, 2 * j, 2 * (j + 1))
+
+            redo = sm.stale_max_step(acc_S, self.TN // 8, row_m, row_l, row_scale, sc_in,
+                                     lambda b: self._wg_any(b, wg), after_tile, running_sums=pin)
+        else:
+            redo = self._softmax_block(acc_S, row_m, row_l, row_scale, n * self.TN, kv_len, qpos, pos_first,
+                                       pos_last, sc_in, sc_out, window_left, t, mask, mask_mode, stale, wg)
         if const_expr(stale):
             if redo:  # a row's max moved too far (warpgroup-uniform: _wg_any): S again from the still-held K stage
                 # and the exact step (issued outside the ping-pong turn: a rare path)
@@ -1155,6 +1223,8 @@ class Sm90PrefillKernel:
                 warpgroup.wait_group(0)
                 self._exact_block(acc_S, row_m, row_l, row_scale, n * self.TN, kv_len, qpos, window_left, t, mask,
                                   sc_in, sc_out, False)
+                if const_expr(early):
+                    self._to_p(acc_S, tOrP, 0, 2 * n_early)  # the exact P of those tiles
         # released here by default, not right after wait_group(1): ptxas keeps the wait for P V right behind
         # this mbarrier arrive and hoists the arrive as far as its inputs allow, so its position decides how
         # much of the softmax runs while P V is in flight (right after wait_group(1): only the row max,
@@ -1164,12 +1234,25 @@ class Sm90PrefillKernel:
         # (perf/RESULTS.md, session 5)
         if const_expr(not cfg.k_release_early):
             pipe_k.consumer_release(state)
+        # (with p_tail waited for already; without this second wait ptxas built the next turn's GEMM descriptors
+        # in vector registers and moved them over with R2UR, session 13)
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(state_v)
+        if const_expr(not pin):
+            pipe_v.consumer_release(state_v)
         if const_expr(not cfg.rescale_o_before_pv):
             self._rescale_o(acc_O, row_scale)
-        self._to_p(acc_S, tOrP)
+        if const_expr(early):
+            self._to_p(acc_S, tOrP, 2 * n_early)
+        else:
+            self._to_p(acc_S, tOrP)
         return state
+
+    @cute.jit
+    def _release_after(self, pipe, state, x):
+        """Release ``pipe``'s stage ``state`` once ``x`` (a sum of probabilities: never negative, and ``not < 0`` also
+        holds for NaN) is computed: ptxas keeps a following wgmma wait behind the arrive (``p_wait_lead``)."""
+        if not (x < Float32(0.0)):
+            pipe.consumer_release(state)
 
     @cute.jit
     def _rescale_o(self, acc_O, row_scale):
@@ -1318,14 +1401,14 @@ class Sm90PrefillKernel:
         return (window_left >= 0) & (tok0 < pos_last - cutlass.min(window_left, kv_len))
 
     @cute.jit
-    def _to_p(self, acc_S, tOrP):
+    def _to_p(self, acc_S, tOrP, lo: int = 0, hi: int = -1):
         """P (fp32 accumulator registers) -> the 16-bit A fragment of the P V GEMM (same register order),
         two values per ``cvt.rn.bf16x2`` / ``cvt.rn.f16x2`` (inline PTX: LLVM cannot duplicate or sink the conversion, which
         in the persistent tile loop it did, keeping S and P live together and running out of registers)."""
         n = cute.size(acc_S)
         s_flat = cute.make_tensor(acc_S.iterator, cute.make_layout(n))
         p_words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(n // 2))
-        for i in cutlass.range_constexpr(n // 2):
+        for i in cutlass.range_constexpr(lo, n // 2 if hi < 0 else hi):  # (words lo .. hi - 1: p_tail)
             p_words[i] = ptx.pack2(s_flat[2 * i], s_flat[2 * i + 1], self.dtype)
 
     # ------------------------------------------------------------------ epilogue
