@@ -538,7 +538,7 @@ def _unmasked_loop_p(text):
     """SASS of the d64 default's unmasked (stale) main loop, from its wait for S to its redo agreement
     (``BAR.RED.OR``), then the fast path (the agreement's branch over the redo) to the loop's back edge:
     (F2FP and MUFU.EX2 issued after the wait for P V and before the agreement, F2FP on the fast path, MUFU.EX2
-    before the wait for P V)."""
+    before the wait for P V, the mbarrier arrives before that wait)."""
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
     names = [t for _, t in ins]
     for k, t in enumerate(names):
@@ -563,7 +563,8 @@ def _unmasked_loop_p(text):
         return (sum(bool(re.search(r"\bF2FP\b", x)) for x in after_pv),
                 sum(bool(re.search(r"\bMUFU\.EX2\b", x)) for x in after_pv),
                 sum(bool(re.search(r"\bF2FP\b", x)) for x in fast),
-                sum(bool(re.search(r"\bMUFU\.EX2\b", x)) for x in before_pv))
+                sum(bool(re.search(r"\bMUFU\.EX2\b", x)) for x in before_pv),
+                [x for x in before_pv if "SYNCS.ARRIVE" in x])
     raise AssertionError("no unmasked loop with a redo agreement")
 
 
@@ -573,19 +574,25 @@ def test_sm90_prefill_p_tail_converts_during_softmax(monkeypatch):
     """``p_tail`` (the head_dim 64 default, session 13): the unmasked loop waits for the previous P V while its
     exponentials run and converts P there (14 of 16 n8 tiles: 28 ``F2FP``, exponentials still to come after the
     wait), leaving 2 tiles (4 ``F2FP``) for after the redo agreement; without it all 32 come after the softmax
-    (ncu on the H200: 9% of a consumer warp's time there).  ``p_wait_lead=4`` pins that wait late (the V
-    release predicated on the running row sums: at least 40 of the 64 exponentials before it, measured 0.9%
-    faster); unpinned, ptxas hoists it behind the first few."""
+    (ncu on the H200: 9% of a consumer warp's time there).  ``p_wait_lead=4`` pins that wait late with an arrive
+    on a dummy mbarrier predicated on the running row sums (at least 40 of the 64 exponentials before it); the
+    only arrive before the wait is that one -- at the dummy's constant offset behind the K, V and Q barriers --
+    so the V stage is released after the wait, never while P V still reads it (a review caught a first version
+    that pinned with the V release itself).  Unpinned, ptxas hoists the wait behind the first few exponentials."""
     keys = dict(dtype="bfloat16", head_dim_qk=64, group_size=1, causal=True)
     cfg = ci.config("prefill", "sm_90a", **keys)
     assert cfg.stale_max and cfg.loop_split and (cfg.p_tail, cfg.p_wait_lead, cfg.tile_n) == (2, 4, 128)
-    f2fp, mufu, tail, before = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
+    assert cfg.pins_pv_wait
+    f2fp, mufu, tail, before, arrives = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
     assert f2fp == 28 and mufu >= 8 and tail == 4 and before >= 40, (f2fp, mufu, tail, before)
+    dummy = 8 * (4 * cfg.num_stages + 2 * cfg.q_stages)  # mbar_k, mbar_v (2 per stage), mbar_q, then the dummy
+    assert len(arrives) == 1 and re.search(rf"\[UR\d+\+{hex(dummy)}\]", arrives[0]), arrives
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "p_wait_lead=0")
-    f2fp, mufu, tail, before = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
-    assert f2fp == 28 and tail == 4 and before <= 16, (f2fp, mufu, tail, before)
+    assert not ci.config("prefill", "sm_90a", **keys).pins_pv_wait
+    f2fp, mufu, tail, before, arrives = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
+    assert f2fp == 28 and tail == 4 and before <= 16 and not arrives, (f2fp, mufu, tail, before, arrives)
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "p_tail=0")
-    f2fp, mufu, tail, before = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
+    f2fp, mufu, tail, before, arrives = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
     assert f2fp == 0 and tail == 32, (f2fp, mufu, tail)
     for bad in ("p_tail=16", "p_wait_lead=-1"):
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", bad)

@@ -172,14 +172,16 @@ class Sm90PrefillConfig(Dtype16):
     # loop, before the Q stage's release and the last P V's wait -- from the Q stage's fields with tile_info_smem,
     # else from global memory, whose latency then hides behind the last P V (session 13)
     epi_coords_early: bool = False
-    # the unmasked loop of stale_max + loop_split (elsewhere no effect): the warpgroup waits for the previous block's
+    # the unmasked loop of stale_max + loop_split without a window (elsewhere no effect): the warpgroup waits for the
+    # previous block's
     # P V once all but the last p_tail n8 tiles of a block's exponentials are issued and converts their P (its A
     # registers are then free) while the rest run, leaving p_tail tiles to convert after the softmax instead of
     # all of them (0: off, everything after; session 13)
     p_tail: int = 0
     # with p_tail: the wait for P V pinned this many n8 tiles before the conversion point (after max(1, tile_n / 8 -
-    # p_tail - p_wait_lead) tiles) by the V stage's release predicated on the rows' running sums, the tiles after
-    # it converted one by one (0: the wait where ptxas puts it, after the first few exponentials; session 13)
+    # p_tail - p_wait_lead) tiles) by an arrive on a dummy mbarrier predicated on the rows' running sums, the
+    # tiles after it converted one by one (0: the wait where ptxas puts it, after the first few exponentials;
+    # session 13)
     p_wait_lead: int = 0
     # log2 units by which a row's max may grow before O is rescaled (FlashAttention-4's conditional rescaling
     # uses 8; common.softmax.online_softmax_step's max_slack): the O rescale is skipped while no row of the
@@ -208,6 +210,12 @@ class Sm90PrefillConfig(Dtype16):
         reason = unsupported_reason(self)
         if reason:
             raise ValueError(f"Sm90PrefillConfig: {reason}")
+
+    @property
+    def pins_pv_wait(self) -> bool:
+        """Whether the unmasked loop's mid-softmax wait for P V is pinned (``p_wait_lead``; its dummy mbarrier)."""
+        return (self.p_tail > 0 and self.p_wait_lead > 0 and self.stale_max and self.loop_split
+                and not self.use_window)
 
     @property
     def tile_m(self) -> int:
@@ -368,14 +376,16 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
       both 63% busy, issue 43%; a consumer warp spent 9% of its time converting P after the P V wait and 6%
       in the redo agreement's ``bar.red``): the unmasked loop waits for P V after 14 of its 16 n8 tiles
       (``p_tail=2``) and converts their P while the last exponentials run, the wait itself pinned after 10
-      tiles (``p_wait_lead=4``: the V stage's release predicated on the running row sums; unpinned, ptxas
+      tiles (``p_wait_lead=4``: an arrive on a dummy mbarrier predicated on the running row sums; unpinned, ptxas
       hoists it to the first exponentials, and its wait was then 2.8% of the ncu stall samples), the producer copies each tile's work-table fields into shared memory
       (``tile_info_smem``), the epilogue reads its coordinates from there before the Q stage's release
       (``epi_coords_early``) and the K/V ring has three stages. Interleaved A/B, paired vs the session-12
-      tiles (20 rounds): ``p_tail`` 8 / 4 / 2 / 1 0.998 / 0.994 / 0.992 / 0.992, with ``tile_info_smem``
+      tiles (14-20 rounds): ``p_tail`` 8 / 4 / 2 / 1 0.998 / 0.994 / 0.992 / 0.992, with ``tile_info_smem``
       0.991, with ``epi_coords_early`` too 0.986, all four 0.981 (FA4 then 1.081x slower than the session-12
       tiles, so 1.10x of the new ones), then the pinned wait 0.991 (``p_wait_lead`` 10 / 4: 0.997 / 0.991, its
-      SASS waits after 48 / 50 of the 64 exponentials; FA4 1.113x); ``tile_info_smem`` alone 0.996, ``epi_coords_early`` alone (reading
+      SASS waits after 48 / 50 of the 64 exponentials; FA4 1.113x -- pinned then by the V stage's release itself,
+      which a review found could free V before P V had read it; with the dummy mbarrier, 46 exponentials before
+      the wait: 0.995 vs unpinned, FA4 1.106x); ``tile_info_smem`` alone 0.996, ``epi_coords_early`` alone (reading
       global memory) 1.009, no ``v_wait_late`` 1.008 (vs ``p_tail`` alone). Not adopted: bf16 P rounded on
       the integer ALU (add 0x8000 + ``prmt``, 3 instructions instead of one ``F2FP``) 1.103 slower, 1.052 at
       d128 causal; a warp-local redo (each warp recomputing its rows with ``mma.sync`` after a warp vote, no
@@ -455,8 +465,8 @@ def default_tiles(head_dim_qk: int, head_dim_vo: int, group_size: int, *, use_wi
             tiles.update(loop_split=True, v_wait_late=True)
             if plain:  # conditional rescaling with O rescaled while S runs: 2.2% faster (session 11); the
                 # unmasked blocks against the running max as it stands: 2.7-3.3% faster (session 12); P converted
-                # while the exponentials run, the tile's fields through shared memory, three K/V stages: 1.9%
-                # (session 13)
+                # while the exponentials run, the tile's fields through shared memory, three K/V stages: 1.9%,
+                # with the P V wait pinned late 2.8% (session 13)
                 tiles.update(rescale_threshold=8, rescale_o_before_pv=True, stale_max=True, p_tail=2, p_wait_lead=4,
                              tile_info_smem=True, epi_coords_early=True, num_stages=3)
     elif (64 < d <= 128 and (plain or smod_plain) and page_size == 0 and head_dim_vo == head_dim_qk
@@ -585,7 +595,8 @@ class Sm90PrefillKernel:
         class SharedStorage:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * QS]
+            # (+ 1: pins_pv_wait's dummy mbarrier, arrived on and never waited for)
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * QS + (1 if self.cfg.pins_pv_wait else 0)]
             # per Q stage, the tile handed over with it (-1: none left) [and its work-table fields: tile_info_smem]
             s_tile: cute.struct.MemRange[Int32, 8 * QS if self.cfg.tile_info_smem else 2]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout_k)], 1024]
@@ -650,6 +661,13 @@ class Sm90PrefillKernel:
             pipe_v = pipeline.PipelineCpAsync.create(
                 barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.S, producer_group=producers,
                 consumer_group=consumers, defer_sync=True)
+        pin_bar = None
+        if const_expr(cfg.pins_pv_wait):
+            pin_bar = storage.mbar_q.data_ptr() + 2 * cfg.q_stages
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(pin_bar, 1)
+            cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
 
@@ -726,7 +744,7 @@ class Sm90PrefillKernel:
                 state = self._consume(mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ,
                                       storage.sQ.data_ptr().toint(), sK, sV, pipe_q, q_state, s_tile, pipe_k, pipe_v,
                                       tiled_mma_qk, tiled_mma_pv, mWork, t, wi, kvh, blk_lo, n_blk, sm_scale,
-                                      soft_cap, window_left, ptx.opaque_i32(ctid), ptx.opaque_i32(wg), state)
+                                      soft_cap, window_left, ptx.opaque_i32(ctid), ptx.opaque_i32(wg), state, pin_bar)
                 q_state.advance()
                 pipe_q.consumer_wait(q_state)
                 t = s_tile[self._slot(q_state)]
@@ -909,13 +927,14 @@ class Sm90PrefillKernel:
     @cute.jit
     def _consume(self, mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, sQ, sQ_addr, sK, sV, pipe_q, q_state,
                  s_tile, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-                 mWork, tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state):
+                 mWork, tile, wi, kvh, blk_lo, n_blk, sm_scale, soft_cap, window_left, tid, wg, state, pin_bar=None):
         """Consumer warpgroups, tile ``tile`` (work row ``wi``, kv head ``kvh``; its Q has landed): KV blocks
         right to left with S of block j+1 and P V of block j in flight together (intra-warpgroup overlap),
         GEMM issue handed between warpgroups (ping-pong); Q is released to the producer after the last S
         GEMM, so the next tile's Q loads during the last P V and the epilogue (with ``smem_epilogue`` after
         the epilogue, which stages O in Q's rows: the next tile's Q then needs a second Q stage to load
-        early).  ``state``: the K/V ring position, carried from tile to tile; returned advanced."""
+        early).  ``state``: the K/V ring position, carried from tile to tile; returned advanced.  ``pin_bar``: the
+        dummy mbarrier of ``pins_pv_wait`` (else None)."""
         cfg = self.cfg
         row0 = self._field(mWork, wi, W_ROW0, s_tile, q_state)
         qo_len = self._field(mWork, wi, W_QO_LEN, s_tile, q_state)
@@ -978,7 +997,7 @@ class Sm90PrefillKernel:
                                 sc_out, window_left, t, mask, "dynamic")
             self._to_p(acc_S, tOrP)
             blk = (acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v, row_m, row_l,
-                   row_scale, kv_len, qpos, pos_first, pos_last, sc_in, sc_out, window_left, t, mask, wg)
+                   row_scale, kv_len, qpos, pos_first, pos_last, sc_in, sc_out, window_left, t, mask, wg, pin_bar)
             if const_expr(cfg.loop_split):
                 # the blocks needing the sequence-end / causal mask (counted from the right), then the rest
                 n_r = n_blk  # (a custom mask masks every block)
@@ -995,6 +1014,8 @@ class Sm90PrefillKernel:
             if const_expr(not cfg.smem_epilogue):
                 if const_expr(cfg.epi_coords_early):
                     epi = self._epi_coords(mK, mWork, tile, tid, s_tile, q_state)
+                    if const_expr(cfg.tile_info_smem):
+                        cute.arch.sync_warp()  # every lane's reads of the Q stage's fields before lane 0's release
                 pipe_q.consumer_release(q_state)  # the last S GEMM is complete
             if const_expr(cfg.rescale_o_before_pv):
                 self._rescale_o(acc_O, row_scale)
@@ -1009,11 +1030,11 @@ class Sm90PrefillKernel:
             state.advance()
         else:
             # no GEMM read Q; the warp's lanes have all read the tile index (s_tile) before lane 0's release
-            # lets the producer overwrite it
+            # lets the producer overwrite it (with epi_coords_early also the fields read here)
+            if const_expr(cfg.epi_coords_early and not cfg.smem_epilogue):
+                epi = self._epi_coords(mK, mWork, tile, tid, s_tile, q_state)
             cute.arch.sync_warp()
             if const_expr(not cfg.smem_epilogue):
-                if const_expr(cfg.epi_coords_early):
-                    epi = self._epi_coords(mK, mWork, tile, tid, s_tile, q_state)
                 pipe_q.consumer_release(q_state)
         self._tile_epilogue(mK, mO, tma_O, tma_atom_O, sO_layout, mLSE, mSinks, mMask, mWork, sQ_addr, pipe_q, q_state,
                             s_tile, acc_O, row_m, row_l, tile, tid, wg, epi)
@@ -1166,7 +1187,7 @@ class Sm90PrefillKernel:
     @cute.jit
     def _mainloop_block(self, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tiled_mma_qk, tiled_mma_pv, pipe_k, pipe_v,
                         row_m, row_l, row_scale, kv_len, qpos, pos_first, pos_last, sc_in, sc_out, window_left, t,
-                        mask, wg, state, blk_lo, n_blk, skip, i, mask_mode: cutlass.Constexpr):
+                        mask, wg, pin_bar, state, blk_lo, n_blk, skip, i, mask_mode: cutlass.Constexpr):
         """One main-loop block, ``n = blk_lo + n_blk - skip - i`` (``state``: the K stage of the previous
         block; returned advanced): S of
         this block and P V of the previous one issued together in this warpgroup's ping-pong turn, this
@@ -1199,14 +1220,16 @@ class Sm90PrefillKernel:
         # last p_tail n8 tiles of P while those tiles' exponentials run (P V waited for there)
         early = const_expr(stale and cfg.p_tail > 0 and mask_mode == "window" and not cfg.use_window)
         n_early = self.TN // 8 - cfg.p_tail
-        pin = const_expr(early and cfg.p_wait_lead > 0)
+        pin = const_expr(early and cfg.pins_pv_wait)
         n_wait = max(1, n_early - cfg.p_wait_lead)
         if const_expr(early):
             def after_tile(j, l_run):
                 if const_expr(j == (n_wait if pin else n_early) - 1):
                     if const_expr(pin):
-                        self._release_after(pipe_v, state_v, l_run[0] + l_run[1])
+                        self._pin_arrive(pin_bar, l_run[0] + l_run[1], sc_in)
                     warpgroup.wait_group(0)
+                    if const_expr(pin):
+                        pipe_v.consumer_release(state_v)  # (after the wait: P V has read the stage)
                     self._to_p(acc_S, tOrP, 0, 2 * (j + 1))
                 elif const_expr(pin and n_wait <= j < n_early):
                     self._to_p(acc_S, tOrP, 2 * j, 2 * (j + 1))
@@ -1231,7 +1254,8 @@ class Sm90PrefillKernel:
         # 1-7% slower at head_dim 128 in session 3; here ptxas keeps part of the exponentials before the wait
         # at head_dim 128/256 and none at head_dim 64 causal).  Pinning the arrive (or a second one) to the
         # row sums puts every exponential before the wait and measured 2-6% slower on every benchmark row
-        # (perf/RESULTS.md, session 5)
+        # (perf/RESULTS.md, session 5); p_tail's mid-softmax wait is pinned that way on purpose (p_wait_lead,
+        # a dummy mbarrier's arrive: _pin_arrive)
         if const_expr(not cfg.k_release_early):
             pipe_k.consumer_release(state)
         # (with p_tail waited for already; without this second wait ptxas built the next turn's GEMM descriptors
@@ -1248,11 +1272,17 @@ class Sm90PrefillKernel:
         return state
 
     @cute.jit
-    def _release_after(self, pipe, state, x):
-        """Release ``pipe``'s stage ``state`` once ``x`` (a sum of probabilities: never negative, and ``not < 0`` also
-        holds for NaN) is computed: ptxas keeps a following wgmma wait behind the arrive (``p_wait_lead``)."""
-        if not (x < Float32(0.0)):
-            pipe.consumer_release(state)
+    def _pin_arrive(self, bar, x, positive):
+        """``pins_pv_wait``: lane 0 arrives on the dummy mbarrier ``bar`` (count 1: every arrive completes a phase;
+        nothing waits on it) once ``x`` (a sum of probabilities: never negative) is computed -- ptxas keeps the
+        wgmma wait that follows behind an mbarrier arrive and the arrive behind its inputs, so the wait for P V
+        stays after the exponentials ``x`` sums (session 13; the V stage itself is released after the wait: P V
+        reads it until then).  The predicate, ``not x < -positive`` (a run-time value > 0, stale_max's logit
+        scale), always holds (NaN too) but is not provable: against a constant 0 ptxas folded it (it knows
+        ``ex2`` is never negative) and moved the arrive up to the first exponentials."""
+        if cute.arch.lane_idx() == 0:
+            if not (x < -positive):
+                cute.arch.mbarrier_arrive(bar)
 
     @cute.jit
     def _rescale_o(self, acc_O, row_scale):
