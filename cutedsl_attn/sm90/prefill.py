@@ -1265,10 +1265,7 @@ class Sm90PrefillKernel:
             pipe_v.consumer_release(state_v)
         if const_expr(not cfg.rescale_o_before_pv):
             self._rescale_o(acc_O, row_scale)
-        if const_expr(early):
-            self._to_p(acc_S, tOrP, 2 * n_early)
-        else:
-            self._to_p(acc_S, tOrP)
+        self._to_p(acc_S, tOrP, 2 * n_early if early else 0)  # (early: the tail tiles' words only)
         return state
 
     @cute.jit
