@@ -18,11 +18,86 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
 WORK_COLS = 8
-CHUNK = 16  # tokens per warp iteration in the decode kernel
+W_BATCH, W_TOK_START, W_TOK_END, W_KV_LEN, W_PAGE_OFF, W_NUM_SPLITS, W_PART_BASE, W_SPLIT_IDX = range(8)
+CHUNK = 16  # tokens per warp iteration in the decode kernel: one m16n8k16 K-extent of P V
+
+DTYPES = ("bfloat16", "float16")
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+HEAD_DIMS = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """What a paged-decode caller fixes at ``plan()`` (the problem half of a decode kernel's config and key).
+
+    ``dtype`` ``"bfloat16"`` / ``"float16"`` (q, k, v, o); ``head_dim`` one of :data:`HEAD_DIMS`; ``page_size``
+    >= 1; ``group_size`` query heads per kv head, 1..16; ``arch`` the compile target.  Batch, lengths, page
+    count, kv heads, strides, layout (NHD / HND), scales and the window are run-time arguments
+    (:class:`DecodeArgs`).  Raises TypeError / ValueError as :class:`cutedsl_attn.planning.prefill.PrefillProblem`.
+    """
+
+    dtype: str
+    head_dim: int
+    page_size: int
+    group_size: int
+    pos_encoding_mode: str = "NONE"
+    use_soft_cap: bool = False
+    use_sinks: bool = False
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        for name in ("head_dim", "page_size", "group_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        for name in ("use_soft_cap", "use_sinks"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 1 <= self.group_size <= 16:
+            raise ValueError(f"group_size must be in [1, 16], got {self.group_size}")
+        if self.pos_encoding_mode not in POS_ENCODING_MODES:
+            raise ValueError(f"pos_encoding_mode must be one of {POS_ENCODING_MODES}, got {self.pos_encoding_mode!r}")
+
+
+class DecodeArgs(NamedTuple):
+    """One paged-decode launch's tensors and scalars (the decode kernel's ``launch`` orders them).
+
+    q ``[B, Hq, D]``; k / v ``[pages, page_size, Hkv, D]`` (NHD, or an HND cache as a permuted view);
+    ``indices`` int32 flat page ids; ``work`` int32 ``[W, WORK_COLS]`` (:func:`plan_paged_decode`); ``out``
+    ``[B, Hq, D]`` (written); ``lse`` fp32 ``[B, Hq]`` base 2 (written); ``part_o`` fp32 ``[P, Hq, D]`` and
+    ``part_lse`` fp32 ``[P, Hq]`` split-KV partials; ``counters`` int32 per (request, kv head), left at 0;
+    ``sinks`` / ``alibi_slopes`` fp32 ``[Hq]`` (1-element dummies when unused); ``sm_scale``, ``soft_cap`` (0:
+    none), ``rope_rcp_scale``, ``rope_log2_theta`` and ``output_scale`` (FlashInfer's ``v_scale / o_scale``, applied in fp32 before the 16-bit rounding).
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    indices: Any
+    work: Any
+    out: Any
+    lse: Any
+    part_o: Any
+    part_lse: Any
+    counters: Any
+    sinks: Any
+    alibi_slopes: Any
+    sm_scale: float
+    soft_cap: float
+    rope_rcp_scale: float
+    rope_log2_theta: float
+    output_scale: float
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ Work-table row (int32, ``WORK_COLS`` columns, the contract with the kernel)::
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -42,6 +43,100 @@ WORK_COLS = 8
 W_BATCH, W_ROW0, W_QO_LEN, W_KV_LEN, W_Q_START, W_KV_START, W_MASK_OFF, W_SCHED = range(8)
 PAD_ROW = (-1, 0, 0, 0, 0, 0, 0, 0)
 _INT32_MAX = 2**31 - 1
+
+
+DTYPES = ("bfloat16", "float16")
+POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
+HEAD_DIMS_QK = (32, 64, 128, 192, 256)
+HEAD_DIMS_VO = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PrefillProblem:
+    """What a prefill caller fixes at ``plan()`` (the problem half of every prefill kernel's config and compile key).
+
+    Every prefill kernel module (``cutedsl_attn.portable.prefill``, ``cutedsl_attn.sm90.prefill``) takes this and
+    answers ``unsupported_reason(problem)``; its own tile/tuning dataclass is the other half of its config.
+    Lengths, head counts, strides, ``sm_scale``, the soft-cap value, ``window_left``, the RoPE parameters and
+    the output scale are run-time arguments (:class:`PrefillArgs`), so one compiled kernel serves them all.
+
+    ``dtype``: ``"bfloat16"`` or ``"float16"`` (q, k, v and o); ``page_size`` 0 means ragged K/V; ``causal`` is
+    FlashInfer's bottom-right alignment and is False whenever ``use_custom_mask`` (the mask replaces it);
+    ``score_mod``: a Python callable traced into the logits (its source, closures and globals are part of the
+    key); ``arch``: the compile target (``"sm_90a"``, ``"sm_100a"``, ``"sm_103a"``).
+
+    Raises TypeError for a non-int size, ValueError for a value outside the ranges above.
+    """
+
+    dtype: str
+    head_dim_qk: int
+    head_dim_vo: int
+    group_size: int
+    page_size: int = 0
+    causal: bool = False
+    use_window: bool = False
+    use_soft_cap: bool = False
+    use_sinks: bool = False
+    use_custom_mask: bool = False
+    pos_encoding_mode: str = "NONE"
+    score_mod: Any = None
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):  # a cache key: no 4.0 for 4
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        for name in ("causal", "use_window", "use_soft_cap", "use_sinks", "use_custom_mask"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        if self.head_dim_qk not in HEAD_DIMS_QK or self.head_dim_vo not in HEAD_DIMS_VO:
+            raise ValueError(f"head_dim_qk must be one of {HEAD_DIMS_QK} and head_dim_vo one of {HEAD_DIMS_VO}, "
+                             f"got {self.head_dim_qk}/{self.head_dim_vo}")
+        if not 1 <= self.group_size <= 16:
+            raise ValueError(f"group_size must be in [1, 16], got {self.group_size}")
+        if self.page_size < 0:
+            raise ValueError(f"page_size must be >= 0 (0 = ragged), got {self.page_size}")
+        if self.pos_encoding_mode not in POS_ENCODING_MODES:
+            raise ValueError(f"pos_encoding_mode must be one of {POS_ENCODING_MODES}, got {self.pos_encoding_mode!r}")
+        if self.score_mod is not None and (not callable(self.score_mod) or self.use_soft_cap
+                                           or self.pos_encoding_mode == "ALIBI"):
+            raise ValueError("score_mod must be a callable, and not combined with a soft cap or ALiBi (fold them "
+                             "into the score_mod)")
+
+
+class PrefillArgs(NamedTuple):
+    """One prefill launch's tensors and scalars, in the names of the API (each kernel's ``launch`` orders them).
+
+    q ``[total_q, Hq, head_dim_qk]``; k / v ``[total_kv, Hkv, D]`` (ragged, NHD or an HND view) or
+    ``[pages, page_size, Hkv, D]`` (paged); ``indices`` int32 flat page ids (a 1-element dummy when ragged);
+    ``work`` int32 ``[W, WORK_COLS]`` from :func:`plan_prefill`; ``out`` ``[total_q, Hq, head_dim_vo]`` (16-bit,
+    written); ``lse`` fp32 ``[total_q, Hq]``, base 2 (written); ``mask`` uint8 packed custom-mask bits (dummy
+    without one); ``sinks`` fp32 ``[Hq]`` (dummy without); ``alibi_slopes`` fp32 ``[Hq]`` (dummy without ALiBi).
+    ``sm_scale``: the logit scale (``sm_scale * q_scale * k_scale``); ``soft_cap``: 0 or the cap;
+    ``window_left``: -1 or the window; ``rope_rcp_scale`` / ``rope_log2_theta``: ``1 / rope_scale`` and
+    ``log2(rope_theta)``; ``output_scale``: the factor applied to the normalised output in fp32 before it is
+    rounded to 16 bits (FlashInfer's ``v_scale / o_scale``).
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    indices: Any
+    work: Any
+    out: Any
+    lse: Any
+    mask: Any
+    sinks: Any
+    alibi_slopes: Any
+    sm_scale: float
+    soft_cap: float
+    window_left: int
+    rope_rcp_scale: float
+    rope_log2_theta: float
+    output_scale: float
 
 
 def _int(name: str, x) -> int:

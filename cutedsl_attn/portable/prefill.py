@@ -53,9 +53,10 @@ from cutlass import Float32, Int32, const_expr
 
 from ..common import epilogue, masks, paging, ptx
 from ..common.dtypes import Dtype16, dtype_error
-from ..common.fake_args import compile_options, prefill_tensors, vector_f32
+from ..compile.arch import compile_options
+from ..compile.fake import prefill_tensors, vector_f32
 from ..common import softmax as sm
-from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0
+from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0, WORK_COLS
 
 LOG2E = 1.4426950408889634
 NEG_INF = float("-inf")
@@ -455,8 +456,8 @@ def compile(cfg: PrefillConfig, *, keep_ptx_dir: str | None = None):
     """
     from cutlass.cute.runtime import make_fake_stream
 
-    opts = compile_options(cfg.arch, keep_ptx_dir)
+    opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir)
     return cute.compile(
-        PrefillKernel(cfg), *prefill_tensors(cfg), vector_f32(), Float32(1.0), Float32(0.0), Int32(-1),
+        PrefillKernel(cfg), *prefill_tensors(cfg, WORK_COLS), vector_f32(), Float32(1.0), Float32(0.0), Int32(-1),
         Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
     )

@@ -101,9 +101,10 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import epilogue, masks, paging, ptx
 from ..common.dtypes import Dtype16, dtype_error
-from ..common.fake_args import compile_options, prefill_tensors
+from ..compile.arch import compile_options
+from ..compile.fake import prefill_tensors
 from ..common import softmax as sm
-from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0, W_SCHED
+from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0, W_SCHED, WORK_COLS
 
 LOG2E = 1.4426950408889634
 NEG_INF = float("-inf")
@@ -1458,8 +1459,8 @@ def compile(cfg: Sm90PrefillConfig, *, keep_ptx_dir: str | None = None, keep_cub
     """
     from cutlass.cute.runtime import make_fake_stream
 
-    opts = compile_options(cfg.arch, keep_ptx_dir, keep_cubin)
+    opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
     return cute.compile(
-        Sm90PrefillKernel(cfg), *prefill_tensors(cfg), Float32(1.0), Float32(0.0),
+        Sm90PrefillKernel(cfg), *prefill_tensors(cfg, WORK_COLS), Float32(1.0), Float32(0.0),
         Int32(-1), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
     )

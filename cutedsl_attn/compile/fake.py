@@ -1,4 +1,4 @@
-"""Fake (symbolic) tensors that both prefill kernels are compiled against (no GPU, no data).
+"""Fake (symbolic) tensors that kernels are compiled against (no GPU, no data): host code of the compile layer.
 
 Every size is a symbolic int, so one compiled kernel serves any batch, length, head count and
 page count; only the config's static values (dtypes, head dims, page size) are fixed.  Strides
@@ -11,15 +11,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..planning.prefill import WORK_COLS
 
 
-def prefill_tensors(cfg) -> tuple:
-    """``(q, k, v, indices, work, o, lse, mask, sinks)`` for a prefill config (portable or SM90).
+def prefill_tensors(cfg, work_cols: int) -> tuple:
+    """``(q, k, v, indices, work, o, lse, mask, sinks)`` for a prefill problem (``cfg``: anything with the fields of
+    :class:`cutedsl_attn.planning.prefill.PrefillProblem` and a ``cutlass_dtype``).
 
     q ``[tokens, Hq, head_dim_qk]``; k/v ``[tokens, Hkv, D]`` (ragged) or
     ``[pages, page_size, Hkv, D]`` (``cfg.page_size > 0``); indices int32 page ids; work
-    ``[W, WORK_COLS]`` int32 (:mod:`cutedsl_attn.planning.prefill`); o ``[tokens, Hq, head_dim_vo]``
+    ``[W, work_cols]`` int32 (:mod:`cutedsl_attn.planning.prefill`'s ``WORK_COLS``); o ``[tokens, Hq, head_dim_vo]``
     and lse ``[tokens, Hq]`` fp32, contiguous; mask uint8 packed bits; sinks fp32 ``[Hq]``.
     """
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
@@ -43,7 +43,7 @@ def prefill_tensors(cfg) -> tuple:
         k = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
         v = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_vo), (s64(), s64(), 1), assumed_align=16)
     idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
-    work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
+    work = make_fake_compact_tensor(Int32, (W, work_cols), stride_order=(1, 0), assumed_align=16)
     o = make_fake_compact_tensor(dt, (TQ, Hq, cfg.head_dim_vo), stride_order=(2, 1, 0), assumed_align=16)
     lse = make_fake_compact_tensor(Float32, (TQ, Hq), stride_order=(1, 0), assumed_align=4)
     mask = make_fake_compact_tensor(cutlass.Uint8, (NB,), assumed_align=1)
@@ -56,11 +56,3 @@ def vector_f32():
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     return make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
-
-
-def compile_options(arch: str, keep_ptx_dir: str | None = None, keep_cubin: bool = False) -> str:
-    """``cute.compile`` options: tvm-ffi entry, the target arch, optionally PTX (and cubin) kept in a dir."""
-    opts = f"--enable-tvm-ffi --gpu-arch {arch}"
-    if keep_ptx_dir is not None:
-        opts += f" --keep-ptx --dump-dir {keep_ptx_dir}" + (" --keep-cubin" if keep_cubin else "")
-    return opts
