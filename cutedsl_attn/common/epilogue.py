@@ -15,9 +15,7 @@ from cutlass import Float32, Int64, const_expr
 
 from . import ptx
 from . import softmax as sm
-
-LOG2E = 1.4426950408889634
-NEG_INF = float("-inf")
+from .constants import LOG2E, NEG_INF
 
 
 @cute.jit
@@ -47,7 +45,7 @@ def _scaled_pair(acc, i: cutlass.Constexpr, inv, zero_empty_rows: cutlass.Conste
 @cute.jit
 def store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp,
                head_dim_vo: cutlass.Constexpr, group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr,
-               dtype: cutlass.Constexpr, zero_empty_rows: cutlass.Constexpr):
+               dtype: cutlass.Constexpr, zero_empty_rows: cutlass.Constexpr, output_scale=None):
     """Normalise (sinks folded in) and store the lane's two rows of a warp's 16: O two values per 32-bit
     store into ``mO [tokens, Hq, head_dim_vo]`` (contiguous), the base-2 LSE into ``mLSE [tokens, Hq]``
     (by the row's first lane).  Rows past the request (``qo_len * group_size``) are not written.
@@ -55,7 +53,8 @@ def store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, 
     ``row_m``/``row_l``: the running max (log2 units) and the quad-reduced sum of each row; ``mSinks``:
     per-head sink logits (natural log), read when ``use_sinks``.  ``zero_empty_rows`` writes an exact 0
     for a row whose normalising factor is 0 (no visible key) whatever ``acc`` holds there, instead of
-    ``acc * 0``.
+    ``acc * 0``.  ``output_scale`` (Float32, or None for none): a factor on the normalised output, applied in
+    fp32 before the 16-bit rounding (FlashInfer's ``v_scale / o_scale``).
     """
     DV, G = head_dim_vo, group_size
     g = lane // 4
@@ -68,6 +67,8 @@ def store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, 
             tok = q_start + pr // G
             head = kvh * G + pr % G
             inv, lse = _row_factor(mSinks, row_m, row_l, h, head, use_sinks)
+            if const_expr(output_scale is not None):
+                inv = inv * output_scale
             row_addr = o_base + ((Int64(tok) * hq + head) * DV) * 2
             for dd in cutlass.range_constexpr(DV // 8):
                 v = _scaled_pair(acc, dd * 4 + 2 * h, inv, zero_empty_rows, dtype)
@@ -94,12 +95,13 @@ def stmatrix_row(lane, dd: int):
 
 @cute.jit
 def stage_rows(mSinks, acc, row_m, row_l, row0, kvh, lane, warp, s_base, head_dim_vo: cutlass.Constexpr,
-               group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr, dtype: cutlass.Constexpr):
+               group_size: cutlass.Constexpr, use_sinks: cutlass.Constexpr, dtype: cutlass.Constexpr,
+               output_scale=None):
     """Normalise the warp's 16 rows (sinks folded in, exact 0 for rows that saw no key) and ``stmatrix`` them
     to ``s_base`` (Int32 shared-window byte address, 1 KiB aligned, of ``16 * head_dim_vo * 2`` bytes that
     only this warp touches; :func:`staged_offset`'s layout).  Returns the LSE of the lane's two rows (base
     2).  The caller syncs the warp before reading the rows back (:func:`store_staged_rows`) or hands them
-    to a TMA store."""
+    to a TMA store.  ``output_scale``: as :func:`store_rows`."""
     DV, G = head_dim_vo, group_size
     g = lane // 4
     words = []  # words[h][dd]: the packed pair of row g + 8h, columns 8 dd + 2t, +1
@@ -107,6 +109,8 @@ def stage_rows(mSinks, acc, row_m, row_l, row0, kvh, lane, warp, s_base, head_di
     for h in cutlass.range_constexpr(2):
         pr = row0 + warp * 16 + g + 8 * h
         inv, lse = _row_factor(mSinks, row_m, row_l, h, kvh * G + pr % G, use_sinks)
+        if const_expr(output_scale is not None):
+            inv = inv * output_scale
         lses.append(lse)
         words.append([_scaled_pair(acc, dd * 4 + 2 * h, inv, True, dtype) for dd in range(DV // 8)])
     # stmatrix x4: matrices (dd, row half 0), (dd, 1), (dd + 1, 0), (dd + 1, 1)
