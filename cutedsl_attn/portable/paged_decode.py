@@ -1,7 +1,9 @@
 """Portable paged-KV decode kernel (SM80-class instructions: ``cp.async``, ``ldmatrix``, ``mma.sync``).
 
-Runs on SM90 and SM100 alike; verified on an H200 (SM90).  On SM100 it is only
-cross-compiled and its PTX checked (no Blackwell GPU was available).
+Serves every decode problem on every target (``sm_90a``, ``sm_100a``, ``sm_103a``); verified on an H200
+(SM90), Blackwell builds cross-compiled and PTX-checked only.  The module follows the kernel contract:
+:data:`NAME`, :class:`Tiles`, :class:`Config`, :func:`unsupported_reason`, :func:`default_tiles`,
+:func:`compile`, :func:`launch`.
 
 Work decomposition (planned on the host by :mod:`cutedsl_attn.planning`):
 
@@ -27,71 +29,112 @@ Conventions (FlashInfer): LSE is base 2 over the visible keys, sinks included;
 sinks are natural-log logits not multiplied by ``sm_scale``; soft cap
 ``cap * tanh(s / cap)`` applies to the scaled logit; ALiBi adds
 ``slope_h * (j - (kv_len - 1))``; ROPE_LLAMA rotates q at position ``kv_len - 1``
-and k at its token position; empty rows give O = 0 and LSE = -inf.
+and k at its token position; empty rows give O = 0 and LSE = -inf; ``output_scale`` (FlashInfer's
+``v_scale``) multiplies the normalised O in fp32 before the 16-bit rounding, once, in the final write (the
+LSE and split-KV partials do not include it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common import ptx
-from ..common.dtypes import Dtype16, dtype_error
 from ..common import softmax as sm
+from ..common.constants import LOG2E, NEG_INF
+from ..compile.arch import SUPPORTED_ARCHS, compile_options
+from ..planning.decode import (
+    CHUNK, W_BATCH, W_KV_LEN, W_NUM_SPLITS, W_PAGE_OFF, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START, WORK_COLS,
+    DecodeArgs, DecodeProblem,
+)
+from ._tuning import check_int_fields, override_int_fields
 
-LOG2E = 1.4426950408889634
-NEG_INF = float("-inf")
-CHUNK = 16  # tokens per warp iteration: one m16n8k16 K-extent for PV
+NAME = "paged_decode"
+
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory one CTA may use on sm_90a / sm_100a / sm_103a
 
 
 @dataclass(frozen=True)
-class PagedDecodeConfig(Dtype16):
-    """Compile-time configuration of :class:`PagedDecodeKernel` (also its cache key).
+class Tiles:
+    """What the decode kernel chooses: ``num_warps`` warps per CTA, each streaming 16-token chunks through its
+    own ``num_stages``-deep ``cp.async`` ring.
 
-    Everything not listed here (batch, lengths, page count, number of kv heads,
-    strides, layout NHD/HND, scales, window) is a run-time argument, so one
-    compiled kernel serves them all.
+    Raises TypeError for a non-int field, ValueError for ``num_warps`` not in 1, 2, 4, 8 or ``num_stages``
+    outside 2..6.
     """
 
-    dtype: str  # "bfloat16" | "float16": q, k, v and o
-    head_dim: int  # 32, 64, 128, 256
-    page_size: int  # >= 1
-    group_size: int  # query heads per kv head, 1..16
-    pos_encoding_mode: str = "NONE"  # "NONE" | "ROPE_LLAMA" | "ALIBI"
-    use_soft_cap: bool = False
-    use_sinks: bool = False
     num_warps: int = 4
     num_stages: int = 3
-    arch: str = "sm_90a"
 
     def __post_init__(self):
-        if dtype_error(self.dtype):
-            raise ValueError(dtype_error(self.dtype))
-        if self.head_dim not in (32, 64, 128, 256):
-            raise ValueError(f"head_dim must be one of 32, 64, 128, 256, got {self.head_dim}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if not 1 <= self.group_size <= 16:
-            raise ValueError(f"group_size must be in [1, 16], got {self.group_size}")
-        if self.pos_encoding_mode not in ("NONE", "ROPE_LLAMA", "ALIBI"):
-            raise ValueError(f"pos_encoding_mode must be NONE, ROPE_LLAMA or ALIBI, got {self.pos_encoding_mode!r}")
+        check_int_fields(self)
         if self.num_warps not in (1, 2, 4, 8):
             raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
         if not 2 <= self.num_stages <= 6:
             raise ValueError(f"num_stages must be in [2, 6], got {self.num_stages}")
 
+
+TUNING_FIELDS = tuple(f.name for f in fields(Tiles))  # the keys override_tiles takes
+
+
+def unsupported_reason(problem: DecodeProblem) -> str | None:
+    """Why the decode kernel cannot serve ``problem``, or None.  Its SM80-class code serves every
+    :class:`~cutedsl_attn.planning.decode.DecodeProblem`; it refuses only a target outside
+    ``compile.arch.SUPPORTED_ARCHS`` (``sm_90a``, ``sm_100a``, ``sm_103a``, spelled so).
+
+    Raises TypeError when ``problem`` is not a DecodeProblem.
+    """
+    if not isinstance(problem, DecodeProblem):
+        raise TypeError(f"problem must be a DecodeProblem, got {type(problem).__name__}")
+    if problem.arch not in SUPPORTED_ARCHS:
+        return f"arch must be one of {SUPPORTED_ARCHS}, got {problem.arch!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Compile-time configuration of :class:`PagedDecodeKernel` (also its cache key): the problem and the tiles.
+
+    Everything else (batch, lengths, page count, number of kv heads, strides, layout NHD/HND, scales, window)
+    is a run-time argument (:class:`~cutedsl_attn.planning.decode.DecodeArgs`), so one compiled kernel serves
+    them all.  Raises TypeError for a ``problem`` / ``tiles`` of another type, ValueError with
+    :func:`unsupported_reason`'s reason or when the tiles need more than :data:`SMEM_LIMIT` bytes of shared memory.
+    """
+
+    problem: DecodeProblem
+    tiles: Tiles
+
+    def __post_init__(self):
+        if not isinstance(self.tiles, Tiles):
+            raise TypeError(f"tiles must be a paged-decode Tiles, got {type(self.tiles).__name__}")
+        reason = unsupported_reason(self.problem)
+        if reason is not None:
+            raise ValueError(f"the paged-decode kernel cannot serve this problem: {reason}")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"{self.tiles} needs {self.smem_bytes} bytes of shared memory at head_dim "
+                             f"{self.problem.head_dim}, more than {SMEM_LIMIT}: use fewer warps or stages")
+
+    @property
+    def arch(self) -> str:
+        return self.problem.arch
+
+    @property
+    def cutlass_dtype(self):
+        """The CuTe DSL element type of q, k, v and o."""
+        return cutlass.BFloat16 if self.problem.dtype == "bfloat16" else cutlass.Float16
+
     # ---- derived quantities (host side) ----
     @property
     def num_threads(self) -> int:
-        return 32 * self.num_warps
+        return 32 * self.tiles.num_warps
 
     @property
     def row_bytes(self) -> int:
         # one 16B pad per row: rows shift by 4 banks, so ldmatrix is conflict-free
-        return self.head_dim * 2 + 16
+        return self.problem.head_dim * 2 + 16
 
     @property
     def smem_q_bytes(self) -> int:
@@ -100,43 +143,68 @@ class PagedDecodeConfig(Dtype16):
     @property
     def smem_stats_bytes(self) -> int:
         # m, l, weights per (warp, row); per-row merge stats (2); a flag
-        return (self.num_warps * 16 * 3 + 16 * 2 + 4) * 4
+        return (self.tiles.num_warps * 16 * 3 + 16 * 2 + 4) * 4
 
     @property
     def smem_kv_bytes(self) -> int:
-        return self.num_warps * self.num_stages * 2 * CHUNK * self.row_bytes
+        return self.tiles.num_warps * self.tiles.num_stages * 2 * CHUNK * self.row_bytes
 
     @property
     def smem_bytes(self) -> int:
-        kv = max(self.smem_kv_bytes, self.num_warps * 16 * self.head_dim * 4)
+        kv = max(self.smem_kv_bytes, self.tiles.num_warps * 16 * self.problem.head_dim * 4)
         return self.smem_q_bytes + self.smem_stats_bytes + kv
 
     @property
     def q_in_registers(self) -> bool:
-        return self.head_dim <= 128
+        return self.problem.head_dim <= 128
+
+    @property
+    def max_splits_per_request(self) -> int:
+        """Most pieces a split request may have: the merge keeps one fp32 LSE per piece and query head in the
+        K/V ring's shared memory (the planner's ``max_splits_per_request``)."""
+        return (self.smem_kv_bytes // 4) // self.problem.group_size
 
 
-# Work-table columns (int32), written by cutedsl_attn.planning.decode
-W_BATCH, W_TOK_START, W_TOK_END, W_KV_LEN, W_PAGE_OFF, W_NUM_SPLITS, W_PART_BASE, W_SPLIT_IDX = range(8)
-WORK_COLS = 8
+def default_tiles(problem: DecodeProblem, *, num_sms: int, split: bool = False) -> Tiles:
+    """The default tiles for ``problem``; ``split``: the plan splits requests (split-KV).  ``num_sms`` is unused
+    (the planner fills the GPU by splitting).  Measured on the H200 (perf/RESULTS.md, "Decode"):
+
+    ==============================  ==========================================================================
+    head_dim 256                    2 stages: 3 would need about 212 KB of shared memory per CTA
+    otherwise                       3 stages: (4, 3) and (8, 3) within 1-3% of each other, (2, 4) slowest
+    split, head_dim <= 128          8 warps: with split-KV 12-16% faster than 4 on (1, 8192), equal elsewhere
+    otherwise                       4 warps
+    ==============================  ==========================================================================
+    """
+    num_stages = 2 if problem.head_dim >= 256 else 3
+    num_warps = 8 if split and problem.head_dim <= 128 else 4
+    return Tiles(num_warps=num_warps, num_stages=num_stages)
+
+
+def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
+    """``tiles`` with the fields named in ``items`` (field name -> decimal text, the parsed ``key=value`` pairs
+    of a tuning hook such as ``CUTEDSL_ATTN_DECODE_TUNE``) replaced.  Raises ValueError naming the key for an
+    unknown field or a value that is not an integer, and :class:`Tiles`' errors for one out of range."""
+    return override_int_fields(tiles, items)
 
 
 class PagedDecodeKernel:
     """CuTe DSL paged decode; see the module docstring.  Build with :func:`compile`."""
 
-    def __init__(self, cfg: PagedDecodeConfig):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.problem = pb = cfg.problem
         self.dtype = cfg.cutlass_dtype
-        self.D = cfg.head_dim
-        self.PS = cfg.page_size
-        self.G = cfg.group_size
-        self.NW = cfg.num_warps
-        self.S = cfg.num_stages
+        self.D = pb.head_dim
+        self.PS = pb.page_size
+        self.G = pb.group_size
+        self.NW = cfg.tiles.num_warps
+        self.S = cfg.tiles.num_stages
         self.NT = cfg.num_threads
         self.RB = cfg.row_bytes
         self.TILE = CHUNK * cfg.row_bytes
-        self.rope = cfg.pos_encoding_mode == "ROPE_LLAMA"
-        self.alibi = cfg.pos_encoding_mode == "ALIBI"
+        self.rope = pb.pos_encoding_mode == "ROPE_LLAMA"
+        self.alibi = pb.pos_encoding_mode == "ALIBI"
 
     @cute.jit
     def __call__(
@@ -157,11 +225,12 @@ class PagedDecodeKernel:
         soft_cap: Float32,
         rope_rcp_scale: Float32,
         rope_log2_theta: Float32,
+        output_scale: Float32,
         stream,
     ):
         self.kernel(
             mQ, mK, mV, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, mSinks, mAlibi,
-            sm_scale, soft_cap, rope_rcp_scale, rope_log2_theta,
+            sm_scale, soft_cap, rope_rcp_scale, rope_log2_theta, output_scale,
         ).launch(
             # kv heads fastest: the CTAs reading the heads of one token row run side by side
             grid=(mK.shape[2], mWork.shape[0], 1),
@@ -175,8 +244,10 @@ class PagedDecodeKernel:
     def kernel(
         self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, mSinks, mAlibi,
         sm_scale: Float32, soft_cap: Float32, rope_rcp_scale: Float32, rope_log2_theta: Float32,
+        output_scale: Float32,
     ):
-        """Device entry: one CTA per (kv head, work item); see the module docstring."""
+        """Device entry: one CTA per (kv head, work item); see the module docstring.  ``output_scale`` multiplies
+        the normalised O of the final write in fp32 before its 16-bit rounding (split-KV partials stay unscaled)."""
         D, G, NW = self.D, self.G, self.NW
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -207,7 +278,7 @@ class PagedDecodeKernel:
             head0 = kvh * G
 
             # scalars folded once: x_log2 = sc_out * f(sc_in * q.k)
-            sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap)
+            sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, self.problem.use_soft_cap)
 
             self._issue_q(mQ, sQ, b, head0, tidx)
             qf = cute.make_rmem_tensor(((D // 16) * 4,), Int32)
@@ -228,10 +299,10 @@ class PagedDecodeKernel:
 
             final = n_splits == 1
             self._merge_warps(mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sKV,
-                              b, part, head0, final, tidx, lane, warp)
+                              b, part, head0, final, output_scale, tidx, lane, warp)
             if n_splits > 1:
                 self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sKV,
-                                   b, kvh, mK.shape[2], part0, n_splits, head0, tidx)
+                                   b, kvh, mK.shape[2], part0, n_splits, head0, output_scale, tidx)
 
     @cute.jit
     def _issue_q(self, mQ, sQ, b, head0, tidx):
@@ -310,8 +381,9 @@ class PagedDecodeKernel:
 
     @cute.jit
     def _merge_warps(self, mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sO,
-                     b, part, head0, final, tidx, lane, warp):
-        """Merge the NW warp states; write O/LSE (one split) or the fp32 partial (split-KV)."""
+                     b, part, head0, final, output_scale, tidx, lane, warp):
+        """Merge the NW warp states; write O (times ``output_scale``) and the LSE (one split) or the unscaled fp32
+        partial (split-KV)."""
         D, G, NW, NT = self.D, self.G, self.NW, self.NT
         g = lane // 4
         t = lane % 4
@@ -331,7 +403,7 @@ class PagedDecodeKernel:
             for w in cutlass.range_constexpr(NW):
                 big_m = cute.arch.fmax(big_m, ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4))
             sink_l2 = Float32(NEG_INF)
-            if const_expr(self.cfg.use_sinks):
+            if const_expr(self.problem.use_sinks):
                 if final:
                     sink_l2 = mSinks[head0 + tidx] * LOG2E
             m_all = cute.arch.fmax(big_m, sink_l2)
@@ -341,9 +413,11 @@ class PagedDecodeKernel:
                 tot = tot + ptx.ld_shared_f32(sL + (w * 16 + tidx) * 4) * ptx.ex2(
                     ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4) - m_use)
             inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0)))
+            # the output scale rides on the merge weights of the final write only: a partial stays unscaled
+            w_scale = inv * Float32(cutlass.select_(final, output_scale, Float32(1.0)))
             for w in cutlass.range_constexpr(NW):
                 ptx.st_shared_f32(sW + (w * 16 + tidx) * 4,
-                                  ptx.ex2(ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4) - m_use) * inv)
+                                  ptx.ex2(ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4) - m_use) * w_scale)
             lse = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot), Float32(NEG_INF)))
             if final:
                 mLSE[b, head0 + tidx] = lse
@@ -365,8 +439,9 @@ class PagedDecodeKernel:
 
     @cute.jit
     def _merge_splits(self, mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sBuf, b, kvh, num_kv_heads, part0,
-                      n_splits, head0, tidx):
-        """Split-KV: the last CTA of (request, kv head) to finish merges all partials."""
+                      n_splits, head0, output_scale, tidx):
+        """Split-KV: the last CTA of (request, kv head) to finish merges all partials and writes O times
+        ``output_scale``."""
         D, G, NT = self.D, self.G, self.NT
         hq_total = mO.shape[1]
         ptx.fence_gpu()
@@ -393,7 +468,7 @@ class PagedDecodeKernel:
                 for p in cutlass.range(n_splits, unroll=4):
                     big_m = cute.arch.fmax(big_m, ptx.ld_shared_f32(sBuf + (p * G + tidx) * 4))
                 sink_l2 = Float32(NEG_INF)
-                if const_expr(self.cfg.use_sinks):
+                if const_expr(self.problem.use_sinks):
                     sink_l2 = mSinks[head0 + tidx] * LOG2E
                 m_all = cute.arch.fmax(big_m, sink_l2)
                 m_use = Float32(cutlass.select_(m_all == Float32(NEG_INF), Float32(0.0), m_all))
@@ -402,7 +477,7 @@ class PagedDecodeKernel:
                     tot = tot + ptx.ex2(ptx.ld_shared_f32(sBuf + (p * G + tidx) * 4) - m_use)
                 inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0)))
                 ptx.st_shared_f32(sRow + tidx * 8, m_use)
-                ptx.st_shared_f32(sRow + tidx * 8 + 4, inv)
+                ptx.st_shared_f32(sRow + tidx * 8 + 4, inv * output_scale)  # the scale joins the merge weights
                 mLSE[b, head0 + tidx] = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot), Float32(NEG_INF)))
             cute.arch.sync_threads()
             # (3) LSE -> merge weights in place
@@ -487,7 +562,7 @@ class PagedDecodeKernel:
             for e in cutlass.range_constexpr(4):
                 tok = start + j * 8 + 2 * t + (e % 2)
                 x = sacc[4 * j + e] * sc_in
-                if const_expr(self.cfg.use_soft_cap):
+                if const_expr(self.problem.use_soft_cap):
                     x = ptx.tanh(x) * sc_out
                 if const_expr(self.alibi):
                     x = x + slope[e // 2] * Float32(tok - (kv_len - 1))
@@ -531,18 +606,14 @@ class PagedDecodeKernel:
                 ptx.st_shared_u16(a2, ptx.f32_to_16(x2 * cs + x1 * sn, dt))
 
 
-def compile(cfg: PagedDecodeConfig, *, keep_ptx_dir: str | None = None):
-    """Compile :class:`PagedDecodeKernel` for ``cfg`` from fake tensors (no GPU needed).
-
-    Returns the tvm-ffi callable ``f(q, k, v, indices, work, o, lse, part_o, part_lse,
-    counters, sinks, alibi_slopes, sm_scale, soft_cap, rope_rcp_scale, rope_log2_theta)``;
-    it launches on torch's current stream.  Shapes are dynamic except ``page_size``,
-    ``head_dim`` (static) and the unit stride of the last dim.
-    """
-    from cutlass.cute.runtime import make_fake_stream, make_fake_tensor, make_fake_compact_tensor
+def fake_tensors(cfg: Config) -> tuple:
+    """The symbolic tensors :func:`compile` builds against: every size dynamic except ``page_size`` and
+    ``head_dim``; the last dims contiguous, strides multiples of 8 elements (16 bytes)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
     dt = cfg.cutlass_dtype
-    D = cfg.head_dim
+    D = cfg.problem.head_dim
+    PS = cfg.problem.page_size
 
     def sym():
         return cute.sym_int()
@@ -552,8 +623,8 @@ def compile(cfg: PagedDecodeConfig, *, keep_ptx_dir: str | None = None):
 
     B, Hq, P, Hkv, NNZ, W, NP, NC = (sym() for _ in range(8))
     q = make_fake_tensor(dt, (B, Hq, D), (s64(8), s64(8), 1), assumed_align=16)
-    k = make_fake_tensor(dt, (P, cfg.page_size, Hkv, D), (s64(8), s64(8), s64(8), 1), assumed_align=16)
-    v = make_fake_tensor(dt, (P, cfg.page_size, Hkv, D), (s64(8), s64(8), s64(8), 1), assumed_align=16)
+    k = make_fake_tensor(dt, (P, PS, Hkv, D), (s64(8), s64(8), s64(8), 1), assumed_align=16)
+    v = make_fake_tensor(dt, (P, PS, Hkv, D), (s64(8), s64(8), s64(8), 1), assumed_align=16)
     idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
     o = make_fake_compact_tensor(dt, (B, Hq, D), stride_order=(2, 1, 0), assumed_align=16)
@@ -563,12 +634,34 @@ def compile(cfg: PagedDecodeConfig, *, keep_ptx_dir: str | None = None):
     cnt = make_fake_compact_tensor(Int32, (NC,), assumed_align=4)
     sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
     alibi = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
-    opts = f"--enable-tvm-ffi --gpu-arch {cfg.arch}"
-    if keep_ptx_dir is not None:
-        opts += f" --keep-ptx --dump-dir {keep_ptx_dir}"
+    return q, k, v, idx, work, o, lse, po, plse, cnt, sinks, alibi
+
+
+def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile :class:`PagedDecodeKernel` for ``cfg`` from fake tensors (:func:`fake_tensors`; no GPU needed).
+
+    Returns the tvm-ffi callable (call it through :func:`launch`) launching on torch's current stream.
+    ``keep_ptx_dir``: keep the PTX (and with ``keep_cubin`` the cubin) there
+    (:func:`cutedsl_attn.compile.arch.compile_options`).  Raises ValueError for ``keep_cubin`` without a
+    ``keep_ptx_dir``.
+    """
+    from cutlass.cute.runtime import make_fake_stream
+
+    opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
     return cute.compile(
-        PagedDecodeKernel(cfg), q, k, v, idx, work, o, lse, po, plse, cnt, sinks, alibi,
-        Float32(1.0), Float32(0.0), Float32(1.0), Float32(1.0),
+        PagedDecodeKernel(cfg), *fake_tensors(cfg),
+        Float32(1.0), Float32(0.0), Float32(1.0), Float32(1.0), Float32(1.0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options=opts,
     )
+
+
+def launch(fn, cfg: Config, args: DecodeArgs) -> None:
+    """Launch ``fn`` (:func:`compile` of ``cfg``) on torch's current stream; the only code that knows its argument
+    order.  ``args``: a :class:`~cutedsl_attn.planning.decode.DecodeArgs` (shapes, dtypes and layouts there);
+    ``counters`` must read 0 (the kernel leaves them so).  The tvm-ffi entry raises ValueError for a tensor of
+    the wrong dtype, rank or alignment."""
+    (q, k, v, indices, work, out, lse, part_o, part_lse, counters, sinks, alibi_slopes, sm_scale, soft_cap,
+     rope_rcp_scale, rope_log2_theta, output_scale) = args
+    fn(q, k, v, indices, work, out, lse, part_o, part_lse, counters, sinks, alibi_slopes, sm_scale, soft_cap,
+       rope_rcp_scale, rope_log2_theta, output_scale)

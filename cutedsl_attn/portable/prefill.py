@@ -1,8 +1,9 @@
 """Portable prefill / append attention kernel (SM80-class: ``cp.async``, ``ldmatrix``, ``mma.sync``).
 
-Runs on SM90 and SM100 alike and backs every prefill path until the SM90 (TMA +
-wgmma) kernel lands.  Verified on an H200 (SM90); SM100 builds are cross-compiled
-and PTX-checked only.
+Serves every prefill problem on every target (``sm_90a``, ``sm_100a``, ``sm_103a``): the SM90 kernel takes
+over where it applies.  Verified on an H200 (SM90); Blackwell builds are cross-compiled and PTX-checked only.
+The module follows the kernel contract: :data:`NAME`, :class:`Tiles`, :class:`Config`,
+:func:`unsupported_reason`, :func:`default_tiles`, :func:`compile`, :func:`launch`.
 
 Decomposition (planned on the host by :mod:`cutedsl_attn.planning.prefill`): one CTA
 per (kv head, tile of ``tile_m`` packed query rows of one request).  The query heads
@@ -14,17 +15,18 @@ gathered through the page table when the cache is paged).  S = Q K^T and O += P 
 ``mma.m16n8k16`` (P re-used from the S accumulators as the A operand); online
 softmax in fp32 with exp2.
 
-A user ``score_mod`` (:class:`PrefillConfig`) is traced per score after the scale and before the masks
-(not with a soft cap or ALiBi), as in the SM90 kernel; verified on the H200 (session 10).
+A user ``score_mod`` (``PrefillProblem.score_mod``) is traced per score after the scale and before the masks
+(not with a soft cap or ALiBi), as in the SM90 kernel.
 
 Conventions (FlashInfer): causal is bottom-right (key ``j`` is visible to query ``i``
 iff ``j <= i + kv_len - qo_len``); ``window_left = w`` keeps ``w + 1`` keys; a custom
 mask (packed bits, little-endian, 1 = visible) replaces causal; soft cap
 ``cap * tanh(s / cap)`` on scaled logits; sinks are natural-log logits (not scaled)
 in the denominator and the LSE; LSE is base 2; rows with no visible key give O = 0,
-LSE = -inf.
+LSE = -inf.  ``output_scale`` (FlashInfer's ``v_scale / o_scale``) multiplies the normalised O in fp32
+before the 16-bit rounding; the LSE does not include it.
 
-Positional encodings (``PrefillConfig.pos_encoding_mode``; query token ``i`` of a request
+Positional encodings (``PrefillProblem.pos_encoding_mode``; query token ``i`` of a request
 sits at position ``pos_i = i + kv_len - qo_len``, key ``j`` at ``j``):
 
 * ``"ROPE_LLAMA"`` (FlashInfer ``prefill.cuh`` / ``pos_enc.cuh``): non-interleaved
@@ -45,132 +47,190 @@ sits at position ``pos_i = i + kv_len - qo_len``, key ``j`` at ``j``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common import epilogue, masks, paging, ptx
-from ..common.dtypes import Dtype16, dtype_error
-from ..compile.arch import compile_options
-from ..compile.fake import prefill_tensors, vector_f32
 from ..common import softmax as sm
-from ..planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0, WORK_COLS
+from ..common.constants import LOG2E, NEG_INF
+from ..compile.arch import SUPPORTED_ARCHS, compile_options
+from ..compile.fake import prefill_tensors, vector_f32
+from ..planning.prefill import (
+    W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0, WORK_COLS, PrefillArgs, PrefillProblem,
+)
+from ._tuning import check_int_fields, override_int_fields
 
-LOG2E = 1.4426950408889634
-NEG_INF = float("-inf")
+NAME = "prefill_portable"
 
 
 @dataclass(frozen=True)
-class PrefillConfig(Dtype16):
-    """Compile-time configuration of :class:`PrefillKernel` (also its cache key).
+class Tiles:
+    """What the portable prefill kernel chooses: ``num_warps`` warps of 16 packed query rows each
+    (``tile_m = 16 * num_warps``), K/V tiles of ``tile_n`` tokens through a ``num_stages``-deep ``cp.async`` ring.
 
-    Lengths, offsets, head counts, strides, ``sm_scale``, the soft-cap value,
-    ``window_left``, the RoPE parameters and the ALiBi slopes are run-time arguments.
+    Raises TypeError for a non-int field, ValueError for ``num_warps`` other than 4 / 8, ``tile_n`` other than
+    32 / 64 or ``num_stages`` other than 2 (the ring is double-buffered).
     """
 
-    dtype: str  # "bfloat16" | "float16"
-    head_dim_qk: int
-    head_dim_vo: int
-    group_size: int
-    page_size: int = 0  # 0: ragged (contiguous) KV
-    causal: bool = False
-    use_window: bool = False
-    use_soft_cap: bool = False
-    use_sinks: bool = False
-    use_custom_mask: bool = False
-    pos_encoding_mode: str = "NONE"  # "NONE" | "ROPE_LLAMA" | "ALIBI"
-    # a user function traced into the logits (common.softmax.score_mod_logit): score_mod(score, batch_idx,
-    # head_idx, q_idx, kv_idx) -> score on sm_scale * q.k before the masks, q_idx the query's bottom-right
-    # position (kv_idx's axis); part of the compile key; None: no code
-    score_mod: object = None
     num_warps: int = 4
     tile_n: int = 64
     num_stages: int = 2
-    arch: str = "sm_90a"
 
     def __post_init__(self):
-        for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size", "num_warps", "tile_n", "num_stages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):  # the config is a cache key: no 4.0 for 4
-                raise TypeError(f"{name} must be an int, got {v!r}")
-        if dtype_error(self.dtype):
-            raise ValueError(dtype_error(self.dtype))
-        if self.head_dim_qk not in (32, 64, 128, 192, 256) or self.head_dim_vo not in (32, 64, 128, 256):
-            raise ValueError(
-                f"head_dim_qk must be 32/64/128/192/256 and head_dim_vo 32/64/128/256, got {self.head_dim_qk}/{self.head_dim_vo}"
-            )
-        if not 1 <= self.group_size <= 16:
-            raise ValueError(f"group_size must be in [1, 16], got {self.group_size}")
-        if self.page_size < 0:
-            raise ValueError(f"page_size must be >= 0 (0 = ragged), got {self.page_size}")
-        if self.pos_encoding_mode not in ("NONE", "ROPE_LLAMA", "ALIBI"):
-            raise ValueError(
-                f"pos_encoding_mode must be NONE, ROPE_LLAMA or ALIBI, got {self.pos_encoding_mode!r}")
-        if self.score_mod is not None and (not callable(self.score_mod) or self.use_soft_cap
-                                           or self.pos_encoding_mode == "ALIBI"):
-            raise ValueError("score_mod must be a callable, and not combined with a soft cap or ALiBi (fold them "
-                             "into the score_mod)")
-        if self.num_warps not in (4, 8) or self.tile_n not in (32, 64) or self.num_stages != 2:
-            raise ValueError("num_warps must be 4 or 8, tile_n 32 or 64, num_stages 2")
+        check_int_fields(self)
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps must be 4 or 8, got {self.num_warps}")
+        if self.tile_n not in (32, 64):
+            raise ValueError(f"tile_n must be 32 or 64, got {self.tile_n}")
+        if self.num_stages != 2:
+            raise ValueError(f"num_stages must be 2 (a double-buffered ring), got {self.num_stages}")
+
+
+TUNING_FIELDS = tuple(f.name for f in fields(Tiles))  # the keys override_tiles takes
+
+
+def unsupported_reason(problem: PrefillProblem) -> str | None:
+    """Why the portable kernel cannot serve ``problem``, or None.  Its ``cp.async`` / ``ldmatrix`` /
+    ``mma.sync`` code serves every :class:`~cutedsl_attn.planning.prefill.PrefillProblem` (dtypes, head dims,
+    groups, paging, masks, positional encodings, ``score_mod``); it refuses only a target outside
+    ``compile.arch.SUPPORTED_ARCHS`` (``sm_90a``, ``sm_100a``, ``sm_103a``, spelled so).
+
+    Raises TypeError when ``problem`` is not a PrefillProblem.
+    """
+    if not isinstance(problem, PrefillProblem):
+        raise TypeError(f"problem must be a PrefillProblem, got {type(problem).__name__}")
+    if problem.arch not in SUPPORTED_ARCHS:
+        return f"arch must be one of {SUPPORTED_ARCHS}, got {problem.arch!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Compile-time configuration of :class:`PrefillKernel` (also its cache key): the problem and the tiles.
+
+    Lengths, offsets, head counts, strides, ``sm_scale``, the soft-cap value, ``window_left``, the RoPE
+    parameters, the ALiBi slopes and the output scale are run-time arguments (:class:`PrefillArgs`).
+    Raises TypeError for a ``problem`` / ``tiles`` of another type, ValueError with
+    :func:`unsupported_reason`'s reason.
+    """
+
+    problem: PrefillProblem
+    tiles: Tiles
+
+    def __post_init__(self):
+        if not isinstance(self.tiles, Tiles):
+            raise TypeError(f"tiles must be a portable prefill Tiles, got {type(self.tiles).__name__}")
+        reason = unsupported_reason(self.problem)
+        if reason is not None:
+            raise ValueError(f"the portable prefill kernel cannot serve this problem: {reason}")
+
+    # ---- what compile/ reads (fake tensors, the target) ----
+    @property
+    def arch(self) -> str:
+        return self.problem.arch
 
     @property
+    def cutlass_dtype(self):
+        """The CuTe DSL element type of q, k, v and o."""
+        return cutlass.BFloat16 if self.problem.dtype == "bfloat16" else cutlass.Float16
+
+    @property
+    def head_dim_qk(self) -> int:
+        return self.problem.head_dim_qk
+
+    @property
+    def head_dim_vo(self) -> int:
+        return self.problem.head_dim_vo
+
+    @property
+    def page_size(self) -> int:
+        return self.problem.page_size
+
+    # ---- derived (host side) ----
+    @property
     def tile_m(self) -> int:
-        return 16 * self.num_warps
+        """Packed query rows per CTA (the work table's row tile)."""
+        return 16 * self.tiles.num_warps
 
     @property
     def num_threads(self) -> int:
-        return 32 * self.num_warps
+        return 32 * self.tiles.num_warps
 
     @property
     def row_bytes_qk(self) -> int:
-        return self.head_dim_qk * 2 + 16  # 16B pad: conflict-free ldmatrix
+        return self.problem.head_dim_qk * 2 + 16  # 16B pad: conflict-free ldmatrix
 
     @property
     def row_bytes_vo(self) -> int:
-        return self.head_dim_vo * 2 + 16
+        return self.problem.head_dim_vo * 2 + 16
 
     @property
     def smem_bytes(self) -> int:
-        return (self.tile_m * self.row_bytes_qk
-                + self.num_stages * self.tile_n * (self.row_bytes_qk + self.row_bytes_vo))
+        t = self.tiles
+        return self.tile_m * self.row_bytes_qk + t.num_stages * t.tile_n * (self.row_bytes_qk + self.row_bytes_vo)
 
     @property
     def q_in_registers(self) -> bool:
-        return self.head_dim_qk <= 128
+        return self.problem.head_dim_qk <= 128
+
+    @property
+    def positive_scale_only(self) -> bool:
+        """False: the logits are scaled before the row max, so any ``sm_scale`` works."""
+        return False
+
+
+def default_tiles(problem: PrefillProblem, *, num_sms: int) -> Tiles:
+    """The default tiles for ``problem`` (``num_sms``: unused, the grid is one CTA per tile).  Measured on the
+    H200 (perf/RESULTS.md, "Prefill: portable kernel"):
+
+    ==============  ==========================================================================
+    every problem   4 warps x 64 keys, 2 stages: the measured tiles; 8 warps and 32 keys build, unmeasured
+    ==============  ==========================================================================
+    """
+    return Tiles(num_warps=4, tile_n=64, num_stages=2)
+
+
+def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
+    """``tiles`` with the fields named in ``items`` (field name -> decimal text, a tuning hook's parsed
+    ``key=value`` pairs) replaced.  Raises ValueError naming the key for an unknown field or a value that is
+    not an integer, and Tiles' own errors for a value out of range."""
+    return override_int_fields(tiles, items)
 
 
 class PrefillKernel:
     """CuTe DSL portable prefill; see the module docstring.  Build with :func:`compile`."""
 
-    def __init__(self, cfg: PrefillConfig):
+    def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.problem = pb = cfg.problem
         self.dtype = cfg.cutlass_dtype
-        self.DQ, self.DV, self.G = cfg.head_dim_qk, cfg.head_dim_vo, cfg.group_size
-        self.NW, self.NT, self.TM, self.TN = cfg.num_warps, cfg.num_threads, cfg.tile_m, cfg.tile_n
-        self.PS = cfg.page_size
+        self.DQ, self.DV, self.G = pb.head_dim_qk, pb.head_dim_vo, pb.group_size
+        self.NW, self.NT, self.TM, self.TN = cfg.tiles.num_warps, cfg.num_threads, cfg.tile_m, cfg.tiles.tile_n
+        self.PS = pb.page_size
         self.RQ, self.RV = cfg.row_bytes_qk, cfg.row_bytes_vo
-        self.paged = cfg.page_size > 0
-        self.mask_causal = cfg.causal and not cfg.use_custom_mask
-        self.rope = cfg.pos_encoding_mode == "ROPE_LLAMA"
-        self.alibi = cfg.pos_encoding_mode == "ALIBI"
+        self.paged = pb.page_size > 0
+        self.mask_causal = pb.causal and not pb.use_custom_mask
+        self.rope = pb.pos_encoding_mode == "ROPE_LLAMA"
+        self.alibi = pb.pos_encoding_mode == "ALIBI"
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mIdx: cute.Tensor, mWork: cute.Tensor,
                  mO: cute.Tensor, mLSE: cute.Tensor, mMask: cute.Tensor, mSinks: cute.Tensor, mAlibi: cute.Tensor,
                  sm_scale: Float32, soft_cap: Float32, window_left: Int32, rope_rcp_scale: Float32,
-                 rope_log2_theta: Float32, stream):
+                 rope_log2_theta: Float32, output_scale: Float32, stream):
         hkv = mK.shape[2 if self.paged else 1]
         self.kernel(mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks, mAlibi, sm_scale, soft_cap, window_left,
-                    rope_rcp_scale, rope_log2_theta).launch(
+                    rope_rcp_scale, rope_log2_theta, output_scale).launch(
             grid=(hkv, mWork.shape[0], 1), block=(self.NT, 1, 1), smem=self.cfg.smem_bytes, stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mQ, mK, mV, mIdx, mWork, mO, mLSE, mMask, mSinks, mAlibi,
                sm_scale: Float32, soft_cap: Float32, window_left: Int32, rope_rcp_scale: Float32,
-               rope_log2_theta: Float32):
+               rope_log2_theta: Float32, output_scale: Float32):
         """Device entry: one CTA per (kv head, tile of packed query rows); see the module docstring.
 
         Arguments (all but the scalars are ``cute.Tensor``):
@@ -185,9 +245,9 @@ class PrefillKernel:
           are not read (a 1-element dummy is fine).
         * ``sm_scale``; ``soft_cap`` (``use_soft_cap``); ``window_left`` (``use_window``; -1
           disables); ``rope_rcp_scale = 1 / rope_scale`` and ``rope_log2_theta = log2(rope_theta)``
-          (``ROPE_LLAMA``).
+          (``ROPE_LLAMA``); ``output_scale`` multiplies the normalised O in fp32 before its 16-bit rounding.
         """
-        cfg = self.cfg
+        pb = self.problem
         G, TM, TN, RQ = self.G, self.TM, self.TN, self.RQ
         tidx, _, _ = cute.arch.thread_idx()
         kvh, wi, _ = cute.arch.block_idx()
@@ -208,10 +268,10 @@ class PrefillKernel:
             kv_start = mWork[wi, W_KV_START]
             mask_off = mWork[wi, W_MASK_OFF]
 
-            sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, cfg.use_soft_cap, cfg.score_mod is not None)
+            sc_in, sc_out = sm.logit_scales(sm_scale, soft_cap, pb.use_soft_cap, pb.score_mod is not None)
             # kv token range any row of this tile can see
             blk_lo, n_blk = masks.kv_block_range(row0, qo_len, kv_len, window_left, G, TM, TN, self.mask_causal,
-                                                 cfg.use_window)
+                                                 pb.use_window)
 
             self._issue_q(mQ, sQ, row0, qo_len, q_start, kvh, tidx)
             if n_blk > 0:
@@ -224,7 +284,7 @@ class PrefillKernel:
             self._mainloop(mK, mV, mIdx, mMask, mAlibi, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len,
                            kv_start, mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, rope_rcp_scale,
                            rope_log2_theta, tidx, lane, warp, b)
-            self._epilogue(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp)
+            self._epilogue(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp, output_scale)
 
     # ------------------------------------------------------------------ loads
     @cute.jit
@@ -289,7 +349,7 @@ class PrefillKernel:
             for h in cutlass.range_constexpr(2):
                 slope[h] = mAlibi[kvh * G + (row0 + warp * 16 + g + 8 * h) % G] * LOG2E
         q_head = cute.make_rmem_tensor((2,), Int32)  # score_mod: the query head of rows g and g+8
-        if const_expr(self.cfg.score_mod is not None):
+        if const_expr(self.problem.score_mod is not None):
             for h in cutlass.range_constexpr(2):
                 q_head[h] = kvh * G + (row0 + warp * 16 + g + 8 * h) % G
 
@@ -349,16 +409,16 @@ class PrefillKernel:
                     h = e // 2
                     j = tok0 + n8 * 8 + 2 * t + (e % 2)
                     x = sacc[4 * n8 + e] * sc_in
-                    if const_expr(self.cfg.use_soft_cap):
+                    if const_expr(self.problem.use_soft_cap):
                         x = ptx.tanh(x) * sc_out
-                    if const_expr(self.cfg.score_mod is not None):  # (q_idx: the query's bottom-right position)
-                        x = sm.score_mod_logit(self.cfg.score_mod, sacc[4 * n8 + e], sc_in, b, q_head[h], qpos[h],
+                    if const_expr(self.problem.score_mod is not None):  # (q_idx: the query's bottom-right position)
+                        x = sm.score_mod_logit(self.problem.score_mod, sacc[4 * n8 + e], sc_in, b, q_head[h], qpos[h],
                                                j) * sc_out
                     if const_expr(self.alibi):
                         x = x + slope[h] * Float32(j - qpos[h])
                     ok = masks.visible(j, kv_len, qpos[h], window_left, causal=self.mask_causal,
-                                       use_window=self.cfg.use_window)
-                    if const_expr(self.cfg.use_custom_mask):
+                                       use_window=self.problem.use_window)
+                    if const_expr(self.problem.use_custom_mask):
                         ok = ok & masks.custom_visible(mMask, masks.custom_row_bit(mask_off, qtok[h], kv_len), kv_len, j)
                     sacc[4 * n8 + e] = Float32(cutlass.select_(ok, x, Float32(NEG_INF)))
 
@@ -440,24 +500,36 @@ class PrefillKernel:
 
     # ------------------------------------------------------------------ epilogue
     @cute.jit
-    def _epilogue(self, mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp):
-        """Normalise (sinks folded in), write O and the LSE of the lane's rows (:func:`common.epilogue.store_rows`)."""
+    def _epilogue(self, mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp, output_scale):
+        """Normalise (sinks folded in), scale by ``output_scale`` in fp32, write O and the LSE of the lane's rows
+        (:func:`common.epilogue.store_rows`)."""
         epilogue.store_rows(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp,
-                            self.DV, self.G, self.cfg.use_sinks, self.dtype, False)
+                            self.DV, self.G, self.problem.use_sinks, self.dtype, False, output_scale=output_scale)
 
 
-def compile(cfg: PrefillConfig, *, keep_ptx_dir: str | None = None):
+def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile :class:`PrefillKernel` for ``cfg`` from fake tensors (no GPU needed).
 
-    Returns the tvm-ffi callable ``f(q, k, v, indices, work, o, lse, mask, sinks, alibi_slopes,
-    sm_scale, soft_cap, window_left, rope_rcp_scale, rope_log2_theta)`` launching on torch's
-    current stream (see :meth:`PrefillKernel.kernel` for the arguments, the module docstring
-    and ``cutedsl_attn.planning.prefill`` for the work table).
+    Returns the tvm-ffi callable (call it through :func:`launch`) launching on torch's current stream.
+    ``keep_ptx_dir``: keep the PTX (and with ``keep_cubin`` the cubin) there
+    (:func:`cutedsl_attn.compile.arch.compile_options`).  Raises ValueError for ``keep_cubin`` without a
+    ``keep_ptx_dir``.
     """
     from cutlass.cute.runtime import make_fake_stream
 
-    opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir)
+    opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
     return cute.compile(
         PrefillKernel(cfg), *prefill_tensors(cfg, WORK_COLS), vector_f32(), Float32(1.0), Float32(0.0), Int32(-1),
-        Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
+        Float32(1.0), Float32(1.0), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
     )
+
+
+def launch(fn, cfg: Config, args: PrefillArgs) -> None:
+    """Launch ``fn`` (:func:`compile` of ``cfg``) on torch's current stream; the only code that knows its argument
+    order.  ``args``: a :class:`~cutedsl_attn.planning.prefill.PrefillArgs` (shapes, dtypes and layouts there and in
+    :meth:`PrefillKernel.kernel`); the tvm-ffi entry raises ValueError for a tensor of the wrong dtype, rank or
+    alignment."""
+    (q, k, v, indices, work, out, lse, mask, sinks, alibi_slopes, sm_scale, soft_cap, window_left, rope_rcp_scale,
+     rope_log2_theta, output_scale) = args
+    fn(q, k, v, indices, work, out, lse, mask, sinks, alibi_slopes, sm_scale, soft_cap, window_left, rope_rcp_scale,
+       rope_log2_theta, output_scale)
