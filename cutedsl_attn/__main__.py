@@ -7,7 +7,7 @@ Subcommands::
     sass decode [same options]
          print its SASS (needs cuobjdump or nvdisasm from a CUDA toolkit)
     demo [--cpu] [...]
-         run cutedsl_attn.demo (Llama-3-8B-shaped decode step + real-model check on a
+         run the demo (cutedsl_attn._demo: Llama-3-8B-shaped decode step + real-model check on a
          GPU; cross-compile + instruction summary without one)
 """
 
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sass", help="print the SASS of a kernel config (needs cuobjdump/nvdisasm)",
                        description="Print the SASS of a kernel config (cuobjdump/nvdisasm on its cubin).")
     _add_kernel_args(s)
-    sub.add_parser("demo", help="run cutedsl_attn.demo (GPU: Llama-3-8B decode step + real-model check; "
+    sub.add_parser("demo", help="run the demo (GPU: Llama-3-8B decode step + real-model check; "
                                 "no GPU: cross-compile and summarise the PTX)", add_help=False)
     return ap
 
@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _kernel_config(args) -> dict:
     if args.op == "prefill":
         if args.num_warps or args.num_stages:
-            raise ValueError("prefill: --num-warps and --num-stages do not apply; the SM90 kernel's tiles are tuned "
-                             "with CUTEDSL_ATTN_PREFILL_TUNE (e.g. 'tile_n=128,q_stages=1,num_stages=3', see cutedsl_attn.inspect)")
+            raise ValueError("prefill: --num-warps and --num-stages apply to decode only; the prefill kernels' tiles "
+                             "come from the dispatch layer (its tuning hooks: see cutedsl_attn.dispatch)")
         return dict(
             dtype=args.dtype, head_dim_qk=args.head_dim,
             # head_dim_vo defaults to head_dim, except 192 (the DeepSeek MLA prefill shape 192/128)
@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     """Entry point; returns the process exit status (0 ok, 1 demo failure, 2 usage/tool error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = build_parser()
-    # `demo` forwards everything after it to cutedsl_attn.demo (its own --help too).
+    # `demo` forwards everything after it to the demo's own parser (its --help too); imported only here
     if argv and argv[0] == "demo":
-        from . import demo
+        from ._demo import demo
 
         return int(demo.main(argv[1:]) or 0)
     args = ap.parse_args(argv)

@@ -12,28 +12,27 @@ Example::
 
 Command line: ``python -m cutedsl_attn ptx decode --head-dim 128 --arch sm_100a``.
 
-Config keys of op ``"decode"`` (the paged-decode kernel,
-:class:`cutedsl_attn.portable.paged_decode.PagedDecodeConfig`, with the defaults
-of :func:`cutedsl_attn.dispatch.decode_config` for anything not given):
+Config keys of op ``"decode"`` (a :class:`cutedsl_attn.planning.decode.DecodeProblem` plus the decode
+kernel's ``Tiles``; dispatch's defaults for anything not given):
 
-==================== ============================================== ===========
-key                  values                                         default
-==================== ============================================== ===========
-``dtype``            ``"bfloat16"``/``"bf16"``, ``"float16"``/       ``bfloat16``
-                     ``"fp16"``/``"half"``, or a torch dtype
-``head_dim``         32, 64, 128, 256                               128
-``page_size``        >= 1                                           16
-``group_size``       query heads per kv head, 1..16                 4
-``pos_encoding_mode`` ``"NONE"``, ``"ROPE_LLAMA"``, ``"ALIBI"``      ``NONE``
-``use_soft_cap``     bool                                           False
-``use_sinks``        bool                                           False
-``num_warps``        1, 2, 4, 8                                     dispatch's
-``num_stages``       2..6                                           dispatch's
-==================== ============================================== ===========
+===================== ============================================= ===========
+key                   values                                        default
+===================== ============================================= ===========
+``dtype``             ``"bfloat16"``/``"bf16"``, ``"float16"``/      ``bfloat16``
+                      ``"fp16"``/``"half"``, or a torch dtype
+``head_dim``          32, 64, 128, 256                              128
+``page_size``         >= 1                                          16
+``group_size``        query heads per kv head, 1..16                4
+``pos_encoding_mode`` ``"NONE"``, ``"ROPE_LLAMA"``, ``"ALIBI"``     ``NONE``
+``use_soft_cap``      bool                                          False
+``use_sinks``         bool                                          False
+``num_warps``         1, 2, 4, 8 (a field of the kernel's tiles)    dispatch's
+``num_stages``        2..6 (a field of the kernel's tiles)          dispatch's
+===================== ============================================= ===========
 
-Config keys of op ``"prefill"`` (the kernel :func:`cutedsl_attn.dispatch.prefill_config` picks
-for ``arch``: :class:`cutedsl_attn.sm90.prefill.Sm90PrefillConfig` on ``sm_90a`` where it
-applies, else :class:`cutedsl_attn.portable.prefill.PrefillConfig`):
+Config keys of op ``"prefill"`` (a :class:`cutedsl_attn.planning.prefill.PrefillProblem`; the kernel and
+its tiles are what :func:`cutedsl_attn.dispatch.prefill_choice` picks for ``arch``: the SM90 TMA + wgmma
+kernel on ``sm_90a`` where it applies, else the portable one):
 
 ===================== ============================================= ===========
 key                   values                                        default
@@ -53,19 +52,16 @@ key                   values                                        default
 ``kernel``            ``"auto"``, ``"portable"``, ``"sm90"``         ``auto``
 ===================== ============================================= ===========
 
-The environment is not consulted for the target (``arch`` is explicit), but the dispatch
-layer's switches are: ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` makes ``kernel="auto"`` pick
-the portable kernel (an explicit ``kernel="sm90"`` overrides it) and
-``CUTEDSL_ATTN_PREFILL_TUNE`` overrides the SM90 kernel's tuning fields
-(``cutedsl_attn.sm90.prefill.TUNING_FIELDS``: ``tile_n``, ``num_stages``, ``num_wg``, ``q_stages``,
-``smem_epilogue``, ``num_ctas``, ...; tuning experiments).
+The environment is not consulted for the target (``arch`` is explicit), but the dispatch layer's
+switches are: ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` makes ``kernel="auto"`` pick the portable kernel
+(an explicit ``kernel="sm90"`` overrides it), and its tuning hooks override the chosen kernel's tiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
-import inspect as _pyinspect
 import os
 import re
 import shutil
@@ -120,19 +116,20 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
       arch: target architecture, any spelling accepted by
         :func:`cutedsl_attn.compile.normalize_arch` (``"sm_90a"``, ``"sm_100a"``,
         ``"sm_103a"``, ``"hopper"``, ``"blackwell"``, ...).  Always explicit: the
-        environment (``CUTEDSL_ATTN_ARCH``) and the local GPU are not consulted (the prefill
-        switches ``CUTEDSL_ATTN_PREFILL_KERNEL``/``_TUNE`` are, see the module docstring, and the SM90
-        prefill kernel's persistent grid takes the local GPU's SM count, 132 without a GPU).
+        environment (``CUTEDSL_ATTN_ARCH``) and the local GPU are not consulted (the dispatch
+        layer's switches are, see the module docstring, and the SM90 prefill kernel's persistent
+        grid takes the local GPU's SM count, 132 without a GPU).
       **cfg: config keys (see the module docstring); unset keys take :data:`DEFAULTS`.
 
     Returns:
-      A frozen config dataclass (for ``"decode"``:
-      :class:`~cutedsl_attn.portable.paged_decode.PagedDecodeConfig`).
+      The kernel's frozen ``Config(problem, tiles)`` as dispatch builds it (``problem`` a
+      :class:`~cutedsl_attn.planning.decode.DecodeProblem` or
+      :class:`~cutedsl_attn.planning.prefill.PrefillProblem`).
 
     Raises:
-      ValueError: unknown ``op``, unknown ``arch``, or a value the kernel does not
-        support (bad dtype, head_dim, group_size, ...).
-      TypeError: an unknown config key.
+      ValueError: unknown ``op``, unknown ``arch``, a value the kernel does not support (bad dtype,
+        head_dim, group_size, ...), or ``kernel="sm90"`` for a problem the SM90 kernel cannot serve.
+      TypeError: an unknown config key, or a non-int size.
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; supported: {OPS}")
@@ -149,10 +146,11 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
 
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[_dtype_name(merged["dtype"])]
     if op == "prefill":
-        dqk = merged["head_dim_qk"]
         kernel = merged["kernel"]
-        cfg = dispatch.prefill_config(
-            kernel=kernel,
+        if kernel not in ("auto", "portable", "sm90"):
+            raise ValueError(f"kernel must be 'auto', 'portable' or 'sm90', got {kernel!r}")
+        dqk = merged["head_dim_qk"]
+        problem = dispatch.prefill_problem(
             # head_dim_vo defaults to head_dim_qk, except 192 (DeepSeek's 192/128 prefill), as the CLI
             dtype=torch_dtype, head_dim_qk=dqk, head_dim_vo=merged["head_dim_vo"] or (128 if dqk == 192 else dqk),
             group_size=merged["group_size"], page_size=merged["page_size"], causal=bool(merged["causal"]),
@@ -160,11 +158,12 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
             use_sinks=bool(merged["use_sinks"]), use_custom_mask=bool(merged["use_custom_mask"]),
             pos_encoding_mode=merged["pos_encoding_mode"], score_mod=merged["score_mod"], arch=arch,
         )
-        if kernel == "sm90" and type(cfg).__name__ != "Sm90PrefillConfig":
-            from .sm90.prefill import unsupported_reason
-
-            raise ValueError(f"the SM90 prefill kernel cannot serve this config: {unsupported_reason(cfg)}")
-        return cfg
+        choice = dispatch.prefill_choice(problem, kernel=kernel)
+        if kernel == "sm90" and choice.name != _SM90_PREFILL:
+            sm90 = _kernel_module_named(dispatch, _SM90_PREFILL)
+            reason = sm90.unsupported_reason(problem) if sm90 is not None else "not available"
+            raise ValueError(f"the SM90 prefill kernel cannot serve this config: {reason}")
+        return choice.cfg
     for k in ("head_dim", "page_size", "group_size"):
         if isinstance(merged[k], bool) or not isinstance(merged[k], int):
             raise ValueError(f"{k} must be an int, got {merged[k]!r}")
@@ -172,31 +171,45 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
         raise ValueError(
             f"pos_encoding_mode must be 'NONE', 'ROPE_LLAMA' or 'ALIBI', got {merged['pos_encoding_mode']!r}"
         )
-    return dispatch.decode_config(
-        dtype=torch_dtype,
-        head_dim=merged["head_dim"],
-        page_size=merged["page_size"],
-        group_size=merged["group_size"],
-        pos_encoding_mode=merged["pos_encoding_mode"],
-        use_soft_cap=bool(merged["use_soft_cap"]),
-        use_sinks=bool(merged["use_sinks"]),
-        arch=arch,
-        num_warps=merged["num_warps"],
-        num_stages=merged["num_stages"],
+    problem = dispatch.decode_problem(
+        dtype=torch_dtype, head_dim=merged["head_dim"], page_size=merged["page_size"],
+        group_size=merged["group_size"], pos_encoding_mode=merged["pos_encoding_mode"],
+        use_soft_cap=bool(merged["use_soft_cap"]), use_sinks=bool(merged["use_sinks"]), arch=arch,
     )
+    cfg = dispatch.decode_choice(problem).cfg
+    explicit = {k: merged[k] for k in ("num_warps", "num_stages") if merged[k] is not None}
+    if explicit:
+        missing = sorted(set(explicit) - {f.name for f in dataclasses.fields(cfg.tiles)})
+        if missing:
+            raise TypeError(f"the decode kernel's tiles have no field(s) {missing}")
+        # the kernel's Config re-checks the combination (ValueError naming the rule)
+        cfg = dataclasses.replace(cfg, tiles=dataclasses.replace(cfg.tiles, **explicit))
+    return cfg
 
 
-def _builder(op: str, cfg=None):
-    if op == "decode":
-        from .portable import paged_decode
+_SM90_PREFILL = "prefill_sm90"  # the SM90 prefill kernel's NAME
 
-        return paged_decode.compile
-    if op == "prefill":
-        from .portable import prefill
-        from .sm90 import prefill as sm90_prefill
 
-        return sm90_prefill.compile if isinstance(cfg, sm90_prefill.Sm90PrefillConfig) else prefill.compile
-    raise ValueError(f"unknown op {op!r}; supported: {OPS}")  # pragma: no cover - config() checks first
+def _kernel_module_named(dispatch, name: str):
+    """The kernel module of ``dispatch.KERNEL_MODULES`` whose ``NAME`` is ``name`` (None when absent)."""
+    mods = dispatch.KERNEL_MODULES
+    for m in (mods.values() if isinstance(mods, dict) else mods):
+        if getattr(m, "NAME", None) == name:
+            return m
+    return None
+
+
+def _builder(cfg):
+    """The ``compile`` of the kernel module that builds ``cfg`` (dispatch's map)."""
+    from . import dispatch
+
+    return dispatch.kernel_module(cfg).compile
+
+
+def _cfg_arch(cfg) -> str:
+    from .compile import config_arch
+
+    return config_arch(cfg)
 
 
 # ----------------------------------------------------------------------------- compile + artifacts
@@ -216,74 +229,28 @@ def _read_artifact(value, dump_dir: str, ext: str, binary: bool):
     return None
 
 
-def _keep_cubin_patch():
-    """Context manager adding ``--keep-cubin`` to ``cute.compile`` options for one build.
-
-    Used only when the kernel's ``compile()`` has no ``keep_cubin`` parameter (the portable
-    decode kernel's has none yet); only a call whose options carry ``--dump-dir`` is changed.
-    """
-    import contextlib
-
-    import cutlass.cute as cute
-
-    @contextlib.contextmanager
-    def patch():
-        orig = cute.compile
-
-        class _Wrapped:
-            def __getitem__(self, item):  # cute.compile[opts](...) form
-                return orig[item]
-
-            def __call__(self, *args, **kwargs):
-                opts = kwargs.get("options")
-                # only the build that dumps into our directory (another thread's plain compile is left alone)
-                if isinstance(opts, str) and "--dump-dir" in opts and "--keep-cubin" not in opts:
-                    kwargs["options"] = opts + " --keep-cubin"
-                return orig(*args, **kwargs)
-
-        cute.compile = _Wrapped()
-        try:
-            yield
-        finally:
-            cute.compile = orig
-
-    return patch()
-
-
-def _compile_artifacts(op: str, cfg, want_cubin: bool):
-    build = _builder(op, cfg)
+def _compile_artifacts(cfg, want_cubin: bool):
+    build = _builder(cfg)
     with _compile_lock, tempfile.TemporaryDirectory(prefix="cutedsl_attn_inspect_") as d:
-        params = _pyinspect.signature(build).parameters
-        if want_cubin and "keep_cubin" in params:
-            compiled = build(cfg, keep_ptx_dir=d, keep_cubin=True)
-        elif want_cubin:
-            with _keep_cubin_patch():
-                compiled = build(cfg, keep_ptx_dir=d)
-        else:
-            compiled = build(cfg, keep_ptx_dir=d)
+        compiled = build(cfg, keep_ptx_dir=d, keep_cubin=want_cubin)
         arts = compiled.artifacts
         ptx_text = _read_artifact(getattr(arts, "PTX", None), d, "ptx", binary=False)
         cubin = _read_artifact(getattr(arts, "CUBIN", None), d, "cubin", binary=True) if want_cubin else None
     if ptx_text is None:
         raise RuntimeError(f"the compiler produced no PTX for {cfg} (dump directory was empty)")
     if want_cubin and cubin is None:
-        raise RuntimeError(f"the compiler produced no cubin for {cfg} (--keep-cubin wrote nothing)")
+        raise RuntimeError(f"the compiler produced no cubin for {cfg} (keep_cubin wrote nothing)")
     return ptx_text, cubin
 
 
-def _cache_key(op, arch, cfg):
-    c = config(op, arch, **cfg)
-    return op, c
-
-
 @functools.lru_cache(maxsize=64)
-def _ptx_cached(op, cfg) -> str:
-    return _compile_artifacts(op, cfg, want_cubin=False)[0]
+def _ptx_cached(cfg) -> str:
+    return _compile_artifacts(cfg, want_cubin=False)[0]
 
 
 @functools.lru_cache(maxsize=16)
-def _cubin_cached(op, cfg) -> bytes:
-    return _compile_artifacts(op, cfg, want_cubin=True)[1]
+def _cubin_cached(cfg) -> bytes:
+    return _compile_artifacts(cfg, want_cubin=True)[1]
 
 
 def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
@@ -301,7 +268,7 @@ def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
 
     Returns:
       The PTX module text (starts with the NVVM header, has ``.target <arch>``).
-      Results are memoised per (op, config) in this process; a first call costs one
+      Results are memoised per kernel configuration in this process; a first call costs one
       compile (~2-5 s).
 
     Raises:
@@ -310,8 +277,7 @@ def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
       RuntimeError: the compiler wrote no PTX.
       Any compiler error (the DSL's own exception types).
     """
-    op_, cfg = _cache_key(op, arch, config_kw)
-    return _ptx_cached(op_, cfg)
+    return _ptx_cached(config(op, arch, **config_kw))
 
 
 # ELF .nv.info attributes (CUDA's EIATTR ids): kernel-wide register count and per-thread stack frame
@@ -368,10 +334,13 @@ def resources(op: str = "decode", arch: str = "sm_90a", **config_kw) -> dict[str
     the producer warpgroup, the config's ``registers``).  Raises like :func:`ptx`, plus
     ``RuntimeError`` when the compiler wrote no cubin.
     """
-    op_, cfg = _cache_key(op, arch, config_kw)
-    res = cubin_resources(_cubin_cached(op_, cfg))
-    if type(cfg).__name__ == "Sm90PrefillConfig":
-        res["consumer_registers"], res["producer_registers"] = cfg.registers
+    cfg = config(op, arch, **config_kw)
+    res = cubin_resources(_cubin_cached(cfg))
+    regs = getattr(cfg, "registers", None)
+    if regs is None:
+        regs = getattr(cfg.tiles, "registers", None)
+    if regs is not None:  # a kernel that rebalances registers between warp roles with setmaxnreg
+        res["consumer_registers"], res["producer_registers"] = regs
     return res
 
 
@@ -419,7 +388,7 @@ def sass(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
         stderr is in the message; an old toolkit may not know a newer arch).
       ValueError, TypeError: as :func:`ptx`.
     """
-    op_, cfg = _cache_key(op, arch, config_kw)
+    cfg = config(op, arch, **config_kw)
     cuobjdump, nvdisasm = _find_tool("cuobjdump"), _find_tool("nvdisasm")
     if cuobjdump is None and nvdisasm is None:
         raise RuntimeError(
@@ -427,7 +396,7 @@ def sass(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
             "$CUDA_PATH/bin, /usr/local/cuda/bin and the pip nvidia-cuda-* wheels) and found neither; use ptx() "
             "instead, or `pip install nvidia-cuda-cuobjdump` (or a CUDA toolkit's binary utilities)"
         )
-    cubin = _cubin_cached(op_, cfg)
+    cubin = _cubin_cached(cfg)
     with tempfile.TemporaryDirectory(prefix="cutedsl_attn_sass_") as d:
         path = os.path.join(d, "kernel.cubin")
         with open(path, "wb") as f:
@@ -440,7 +409,7 @@ def sass(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
             if r.returncode == 0 and r.stdout.strip():
                 return r.stdout
             errors.append(f"{os.path.basename(tool)} exited {r.returncode}: {r.stderr.strip()[:2000]}")
-    raise RuntimeError(f"could not disassemble the {cfg.arch} cubin: " + "; ".join(errors))
+    raise RuntimeError(f"could not disassemble the {_cfg_arch(cfg)} cubin: " + "; ".join(errors))
 
 
 # ----------------------------------------------------------------------------- summary

@@ -44,8 +44,8 @@ class KernelTimer:
         """``{name: [[seconds of each call] for each round]}``: each round times every ``fns[name]`` ``calls``
         times (each call timed on its own, as :meth:`__call__` with one rep) one variant after the other, the
         order reversed every other round, so a drift of the GPU's speed during the run lands on every variant
-        alike (on the H200 a kernel's time on the varlen mix drifted by up to 10% within a second, peers' too:
-        perf/RESULTS.md, session 8).  Compare two variants' round medians with :func:`paired_ratio`."""
+        alike (a kernel's time can drift by several percent within a second, its peers' too).  Compare two
+        variants' round medians with :func:`paired_ratio`."""
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
         names = list(fns)

@@ -70,8 +70,9 @@ def compile_times():
     code = (
         "import time,torch;t=time.perf_counter();"
         "from cutedsl_attn import dispatch;"
-        f"cfg=dispatch.decode_config(dtype=torch.bfloat16, head_dim={D}, page_size=16, group_size={HQ // HKV});"
-        "t1=time.perf_counter();dispatch.paged_decode_kernel(cfg);print(time.perf_counter()-t1)"
+        f"choice=dispatch.decode_choice(dispatch.decode_problem(dtype=torch.bfloat16, head_dim={D}, page_size=16, "
+        f"group_size={HQ // HKV}));"
+        "t1=time.perf_counter();choice.fn;print(time.perf_counter()-t1)"  # .fn: compiled, or loaded from disk
     )
     env = dict(os.environ, CUTEDSL_ATTN_CACHE_DIR=d)
     out = []

@@ -10,7 +10,8 @@ the same run.
 times ours and the peers of a case interleaved instead (:meth:`cutedsl_attn.timing.KernelTimer.interleaved`:
 R rounds of one call each, the order reversed every other round) and reports the medians and the paired
 ratios (median over rounds of peer / ours; on the H200 every kernel's time on the varlen mix drifted by up
-to 10% within a second, so one-after-the-other medians can differ by more than the kernels do: session 8).
+to 10% within a second, so one-after-the-other medians can differ by more than the kernels do:
+perf/RESULTS.md, "Prefill: SM90 kernel").
 
 Usage: python perf/bench_prefill.py [--out DIR] [--quick] [--no-portable] [--tune SETTINGS] [--cases WORDS]
                                     [--rounds R]
@@ -30,7 +31,7 @@ from cutedsl_attn.timing import KernelTimer, paired_ratio
 DEV = torch.device("cuda")
 DT = torch.bfloat16
 # 2 ms of GPU sleep before each timed call (4M cycles; the reference method's 200 us measured our kernel and FA4
-# 5-20% slower and drifting between rounds, perf/RESULTS.md session 5); allocates its L2-flush buffer on first use
+# 5-20% slower and drifting between rounds, perf/RESULTS.md "Prefill: SM90 kernel"); allocates its L2-flush buffer
 _timer = KernelTimer(DEV, sleep_cycles=4_000_000)
 
 

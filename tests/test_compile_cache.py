@@ -423,6 +423,63 @@ def test_memory_cache_and_args(cache_dir, monkeypatch):
     assert {k[1].rsplit("@", 1)[1] for k in cache_stats() if k[0] == "noarch"} == {"sm_90a", "sm_100a"}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    head_dim: int = 128
+    score_mod: object = None
+    arch: str = "sm_90a"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    tile_m: int = 128
+    tile_n: tuple = (64,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _NestedCfg:
+    """The kernels' ``Config(problem, tiles)`` shape: the arch lives in ``problem``."""
+    problem: _Problem = _Problem()
+    tiles: _Tiles = _Tiles()
+
+
+def test_nested_config_arch_memo_and_callables(cache_dir, monkeypatch):
+    from cutedsl_attn.compile import config_arch
+
+    monkeypatch.setenv("CUTEDSL_ATTN_DISABLE_DISK_CACHE", "1")
+    monkeypatch.delenv(ARCH_ENV, raising=False)
+    calls = []
+
+    def build(cfg):
+        calls.append(cfg)
+        return object()
+
+    assert config_arch(_NestedCfg()) == "sm_90a"
+    assert config_arch(_NestedCfg(problem=_Problem(arch="sm_100a"))) == "sm_100a"
+    assert config_arch(KeyCfg(arch="sm_100a")) == "sm_100a" and config_arch(_Tiles()) is None
+    # the nested arch is the target: no device or env needed, no "@arch" suffix on the key
+    cfg = _NestedCfg()
+    a = get_compiled("nested", cfg, build)
+    assert get_compiled("nested", cfg, build) is a  # the identity memo
+    assert get_compiled("nested", _NestedCfg(), build) is a and len(calls) == 1  # the equality memo
+    assert get_compiled("nested2", cfg, build) is not a and len(calls) == 2  # another kernel name
+    calls.pop()
+    assert all("@" not in k[1] for k in cache_stats() if k[0] == "nested")
+    with pytest.raises(ValueError, match="contradicts"):
+        get_compiled("nested", _NestedCfg(), build, arch="sm_100a")
+    # values equal across types at depth (1 == 1.0 == True) are other kernels
+    b = get_compiled("nested", _NestedCfg(tiles=_Tiles(tile_n=(64.0,))), build)
+    c = get_compiled("nested", _NestedCfg(problem=_Problem(head_dim=128.0)), build)
+    assert len({id(a), id(b), id(c)}) == 3 and len(calls) == 3
+    # a callable in a nested part skips the memo: a changed global is another kernel
+    f = _uses_globals_simple
+    d = get_compiled("nested", _NestedCfg(problem=_Problem(score_mod=f)), build)
+    assert get_compiled("nested", _NestedCfg(problem=_Problem(score_mod=f)), build) is d and len(calls) == 4
+    monkeypatch.setitem(globals(), "_BIAS_SCALE", 5.0)
+    assert get_compiled("nested", _NestedCfg(problem=_Problem(score_mod=f)), build) is not d
+    assert len(calls) == 5
+
+
 # ---------------------------------------------------------------------------
 # get_compiled: disk layer with a real kernel
 # ---------------------------------------------------------------------------
@@ -524,6 +581,20 @@ def test_disk_cache_disabled_writes_nothing(cache_dir, monkeypatch):
     st = cache_stats()[("ew", config_key(cfg))]
     assert st["source"] == "compile" and st["path"] is None
     assert _files(cache_dir) == []
+
+
+def test_fingerprint_names_the_dsl_flavor(monkeypatch):
+    """Kernels built by the DSL's CUDA 12 and CUDA 13 compilers (different ptxas) never share a disk entry."""
+    pytest.importorskip("cutlass")
+    import cutlass
+
+    from cutedsl_attn.compile import dsl_cuda_flavor
+
+    comps = cache_mod._fingerprint_components("sm_90a")
+    assert comps["cutlass_dsl"] == f"{cutlass.__version__}+cu{dsl_cuda_flavor()}"
+    fp = cache_fingerprint("sm_90a")
+    monkeypatch.setattr(cache_mod, "_tool_versions", lambda: (f"{cutlass.__version__}+cu12", comps["tvm_ffi"]))
+    assert cache_fingerprint("sm_90a") != fp or dsl_cuda_flavor() == 12
 
 
 def test_disk_cache_unwritable_root_not_fatal(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """CPU checks of the real-model (all-MiniLM-L6-v2) fixture and of
-``cutedsl_attn.realmodel``'s prefill/decode case builders.
+``cutedsl_attn._demo.realmodel``'s prefill/decode case builders.
 
 The reference here is the fixture's ``o``: the model's OWN fp32 attention
 output for every token (captured by tools/make_minilm_fixture.py), not
@@ -39,8 +39,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cutedsl_attn import realmodel
-from cutedsl_attn.realmodel import (
+from cutedsl_attn._demo import realmodel
+from cutedsl_attn._demo.realmodel import (
     PREFILL_TOL,
     decode_cases,
     decode_rows,
@@ -295,18 +295,35 @@ def test_check_is_sensitive_to_wrong_pages(fx):
 
 
 # ----------------------------------------------------------------------------- module hygiene
-def test_realmodel_imports_only_torch_and_stdlib():
+def test_realmodel_imports_only_torch_stdlib_and_the_public_api():
     import sys
 
     tree = ast.parse(Path(realmodel.__file__).read_text())
-    roots = set()
+    roots, ours = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             roots.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             roots.add(node.module.split(".")[0])
-    third_party = {r for r in roots if r not in sys.stdlib_module_names and r not in ("torch", "__future__")}
+            if node.module.split(".")[0] == "cutedsl_attn":
+                ours.add(node.module)
+    third_party = {r for r in roots if r not in sys.stdlib_module_names
+                   and r not in ("torch", "__future__", "cutedsl_attn")}
     assert not third_party, third_party
+    assert ours <= {"cutedsl_attn", "cutedsl_attn.ref"}, ours  # the public API and the oracle, nothing internal
+
+
+def test_demo_outside_the_import_path():
+    """``import cutedsl_attn`` loads neither the demo nor its fixture reader (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cutedsl_attn; "
+            "print(sorted(m for m in sys.modules if m.startswith('cutedsl_attn._demo') or m.endswith('realmodel')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
+    assert minilm_fixture_path().parent.parent == Path(realmodel.__file__).parent
 
 
 def test_missing_fixture_error_is_clear(monkeypatch, tmp_path):

@@ -299,6 +299,38 @@ def test_alibi_slopes():
     torch.testing.assert_close(alibi_slopes(12)[8:], torch.tensor([2.0**-x for x in (0.5, 1.5, 2.5, 3.5)]))
 
 
+def closed_form_alibi_slopes(n_heads):
+    """Slope of head h (0-based) in closed form, float64: with n the largest power of two <= n_heads,
+    2^(-8 (h + 1) / n) for h < n, else 2^(-4 (2 (h - n) + 1) / n) (the odd slopes of the 2n-head set)."""
+    n = 1 << (n_heads.bit_length() - 1)
+    return [2.0 ** (-8.0 * (h + 1) / n) if h < n else 2.0 ** (-4.0 * (2 * (h - n) + 1) / n) for h in range(n_heads)]
+
+
+@pytest.mark.parametrize("n_heads", [1, 2, 4, 8, 16, 32, 64, 3, 6, 12, 20, 24, 40, 48, 96])
+def test_alibi_slopes_closed_form(n_heads):
+    """The oracle's slopes against the closed form (independent of both its code and the paper's recursion)."""
+    want = torch.tensor(closed_form_alibi_slopes(n_heads), dtype=torch.float64)
+    got = alibi_slopes(n_heads)
+    assert got.dtype == torch.float32 and got.shape == (n_heads,)
+    torch.testing.assert_close(got.double(), want, rtol=2.0**-23, atol=0)  # float32 rounding only
+    n = 1 << (n_heads.bit_length() - 1)
+    ratio = got[1:n].double() / got[: n - 1].double()  # the first n: geometric, ratio 2^(-8/n)
+    torch.testing.assert_close(ratio, torch.full_like(ratio, 2.0 ** (-8.0 / n)), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("n_heads", [1, 2, 3, 6, 8, 12, 20, 32, 40, 64, 96])
+def test_product_alibi_slopes_agree_with_the_oracle(n_heads):
+    """The kernels' slopes (``planning.alibi``, FlashInfer's ``get_alibi_slopes``) are computed apart from the
+    oracle's; both must give the closed form."""
+    from cutedsl_attn.planning.alibi import get_alibi_slopes
+
+    got = get_alibi_slopes(n_heads)
+    assert got.dtype == torch.float32 and got.shape == (n_heads,)
+    torch.testing.assert_close(got, alibi_slopes(n_heads), rtol=2.0**-23, atol=0)
+    torch.testing.assert_close(got.double(), torch.tensor(closed_form_alibi_slopes(n_heads), dtype=torch.float64),
+                               rtol=2.0**-23, atol=0)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_alibi_vs_naive(causal):
     q, k, v = rand_qkv(4, 9, 6, 3, 8, seed=13)

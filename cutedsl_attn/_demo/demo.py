@@ -1,4 +1,4 @@
-"""End-to-end demo of the decode and prefill APIs: ``python -m cutedsl_attn demo`` (or ``python -m cutedsl_attn.demo``).
+"""End-to-end demo of the decode and prefill APIs: ``python -m cutedsl_attn demo``.
 
 On a CUDA GPU (SM90 / SM100 class):
 
@@ -14,14 +14,14 @@ On a CUDA GPU (SM90 / SM100 class):
     CUDA graph, and reported as K+V bytes / time next to a plain device read
     (``x.sum()`` over 4 GiB) measured in the same run.
 (b) **Real activations, decode.**  For every layer of the packaged all-MiniLM-L6-v2
-    fixture (:mod:`cutedsl_attn.realmodel`), each sentence's last-token query is
+    fixture (:mod:`cutedsl_attn._demo.realmodel`), each sentence's last-token query is
     run through the decode wrapper over the paged bf16 cache and compared with the
     model's own attention output (relative error <= 1e-2 per layer).
 (c) **Real activations, prefill.**  Every layer of the same fixture (all tokens of
     8 real sentences, non-causal) is run through
     ``BatchPrefillWithRaggedKVCacheWrapper`` (bf16, NHD, one plan for all layers)
     and compared with the model's own attention output
-    (:func:`cutedsl_attn.realmodel.run_prefill_check`: relative error <= 1e-2 per
+    (:func:`cutedsl_attn._demo.realmodel.run_prefill_check`: relative error <= 1e-2 per
     layer and per sentence, base-2 LSE within 2e-2 of the float64 oracle).
 
 Without a GPU (or with ``--cpu``): says so, cross-compiles the Llama-shaped decode
@@ -45,8 +45,9 @@ import time
 
 import torch
 
+from cutedsl_attn.timing import KernelTimer, read_bandwidth
+
 from .realmodel import rel_err  # the one definition (float64, ||x - ref|| / ||ref||)
-from .timing import KernelTimer, read_bandwidth
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE, NUM_LAYERS = 32, 8, 128, 16, 32
 DTYPE = torch.bfloat16
@@ -222,7 +223,7 @@ def _llama_step(args, rep: _Report, timer: KernelTimer, dev, read_bw: float) -> 
 
 def _real_model(rep: _Report, dev) -> None:
     import cutedsl_attn as ca
-    from cutedsl_attn.realmodel import decode_cases, load_minilm_fixture
+    from .realmodel import decode_cases, load_minilm_fixture
 
     fx = load_minilm_fixture()
     meta = fx["meta"]
@@ -254,7 +255,7 @@ def _real_model(rep: _Report, dev) -> None:
 
 
 def _real_model_prefill(rep: _Report, dev) -> None:
-    from cutedsl_attn.realmodel import load_minilm_fixture, run_prefill_check
+    from .realmodel import load_minilm_fixture, run_prefill_check
 
     fx = load_minilm_fixture()
     meta = fx["meta"]
@@ -310,7 +311,6 @@ def _gpu_main(args) -> int:
 def _cpu_main(args, reason: str) -> int:
     from cutedsl_attn import dispatch
     from cutedsl_attn import inspect as ci
-    from cutedsl_attn.planning.decode import plan_paged_decode
 
     print(f"{reason}: no kernel can run here. Cross-compiling the Llama-3-8B decode and prefill kernels "
           f"instead (bf16, head_dim {HEAD_DIM}, page {PAGE_SIZE}, group {HQ // HKV}).")
@@ -346,7 +346,8 @@ def _cpu_main(args, reason: str) -> int:
     for arch, want in (("sm_90a", "wgmma"), ("sm_100a", "mma.sync")):
         t0 = time.perf_counter()
         try:
-            kind = type(ci.config("prefill", arch, head_dim_qk=HEAD_DIM, group_size=HQ // HKV, causal=True)).__name__
+            pcfg = ci.config("prefill", arch, head_dim_qk=HEAD_DIM, group_size=HQ // HKV, causal=True)
+            kind = dispatch.kernel_module(pcfg).NAME
             s = ci.instruction_summary(ci.ptx("prefill", arch, head_dim_qk=HEAD_DIM, group_size=HQ // HKV,
                                               causal=True))
         except Exception as exc:  # noqa: BLE001
@@ -359,14 +360,14 @@ def _cpu_main(args, reason: str) -> int:
 
     lens = request_lengths(args.requests, args.min_len, args.max_len, args.seed)
     indptr, _, last, _ = page_table(lens, PAGE_SIZE, args.seed)
-    cfg = ci.config("decode", "sm_90a", dtype="bfloat16", head_dim=HEAD_DIM, page_size=PAGE_SIZE,
-                    group_size=HQ // HKV)
-    slots = dispatch.paged_decode_ctas_per_sm(cfg)
-    wp = plan_paged_decode(torch.tensor(lens), indptr[:-1], num_kv_heads=HKV, page_size=PAGE_SIZE,
-                           num_sms=132, ctas_per_sm=slots)
+    problem = ci.config("decode", "sm_90a", dtype="bfloat16", head_dim=HEAD_DIM, page_size=PAGE_SIZE,
+                        group_size=HQ // HKV).problem
+    # the plan() of the decode wrapper, for a 132-SM H200 (the SM count dispatch assumes without a GPU)
+    choice, wp = dispatch.decode_schedule(problem, torch.tensor(lens), indptr[:-1], num_kv_heads=HKV)
     print(f"\nsplit-KV plan for the Llama-3-8B batch of the GPU demo ({len(lens)} requests, {sum(lens)} tokens, "
-          f"lengths {min(lens)}..{max(lens)}) on a 132-SM H200, {slots} CTAs/SM: {wp.num_work} work items x "
-          f"{HKV} kv heads, split {wp.split_tokens} tokens, {wp.num_partials} partials")
+          f"lengths {min(lens)}..{max(lens)}) on a 132-SM H200: {wp.num_work} work items x "
+          f"{HKV} kv heads, split {wp.split_tokens} tokens, {wp.num_partials} partials ({choice.name}, "
+          f"{choice.tiles})")
     print(f"\n(b) real-model decode and (c) real-model prefill (all-MiniLM-L6-v2 layers through the decode and "
           f"ragged prefill wrappers): SKIPPED -- {reason}; they run the kernels, so they need a CUDA GPU.")
     print("\nALL PASS" if rep.ok else "\nSOME CHECKS FAILED")

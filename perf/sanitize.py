@@ -1,0 +1,378 @@
+"""Run compute-sanitizer's memcheck, racecheck and synccheck over one small problem of every kernel (GPU).
+
+    python perf/sanitize.py                       # every case x every tool, a table, exit 1 on an unexpected error
+    python perf/sanitize.py --cases sm90 --tools racecheck --log-dir /tmp/san   # a subset; full logs kept
+    python perf/sanitize.py --child prefill_sm90_ragged_causal                 # one case, no sanitizer
+
+Each case builds its problem through the public API only (``cutedsl_attn.BatchPrefillWithRaggedKVCacheWrapper``
+and friends), so the sweep does not depend on the package's internals; the portable prefill kernel is selected
+with ``CUTEDSL_ATTN_PREFILL_KERNEL=portable``.  Every (case, tool) pair runs in its own process
+(``compute-sanitizer --tool TOOL python3 perf/sanitize.py --child CASE``), after one plain run of the case that
+fills the compile cache (so the sanitized processes load kernels instead of compiling them) and lists the CUDA
+kernels it launched.  A tool's count is its "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY: N hazards")
+less the reports matched by :data:`SUPPRESSIONS`.  A new kernel joins the sweep with a case in :data:`CASES`.
+
+compute-sanitizer comes from a CUDA toolkit or from the ``sanitize`` extra (``pip install -e ".[sanitize]"``).
+Exit status: 0 when every count is 0 and every child ran; 1 otherwise; 2 for bad options or no compute-sanitizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+TOOLS = ("memcheck", "racecheck", "synccheck")
+
+# One small problem per kernel path: 2 requests of 64 queries over 128 keys, 8 query / 8 kv heads, head_dim 128,
+# bf16 (the shape racecheck first reported hazards on), paged with 16-token pages in a shuffled pool.
+NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 8, 8, 128, 16
+QO_LENS, KV_LENS = (64, 64), (128, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    kernel: str  # what the case exercises, for the table
+    run: str  # name of the function below that builds and runs it
+    env: tuple = ()  # (name, value) pairs set for the child
+    optional: bool = False  # a missing dependency (cuDNN frontend) reports "n/a" instead of a failure
+
+
+CASES = (
+    Case("decode_paged", "paged decode", "_decode_paged"),
+    Case("decode_paged_split", "paged decode, split-KV + merge", "_decode_paged_split"),
+    Case("prefill_sm90_ragged_causal", "SM90 prefill", "_prefill_ragged_causal"),
+    Case("prefill_sm90_ragged", "SM90 prefill", "_prefill_ragged"),
+    Case("prefill_sm90_paged_causal", "SM90 prefill", "_prefill_paged_causal"),
+    Case("prefill_portable_ragged_causal", "portable prefill", "_prefill_ragged_causal",
+         env=(("CUTEDSL_ATTN_PREFILL_KERNEL", "portable"),)),
+    Case("prefill_portable_paged_causal", "portable prefill", "_prefill_paged_causal",
+         env=(("CUTEDSL_ATTN_PREFILL_KERNEL", "portable"),)),
+    Case("prefill_cudnn_ragged_causal", "cuDNN prefill", "_prefill_cudnn_ragged_causal", optional=True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Suppression:
+    """One report the sweep does not count: ``pattern`` (a regular expression) searched in the report's text
+    (its first line and the indented lines under it), for cases matching ``cases`` (a glob) and ``tool``."""
+
+    cases: str
+    tool: str
+    pattern: str
+    reason: str  # one line: why this report is not a defect (e.g. accesses ordered by an mbarrier)
+
+
+# Narrow suppressions, each with the reason read from the SASS at the reported offsets. Empty: every report counts.
+SUPPRESSIONS: tuple[Suppression, ...] = ()
+
+
+# ----------------------------------------------------------------------------- the problems (child side)
+def _dev():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _indptr(lens):
+    import torch
+
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device=_dev())
+
+
+def _randn(*shape):
+    import torch
+
+    return torch.randn(*shape, dtype=torch.bfloat16, device=_dev())
+
+
+def _workspace():
+    import torch
+
+    return torch.empty(128 << 20, dtype=torch.uint8, device=_dev())
+
+
+def _paged_kv(kv_lens):
+    """An NHD paged cache ``[pages, 2, PAGE_SIZE, kv heads, d]`` whose pages are shuffled, and its CSR table."""
+    import torch
+
+    npages = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in kv_lens]
+    total = sum(npages)
+    cache = _randn(total, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    indices = torch.randperm(total, device=_dev()).to(torch.int32)
+    last = torch.tensor([n - (p - 1) * PAGE_SIZE for n, p in zip(kv_lens, npages)], dtype=torch.int32, device=_dev())
+    return cache, _indptr(npages), indices, last
+
+
+def _prefill_ragged(causal=False, backend="auto"):
+    import cutedsl_attn as ca
+
+    q = _randn(sum(QO_LENS), NUM_QO_HEADS, HEAD_DIM)
+    k, v = _randn(sum(KV_LENS), NUM_KV_HEADS, HEAD_DIM), _randn(sum(KV_LENS), NUM_KV_HEADS, HEAD_DIM)
+    w = ca.BatchPrefillWithRaggedKVCacheWrapper(_workspace(), "NHD", backend=backend)
+    w.plan(_indptr(QO_LENS), _indptr(KV_LENS), NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, causal=causal,
+           q_data_type=q.dtype)
+    return w.run(q, k, v, return_lse=True)
+
+
+def _prefill_ragged_causal():
+    return _prefill_ragged(causal=True)
+
+
+def _prefill_cudnn_ragged_causal():
+    return _prefill_ragged(causal=True, backend="cudnn")
+
+
+def _prefill_paged_causal():
+    import cutedsl_attn as ca
+
+    q = _randn(sum(QO_LENS), NUM_QO_HEADS, HEAD_DIM)
+    cache, kv_indptr, indices, last = _paged_kv(KV_LENS)
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(_workspace(), "NHD")
+    w.plan(_indptr(QO_LENS), kv_indptr, indices, last, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE,
+           causal=True, q_data_type=q.dtype)
+    return w.run(q, cache, return_lse=True)
+
+
+def _decode(kv_lens, num_qo_heads):
+    import cutedsl_attn as ca
+
+    q = _randn(len(kv_lens), num_qo_heads, HEAD_DIM)
+    cache, kv_indptr, indices, last = _paged_kv(kv_lens)
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(_workspace(), "NHD")
+    w.plan(kv_indptr, indices, last, num_qo_heads, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=q.dtype)
+    return w.run(q, cache, return_lse=True)
+
+
+def _decode_paged():
+    return _decode(KV_LENS, NUM_QO_HEADS)
+
+
+def _decode_paged_split():
+    # one long request among short ones: the planner splits it across CTAs, the same launch merges the partials
+    return _decode((4096, 16, 100), 4 * NUM_KV_HEADS)
+
+
+def _is_missing_dependency(exc: BaseException) -> bool:
+    return isinstance(exc, (ImportError, NotImplementedError)) or "cudnn" in str(exc).lower()
+
+
+def child(case: Case, list_kernels: bool) -> int:
+    """Run ``case`` once in this process; prints ``CHILD OK`` (and the kernels launched) or the failure."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("CHILD FAIL: no CUDA GPU")
+        return 1
+    torch.manual_seed(0)
+    fn = globals()[case.run]
+    try:
+        if list_kernels:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out, lse = fn()
+                torch.cuda.synchronize()
+            names = sorted({e.name for e in prof.events() if getattr(e.device_type, "name", "") == "CUDA"})
+            for name in names:
+                print(f"KERNEL {name}")
+        else:
+            out, lse = fn()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        if case.optional and _is_missing_dependency(exc):
+            print(f"CHILD N/A: {type(exc).__name__}: {exc}")
+            return 0
+        raise
+    if not (torch.isfinite(out).all() and not torch.isnan(lse).any()):
+        print("CHILD FAIL: non-finite output or NaN LSE")
+        return 1
+    print("CHILD OK")
+    return 0
+
+
+# ----------------------------------------------------------------------------- the sweep (parent side)
+_SUMMARY = {
+    "memcheck": re.compile(r"ERROR SUMMARY: (\d+) errors?"),
+    "synccheck": re.compile(r"ERROR SUMMARY: (\d+) errors?"),
+    "racecheck": re.compile(r"RACECHECK SUMMARY: (\d+) hazards?"),
+}
+_PREFIX = re.compile(r"^=+ ?")
+
+
+def reports(log: str) -> list[str]:
+    """The sanitizer's individual reports in ``log``: a line ``========= <text>`` starts one, the indented
+    ``=========     ...`` lines under it belong to it; banners and summaries are not reports."""
+    out: list[str] = []
+    for line in log.splitlines():
+        if not line.startswith("="):
+            continue
+        body = _PREFIX.sub("", line, count=1)
+        if not body.strip():
+            continue
+        if body[:1].isspace():
+            if out:
+                out[-1] += "\n" + body.strip()
+            continue
+        if body.startswith(("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY")):
+            continue
+        out.append(body.strip())
+    return out
+
+
+def suppressed(case: str, tool: str, log: str) -> list[tuple[str, Suppression]]:
+    """The reports of ``log`` matched by a suppression for ``case`` and ``tool``."""
+    hits = []
+    for rep in reports(log):
+        for s in SUPPRESSIONS:
+            if s.tool == tool and fnmatch.fnmatch(case, s.cases) and re.search(s.pattern, rep):
+                hits.append((rep, s))
+                break
+    return hits
+
+
+def count(case: str, tool: str, log: str):
+    """(unexpected count, raw count, suppressed count), or None when the log has no summary line."""
+    m = _SUMMARY[tool].findall(log)
+    if not m:
+        return None
+    raw = int(m[-1])
+    sup = len(suppressed(case, tool, log))
+    return max(raw - sup, 0), raw, sup
+
+
+def _find_sanitizer(explicit: str | None):
+    if explicit:
+        return explicit if os.path.isfile(explicit) else None
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    try:
+        import nvidia  # namespace package of NVIDIA's CUDA wheels (the "sanitize" extra: nvidia-cuda-sanitizer-api)
+
+        for pkg_dir in nvidia.__path__:
+            roots += sorted(os.path.join(pkg_dir, d) for d in os.listdir(pkg_dir))
+    except ImportError:
+        pass
+    for root in roots:
+        cand = os.path.join(root, "bin", "compute-sanitizer") if root else ""
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _run(cmd, env, timeout):
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        return r.returncode, r.stdout + r.stderr, time.perf_counter() - t0
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return None, text + f"\nTIMEOUT after {timeout} s", time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", metavar="CASE", help="run one case in this process (no sanitizer)")
+    ap.add_argument("--list-kernels", action="store_true", help="with --child: print the CUDA kernels launched")
+    ap.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
+    ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
+    ap.add_argument("--sanitizer", default=None,
+                    help="path of compute-sanitizer (default: PATH, $CUDA_HOME/bin, the nvidia-cuda-sanitizer-api wheel)")
+    ap.add_argument("--sanitizer-args", default="",
+                    help="extra compute-sanitizer options, e.g. a kernel-name filter (split on spaces)")
+    ap.add_argument("--log-dir", default=None, help="keep each run's full output here (default: a temp dir)")
+    ap.add_argument("--timeout", type=int, default=1200, help="seconds per sanitized run (default 1200)")
+    args = ap.parse_args(argv)
+    by_name = {c.name: c for c in CASES}
+    if args.child:
+        if args.child not in by_name:
+            ap.error(f"unknown case {args.child!r}; known: {', '.join(by_name)}")
+        return child(by_name[args.child], args.list_kernels)
+
+    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
+    bad = sorted(set(tools) - set(TOOLS))
+    if bad:
+        ap.error(f"unknown tool(s) {bad}; known: {', '.join(TOOLS)}")
+    wanted = [s.strip() for s in args.cases.split(",") if s.strip()]
+    cases = [c for c in CASES if not wanted or any(w in c.name for w in wanted)]
+    if not cases:
+        ap.error(f"--cases {args.cases!r} matches none of {', '.join(by_name)}")
+    sanitizer = _find_sanitizer(args.sanitizer)
+    if sanitizer is None:
+        print("compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, nvidia/*/bin); "
+              'pip install -e ".[sanitize]" or give --sanitizer PATH', file=sys.stderr)
+        return 2
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="cutedsl_attn_sanitize_")
+    os.makedirs(log_dir, exist_ok=True)
+    me = os.path.abspath(__file__)
+    repo = os.path.dirname(os.path.dirname(me))
+    base_env = dict(os.environ)
+    base_env["PYTHONPATH"] = repo + os.pathsep + base_env.get("PYTHONPATH", "")
+
+    table, failed = [], False
+    for case in cases:
+        env = dict(base_env, **dict(case.env))
+        rc, out, dt = _run([sys.executable, me, "--child", case.name, "--list-kernels"], env, args.timeout)
+        with open(os.path.join(log_dir, f"{case.name}.plain.log"), "w") as f:
+            f.write(out)
+        kernels = [line[len("KERNEL "):] for line in out.splitlines() if line.startswith("KERNEL ")]
+        if "CHILD N/A" in out:
+            table.append((case, {t: "n/a" for t in tools}, kernels))
+            continue
+        if rc != 0 or "CHILD OK" not in out:
+            failed = True
+            table.append((case, {t: "run failed" for t in tools}, kernels))
+            print(f"{case.name}: the plain run failed (rc {rc}); see {log_dir}/{case.name}.plain.log", file=sys.stderr)
+            continue
+        cells = {}
+        for tool in tools:
+            tenv = dict(env)
+            if tool == "memcheck":
+                tenv["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # torch's caching allocator would hide overruns
+            cmd = [sanitizer, "--tool", tool, "--print-limit", "100", *args.sanitizer_args.split(),
+                   sys.executable, me, "--child", case.name]
+            rc, out, dt = _run(cmd, tenv, args.timeout)
+            path = os.path.join(log_dir, f"{case.name}.{tool}.log")
+            with open(path, "w") as f:
+                f.write(out)
+            n = count(case.name, tool, out)
+            if n is None or "CHILD OK" not in out:
+                failed = True
+                cells[tool] = "no summary" if n is None else "run failed"
+                print(f"{case.name} / {tool}: rc {rc}, see {path}", file=sys.stderr)
+                continue
+            unexpected, raw, sup = n
+            failed |= unexpected > 0
+            cells[tool] = f"{unexpected}" + (f" (+{sup} suppressed)" if sup else "")
+            print(f"{case.name} / {tool}: {raw} reported, {sup} suppressed, {dt:.0f} s", file=sys.stderr)
+        table.append((case, cells, kernels))
+
+    w_case = max(len(c.name) for c, _, _ in table)
+    w_cell = max([len(t) for t in tools] + [len(v) for _, cells, _ in table for v in cells.values()])
+    print(f"\n{'case':<{w_case}}  " + "  ".join(f"{t:>{w_cell}}" for t in tools) + "  kernel")
+    for case, cells, _ in table:
+        print(f"{case.name:<{w_case}}  " + "  ".join(f"{cells.get(t, '-'):>{w_cell}}" for t in tools)
+              + f"  {case.kernel}")
+    print("\nCUDA kernels launched per case (plain run):")
+    for case, _, kernels in table:
+        print(f"  {case.name}: " + (", ".join(k[:90] for k in kernels) or "-"))
+    print(f"\nlogs: {log_dir}")
+    print("SANITIZERS CLEAN" if not failed else "SANITIZER ERRORS OR FAILED RUNS (see above)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
