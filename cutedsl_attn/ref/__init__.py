@@ -28,3 +28,7 @@ __all__ = [
     "paged_prefill",
     "ragged_prefill",
 ]
+
+from .gdn import chunk_gated_delta_rule, gdn_head_maps  # noqa: E402
+
+__all__ += ["chunk_gated_delta_rule", "gdn_head_maps"]

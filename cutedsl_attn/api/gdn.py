@@ -1,0 +1,526 @@
+"""Gated delta rule (GDN) ops with FlashInfer's signatures: ``chunk_gated_delta_rule`` (prefill) and the decode
+step (``gated_delta_rule_decode_pretranspose``, V-major state; ``gated_delta_rule_decode``, K-major state).
+
+Conventions: q ``[T, Hq, K]``, k ``[T, Hk, K]``, v ``[T, Hv, V]``, packed varlen through ``cu_seqlens``;
+``HO = max(Hq, Hv)`` heads for gates, state and output, contiguous grouping (GVA ``Hv > Hq = Hk`` or GQA
+``Hq > Hk = Hv``); the state is V-major ``[N, HO, V, K]``; ``g`` is the linear forget gate alpha in [0, 1]
+(``gate_domain="linear"``) or log alpha (``"log"``); ``o_t = scale * S_t q_t`` reads the state after token t.
+
+Every check runs before any launch.  The value checks (alpha in [0, 1], ``cu_seqlens`` monotone,
+``state_indices`` unique and in range) read device data: they cost one device-to-host copy (a stream sync)
+per call, all checks batched into it, and are skipped while a CUDA graph is being captured (nothing can be
+read back then).  Host (CPU) ``cu_seqlens`` / ``state_indices`` are checked without a sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..planning.gdn import (
+    FLAG_HAS_BETA, FLAG_HAS_G, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE,
+    HEAD_DIMS, MAX_SEQS, GdnArgs, GdnProblem,
+)
+from ..compile import target_arch
+from ._gdn_dispatch import gdn_launch
+
+__all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode", "gated_delta_rule_decode_pretranspose"]
+
+_IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_SERVED = "'auto' and 'cute' (the CuTe DSL recurrent kernel)"
+
+
+# ---------------------------------------------------------------------------- checks
+def _tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _on(name, t, device):
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (q's device), got {t.device}")
+
+
+def _qkv(name, t, ndim_in, device, dtype):
+    _tensor(name, t)
+    if t.dim() != ndim_in:
+        raise ValueError(f"{name} must have the rank of q ({ndim_in}), got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must have q's dtype {dtype}, got {t.dtype}")
+    _on(name, t, device)
+    x = t[0] if ndim_in == 4 else t
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {tuple(t.stride())}")
+    if any(s % 8 for s in x.stride()[:-1]) or x.data_ptr() % 16:
+        raise ValueError(f"{name}: token and head strides must be multiples of 8 elements and the data 16-byte "
+                         f"aligned, got strides {tuple(t.stride())}")
+    return x
+
+
+def _gate(name, t, T, ho, ndim_in, device):
+    if t is None:
+        return None
+    _tensor(name, t)
+    x = t[0] if (ndim_in == 4 and t.dim() == 3) else t
+    if tuple(x.shape) != (T, ho):
+        raise ValueError(f"{name} must be [T, HO] = [{T}, {ho}], got {tuple(t.shape)}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got {x.dtype}")
+    _on(name, x, device)
+    if x.stride(-1) != 1:
+        if ho > 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {tuple(x.stride())}")
+        x = x.contiguous()  # [T, 1]: any stride is a view of the same column
+    return x
+
+
+def _state(name, t, ho, dv, dk, device, k_major=False):
+    if t is None:
+        return None
+    _tensor(name, t)
+    want = (ho, dk, dv) if k_major else (ho, dv, dk)
+    if t.dim() != 4 or tuple(t.shape[1:]) != want:
+        layout = "K-major [N, HO, K, V]" if k_major else "V-major [N, HO, V, K]"
+        raise ValueError(f"{name} must be {layout} = [*, {', '.join(map(str, want))}], got {tuple(t.shape)}")
+    if t.dtype not in _STATE_DTYPES:
+        raise ValueError(f"{name} must be float32 or bfloat16, got {t.dtype}")
+    _on(name, t, device)
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        raise ValueError(f"{name} must be contiguous and 16-byte aligned")
+    return t
+
+
+def _overlap(a, b) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _index_tensor(name, t, n, device):
+    _tensor(name, t)
+    if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.shape[0] != n:
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor of {n} entries, got {t.dtype} {tuple(t.shape)}")
+    if t.device.type != "cpu":
+        _on(name, t, device)
+    return t
+
+
+def _value_checks(checks) -> None:
+    """``checks``: (bad: bool tensor or bool, message); one read-back for all device tensors."""
+    dev = [(b, m) for b, m in checks if isinstance(b, torch.Tensor) and b.device.type != "cpu"]
+    host = [(bool(b), m) for b, m in checks if not (isinstance(b, torch.Tensor) and b.device.type != "cpu")]
+    for bad, msg in host:
+        if bad:
+            raise ValueError(msg)
+    if not dev:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return  # nothing can be read back inside a capture
+    flags = torch.stack([b.reshape(()) for b, _ in dev]).cpu().tolist()
+    for bad, (_, msg) in zip(flags, dev):
+        if bad:
+            raise ValueError(msg)
+
+
+def _unique_in_range(idx, pool_rows):
+    if idx.numel() == 0:
+        return False, False
+    s = torch.sort(idx.to(torch.int64)).values
+    dup = (s[1:] == s[:-1]).any() if idx.numel() > 1 else torch.zeros((), dtype=torch.bool, device=idx.device)
+    return dup, (s[0] < 0) | (s[-1] >= pool_rows)
+
+
+def _require_cuda(device):
+    if device.type != "cuda":
+        raise ValueError(f"q, k, v and every other tensor must be CUDA tensors, got {device}")
+
+
+def _dummy(device, dtype, shape=(1,)):
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def _problem(q, K, V, state_dtype, gate_domain, use_l2norm, decode=False, state_k_major=False):
+    return GdnProblem(dtype=_IO_DTYPES[q.dtype], head_dim_k=K, head_dim_v=V, state_dtype=state_dtype,
+                      gate_domain=gate_domain, use_qk_l2norm=bool(use_l2norm), decode=decode,
+                      state_k_major=state_k_major, arch=target_arch(q.device))
+
+
+# ---------------------------------------------------------------------------- prefill
+def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, use_qk_l2norm_in_kernel=False, output=None, output_state=None,
+                           state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0,
+                           use_cp="auto", state_indices=None, _cp_chunk_len=None, backend="auto", max_seqlen=None,
+                           gate_domain="linear"):
+    """Gated delta rule prefill over packed variable-length sequences (FlashInfer 0.7.2 / 0.7.4 signature).
+
+    Args:
+        q: ``[T, Hq, K]`` (or ``[1, T, Hq, K]``) bfloat16 / float16 CUDA tensor, last dim contiguous, other
+            strides multiples of 8 elements.
+        k: ``[T, Hk, K]``, q's dtype and layout rules.
+        v: ``[T, Hv, V]``; K and V are 64 or 128.
+        g: ``[T, HO]`` float32 forget gate: alpha in [0, 1] (``gate_domain="linear"``) or log alpha
+            (``"log"``); None = 1.
+        beta: ``[T, HO]`` float32 write strength (post-sigmoid); None = 1.
+        scale: query scale; None or 0.0 = ``1 / sqrt(K)``.
+        initial_state: ``[N, HO, V, K]`` float32 / bfloat16 V-major, read-only (a pool ``[P, HO, V, K]`` with
+            ``state_indices``); None = zeros.
+        output_final_state: return ``(output, final_state)``; the final state is written whenever
+            ``output_state`` is given or this is True (this flag gates only what is returned).
+        cu_seqlens: ``[N + 1]`` int32 / int64 offsets, 0 first and T last, non-decreasing (repeats: empty
+            sequences, whose final state is their initial state); None = one sequence.
+        use_qk_l2norm_in_kernel: l2-normalise q and k in the kernel (``x * rsqrt(sum x^2 + 1e-6)``, fp32).
+        output: ``[T, HO, V]`` buffer (q's dtype, contiguous) to write; None = allocated.
+        output_state: ``[N, HO, V, K]`` (pool ``[P, HO, V, K]`` with ``state_indices``) buffer of the
+            initial state's dtype; None = allocated (initial state's dtype, float32 without one) when
+            ``output_final_state``.  Must not overlap ``initial_state``, except the very same tensor with
+            ``state_indices`` (an in-place pool update).
+        state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens, _cp_chunk_len: not served.
+        use_cp: ``"auto"`` or False (no context-parallel path exists yet; True is not served).
+        state_indices: ``[N]`` int32 / int64 pool rows of each sequence's initial and final state, unique.
+        backend: ``"auto"`` or ``"cute"``; ``"cudnn"`` is not served yet.
+        max_seqlen: None or an int in ``[ceil(T / N), T]`` (unused by the recurrent kernel).
+        gate_domain: ``"linear"`` (FlashInfer) or ``"log"`` (fla).
+
+    Returns:
+        ``output`` ``[T, HO, V]`` (``[1, T, HO, V]`` for 4-D q), or ``(output, final_state)``.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor.
+        ValueError: bad shapes, dtypes, devices, layouts, head counts, ``cu_seqlens`` (missing with more than
+            one sequence, not monotone), alpha outside [0, 1] with ``gate_domain="linear"``, overlapping
+            states, duplicate or out-of-range ``state_indices``, ``output_final_state`` with ``state_indices``
+            but no ``output_state``, bad ``backend`` / ``use_cp`` / ``gate_domain`` / ``max_seqlen``.
+        NotImplementedError: head dims other than 64 / 128, ``backend="cudnn"``, ``use_cp=True``, state
+            checkpoints, ``_cp_chunk_len``.
+    """
+    problem, args, result = _plan_prefill(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, output,
+        output_state, state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp, state_indices,
+        _cp_chunk_len, backend, max_seqlen, gate_domain)
+    if args is not None:
+        gdn_launch(problem, args, device_index=args.q.device.index)
+    return result
+
+
+def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                  output, output_state, state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp,
+                  state_indices, _cp_chunk_len, backend, max_seqlen, gate_domain):
+    """Every check, the allocations and the launch arguments of :func:`chunk_gated_delta_rule`:
+    ``(problem, args, result)`` (``args`` None: nothing to launch)."""
+    if backend == "cudnn":
+        raise NotImplementedError(f"chunk_gated_delta_rule: backend='cudnn' is not served yet; served: {_SERVED}")
+    if backend not in ("auto", "cute"):
+        raise ValueError(f"backend must be 'auto', 'cute' or 'cudnn', got {backend!r}")
+    if use_cp is True:
+        raise NotImplementedError("chunk_gated_delta_rule: use_cp=True (context parallel) is not served yet; "
+                                  "served: use_cp='auto' or False")
+    if use_cp not in ("auto", False):
+        raise ValueError(f"use_cp must be 'auto', True or False, got {use_cp!r}")
+    if state_checkpoints is not None or checkpoint_cu_starts is not None or checkpoint_every_n_tokens:
+        raise NotImplementedError("chunk_gated_delta_rule: state checkpoints (state_checkpoints, "
+                                  "checkpoint_cu_starts, checkpoint_every_n_tokens) are not served")
+    if _cp_chunk_len is not None:
+        raise NotImplementedError("chunk_gated_delta_rule: _cp_chunk_len is not served (no context-parallel path)")
+    if gate_domain not in ("linear", "log"):
+        raise ValueError(f"gate_domain must be 'linear' or 'log', got {gate_domain!r}")
+    _tensor("q", q)
+    if q.dim() not in (3, 4) or (q.dim() == 4 and q.shape[0] != 1 and cu_seqlens is not None):
+        raise ValueError(f"q must be [T, Hq, K] or [1, T, Hq, K] (packed varlen), got {tuple(q.shape)}")
+    if q.dim() == 4 and q.shape[0] > 1:
+        raise ValueError(f"cu_seqlens is required with more than one sequence (q has batch {q.shape[0]}); pack "
+                         "the sequences as [T, H, K] with cu_seqlens")
+    if q.dtype not in _IO_DTYPES:
+        raise ValueError(f"q must be bfloat16 or float16, got {q.dtype}")
+    nd, dev = q.dim(), q.device
+    q3 = _qkv("q", q, nd, dev, q.dtype)
+    k3 = _qkv("k", k, nd, dev, q.dtype)
+    v3 = _qkv("v", v, nd, dev, q.dtype)
+    T, hq, K = q3.shape
+    if k3.shape[0] != T or v3.shape[0] != T or k3.shape[2] != K:
+        raise ValueError(f"q, k, v must share T and k the head dim of q: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    hk, hv, V = k3.shape[1], v3.shape[1], v3.shape[2]
+    if K not in HEAD_DIMS or V not in HEAD_DIMS:
+        raise NotImplementedError(f"chunk_gated_delta_rule: head dims K={K}, V={V} are not served; served: K, V "
+                                  f"in {HEAD_DIMS}")
+    if not ((hq == hk and hv % hq == 0) or (hk == hv and hq % hv == 0)):
+        raise ValueError(f"head counts must be GVA (Hq == Hk, Hv a multiple of Hq) or GQA (Hk == Hv, Hq a "
+                         f"multiple of Hv), got Hq={hq}, Hk={hk}, Hv={hv}")
+    ho = max(hq, hv)
+    g3 = _gate("g", g, T, ho, nd, dev)
+    b3 = _gate("beta", beta, T, ho, nd, dev)
+
+    if cu_seqlens is None:
+        n_seq, cu_dev = 1, None
+    else:
+        _tensor("cu_seqlens", cu_seqlens)
+        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of N + 1 >= 2 offsets, got "
+                             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device.type != "cpu":
+            _on("cu_seqlens", cu_seqlens, dev)
+        n_seq = cu_seqlens.shape[0] - 1
+        cu_dev = cu_seqlens.to(device=dev, dtype=torch.int32, non_blocking=True)
+    if n_seq > MAX_SEQS:
+        raise ValueError(f"at most {MAX_SEQS} sequences a call, got {n_seq}")
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not (
+                -(-T // n_seq) <= max_seqlen <= max(T, 0) or T == 0):
+            raise ValueError(f"max_seqlen must be an int in [ceil(T / N), T] = [{-(-T // n_seq)}, {T}], got "
+                             f"{max_seqlen!r}")
+    if scale is None or scale == 0.0:
+        scale = 1.0 / math.sqrt(K)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+
+    h0 = _state("initial_state", initial_state, ho, V, K, dev)
+    ht = _state("output_state", output_state, ho, V, K, dev)
+    if state_indices is not None:
+        _index_tensor("state_indices", state_indices, n_seq, dev)
+        if output_final_state and ht is None:
+            raise ValueError("output_final_state with state_indices needs an explicit output_state (the pool)")
+    for name, st in (("initial_state", h0), ("output_state", ht)):
+        if st is not None and state_indices is None and st.shape[0] != n_seq:
+            raise ValueError(f"{name} must have N = {n_seq} rows without state_indices, got {st.shape[0]}")
+    if h0 is not None and ht is not None:
+        if ht.dtype != h0.dtype:
+            raise ValueError(f"output_state must have initial_state's dtype {h0.dtype}, got {ht.dtype}")
+        in_place = ht is h0 and state_indices is not None
+        if _overlap(h0, ht) and not in_place:
+            raise ValueError("output_state must not alias initial_state (only the very same tensor with "
+                             "state_indices, an in-place pool update, may)")
+    write_state = ht is not None or bool(output_final_state)
+    state_dt = (h0 if h0 is not None else ht).dtype if (h0 is not None or ht is not None) else torch.float32
+    if ht is None and write_state:
+        ht = torch.empty(n_seq, ho, V, K, device=dev, dtype=state_dt)
+    if output is not None:
+        _tensor("output", output)
+        o3 = output[0] if (nd == 4 and output.dim() == 4) else output
+        if tuple(o3.shape) != (T, ho, V) or o3.dtype != q.dtype or not o3.is_contiguous():
+            raise ValueError(f"output must be a contiguous [T, HO, V] = [{T}, {ho}, {V}] {q.dtype} tensor, got "
+                             f"{output.dtype} {tuple(output.shape)}")
+        _on("output", o3, dev)
+    else:
+        o3 = torch.empty(T, ho, V, device=dev, dtype=q.dtype)
+        output = o3.unsqueeze(0) if nd == 4 else o3
+
+    checks = []
+    if g3 is not None and gate_domain == "linear":
+        checks.append((((g3 < 0) | (g3 > 1) | torch.isnan(g3)).any(),
+                       "g must be a linear-space alpha in [0, 1] with gate_domain='linear' (log-space gates need "
+                       "gate_domain='log')"))
+    if cu_seqlens is not None:
+        c = cu_seqlens
+        checks.append((((c[1:] < c[:-1]).any() | (c[0] != 0) | (c[-1] != T)),
+                       f"cu_seqlens must be non-decreasing from 0 to T = {T}"))
+    if state_indices is not None and (h0 is not None or ht is not None):
+        pool = min(x.shape[0] for x in (h0, ht) if x is not None)
+        dup, rng = _unique_in_range(state_indices, pool)
+        checks.append((dup, "state_indices must be unique (two sequences would share a pool row)"))
+        checks.append((rng, f"state_indices must be in [0, {pool}) (the pool's rows)"))
+    _value_checks(checks)
+    _require_cuda(dev)
+
+    if T == 0 or n_seq == 0:
+        if write_state and n_seq:  # every sequence is empty: the final state is the initial one
+            for n in range(n_seq):
+                r = n if state_indices is None else int(state_indices[n])
+                if h0 is None:
+                    ht[r].zero_()
+                elif ht is not h0:
+                    ht[r].copy_(h0[r])
+        return None, None, ((output, ht) if output_final_state else output)
+
+    if cu_dev is None:
+        cu_dev = torch.tensor([0, T], device=dev, dtype=torch.int32)
+    idx = None if state_indices is None else state_indices.to(device=dev, dtype=torch.int32, non_blocking=True)
+    flags = ((FLAG_HAS_G if g3 is not None else 0) | (FLAG_HAS_BETA if b3 is not None else 0)
+             | (FLAG_HAS_INITIAL_STATE if h0 is not None else 0) | (FLAG_WRITE_STATE if write_state else 0)
+             | (FLAG_INITIAL_INDICES | FLAG_OUTPUT_INDICES if idx is not None else 0))
+    problem = _problem(q, K, V, _STATE_DTYPES[state_dt], gate_domain, use_qk_l2norm_in_kernel)
+    sdummy = None if (h0 is not None and ht is not None) else _dummy(dev, state_dt, (1, ho, V, K))
+    args = GdnArgs(
+        q=q3, k=k3, v=v3,
+        g=g3 if g3 is not None else _dummy(dev, torch.float32, (1, 1)),
+        beta=b3 if b3 is not None else _dummy(dev, torch.float32, (1, 1)),
+        cu_seqlens=cu_dev,
+        initial_state=h0 if h0 is not None else sdummy,
+        initial_state_indices=idx if idx is not None else _dummy(dev, torch.int32),
+        output_state=ht if ht is not None else sdummy,
+        output_state_indices=idx if idx is not None else _dummy(dev, torch.int32),
+        output=o3, scale=float(scale), q_group=ho // hq, k_group=ho // hk, v_group=ho // hv, flags=flags)
+    return problem, args, ((output, ht) if output_final_state else output)
+
+
+# ---------------------------------------------------------------------------- decode
+_ARANGE: dict = {}
+
+
+def _cu_steps(n, t, device):
+    key = (device, n, t)
+    c = _ARANGE.get(key)
+    if c is None:
+        c = _ARANGE[key] = torch.arange(0, (n + 1) * t, t, device=device, dtype=torch.int32)
+    return c
+
+
+def _decode_gates(A_log, a, dt_bias, b, B, T, hv, dev):
+    """alpha = exp(-exp(A_log) softplus(a + dt_bias)), beta = sigmoid(b), fp32 ``[B * T, HV]``."""
+    for name, t, shape in (("A_log", A_log, (hv,)), ("dt_bias", dt_bias, (hv,)), ("a", a, (B, T, hv)),
+                           ("b", b, (B, T, hv))):
+        _tensor(name, t)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
+        _on(name, t, dev)
+    x = a.float() + dt_bias.float()
+    alpha = torch.exp(-torch.exp(A_log.float()) * torch.nn.functional.softplus(x))
+    return alpha.reshape(B * T, hv).contiguous(), torch.sigmoid(b.float()).reshape(B * T, hv).contiguous()
+
+
+def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None,
+                                         use_qk_l2norm=True, initial_state=None, initial_state_indices=None,
+                                         output_state_indices=None):
+    """GDN decode step(s) with a V-major state, updated in place (FlashInfer's signature).
+
+    Args:
+        q, k: ``[B, T, H, K]`` bfloat16 / float16 (T = 1: decode; T > 1: multi-token verify); K in 64, 128.
+        v: ``[B, T, HV, V]``, HV a multiple of H (or H of HV).
+        state: ``[B, HV, V, K]`` float32 / bfloat16, updated in place; None with ``initial_state``.
+        A_log, dt_bias: ``[HV]`` float; a, b: ``[B, T, HV]`` float: ``alpha = exp(-exp(A_log) softplus(a +
+            dt_bias))``, ``beta = sigmoid(b)`` (computed in fp32 before the kernel).
+        scale: query scale; None = ``1 / sqrt(K)``.
+        output: ``[B, T, HO, V]`` buffer, q's dtype; None = allocated.
+        use_qk_l2norm: l2-normalise q and k in the kernel.
+        initial_state: a pool ``[P, HV, V, K]`` (instead of ``state``), read at rows ``initial_state_indices``
+            and written in place at rows ``output_state_indices`` (default: the same rows), unique; checking
+            that reads the indices back (one stream sync a call, none inside a CUDA graph capture).
+
+    Returns:
+        ``(output, state)`` (the pool when ``initial_state`` is given).
+
+    Raises:
+        TypeError / ValueError / NotImplementedError as :func:`chunk_gated_delta_rule`; ValueError when both or
+        neither of ``state`` and ``initial_state`` are given.
+    """
+    return _decode(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
+                   initial_state_indices, output_state_indices, k_major=False)
+
+
+def _decode(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
+            initial_state_indices, output_state_indices, *, k_major):
+    _tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, T, H, K], got {tuple(q.shape)}")
+    if (state is None) == (initial_state is None):
+        raise ValueError("give exactly one of state (per-batch state) and initial_state (a state pool)")
+    B, T, hq, K = q.shape
+    for name, t in (("k", k), ("v", v)):
+        _tensor(name, t)
+        if t.dim() != 4 or t.shape[:2] != q.shape[:2]:
+            raise ValueError(f"{name} must be [B, T, H, D] with q's B, T, got {tuple(t.shape)}")
+    hv, V = v.shape[2], v.shape[3]
+    if K not in HEAD_DIMS or V not in HEAD_DIMS:
+        raise NotImplementedError(f"gated delta rule decode: head dims K={K}, V={V} are not served; served: K, "
+                                  f"V in {HEAD_DIMS}")
+    ho = max(hq, hv)
+    alpha, beta = _decode_gates(A_log, a, dt_bias, b, B, T, ho, q.device)
+    if output is not None:
+        _tensor("output", output)
+        if tuple(output.shape) != (B, T, ho, V):
+            raise ValueError(f"output must be [B, T, HO, V] = [{B}, {T}, {ho}, {V}], got {tuple(output.shape)}")
+        out_flat = output.view(B * T, ho, V)
+    else:
+        output = torch.empty(B, T, ho, V, device=q.device, dtype=q.dtype)
+        out_flat = output.view(B * T, ho, V)
+    cu = _cu_steps(B, T, q.device)
+    flat = [x.reshape(B * T, x.shape[2], x.shape[3]) for x in (q, k, v)]
+    if state is not None:
+        _tensor("state", state)
+        if state.dim() != 4 or state.shape[0] != B:
+            raise ValueError(f"state must be [B, HV, {'K, V' if k_major else 'V, K'}] with B = {B}, got "
+                             f"{tuple(state.shape)}")
+        # one tensor as initial and final state, row n per sequence: each CTA reads its slice before writing it
+        _state("state", state, ho, V, K, q.device, k_major)
+        _in_place(flat, alpha, beta, cu, state, None, None, out_flat, scale, use_qk_l2norm, k_major)
+        return output, state
+    pool = _state("initial_state", initial_state, ho, V, K, q.device, k_major)
+    if initial_state_indices is None:
+        raise ValueError("initial_state (a pool) needs initial_state_indices")
+    _index_tensor("initial_state_indices", initial_state_indices, B, q.device)
+    if output_state_indices is None:
+        output_state_indices = initial_state_indices
+    _index_tensor("output_state_indices", output_state_indices, B, q.device)
+    checks = []
+    for name, ix in (("initial_state_indices", initial_state_indices), ("output_state_indices",
+                                                                        output_state_indices)):
+        dup, rng = _unique_in_range(ix, pool.shape[0])
+        checks += [(dup, f"{name} must be unique"), (rng, f"{name} must be in [0, {pool.shape[0]})")]
+    if output_state_indices is not initial_state_indices:
+        # a row written by one sequence and read by another would race between CTAs
+        i0 = initial_state_indices.to(device=q.device, dtype=torch.int64)
+        i1 = output_state_indices.to(device=q.device, dtype=torch.int64)
+        cross = ((i0[None, :] == i1[:, None]) & ~torch.eye(B, dtype=torch.bool, device=q.device)).any()
+        checks.append((cross, "output_state_indices may only reuse the initial_state_indices row of the same "
+                              "sequence"))
+    _value_checks(checks)
+    _in_place(flat, alpha, beta, cu, pool, initial_state_indices, output_state_indices, out_flat, scale,
+              use_qk_l2norm, k_major)
+    return output, pool
+
+
+def _in_place(*a):
+    """Validate the flattened decode problem and launch with ``state`` as both initial and final state."""
+    problem, args = _plan_in_place(*a)
+    gdn_launch(problem, args, device_index=args.q.device.index)
+
+
+def _plan_in_place(flat, alpha, beta, cu, state, idx_in, idx_out, out_flat, scale, use_l2norm, k_major=False):
+    """``(problem, args)`` of a decode launch with ``state`` as both initial and final state."""
+    q3, k3, v3 = flat
+    dev = q3.device
+    if q3.dtype not in _IO_DTYPES:
+        raise ValueError(f"q must be bfloat16 or float16, got {q3.dtype}")
+    for name, t in (("q", q3), ("k", k3), ("v", v3)):
+        _qkv(name, t, 3, dev, q3.dtype)
+    T, hq, K = q3.shape
+    hk, hv, V = k3.shape[1], v3.shape[1], v3.shape[2]
+    if K not in HEAD_DIMS or V not in HEAD_DIMS:
+        raise NotImplementedError(f"gated delta rule decode: head dims K={K}, V={V} are not served; served: K, "
+                                  f"V in {HEAD_DIMS}")
+    if k3.shape[2] != K or not ((hq == hk and hv % hq == 0) or (hk == hv and hq % hv == 0)):
+        raise ValueError(f"q / k / v heads must be GVA or GQA with k of q's head dim, got Hq={hq}, Hk={hk}, "
+                         f"Hv={hv}")
+    if out_flat.dtype != q3.dtype or not out_flat.is_contiguous():
+        raise ValueError(f"output must be contiguous with q's dtype {q3.dtype}")
+    ho = max(hq, hv)
+    if scale is None or scale == 0.0:
+        scale = 1.0 / math.sqrt(K)
+    _require_cuda(dev)
+    flags = FLAG_HAS_G | FLAG_HAS_BETA | FLAG_HAS_INITIAL_STATE | FLAG_WRITE_STATE
+    i_in = i_out = _dummy(dev, torch.int32)
+    if idx_in is not None:
+        flags |= FLAG_INITIAL_INDICES | FLAG_OUTPUT_INDICES
+        i_in = idx_in.to(device=dev, dtype=torch.int32)
+        i_out = i_in if idx_out is idx_in else idx_out.to(device=dev, dtype=torch.int32)
+    problem = _problem(q3, K, V, _STATE_DTYPES[state.dtype], "linear", use_l2norm, decode=True,
+                       state_k_major=k_major)
+    args = GdnArgs(q=q3, k=k3, v=v3, g=alpha, beta=beta, cu_seqlens=cu, initial_state=state,
+                   initial_state_indices=i_in, output_state=state, output_state_indices=i_out, output=out_flat,
+                   scale=float(scale), q_group=ho // hq, k_group=ho // hk, v_group=ho // hv, flags=flags)
+    return problem, args
+
+
+def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True):
+    """GDN decode step(s) with a K-major state ``[B, HV, K, V]``, updated in place (FlashInfer's signature).
+
+    The same kernel as :func:`gated_delta_rule_decode_pretranspose` reading and writing the state K-major;
+    arguments, returns and errors as there (``state`` float32 / bfloat16, no pools).
+    """
+    return _decode(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, None, None, None,
+                   k_major=True)

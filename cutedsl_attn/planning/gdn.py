@@ -1,0 +1,106 @@
+"""Host-side problem and launch arguments of the gated delta rule (GDN) kernels.
+
+Pure Python; imports nothing above it.  A GDN launch covers ``N`` sequences packed end to end (``cu_seqlens``),
+``HO = max(Hq, Hv)`` output heads with contiguous grouping, and a V-major fp32 / bf16 state ``[*, HO, V, K]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+DTYPES = ("bfloat16", "float16")
+STATE_DTYPES = ("float32", "bfloat16")
+GATE_DOMAINS = ("linear", "log")
+HEAD_DIMS = (64, 128)
+ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+
+# bits of GdnArgs.flags (run-time choices: one compiled kernel serves every combination)
+FLAG_HAS_G = 1  # g given (else alpha = 1)
+FLAG_HAS_BETA = 2  # beta given (else beta = 1)
+FLAG_HAS_INITIAL_STATE = 4  # read initial_state (else zeros)
+FLAG_WRITE_STATE = 8  # write the final state to output_state
+FLAG_INITIAL_INDICES = 16  # initial_state row of sequence n is initial_state_indices[n] (else n)
+FLAG_OUTPUT_INDICES = 32  # output_state row of sequence n is output_state_indices[n] (else n)
+
+MAX_SEQS = 65535  # grid.y of the recurrent kernel
+
+
+@dataclass(frozen=True)
+class GdnProblem:
+    """What a GDN caller fixes (the problem half of a GDN kernel's config and compile key).
+
+    ``dtype`` of q / k / v / output (``"bfloat16"`` / ``"float16"``); ``head_dim_k`` / ``head_dim_v`` in
+    :data:`HEAD_DIMS`; ``state_dtype`` of the initial and final state (``"float32"`` / ``"bfloat16"``, math is
+    fp32 either way); ``gate_domain`` of ``g`` (``"linear"``: alpha, ``"log"``: log alpha);
+    ``use_qk_l2norm`` fuses ``x * rsqrt(sum x^2 + 1e-6)`` on q and k; ``decode``: a few tokens a sequence (the
+    decode step), which the kernels' defaults size for; ``state_k_major``: the state is ``[*, HO, K, V]``
+    instead of V-major ``[*, HO, V, K]``; ``arch`` the compile target.  Token and
+    sequence counts, head counts and their grouping (GVA / GQA ratios), strides, the scale and which optional
+    tensors are present are run-time arguments (:class:`GdnArgs`).
+
+    Raises:
+        TypeError: a field of the wrong type (the problem is a cache key: no 128.0 for 128).
+        ValueError: a value outside the lists above.
+    """
+
+    dtype: str
+    head_dim_k: int
+    head_dim_v: int
+    state_dtype: str = "float32"
+    gate_domain: str = "linear"
+    use_qk_l2norm: bool = False
+    decode: bool = False
+    state_k_major: bool = False
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        for name in ("head_dim_k", "head_dim_v"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        for name in ("use_qk_l2norm", "decode", "state_k_major"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.head_dim_k not in HEAD_DIMS or self.head_dim_v not in HEAD_DIMS:
+            raise ValueError(f"head_dim_k and head_dim_v must be in {HEAD_DIMS}, got "
+                             f"{self.head_dim_k}/{self.head_dim_v}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
+        if self.gate_domain not in GATE_DOMAINS:
+            raise ValueError(f"gate_domain must be one of {GATE_DOMAINS}, got {self.gate_domain!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+
+
+class GdnArgs(NamedTuple):
+    """One GDN launch's tensors and scalars (the kernel's ``launch`` orders them).
+
+    ``q`` ``[T, Hq, K]``, ``k`` ``[T, Hk, K]``, ``v`` ``[T, Hv, V]`` (16-bit, last dim contiguous, other strides
+    multiples of 8 elements); ``g`` / ``beta`` fp32 ``[T, HO]`` (last dim contiguous; 1-element dummies when
+    absent); ``cu_seqlens`` int32 ``[N + 1]``; ``initial_state`` ``[P, HO, V, K]`` and ``output_state``
+    ``[P', HO, V, K]`` (``[*, HO, K, V]`` when ``state_k_major``) contiguous, ``state_dtype`` (dummies when
+    absent; the same tensor for an in-place pool update); ``initial_state_indices`` / ``output_state_indices``
+    int32 ``[N]`` pool rows (dummies when absent);
+    ``output`` ``[T, HO, V]`` contiguous (written); ``scale`` the query scale; ``q_group`` / ``k_group`` /
+    ``v_group`` = ``HO // Hq``, ``HO // Hk``, ``HO // Hv``; ``flags`` the ``FLAG_*`` bits.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    g: Any
+    beta: Any
+    cu_seqlens: Any
+    initial_state: Any
+    initial_state_indices: Any
+    output_state: Any
+    output_state_indices: Any
+    output: Any
+    scale: float
+    q_group: int
+    k_group: int
+    v_group: int
+    flags: int

@@ -1,0 +1,224 @@
+"""Gated delta rule benchmark: cutedsl_attn's recurrent kernel vs fla (Triton) and FlashInfer, same process.
+
+Prefill rows (bf16 q/k/v, K = V = 128, fp32 gates and state, ``use_qk_l2norm_in_kernel=True``, final state
+requested): (a) 32/32 heads, 1 x 32768; (b) 16 q/k / 32 v heads, 4 x 8192; (c) 16/16 heads, 8 x 8192.
+Decode rows: B = 64 / 128 / 256 sequences, 32 heads, K = V = 128, fp32 state updated per step.
+
+Method (cutedsl_attn.timing.KernelTimer): a 512 MiB memset flushes the L2 before every timed call, the GPU
+sleeps so the host has queued the call, CUDA events bracket it, median of 10.  Our rows time the kernel
+launch alone (the API's checks and allocations are done once, outside the timed call); peers are timed
+through their public functions.  The HBM bound is the bytes the op must move (q, k, v, gates, o, the final
+state) at the measured read bandwidth.  The recurrent kernel is token-serial: for prefill it is expected to be
+far slower than the chunked peers; it is the decode kernel, and the prefill stand-in until the chunked
+kernels exist.
+
+Usage: python perf/bench_gdn.py [--quick] [--out DIR] [--tiles "tv,warps,prefetch,lanes;..."]
+(peers are skipped cleanly when not importable; ``--tiles`` also times those recurrent-kernel tiles on the
+prefill rows, ``ours_<tiles>_ms``, next to the default's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+
+os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's own Triton kernels, not FlashQLA
+
+from cutedsl_attn.api import gdn as api  # noqa: E402
+from cutedsl_attn.api._gdn_dispatch import gdn_launch  # noqa: E402
+from cutedsl_attn.compile import get_compiled  # noqa: E402
+from cutedsl_attn.portable import gdn_recurrent as rec  # noqa: E402
+from cutedsl_attn.timing import KernelTimer, read_bandwidth  # noqa: E402
+
+DEV = torch.device("cuda")
+D = 128
+PREFILL = {"a": (1, 32768, 32, 32), "b": (4, 8192, 16, 32), "c": (8, 8192, 16, 16)}  # B, L, H_qk, H_v
+DECODE_B = (64, 128, 256)
+DECODE_H = 32
+
+
+def peers():
+    found = {}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+        found["fla"] = fla_chunk
+    except Exception as e:  # noqa: BLE001
+        print("fla chunk_gated_delta_rule unavailable:", e)
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_rec
+
+        found["fla_recurrent"] = fla_rec
+    except Exception as e:  # noqa: BLE001
+        print("fla fused_recurrent_gated_delta_rule unavailable:", e)
+    try:
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule as fi_chunk
+
+        found["flashinfer"] = fi_chunk
+    except Exception as e:  # noqa: BLE001
+        print("flashinfer.gdn_prefill unavailable:", e)
+    return found
+
+
+def rel(x, y):
+    x, y = x.double(), y.double()
+    return ((x - y).norm() / max(y.norm().item(), 1e-30)).item()
+
+
+def prefill_inputs(B, L, hqk, hv):
+    T = B * L
+    q = torch.randn(T, hqk, D, device=DEV).bfloat16()
+    k = torch.randn(T, hqk, D, device=DEV).bfloat16()
+    v = torch.randn(T, hv, D, device=DEV).bfloat16()
+    g = torch.rand(T, hv, device=DEV) * 0.1 + 0.9  # linear alpha
+    beta = torch.rand(T, hv, device=DEV)
+    cu = torch.arange(0, T + 1, L, device=DEV, dtype=torch.int32)
+    return q, k, v, g, beta, cu
+
+
+def prefill_bytes(B, L, hqk, hv):
+    T = B * L
+    return T * (2 * hqk * D * 2 + hv * D * 2 + hv * D * 2 + 2 * hv * 4) + B * hv * D * D * 4
+
+
+def bench_prefill(timer, found, rows_wanted, bw, variants=()):
+    rows = []
+    for name in rows_wanted:
+        B, L, hqk, hv = PREFILL[name]
+        q, k, v, g, beta, cu = prefill_inputs(B, L, hqk, hv)
+        T = B * L
+        problem, args, (o, st) = api._plan_prefill(
+            q, k, v, g, beta, None, None, True, cu, True, None, None, None, None, 0, "auto", None, None, "auto",
+            None, "linear")
+        gdn_launch(problem, args)
+        torch.cuda.synchronize()
+        row = dict(row=name, B=B, L=L, heads=f"{hqk}/{hv}", ours_ms=timer(lambda: gdn_launch(problem, args),
+                                                                         reps=10) * 1e3)
+        bound_ms = prefill_bytes(B, L, hqk, hv) / bw * 1e3
+        row["hbm_bound_ms"] = bound_ms
+        row["tiles"] = str(rec.default_tiles(problem, num_sms=132))
+        o_default = o.clone()
+        for tv, nw, pf, lanes in variants:
+            cfg = rec.Config(problem, rec.Tiles(tile_v=tv, num_warps=nw, prefetch=pf, lanes_per_row=lanes))
+            fn = get_compiled(rec.NAME, cfg, rec.compile)
+            key = f"ours_{tv}_{nw}_{pf}_{lanes}"
+            row[key + "_ms"] = timer(lambda: rec.launch(fn, cfg, args), reps=10) * 1e3
+            row[key + "_rel_err_vs_default"] = rel(o, o_default)
+        if "fla" in found:
+            f = found["fla"]
+            qf, kf, vf = (x.view(B, L, *x.shape[1:]) for x in (q, k, v))
+            gf = torch.log(g).view(B, L, hv)
+            bf = beta.view(B, L, hv)
+
+            def fla_call():
+                return f(qf, kf, vf, gf, bf, scale=1 / math.sqrt(D), output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+
+            of, sf = fla_call()
+            row["fla_ms"] = timer(fla_call, reps=10) * 1e3
+            row["rel_err_vs_fla_o"] = rel(o.view(B, L, hv, D), of)
+            row["rel_err_vs_fla_state"] = rel(st, sf.transpose(-1, -2))
+        if "flashinfer" in found:
+            f = found["flashinfer"]
+
+            def fi_call():
+                return f(q, k, v, g, beta, None, None, True, cu.to(torch.int64), True)
+
+            try:
+                oi, _ = fi_call()
+                row["flashinfer_ms"] = timer(fi_call, reps=10) * 1e3
+                row["rel_err_vs_flashinfer_o"] = rel(o, oi)
+            except Exception as e:  # noqa: BLE001
+                print(f"flashinfer row {name} failed:", e)
+        rows.append(row)
+        print(row, flush=True)
+        del q, k, v, g, beta, o, st, args
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_decode(timer, found, batches):
+    rows = []
+    H = DECODE_H
+    for B in batches:
+        q = torch.randn(B, 1, H, D, device=DEV).bfloat16()
+        k = torch.randn(B, 1, H, D, device=DEV).bfloat16()
+        v = torch.randn(B, 1, H, D, device=DEV).bfloat16()
+        alpha = torch.rand(B, H, device=DEV) * 0.1 + 0.9
+        beta = torch.rand(B, H, device=DEV)
+        state = torch.randn(B, H, D, D, device=DEV) * 0.05
+        out = torch.empty(B, H, D, device=DEV, dtype=torch.bfloat16)
+        flat = [x.view(B, H, D) for x in (q, k, v)]
+        problem, args = api._plan_in_place(flat, alpha, beta, api._cu_steps(B, 1, DEV), state, None, None, out,
+                                           None, True)
+        t = timer(lambda: gdn_launch(problem, args), reps=10)
+        nbytes = 2 * state.numel() * 4  # the state is read and written once a step
+        row = dict(B=B, heads=H, ours_us=t * 1e6, ours_tbs=nbytes / t / 1e12)
+        if "fla_recurrent" in found:
+            f = found["fla_recurrent"]
+            h0 = state.transpose(-1, -2).contiguous()
+            gl = torch.log(alpha).view(B, 1, H)
+            bl = beta.view(B, 1, H)
+
+            def fla_call():
+                return f(q, k, v, gl, bl, scale=1 / math.sqrt(D), initial_state=h0, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+
+            tf = timer(fla_call, reps=10)
+            row["fla_us"] = tf * 1e6
+            row["fla_tbs"] = nbytes / tf / 1e12
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def table(prefill, decode):
+    lines = ["| row | B x L | heads qk/v | ours ms | Mtok/s | fla ms | FlashInfer ms | ours / fla | HBM bound ms | "
+             "bound / ours |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in prefill:
+        tok = r["B"] * r["L"]
+        fla, fi = r.get("fla_ms"), r.get("flashinfer_ms")
+        cells = [f"({r['row']})", f"{r['B']} x {r['L']}", r["heads"], f"{r['ours_ms']:.3f}",
+                 f"{tok / r['ours_ms'] / 1e3:.2f}", f"{fla:.3f}" if fla else "-", f"{fi:.3f}" if fi else "-",
+                 f"{r['ours_ms'] / fla:.2f}x" if fla else "-", f"{r['hbm_bound_ms']:.3f}",
+                 f"{r['hbm_bound_ms'] / r['ours_ms']:.1%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| decode B | heads | ours us | ours TB/s | fla us | fla TB/s | fla / ours |",
+              "|---|---|---|---|---|---|---|"]
+    for r in decode:
+        fla = r.get("fla_us")
+        lines.append(f"| {r['B']} | {r['heads']} | {r['ours_us']:.1f} | {r['ours_tbs']:.2f} | "
+                     + (f"{fla:.1f} | {r['fla_tbs']:.2f} | {fla / r['ours_us']:.2f} |" if fla else "- | - | - |"))
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="row (c) and one decode batch only")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tiles", default="", help="extra recurrent tiles 'tile_v,num_warps,prefetch,lanes;...'")
+    a = ap.parse_args()
+    variants = [tuple(int(x) for x in v.split(",")) for v in a.tiles.split(";") if v.strip()]
+    torch.manual_seed(0)
+    timer = KernelTimer(DEV)
+    bw = read_bandwidth(timer)
+    print(f"read bandwidth {bw / 1e12:.3f} TB/s")
+    found = peers()
+    prefill = bench_prefill(timer, found, ["c"] if a.quick else list(PREFILL), bw, variants)
+    decode = bench_decode(timer, found, DECODE_B[:1] if a.quick else DECODE_B)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench_gdn.json"), "w") as fh:
+        json.dump(dict(read_tbs=bw / 1e12, prefill=prefill, decode=decode), fh, indent=1)
+    print(table(prefill, decode))
+    for r in prefill:  # the tile variants, if any
+        extra = {k: round(v, 4) for k, v in r.items() if k.startswith("ours_") and k != "ours_ms"}
+        if extra:
+            print(f"({r['row']}) default {r['tiles']} {r['ours_ms']:.3f} ms; variants {extra}")
+
+
+if __name__ == "__main__":
+    main()
