@@ -10,7 +10,7 @@ Variants (``;``-separated): ``default`` (our kernel as dispatched), a ``CUTEDSL_
 such as ``tile_n=128,num_ctas=0``, ``fa4`` (FlashAttention-4 ``flash_attn.cute``), ``fi`` (FlashInfer
 0.7.2 ragged, ``backend="fa3"``; head_dim 128 only).
 
-Usage: python perf/ab_prefill.py --case varlen --variants "default;claim_after_q=0;fa4;fi" [--rounds 6]
+Usage: python perf/ab_prefill.py --case varlen --variants "default;epilogue=smem;fa4;fi" [--rounds 6]
 """
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def main():
                 res[kern] = ("n/a", float("nan"), None, float("nan"))
                 print(f"  {kern}: {e}"[:160])
                 continue
-            kind = type(w._plan["cfg"]).__name__
+            kind = "sm90" if type(w._plan["cfg"]).__module__.startswith("cutedsl_attn.sm90") else "port"
             out = torch.full((qo[-1], hq, dvo), float("nan"), dtype=torch.bfloat16, device=DEV)
             run = (lambda: w.run(q, paged["cache"], out=out)) if args.paged else (lambda: w.run(q, k, v, out=out))
             run()

@@ -55,16 +55,19 @@ class _Stage:
                                                    (256, 128, 2, 1), (128, 128, 3, 1), (64, 64, 2, 1),
                                                    (192, 64, 3, 1)])
 def test_staging_regions_inside_own_q_rows(dq, dv, num_wg, q_stages):
-    """Sm90PrefillKernel._staging_offset: each consumer warp's 16 x head_dim_vo staging bytes lie inside its
+    """The SM90 kernel's ``_staging_offset``: each consumer warp's 16 x head_dim_vo staging bytes lie inside its
     own warpgroup's 64 Q rows of the current Q stage (the K-major 128-byte-swizzled Q layout keeps the rows
     of a 64-column atom together: row r of atom a at bytes a * tile_m * 128 + r * 128 of the stage; the
     swizzle only permutes 16-byte chunks inside a row), and no two warps' regions overlap -- the other
     warpgroup's in-flight S GEMM reads only its own rows; every region starts on 1 KiB (relative to the
-    1 KiB-aligned sQ), as the TMA store's 128-byte-swizzle boxes need (``tma_epilogue``)."""
-    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig, Sm90PrefillKernel
+    1 KiB-aligned sQ), as the TMA store's 128-byte-swizzle boxes need (``Epilogue.SMEM_TMA``)."""
+    from cutedsl_attn.planning.prefill import PrefillProblem
+    from cutedsl_attn.sm90.prefill import Config, Tiles
+    from cutedsl_attn.sm90.prefill.config import Epilogue
+    from cutedsl_attn.sm90.prefill.kernel import Sm90PrefillKernel
 
-    cfg = Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=dq, head_dim_vo=dv, group_size=1, num_wg=num_wg,
-                            tile_n=64, q_stages=q_stages, smem_epilogue=True)
+    cfg = Config(PrefillProblem(dtype="bfloat16", head_dim_qk=dq, head_dim_vo=dv, group_size=1),
+                 Tiles(num_wg=num_wg, tile_n=64, q_stages=q_stages, epilogue=Epilogue.SMEM))
     k = Sm90PrefillKernel(cfg)
     tm, stage_bytes = 64 * num_wg, 64 * num_wg * dq * 2
     for st in range(q_stages):

@@ -21,6 +21,9 @@ if not torch.cuda.is_available():
 
 import cutedsl_attn as ca
 from cutedsl_attn import ref
+from cutedsl_attn.sm90.prefill import Config as Sm90Config
+from cutedsl_attn.sm90.prefill import override_tiles
+from cutedsl_attn.sm90.prefill.config import Epilogue, Softmax
 from _checks import TOL, check, rel_err  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -55,6 +58,22 @@ def indptr(lens):
 
 def workspace():
     return torch.empty(1 << 20, dtype=torch.uint8, device=DEV)
+
+
+def planned_cfg(w):
+    """The kernel configuration a wrapper planned (the SM90 ``Config(problem, tiles)`` or the portable one)."""
+    return w._plan["cfg"]
+
+
+def tune_items(tune):
+    """A ``CUTEDSL_ATTN_PREFILL_TUNE`` string as ``override_tiles`` items."""
+    return dict(item.split("=") for item in tune.split(",") if item)
+
+
+def assert_tuned(w, tune):
+    """The planned SM90 tiles carry every override of ``tune``."""
+    cfg = planned_cfg(w)
+    assert isinstance(cfg, Sm90Config) and override_tiles(cfg.tiles, tune_items(tune)) == cfg.tiles, (cfg, tune)
 
 
 # ----------------------------------------------------------------------------- ragged
@@ -131,6 +150,38 @@ def test_ragged_sweep(qo, kv, hkv, group, dqk, dvo, dtype, layout, causal):
     run_ragged(qo, kv, hkv, group, dqk, dvo, dtype, layout, opts=dict(causal=causal))
 
 
+@pytest.mark.parametrize("qo,kv,hkv,group,d,causal,layout,tune", [
+    ([300, 40, 250], [300, 40, 250], 8, 4, 128, True, "NHD", ""),  # the last block of the last request runs 70 rows past
+    ([300, 40, 250], [300, 40, 250], 8, 4, 128, False, "NHD", ""),
+    ([100, 7, 333], [260, 7, 901], 2, 8, 64, True, "HND", ""),  # d64: three warpgroups, tile_n 128
+    ([129, 64], [200, 77], 1, 1, 256, False, "NHD", ""),  # d256: tile_n 80, one CTA per tile
+    ([300, 40, 250], [300, 40, 250], 8, 4, 128, True, "NHD", "num_ctas=3,tile_n=64"),  # one-block tiles, few CTAs
+])
+def test_ragged_spare_rows_nan(monkeypatch, qo, kv, hkv, group, d, causal, layout, tune):
+    """Results depend only on the K/V rows a request owns: with a K/V buffer whose rows after ``kv_indptr[-1]``
+    hold NaN (a preallocated buffer's uninitialised tail), the last request's last block reads them into shared
+    memory -- K's are masked to -inf, V's are zeroed before P V (0 * NaN would be NaN) -- and every output is
+    finite and matches the oracle on the owned rows."""
+    if tune:
+        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
+    gen, seed = new_gen()
+    c = make_ragged(qo, kv, hkv, group, d, d, BF16, "NHD", gen)
+    spare = 97
+    nan_rows = torch.full((spare, hkv, d), float("nan"), dtype=BF16, device=DEV)
+    k, v = torch.cat([c["k"], nan_rows]), torch.cat([c["v"], nan_rows])
+    k_in, v_in = (k, v) if layout == "NHD" else (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
+    w = ca.BatchPrefillWithRaggedKVCacheWrapper(workspace(), layout)
+    w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["hq"], hkv, d, q_data_type=BF16, causal=causal)
+    assert isinstance(planned_cfg(w), Sm90Config)
+    o_ref, lse_ref = ref.ragged_prefill(c["q"], c["k"], c["v"], c["qo_indptr"], c["kv_indptr"], causal=causal)
+    for i in range(2):  # (the persistent grid: a second launch reuses the ring and the tail barrier's phase)
+        out = torch.full((c["q"].shape[0], c["hq"], d), float("nan"), dtype=BF16, device=DEV)
+        lse = torch.full(c["q"].shape[:2], float("nan"), device=DEV)
+        w.run(c["q"], k_in, v_in, out=out, lse=lse)
+        torch.cuda.synchronize()
+        check(out, lse, o_ref, lse_ref, BF16, f"seed {seed}, launch {i}")
+
+
 @pytest.mark.parametrize("num_ctas", [3, 132])
 def test_ragged_persistent(monkeypatch, num_ctas):
     """The persistent grid (``num_ctas`` CTAs claim tiles from an atomic counter in the work table): matches
@@ -142,7 +193,7 @@ def test_ragged_persistent(monkeypatch, num_ctas):
                                   (1, 128, dict(causal=True, window_left=100, logits_soft_cap=7.0), True),
                                   (8, 64, dict(causal=True), False)):  # three consumer warpgroups
         w = run_ragged(qo, kv, 2, group, d, d, BF16, opts=opts, sinks=sinks, launches=2)
-        assert w._plan["cfg"].num_ctas == num_ctas
+        assert planned_cfg(w).num_ctas == num_ctas
         assert int(w._plan["work"][0, 7]) == 0, "the tile counter is reset by the launch"
 
 
@@ -167,8 +218,9 @@ def test_custom_mask_both_kernels(monkeypatch, kernel, d, group, mask):
     if kernel == "portable":
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "portable")
     w = run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, opts=dict(causal=True), mask=mask)
-    assert type(w._plan["cfg"]).__name__ == ("Sm90PrefillConfig" if kernel == "sm90" else "PrefillConfig")
-    assert w._plan["cfg"].use_custom_mask
+    cfg = planned_cfg(w)
+    assert isinstance(cfg, Sm90Config) == (kernel == "sm90")
+    assert getattr(cfg, "problem", cfg).use_custom_mask
 
 
 @pytest.mark.parametrize("ps", [1, 16])
@@ -182,32 +234,18 @@ def test_paged_custom_mask(ps):
     w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
     w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, ps,
            packed_custom_mask=packed, q_data_type=BF16)
-    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig"
+    assert isinstance(planned_cfg(w), Sm90Config)
     run_paged_checked(w, c, BF16, f"seed {seed}", custom_mask=m)
 
 
-@pytest.mark.parametrize("d,group,ex2_poly", [(64, 8, 3), (128, 4, 8), (128, 1, 2)])
-def test_ex2_poly(monkeypatch, d, group, ex2_poly):
-    """Softmax exponentials partly (3 or 2 of 8) or wholly (8 of 8) by the FMA-pipe polynomial: same
-    oracle tolerance, exact 0 / -inf for rows that see nothing (MIXED_QO has them), soft cap + window too."""
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", f"ex2_poly={ex2_poly}")
-    w = run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, opts=dict(causal=True))
-    assert w._plan["cfg"].ex2_poly == ex2_poly
-    run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0))
-    # (with the default stale_max: a row whose first unmasked block finds no finite max -- query 0 of qo 256 /
-    # kv 383 at d64 sees nothing in the two masked blocks -- where the polynomial would give NaN; the stale step
-    # keeps MUFU ex2)
-    run_ragged([256, 300], [383, 300], 1, group, d, d, BF16, opts=dict(causal=True))
-
-
-@pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1,stale_max=0"])
+@pytest.mark.parametrize("tune", ["loop_order=split", "loop_order=split_late_v,softmax=exact,p_tail=0,p_wait_lead=0"])
 def test_loop_order_variants(monkeypatch, tune):
-    """The main-loop order variants (tuning fields; the d64 default uses the first two): masked blocks in their own loop, V
-    waited for after S is issued, K released right after the S wait -- causal with empty rows and
-    sequence ends, window + soft cap, GQA at head_dim 64 (three warpgroups), paged K/V by TMA pages."""
+    """The main-loop orders (``loop_order``; the d64 default is ``split_late_v``): masked blocks in their own
+    loop, V waited for after S is issued -- causal with empty rows and sequence ends, window + soft cap, GQA at
+    head_dim 64 (three warpgroups), paged K/V by TMA pages."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True))
-    assert w._plan["cfg"].loop_split
+    assert_tuned(w, tune)
     run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0))
     run_ragged(MIXED_QO, MIXED_KV, 2, 8, 64, 64, BF16, opts=dict(causal=True))
     run_paged_mixed16()
@@ -215,14 +253,14 @@ def test_loop_order_variants(monkeypatch, tune):
 
 @pytest.mark.parametrize("tune", ["rescale_threshold=8", "rescale_threshold=8,rescale_o_before_pv=1,num_ctas=3"])
 def test_rescale_threshold(monkeypatch, tune):
-    """FlashAttention-4's conditional rescaling (``rescale_threshold``, session 7): a row keeps its running
+    """FlashAttention-4's conditional rescaling (``rescale_threshold``): a row keeps its running
     max until a block's exceeds it by more than 8 (log2 units), O is rescaled only where some row of the
     warp moved it -- with the row max growing past the threshold block after block (key norms ramping up
     to the left, a large ``sm_scale``), sinks, soft cap + window, GQA, head_dim 64 / 256, full attention
     (three warpgroups x tile_n 80), persistent grids, paged K/V."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
-    assert w._plan["cfg"].rescale_threshold == 8
+    assert planned_cfg(w).tiles.rescale_threshold == 8
     qo, kv = rand_appends(8, 1500, 800)
     run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True, sm_scale=0.5), k_ramp=3.0, launches=2)
     run_ragged(qo, kv, 2, 8, 64, 64, FP16, opts=dict(causal=True, sm_scale=0.5), k_ramp=3.0, sinks=True)
@@ -231,26 +269,27 @@ def test_rescale_threshold(monkeypatch, tune):
     run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True, sm_scale=0.3),
                k_ramp=3.0)
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, layout="HND", k_ramp=3.0)
-    assert run_paged_mixed16()._plan["cfg"].rescale_threshold == 8
+    assert planned_cfg(run_paged_mixed16()).tiles.rescale_threshold == 8
 
 
-@pytest.mark.parametrize("tune", ["stale_max=1", "stale_max=1,rescale_threshold=0,num_ctas=3",
-                                  "stale_max=1,loop_split=0,v_wait_late=0,num_wg=2",
-                                  "stale_max=1,loop_split=1,p_tail=2", "stale_max=1,loop_split=1,p_tail=7,num_ctas=3",
-                                  "stale_max=1,loop_split=1,p_tail=2,p_wait_lead=0"])
+@pytest.mark.parametrize("tune", ["softmax=stale", "softmax=stale,rescale_threshold=0,num_ctas=3",
+                                  "softmax=stale,loop_order=fa3,p_tail=0,p_wait_lead=0,num_wg=2",
+                                  "softmax=stale,loop_order=split,p_tail=2",
+                                  "softmax=stale,loop_order=split,p_tail=7,num_ctas=3",
+                                  "softmax=stale,loop_order=split,p_tail=2,p_wait_lead=0"])
 def test_stale_max(monkeypatch, tune):
-    """Exponentials against the running max as it stands (``stale_max``, session 12): unmasked blocks skip the
+    """Exponentials against the running max as it stands (``softmax=stale``): unmasked blocks skip the
     row max and redo the block exactly (S again from the held K stage) where a thread's partial row sum reaches
     2^15 -- with the key norms ramping up 4x to the left at ``sm_scale`` 0.5 (the row max grows by tens of log2
     units over the blocks, so blocks redo: tests/test_stale_max_math.py counts them for this construction),
     rows whose first unmasked block comes with no finite max yet, sinks, a sliding window (its cut blocks masked, the rest stale),
     full attention, GQA, head_dim 64 (FlashAttention's loop order: the unmasked loop) / 128 / 256, float16
-    (P < 2^15 fits it), persistent grids and two launches of one plan, paged K/V; with ``p_tail`` (session 13)
-    the unmasked loop converts part of P early (its P V wait pinned by a predicated V release, ``p_wait_lead``,
+    (P < 2^15 fits it), persistent grids and two launches of one plan, paged K/V; with ``p_tail`` the unmasked
+    loop converts part of P early (its P V wait pinned by an arrive on a dummy mbarrier, ``p_wait_lead``,
     inherited from the head_dim 64 default where not set to 0) and a redo converts it again."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
-    assert w._plan["cfg"].stale_max
+    assert_tuned(w, tune)
     qo, kv = rand_appends(8, 1500, 800)
     run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True, sm_scale=0.5), k_ramp=3.0, launches=2)
     run_ragged(qo, kv, 2, 8, 64, 64, FP16, opts=dict(causal=True, sm_scale=0.5), k_ramp=3.0, sinks=True)
@@ -264,11 +303,11 @@ def test_stale_max(monkeypatch, tune):
     # unmasked block starts from m = -inf (inf partial sums, a redo); at tile_n 80 the same for 240 / 319
     run_ragged([256, 240, 64], [383, 319, 64], 1, 1, 64, 64, BF16, opts=dict(causal=True))
     run_ragged([256, 240, 64], [383, 319, 64], 1, 1, 128, 128, FP16, opts=dict(causal=True))
-    assert run_paged_mixed16()._plan["cfg"].stale_max
+    assert planned_cfg(run_paged_mixed16()).tiles.softmax is Softmax.STALE
 
 
 @pytest.mark.parametrize("tune", ["num_wg=2,q_stages=2,num_ctas=3,tile_n=128",
-                                  "num_wg=2,q_stages=2,tile_n=160,loop_split=1,v_wait_late=1"])
+                                  "num_wg=2,q_stages=2,tile_n=160,loop_order=split_late_v"])
 def test_q_double_buffer(monkeypatch, tune):
     """Two Q stages (the producer loads the next tile's Q while this one runs): persistent grid with 3 CTAs
     (many tiles each, both stages reused) and one per SM, two launches of one plan, causal with empty rows,
@@ -278,36 +317,37 @@ def test_q_double_buffer(monkeypatch, tune):
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     qo, kv = rand_appends(12, 1500, 800)
     w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), launches=2)
-    assert w._plan["cfg"].q_stages == 2 and w._plan["cfg"].num_ctas > 0
+    assert_tuned(w, tune)
+    assert planned_cfg(w).num_ctas > 0
     run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True, window_left=50, logits_soft_cap=9.0),
                sinks=True, launches=2)
     run_ragged(qo, kv, 2, 8, 64, 64, BF16, opts=dict(causal=True), launches=2)
 
 
-@pytest.mark.parametrize("tune", ["smem_epilogue=1,q_stages=1",
-                                  "num_wg=2,smem_epilogue=1,q_stages=2,tile_n=160,num_ctas=3",
-                                  "num_wg=2,smem_epilogue=0,q_stages=1,tile_n=176"])
+@pytest.mark.parametrize("tune", ["epilogue=smem,q_stages=1,tile_info=smem",
+                                  "num_wg=2,epilogue=smem,q_stages=2,tile_n=160,num_ctas=3,tile_info=smem",
+                                  "num_wg=2,epilogue=regs,q_stages=1,tile_n=176"])
 def test_epilogue_variants(monkeypatch, tune):
     """Epilogue variants (tuning fields): O staged through the warpgroup's own Q rows with whole-row 16-byte
     stores (the head_dim 128 default) with one or two Q stages, and straight from registers -- GQA with
     empty rows and requests, sinks, head_dim 64, 192/128 and 256 (one CTA per tile), a persistent grid of 3
     CTAs reusing both Q stages over two launches; the first variant with the default warpgroups (three at
-    head_dim 64 / 128), the others with two (``num_wg=2``: tile_n 160 / 176 fit three only spilling)."""
+    head_dim 64 / 128), the others with two (``num_wg=2``: tile_n 160 / 176 fit three only spilling); the staged
+    ones read the tile's fields from shared memory (``tile_info=smem``: the head_dim 64 default's early
+    coordinates need the register epilogue)."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     w = run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
-    for key in tune.split(","):
-        name, val = key.split("=")
-        assert getattr(w._plan["cfg"], name) == (bool(int(val)) if name == "smem_epilogue" else int(val))
+    assert_tuned(w, tune)
     run_ragged(MIXED_QO, MIXED_KV, 2, 8, 64, 64, FP16, opts=dict(causal=True))
-    if tune == "smem_epilogue=1,q_stages=1":  # (the other two tile_n do not fit shared memory at d192 / d256)
+    if tune.startswith("epilogue=smem,q_stages=1"):  # (the other two tile_n do not fit shared memory at d192 / d256)
         run_ragged([5, 200, 333, 1], [5, 400, 2000, 0], 2, 2, 192, 128, BF16, opts=dict(causal=True, window_left=70))
         run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True), sinks=True)
 
 
-@pytest.mark.parametrize("tune", ["smem_epilogue=1,tma_epilogue=1",
-                                  "num_wg=2,smem_epilogue=1,tma_epilogue=1,q_stages=2,tile_n=128,num_ctas=3"])
+@pytest.mark.parametrize("tune", ["epilogue=smem_tma,tile_info=smem",
+                                  "num_wg=2,epilogue=smem_tma,q_stages=2,tile_n=128,num_ctas=3,tile_info=smem"])
 def test_tma_epilogue(monkeypatch, tune):
-    """The staged epilogue's TMA store (``tma_epilogue``, session 8): a warp whose 16 packed rows lie in the
+    """The staged epilogue's TMA store (``epilogue=smem_tma``): a warp whose 16 packed rows lie in the
     request stores them with one TMA box per 64 columns, a warp at the request's end stores row by row --
     ragged appends and the mixed batch (requests ending inside warps, empty rows and requests), group sizes
     1 / 4 / 8 / 16, sinks, fp16, head_dim 64 / 192-128 / 256, full attention, a persistent grid of 3 CTAs
@@ -316,7 +356,7 @@ def test_tma_epilogue(monkeypatch, tune):
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     qo, kv = rand_appends(12, 1500, 800)
     w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
-    assert w._plan["cfg"].tma_epilogue and w._plan["cfg"].smem_epilogue
+    assert_tuned(w, tune)
     run_ragged(MIXED_QO, MIXED_KV, 2, 1, 128, 128, FP16, opts=dict(causal=True), launches=2)
     run_ragged(MIXED_QO, MIXED_KV, 1, 16, 128, 128, BF16, opts=dict(causal=True))
     run_ragged(MIXED_QO, MIXED_KV, 2, 8, 64, 64, BF16, opts=dict(causal=True))
@@ -324,13 +364,13 @@ def test_tma_epilogue(monkeypatch, tune):
     if "q_stages" not in tune:  # (one Q stage: the other head dims' shared memory)
         run_ragged([5, 200, 333, 1], [5, 400, 2000, 0], 2, 2, 192, 128, BF16, opts=dict(causal=True))
         run_ragged([1, 129, 700, 64], [33, 129, 1200, 1], 1, 1, 256, 256, BF16, opts=dict(causal=True), sinks=True)
-        assert run_paged_mixed16()._plan["cfg"].tma_epilogue
+        assert planned_cfg(run_paged_mixed16()).tiles.epilogue is Epilogue.SMEM_TMA
 
 
 @pytest.mark.parametrize("tune", ["head_section_mib=7", "head_section_mib=7,num_ctas=3",
                                   "head_section_mib=1024,num_ctas=0"])
 def test_head_sections(monkeypatch, tune):
-    """The tile order by sections of kv heads (``head_section_mib``, session 9): every tile exactly once
+    """The tile order by sections of kv heads (``head_section_mib``): every tile exactly once
     (outputs poisoned) over two launches, with 7 kv heads and K/V of 5,000 tokens -- at head_dim 128 7 MiB
     make sections of 2, 2 and 3 heads (the remainder joins the last), at head_dim 64 one section of all 7;
     1024 MiB: one section (global longest-first order) on the one-CTA-per-tile grid; d128 causal with the
@@ -343,38 +383,38 @@ def test_head_sections(monkeypatch, tune):
         heads = max(1, min(7, (mib << 20) // ((2 * d) * 2) // 5000))
         assert heads == {7: {128: 2, 64: 5}[d], 1024: 7}[mib]
         w = run_ragged(qo, kv, 7, group, d, d, BF16, opts=dict(causal=causal), sinks=causal, launches=2)
-        assert w._plan["cfg"].head_section_mib == mib
+        assert planned_cfg(w).head_section_mib == mib
 
 
 @pytest.mark.parametrize("tune,d,group", [("num_wg=3,tile_n=80", 128, 4), ("num_wg=3,tile_n=64,num_ctas=3", 128, 1),
-                                          ("num_wg=4,tile_n=64", 64, 8), ("num_wg=4,tile_n=64,num_ctas=3", 64, 1)])
+                                          ("num_wg=2,tile_n=128", 64, 8), ("num_wg=2,tile_n=64,num_ctas=3", 64, 1)])
 def test_warpgroup_counts(monkeypatch, tune, d, group):
     """Three consumer warpgroups at head_dim 128 (tile_m 192: with the causal default's two Q stages and staged
-    TMA epilogue) and four at head_dim 64 (tile_m 256, 112 registers per consumer thread): causal with empty
+    TMA epilogue) and two at head_dim 64 (tile_m 128, the stale softmax's p_tail kept): causal with empty
     rows and requests, sinks, two launches of the persistent grid (132 CTAs, or 3 reusing every stage), fp16
     appends, full attention."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     w = run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, opts=dict(causal=True), sinks=True, launches=2)
-    assert w._plan["cfg"].num_wg == int(tune[7]) and w._plan["cfg"].num_ctas > 0
+    assert_tuned(w, tune)
+    assert planned_cfg(w).num_ctas > 0
     qo, kv = rand_appends(12, 1500, 800)
     run_ragged(qo, kv, 2, group, d, d, FP16, opts=dict(causal=True), launches=2)
     run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, BF16, layout="HND")
 
 
-@pytest.mark.parametrize("tune", ["tile_info_smem=1", "tile_info_smem=1,num_ctas=3", "epi_coords_early=1",
-                                  "epi_coords_early=1,tile_info_smem=1,num_ctas=3"])
+@pytest.mark.parametrize("tune", ["tile_info=smem", "tile_info=smem,num_ctas=3", "tile_info=global_early,epilogue=regs",
+                                  "tile_info=smem_early,epilogue=regs,num_ctas=3"])
 def test_tile_info_smem(monkeypatch, tune):
-    """The producer copies each tile's work-table fields next to its index in shared memory
-    (``tile_info_smem``; written in session 6, first run on the H200 in session 7), and the epilogue's
-    coordinates read before the Q stage's release (``epi_coords_early``, session 13; from those fields with
-    ``tile_info_smem``): persistent and few-CTA grids over two launches, empty rows / requests, the staged
-    epilogue reading them after the main loop (d128 causal), d128 full, d64, d256, a custom mask (its offset
-    field), paged K/V."""
+    """The producer copies each tile's work-table fields next to its index in shared memory (``tile_info=smem``),
+    and the epilogue's coordinates read before the Q stage's release (``*_early``, with the register epilogue;
+    from those fields with ``smem_early``): persistent and few-CTA grids over two launches, empty rows /
+    requests, the staged epilogue reading them after the main loop (d128 causal, ``smem``), d128 full, d64,
+    d256, a custom mask (its offset field), paged K/V."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     qo, kv = rand_appends(12, 1500, 800)
     w = run_ragged(qo, kv, 2, 4, 128, 128, BF16, opts=dict(causal=True), sinks=True, launches=2)
-    cfg = w._plan["cfg"]
-    assert cfg.smem_epilogue and all(getattr(cfg, f.split("=")[0]) == int(f.split("=")[1]) for f in tune.split(","))
+    assert_tuned(w, tune)
+    assert (planned_cfg(w).tiles.epilogue is not Epilogue.REGS) == ("early" not in tune)
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, FP16, layout="HND", launches=2)
     run_ragged(qo, kv, 2, 8, 64, 64, BF16, opts=dict(causal=True), launches=2)
     run_ragged(MIXED_QO, MIXED_KV, 2, 4, 128, 128, BF16, opts=dict(causal=True), mask="packed")
@@ -491,8 +531,8 @@ def test_paged_tma_pages_ignore_unused_slots(ps, d, group, layout):
     w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), layout)
     w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, d, ps,
            causal=True, q_data_type=BF16)
-    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].page_rows == min(ps, w._plan[
-        "cfg"].tile_n)
+    cfg = planned_cfg(w)
+    assert isinstance(cfg, Sm90Config) and cfg.page_rows == min(ps, cfg.tiles.tile_n)
     run_paged_checked(w, c, BF16, f"seed {seed}", causal=True)
 
 
@@ -773,9 +813,9 @@ def test_score_mod(monkeypatch, kernel, d, group, fn, opts, dtype):
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "portable")
     w = run_ragged(MIXED_QO, MIXED_KV, 2, group, d, d, dtype, opts=dict(opts, score_mod=fn), sinks=(d == 64),
                    launches=2)
-    cfg = w._plan["cfg"]
-    assert type(cfg).__name__ == ("Sm90PrefillConfig" if kernel == "sm90" and d >= 64 else "PrefillConfig")
-    assert cfg.score_mod is fn
+    cfg = planned_cfg(w)
+    assert isinstance(cfg, Sm90Config) == (kernel == "sm90" and d >= 64)
+    assert getattr(cfg, "problem", cfg).score_mod is fn
 
 
 def test_score_mod_paged_and_single():
@@ -785,7 +825,7 @@ def test_score_mod_paged_and_single():
     w = ca.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
     w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), c["indices"], c["last"].to(DEV), c["hq"], 2, 128, 16,
            causal=True, q_data_type=BF16, score_mod=_rel_bias)
-    assert w._plan["cfg"].score_mod is _rel_bias
+    assert planned_cfg(w).problem.score_mod is _rel_bias
     run_paged_checked(w, c, BF16, f"seed {seed} paged", causal=True, score_mod=_rel_bias)
     q = torch.randn(300, 8, 128, generator=gen).to(BF16).to(DEV)
     k = torch.randn(700, 2, 128, generator=gen).to(BF16).to(DEV)
@@ -817,7 +857,7 @@ def test_score_mod_alibi_equals_pos_encoding():
         w = ca.BatchPrefillWithRaggedKVCacheWrapper(workspace(), "NHD")
         w.plan(c["qo_indptr"].to(DEV), c["kv_indptr"].to(DEV), 8, 2, 128, causal=True, q_data_type=BF16, **kw)
         outs[name] = w.run(c["q"], c["k"], c["v"], return_lse=True)
-        assert type(w._plan["cfg"]).__name__ == ("Sm90PrefillConfig" if name == "score_mod" else "PrefillConfig")
+        assert isinstance(planned_cfg(w), Sm90Config) == (name == "score_mod")
     torch.cuda.synchronize()
     o_ref, lse_ref = ref.ragged_prefill(c["q"], c["k"], c["v"], c["qo_indptr"], c["kv_indptr"], causal=True,
                                         pos_encoding_mode="ALIBI")

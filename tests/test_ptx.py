@@ -20,6 +20,10 @@ import pytest
 
 import cutedsl_attn as ca
 from cutedsl_attn import inspect as ci
+from cutedsl_attn.planning.prefill import PrefillProblem
+from cutedsl_attn.sm90.prefill import Config as Sm90Config
+from cutedsl_attn.sm90.prefill import Tiles, default_tiles, override_tiles
+from cutedsl_attn.sm90.prefill.config import Epilogue, LoopOrder, Softmax, TileInfo
 
 REPO = Path(__file__).resolve().parent.parent
 ARCHS = ("sm_90a", "sm_100a")
@@ -154,14 +158,13 @@ def test_sass_with_tools():
 @pytest.mark.parametrize("keys", [dict(causal=True), dict(causal=False, page_size=16), dict(head_dim_qk=256)])
 def test_sm90_prefill_wgmma_not_serialised(keys):
     """ptxas silently serialises every wgmma of a kernel (a wait after each one) when it cannot prove the
-    accumulators untouched between issue and wait -- that cost a restructured variant of this kernel ~40%
-    on the H200.  The SASS must keep the pipeline: one wait per wait_group point of the source (4, and
-    ``stale_max``'s redo), not one per HGMMA."""
+    accumulators untouched between issue and wait, a large slowdown.  The SASS must keep the pipeline: one wait
+    per wait_group point of the source (4, and the stale softmax's redo), not one per HGMMA."""
     text = ci.sass("prefill", "sm_90a", dtype="bfloat16", group_size=4, kernel="sm90", **keys)
     cfg = ci.config("prefill", "sm_90a", dtype="bfloat16", group_size=4, kernel="sm90", **keys)
     hgmma = len(re.findall(r"\bHGMMA\.", text))
     waits = len(re.findall(r"WARPGROUP\.DEPBAR", text))
-    assert hgmma >= 16 and waits <= 4 + cfg.stale_max, (hgmma, waits)  # (+ the stale_max redo's wait)
+    assert hgmma >= 16 and waits <= 4 + (cfg.tiles.softmax is Softmax.STALE), (hgmma, waits)  # (+ the redo's wait)
 
 
 # ----------------------------------------------------------------------------- instruction_summary (synthetic)
@@ -340,7 +343,7 @@ def test_sm90_prefill_ptx(name):
     """The dispatch layer picks the SM90 kernel on sm_90a; its PTX is warp-specialised TMA + wgmma."""
     keys, tile_n, num_wg = SM90_PREFILL_CONFIGS[name]
     cfg = ci.config("prefill", "sm_90a", **keys)
-    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.tile_n == tile_n and cfg.tile_m == 64 * num_wg
+    assert isinstance(cfg, Sm90Config) and cfg.tiles.tile_n == tile_n and cfg.tile_m == 64 * num_wg
     text = ci.ptx("prefill", "sm_90a", **keys)
     s = ci.instruction_summary(text)
     ab = "bf16" if keys["dtype"] == "bfloat16" else "f16"
@@ -352,38 +355,40 @@ def test_sm90_prefill_ptx(name):
     pv = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{dvo}k16\.f32\.{ab}\.{ab}", text)
     # each GEMM is issued in two places (first block, main loop; three with loop_split's two main loops), S once
     # more with stale_max (the redo of an unmasked block); QK: dqk/16 k-steps, PV: tile_n/16
-    places = 3 if cfg.loop_split else 2
-    qk_places = places + cfg.stale_max
+    places = 3 if (cfg.tiles.loop_order is not LoopOrder.FA3) else 2
+    qk_places = places + (cfg.tiles.softmax is Softmax.STALE)
     if tile_n != dvo:
         assert len(qk) == qk_places * (dqk // 16) and len(pv) == places * (tile_n // 16)
     else:
         assert len(qk) == qk_places * (dqk // 16) + places * (tile_n // 16)
-    # stale_max (session 12) where measured faster: the plain three-warpgroup problems (ragged; d64, d128)
-    assert cfg.stale_max == (num_wg == 3)
-    assert ("bar.red.or.pred" in text) == cfg.stale_max  # the warpgroup agrees on a redo (a warpgroup GEMM)
-    assert cfg.loop_split == (dqk == 64 and num_wg == 3)  # FlashAttention's loop order where it measured faster (d64)
+    # the stale softmax where measured faster: the plain three-warpgroup problems (ragged; d64, d128)
+    assert (cfg.tiles.softmax is Softmax.STALE) == (num_wg == 3)
+    assert ("bar.red.or.pred" in text) == (cfg.tiles.softmax is Softmax.STALE)  # the warpgroup agrees on a redo (a warpgroup GEMM)
+    assert (cfg.tiles.loop_order is not LoopOrder.FA3) == (dqk == 64 and num_wg == 3)  # FlashAttention's loop order where it measured faster (d64)
     # conditional rescaling (O rescaled while S runs, except at d256) where it measured faster: d64 / d128 plain
-    # ragged with three warpgroups (session 11), d256 plain ragged (session 7)
-    assert cfg.rescale_threshold == (8 if name in ("bf16_hd128_g4_causal", "bf16_hd64_g8_causal",
+    # ragged with three warpgroups, d256 plain ragged
+    assert cfg.tiles.rescale_threshold == (8 if name in ("bf16_hd128_g4_causal", "bf16_hd64_g8_causal",
                                                    "bf16_hd256_causal") else 0)
-    assert cfg.rescale_o_before_pv == (cfg.rescale_threshold == 8)
+    assert cfg.tiles.rescale_o_before_pv == (cfg.tiles.rescale_threshold == 8)
     # the epilogue: staged through shared memory (stmatrix, whole-row 16-byte stores) at head_dim 128 causal
     # with ragged K/V (and two Q stages) and at head_dim 256 without a window -- of these configs -- else
     # straight from registers (32-bit stores)
     staged = len(re.findall(r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16", text))
-    assert cfg.smem_epilogue == (name in ("bf16_hd128_g4_causal", "bf16_hd256_causal"))
-    assert cfg.q_stages == (2 if name == "bf16_hd128_g4_causal" else 1)
+    assert (cfg.tiles.epilogue is not Epilogue.REGS) == (name in ("bf16_hd128_g4_causal", "bf16_hd256_causal"))
+    assert cfg.tiles.q_stages == (2 if name == "bf16_hd128_g4_causal" else 1)
     # (and there a warp whose 16 staged rows lie in the request stores them by TMA, one box per 64 columns)
-    assert cfg.tma_epilogue == (name == "bf16_hd128_g4_causal")
-    if cfg.smem_epilogue:
+    assert (cfg.tiles.epilogue is Epilogue.SMEM_TMA) == (name == "bf16_hd128_g4_causal")
+    if (cfg.tiles.epilogue is not Epilogue.REGS):
         assert staged == dvo // 16 and len(re.findall(r"st\.global\.v4\.b32", text)) == 16 * dvo // 8 // 32
     else:
         assert staged == 0 and len(re.findall(r"st\.global\.u32", text)) >= 2 * (dvo // 8)
     assert s["mma.sync"] == 0 and s["tcgen05"] == 0
-    # Q, K and V arrive by TMA, one box per 64 columns (the 128-byte swizzle atom)
-    # (and O leaves by TMA with tma_epilogue)
+    # Q, K and V arrive by TMA, one box per 64 columns (the 128-byte swizzle atom), V issued in two places (a
+    # block past the request's end lands on its own mbarrier, to have its tail rows zeroed); O leaves by TMA with
+    # the SMEM_TMA epilogue
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd", text)) == 2 * (dqk // 64) + dvo // 64 * (
-        1 + cfg.tma_epilogue)
+        2 + (cfg.tiles.epilogue is Epilogue.SMEM_TMA))
+    assert "st.shared.v4.b32 [%r" in text and "mbarrier.arrive.expect_tx" in text
     assert "mbarrier.try_wait.parity" in text or "mbarrier.try_wait" in text
     consumer, producer = cfg.registers
     assert (consumer, producer) == {2: (240, 24), 3: (160, 32)}[num_wg]
@@ -391,27 +396,27 @@ def test_sm90_prefill_ptx(name):
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer};", text)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer};", text)
     # ping-pong hand-off between the consumer warpgroups, except at head_dim 256 (FA4's tiles there)
-    assert cfg.pingpong == (name != "bf16_hd256_causal")
+    assert cfg.tiles.pingpong == (name != "bf16_hd256_causal")
     # conditional rescaling: O rescaled behind a warp vote on the row factors
-    assert ("vote.sync.any.pred" in text) == (cfg.rescale_threshold > 0)
-    if cfg.pingpong:
+    assert ("vote.sync.any.pred" in text) == (cfg.tiles.rescale_threshold > 0)
+    if cfg.tiles.pingpong:
         assert "bar.arrive" in text
     assert s.get("ld.local", 0) == 0 and s.get("st.local", 0) == 0, "register spills"
 
 
-@pytest.mark.parametrize("num_wg,head_dim", [(2, 128), (2, 256), (3, 64), (3, 128), (4, 64)])
+@pytest.mark.parametrize("num_wg,head_dim", [(2, 128), (2, 256), (3, 64), (3, 128)])
 def test_sm90_prefill_setmaxnreg_fits_launch_registers(num_wg, head_dim):
     """``setmaxnreg`` only moves registers inside the CTA's launch allocation: the consumers' increase waits
-    until the producer's decrease has freed enough, so (consumer, producer) must fit the launch count times
-    the threads (640 threads launch with 96 registers: 4 warpgroups at 120 hung the H200 in session 11).
-    The launch count read from the cubin is the largest multiple of 8 that fits 65536 registers."""
+    until the producer's decrease has freed enough (a budget above it hangs), so (consumer, producer) must fit
+    the launch count times the threads.  The launch count read from the cubin is the largest multiple of 8
+    that fits 65536 registers."""
     keys = dict(dtype="bfloat16", head_dim_qk=head_dim, group_size=1, causal=True, kernel="sm90")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CUTEDSL_ATTN_PREFILL_TUNE", f"num_wg={num_wg},tile_n={64 if num_wg == 4 else 80}")
+        mp.setenv("CUTEDSL_ATTN_PREFILL_TUNE", f"num_wg={num_wg},tile_n=80")
         cfg = ci.config("prefill", "sm_90a", **keys)
         res = ci.resources("prefill", "sm_90a", **keys)
     threads = 128 * (num_wg + 1)
-    assert cfg.num_wg == num_wg and res["registers"] == 65536 // threads // 8 * 8, res
+    assert cfg.tiles.num_wg == num_wg and res["registers"] == 65536 // threads // 8 * 8, res
     consumer, producer = cfg.registers
     assert consumer % 8 == 0 and producer % 8 == 0 and 24 <= producer <= consumer <= 256
     assert 128 * (num_wg * consumer + producer) <= res["registers"] * threads
@@ -427,7 +432,7 @@ def test_sm90_prefill_paged_ptx(page_size, keys):
     1) with cp.async and arrives on the stage mbarrier, the consumers ordering those generic-proxy writes
     before their wgmma reads; with page size 16 the full blocks load by TMA, one box per page."""
     cfg = ci.config("prefill", "sm_90a", **keys, page_size=page_size)
-    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.registers == (232, 40)
+    assert isinstance(cfg, Sm90Config) and cfg.registers == (232, 40)
     text = ci.ptx("prefill", "sm_90a", **keys, page_size=page_size)
     s = ci.instruction_summary(text)
     assert "cp.async.mbarrier.arrive.noinc" in text and "cp.async.cg.shared.global" in text
@@ -435,7 +440,7 @@ def test_sm90_prefill_paged_ptx(page_size, keys):
     dqk, dvo = keys["head_dim_qk"], keys.get("head_dim_vo", keys["head_dim_qk"])
     R = cfg.page_rows  # full blocks: one TMA box per page (and per 64 columns); none for page size 1
     assert R == {16: 16, 1: 0}[page_size]
-    assert len(tma) == dqk // 64 + (cfg.tile_n // R * (dqk // 64 + dvo // 64) if R else 0), tma
+    assert len(tma) == dqk // 64 + (cfg.tiles.tile_n // R * (dqk // 64 + dvo // 64) if R else 0), tma
     assert "fence.proxy.async" in text
     assert s["wgmma"] > 0 and s["mma.sync"] == 0
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", text)
@@ -475,13 +480,28 @@ def test_sm90_prefill_default_tiles_never_spill(keys):
     small = (keys.get("use_window") or keys.get("use_soft_cap")
              or (keys["head_dim_qk"] == 128 and keys.get("page_size", 0) in (32, 64, 128)))
     two_q = keys.get("page_size", 0) == 0 and keys.get("causal", False)  # two Q stages + staged epilogue
-    # ragged K/V at head_dim 128: three warpgroups x tile_n 80 (session 11); paged: two x 176
+    # ragged K/V at head_dim 128: three warpgroups x tile_n 80; paged: two x 176
     big = ((80, 3) if keys.get("page_size", 0) == 0 else (176, 2)) if keys["head_dim_qk"] == 128 else (128, 3)
-    assert (cfg.tile_n, cfg.num_wg) == ((128, 2) if small else big), cfg
-    assert (cfg.q_stages, cfg.smem_epilogue) == ((2, True) if two_q and not small and keys["head_dim_qk"] == 128
+    assert (cfg.tiles.tile_n, cfg.tiles.num_wg) == ((128, 2) if small else big), cfg
+    assert (cfg.tiles.q_stages, (cfg.tiles.epilogue is not Epilogue.REGS)) == ((2, True) if two_q and not small and keys["head_dim_qk"] == 128
                                                  else (1, False)), cfg
     res = ci.resources("prefill", "sm_90a", kernel="sm90", **keys)
     assert res["stack_bytes"] == 0, res
+
+
+# the ptxas whose schedules the SASS tests below were measured with (named in the PTX header of the DSL's NVVM,
+# whose libraries ship that ptxas): nvidia-cutlass-dsl-libs-cu13
+MEASURED_TOOLCHAIN = "Cuda compilation tools, release 13.4, V13.4.59"
+
+
+def _require_measured_toolchain(ptx_text):
+    """Skip a SASS schedule assertion on a toolchain other than :data:`MEASURED_TOOLCHAIN` (another ptxas
+    schedules differently; the assertion states that one's schedule)."""
+    m = re.search(r"Cuda compilation tools, release [\w.]+, V[\w.]+", ptx_text)
+    found = m.group(0) if m else "an unnamed toolchain"
+    if found != MEASURED_TOOLCHAIN:
+        pytest.skip(f"SASS schedule measured with '{MEASURED_TOOLCHAIN}' (nvidia-cutlass-dsl-libs-cu13); this DSL "
+                    f"compiles with '{found}'")
 
 
 def _main_loop_overlap(text):
@@ -497,34 +517,30 @@ def _main_loop_overlap(text):
                                   "bf16_hd256_causal"])
 def test_sm90_prefill_softmax_overlaps_pv(name, monkeypatch):
     """Intra-warpgroup overlap as measured best: ptxas keeps the wait for P V right behind the K stage's
-    mbarrier arrive.  Released right after the wait for S, ptxas scheduled that wait ahead of every
-    exponential-scaling FFMA (found with ncu on the H200: 13% of the warps' stall samples on it; releasing
-    K after the softmax fixed it, 1-7% faster), so at least half the block's scaling FFMAs and some
-    exponentials must sit before the wait.  (More is not better: pinning the arrive to the row sums put
-    every exponential before the wait and measured 2-6% slower, session 5; at head_dim 64 causal ptxas
-    keeps none there, the best measured variant too.)  The head_dim 256 default's conditional rescaling
-    (``rescale_threshold``, a warp-vote branch in the loop) also leaves no exponential before the wait,
-    and measured 1.3% faster than without it (session 7; two warpgroups without ping-pong there): checked
-    here without it.  Ragged head_dim 128 now takes three warpgroups at 160 registers (session 11), where
-    ptxas keeps none there either (as at head_dim 64), measured 3.5-7% faster than two: the two-warpgroup
-    schedule (still that of paged K/V, a score_mod, a window or soft cap) is checked with those tiles.  With
-    ``stale_max`` (session 12, the three-warpgroup default) an unmasked block's exponentials have no row max
-    to wait for and the K stage is released after the redo check: ptxas puts every one of them before the
-    wait for P V (measured 4% faster at d128 causal)."""
+    mbarrier arrive, which the main loop issues after the softmax, so at least half the block's scaling FFMAs
+    and some exponentials sit before the wait (released right after the wait for S, ptxas put that wait ahead
+    of every one; pinned to the row sums, all of them went before it: both measured slower).  The d256
+    default's conditional rescaling (a warp-vote branch in the loop) leaves no exponential before the wait, as
+    measured best: checked here without it too.  Ragged d128 takes three warpgroups at 160 registers, where
+    ptxas keeps none there with the exact softmax; with the stale softmax (the default) an unmasked block has
+    no row max to wait for and every exponential goes before the wait.  The two-warpgroup schedule (paged K/V,
+    a score_mod, a window or a soft cap) is checked with those tiles.  A schedule of one ptxas:
+    :func:`_require_measured_toolchain`."""
     keys, tile_n, _ = SM90_PREFILL_CONFIGS[name]
+    _require_measured_toolchain(ci.ptx("prefill", "sm_90a", **keys))
     if name == "bf16_hd256_causal":
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "rescale_threshold=0")
     if name == "bf16_hd128_g4_causal":
-        # three warpgroups, stale_max: the main loop's masked (exact) and unmasked (stale) softmax, all of the
+        # three warpgroups, stale softmax: the main loop's masked (exact) and unmasked (stale) softmax, all of the
         # latter's tile_n / 2 exponentials per thread before the wait
-        assert ci.config("prefill", "sm_90a", **keys).stale_max
+        assert ci.config("prefill", "sm_90a", **keys).tiles.softmax is Softmax.STALE
         ffma, mufu = _main_loop_overlap(ci.sass("prefill", "sm_90a", **keys))
         assert ffma >= tile_n // 2 and mufu >= tile_n // 2, (ffma, mufu)
-        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "stale_max=0")
-        assert _main_loop_overlap(ci.sass("prefill", "sm_90a", **keys)) == (0, 0)  # (session 11's schedule)
+        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "softmax=exact")
+        assert _main_loop_overlap(ci.sass("prefill", "sm_90a", **keys)) == (0, 0)
         tile_n = 160
         monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "num_wg=2,tile_n=160,rescale_threshold=0,"
-                                                        "rescale_o_before_pv=0,stale_max=0")
+                                                        "rescale_o_before_pv=0,softmax=exact")
     text = ci.sass("prefill", "sm_90a", **keys)
     assert text.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1, "one wait_group(1): the main loop's wait for S"
     ffma, mufu = _main_loop_overlap(text)
@@ -571,27 +587,29 @@ def _unmasked_loop_p(text):
 @pytest.mark.skipif(ci._find_tool("cuobjdump") is None and ci._find_tool("nvdisasm") is None,
                     reason="no cuobjdump/nvdisasm here")
 def test_sm90_prefill_p_tail_converts_during_softmax(monkeypatch):
-    """``p_tail`` (the head_dim 64 default, session 13): the unmasked loop waits for the previous P V while its
-    exponentials run and converts P there (14 of 16 n8 tiles: 28 ``F2FP``, exponentials still to come after the
-    wait), leaving 2 tiles (4 ``F2FP``) for after the redo agreement; without it all 32 come after the softmax
-    (ncu on the H200: 9% of a consumer warp's time there).  ``p_wait_lead=4`` pins that wait late with an arrive
-    on a dummy mbarrier predicated on the running row sums (at least 40 of the 64 exponentials before it); the
-    only arrive before the wait is that one -- at the dummy's constant offset behind the K, V and Q barriers --
-    so the V stage is released after the wait, never while P V still reads it (a review caught a first version
-    that pinned with the V release itself).  Unpinned, ptxas hoists the wait behind the first few exponentials."""
+    """``p_tail`` (the head_dim 64 default): the unmasked loop waits for the previous P V while its exponentials
+    run and converts P there (14 of 16 n8 tiles: 28 ``F2FP``, exponentials still to come after the wait), leaving
+    2 tiles (4 ``F2FP``) for after the redo agreement; without it all 32 come after the softmax.
+    ``p_wait_lead=4`` pins that wait late with an arrive on a dummy mbarrier predicated on the running row sums
+    (at least 40 of the 64 exponentials before it); the only arrive before the wait is that one -- at the
+    dummy's constant offset behind the K, V and Q barriers -- so the V stage is released after the wait, never
+    while P V still reads it.  Unpinned, ptxas hoists the wait behind the first few exponentials.  A schedule of
+    one ptxas: :func:`_require_measured_toolchain`."""
     keys = dict(dtype="bfloat16", head_dim_qk=64, group_size=1, causal=True)
+    _require_measured_toolchain(ci.ptx("prefill", "sm_90a", **keys))
     cfg = ci.config("prefill", "sm_90a", **keys)
-    assert cfg.stale_max and cfg.loop_split and (cfg.p_tail, cfg.p_wait_lead, cfg.tile_n) == (2, 4, 128)
-    assert cfg.pins_pv_wait
+    t = cfg.tiles
+    assert t.softmax is Softmax.STALE and t.loop_order is LoopOrder.SPLIT_LATE_V
+    assert (t.p_tail, t.p_wait_lead, t.tile_n) == (2, 4, 128) and cfg.pins_pv_wait
     f2fp, mufu, tail, before, arrives = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
     assert f2fp == 28 and mufu >= 8 and tail == 4 and before >= 40, (f2fp, mufu, tail, before)
-    dummy = 8 * (4 * cfg.num_stages + 2 * cfg.q_stages)  # mbar_k, mbar_v (2 per stage), mbar_q, then the dummy
+    dummy = 8 * (4 * t.num_stages + 2 * t.q_stages)  # mbar_k, mbar_v (2 per stage), mbar_q, then the dummy
     assert len(arrives) == 1 and re.search(rf"\[UR\d+\+{hex(dummy)}\]", arrives[0]), arrives
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "p_wait_lead=0")
     assert not ci.config("prefill", "sm_90a", **keys).pins_pv_wait
     f2fp, mufu, tail, before, arrives = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
     assert f2fp == 28 and tail == 4 and before <= 16 and not arrives, (f2fp, mufu, tail, before, arrives)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "p_tail=0")
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "p_tail=0,p_wait_lead=0")
     f2fp, mufu, tail, before, arrives = _unmasked_loop_p(ci.sass("prefill", "sm_90a", **keys))
     assert f2fp == 0 and tail == 32, (f2fp, mufu, tail)
     for bad in ("p_tail=16", "p_wait_lead=-1"):
@@ -604,26 +622,25 @@ def test_sm90_prefill_p_tail_converts_during_softmax(monkeypatch):
                     reason="no cuobjdump/nvdisasm here")
 @pytest.mark.parametrize("tune,page_size", [("num_ctas=132", 0), ("rescale_o_before_pv=1", 0),
                                             ("pingpong=0,num_wg=3", 0), ("rescale_o_before_pv=1", 16),
-                                            ("smem_epilogue=1,tma_epilogue=1", 0),
-                                            ("smem_epilogue=1,tma_epilogue=1,num_wg=3", 0)])
+                                            ("epilogue=smem_tma", 0), ("epilogue=smem_tma,num_wg=3,tile_info=smem", 0)])
 def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size):
     """The tuning options (CUTEDSL_ATTN_PREFILL_TUNE) build spill-free kernels whose wgmma pipeline survives
     ptxas.  The persistent variant's first version failed both (LLVM hoisted per-thread addresses out of
-    the tile loop and duplicated the P conversion; see common.ptx.opaque_i32 and Sm90PrefillKernel._to_p)."""
+    the tile loop and duplicated the P conversion; see common.ptx.opaque_i32 and BlockSoftmax._to_p)."""
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     keys = dict(dtype="bfloat16", head_dim_qk=128 if "num_wg" not in tune else 64, group_size=4, causal=True,
                 page_size=page_size)
     cfg = ci.config("prefill", "sm_90a", **keys)
-    assert type(cfg).__name__ == "Sm90PrefillConfig"
+    assert isinstance(cfg, Sm90Config)
     if "num_ctas" in tune:
         assert cfg.num_ctas == 132
         ptx = ci.ptx("prefill", "sm_90a", **keys)
         assert "%nctaid.x" in ptx and "atom.global.add.u32" in ptx, "tiles claimed from an atomic counter"
-    if "tma_epilogue" in tune:  # a warp's staged rows leave by TMA, one lane issuing, reads waited for
-        assert cfg.tma_epilogue
+    if "smem_tma" in tune:  # a warp's staged rows leave by TMA, one lane issuing, reads waited for
+        assert (cfg.tiles.epilogue is Epilogue.SMEM_TMA)
         ptx = ci.ptx("prefill", "sm_90a", **keys)
         stores = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)
-        assert len(stores) == cfg.head_dim_vo // 64
+        assert len(stores) == cfg.problem.head_dim_vo // 64
         assert "cp.async.bulk.wait_group.read" in ptx
         # issued under `lane == 0` (CuTe DSL 4.8.1 emits the store unpredicated, no elect of its own): were a
         # DSL upgrade to add an elect.sync inside that one-lane branch, it would hang -- fail here first
@@ -632,7 +649,7 @@ def test_sm90_prefill_tuning_options_keep_pipeline(monkeypatch, tune, page_size)
     text = ci.sass("prefill", "sm_90a", **keys)
     # one wait per GEMM site: first block, the main loop (two waits; loop_split: two main loops), last P V, and
     # stale_max's redo of a block, p_tail's wait inside the unmasked loop's softmax
-    assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= (6 if cfg.loop_split else 4) + cfg.stale_max + (cfg.p_tail > 0)
+    assert len(re.findall(r"WARPGROUP\.DEPBAR", text)) <= (6 if (cfg.tiles.loop_order is not LoopOrder.FA3) else 4) + (cfg.tiles.softmax is Softmax.STALE) + (cfg.tiles.p_tail > 0)
     assert len(re.findall(r"\bHGMMA\.", text)) >= 16
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
@@ -651,7 +668,7 @@ def test_sm90_paged_tile_choice(page_size, head_dim, tile_n, page_rows):
     whole 8-row swizzle atoms; other page sizes keep the tiles and gather."""
     cfg = ci.config("prefill", "sm_90a", kernel="sm90", dtype="bfloat16", head_dim_qk=head_dim, group_size=4,
                     causal=True, page_size=page_size)
-    assert (cfg.tile_n, cfg.page_rows) == (tile_n, page_rows), cfg
+    assert (cfg.tiles.tile_n, cfg.page_rows) == (tile_n, page_rows), cfg
 
 
 def test_sm90_paged_odd_page_size_builds_with_gather():
@@ -662,170 +679,151 @@ def test_sm90_paged_odd_page_size_builds_with_gather():
 
 
 def test_sm90_prefill_persistent_needs_ragged_kv(monkeypatch):
-    """The persistent grid claims tiles in the producer warp, which the paged gather does not have to
-    itself: a persistent paged config is refused naming the rule, and the tuning variable's ``num_ctas``
-    applies to ragged problems only (as documented), so one setting serves a process with both; likewise the
-    tile order by sections of kv heads (``head_section_mib``, which reads K's token count), range-checked."""
-    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig
-
-    with pytest.raises(ValueError, match=r"num_ctas > 0 .* needs ragged K/V"):
-        Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, page_size=16,
-                          num_ctas=132)
+    """The persistent grid claims tiles in the producer warp, which the paged gather does not have to itself,
+    and the kv-head sections of the tile order read K's token count, which paged K/V lacks: paged problems
+    ignore ``num_ctas`` and ``head_section_mib`` (so one tuning setting serves a process with both), ragged ones
+    take them; ``head_section_mib`` is range-checked."""
+    ragged = PrefillProblem(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
+    paged = PrefillProblem(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, page_size=16)
+    tiles = Tiles(num_ctas=132, head_section_mib=32)
+    assert (Sm90Config(ragged, tiles).num_ctas, Sm90Config(ragged, tiles).head_section_mib) == (132, 32)
+    assert (Sm90Config(paged, tiles).num_ctas, Sm90Config(paged, tiles).head_section_mib) == (0, 0)
+    assert default_tiles(paged, num_sms=132).num_ctas == 0 and default_tiles(ragged, num_sms=100).num_ctas == 100
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "num_ctas=100,tile_n=128")
     keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=1)
     assert ci.config("prefill", "sm_90a", **keys).num_ctas == 100
-    paged = ci.config("prefill", "sm_90a", **keys, page_size=16)
-    assert (paged.num_ctas, paged.tile_n) == (0, 128)
-    # the kv-head sections of the tile order likewise (they read K's token count, which paged K/V lacks)
-    with pytest.raises(ValueError, match=r"head_section_mib > 0 .* needs ragged K/V"):
-        Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, page_size=16,
-                          head_section_mib=32)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "head_section_mib=32")
-    assert ci.config("prefill", "sm_90a", **keys).head_section_mib == 32
-    assert ci.config("prefill", "sm_90a", **keys, page_size=16).head_section_mib == 0
+    cfg = ci.config("prefill", "sm_90a", **keys, page_size=16)
+    assert (cfg.num_ctas, cfg.tiles.tile_n) == (0, 128)
     for bad in (-1, 1025):
         with pytest.raises(ValueError, match=r"head_section_mib must be in 0\.\.1024"):
-            Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, head_section_mib=bad)
+            Sm90Config(ragged, Tiles(head_section_mib=bad))
 
 
 def test_sm90_prefill_head_dim_256_tiles():
-    """head_dim 256 takes FlashAttention-4's SM90 tiles and conditional rescaling (measured faster, session 7)
-    where they were timed -- plain problems with ragged K/V -- and session 6's ping-pong tiles of 64 (staged
-    epilogue) with paged K/V; ``rescale_threshold`` (log2 units) is range-checked: P <= 2^threshold must fit
-    float16."""
-    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig, default_tiles
+    """head_dim 256 takes FlashAttention-4's SM90 tiles and conditional rescaling where they were timed -- plain
+    problems with ragged K/V -- and the ping-pong tiles of 64 (staged epilogue) with paged K/V;
+    ``rescale_threshold`` (log2 units) is range-checked: P <= 2^threshold must fit float16."""
+    def tiles(**kw):
+        return default_tiles(PrefillProblem(dtype="bfloat16", head_dim_qk=256, head_dim_vo=256, group_size=1,
+                                            causal=True, **kw), num_sms=132)
 
-    fa4 = dict(tile_n=80, num_wg=2, pingpong=False, rescale_o_before_pv=True, smem_epilogue=True, rescale_threshold=8)
-    assert default_tiles(256, 256, 1, causal=True) == fa4
+    assert tiles() == Tiles(tile_n=80, pingpong=False, rescale_o_before_pv=True, rescale_threshold=8,
+                            epilogue=Epilogue.SMEM)
     for ps in (1, 16, 32, 48, 128):
-        assert default_tiles(256, 256, 1, causal=True, page_size=ps) == dict(tile_n=64, num_wg=2, smem_epilogue=True)
-    assert default_tiles(256, 256, 1, causal=True, use_window=True) == dict(tile_n=64, num_wg=2)
-    base = dict(dtype="bfloat16", head_dim_qk=256, head_dim_vo=256, group_size=1, tile_n=64)
-    assert Sm90PrefillConfig(**base, rescale_threshold=15).rescale_threshold == 15
+        assert tiles(page_size=ps) == Tiles(tile_n=64, epilogue=Epilogue.SMEM)
+    assert tiles(use_window=True) == Tiles(tile_n=64)
+    p = PrefillProblem(dtype="bfloat16", head_dim_qk=256, head_dim_vo=256, group_size=1)
+    assert Sm90Config(p, Tiles(tile_n=64, rescale_threshold=15)).tiles.rescale_threshold == 15
     for bad in (-1, 16, True):
         with pytest.raises(ValueError, match="rescale_threshold"):
-            Sm90PrefillConfig(**base, rescale_threshold=bad)
+            Sm90Config(p, Tiles(tile_n=64, rescale_threshold=bad))
 
 
 def test_sm90_prefill_stale_max_config():
-    """``stale_max`` (session 12) is the default where it measured faster -- the plain three-warpgroup problems
-    with ragged K/V (d64, d128 causal and full, GQA) -- and not at head_dim 256 (equal), for paged K/V, windows,
-    soft caps, score_mods or custom masks (untimed or refused); it is refused where the block's logits are
-    not ``sm_scale * q.k`` (soft cap, score_mod), every block is masked (custom mask) or the K stage its redo
-    reads is released before the softmax (``k_release_early``)."""
-    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig, default_tiles
+    """The stale softmax is the default where it measured faster -- the plain three-warpgroup problems with ragged
+    K/V (d64, d128 causal and full, GQA) -- and not at head_dim 256 (equal), for paged K/V, windows, soft caps,
+    score_mods or custom masks (untimed or refused); it is refused where the block's logits are not
+    ``sm_scale * q.k`` (soft cap, score_mod) or every block is masked (custom mask); ``p_tail`` / ``p_wait_lead``
+    only with it and a split loop."""
+    def problem(d, g=1, **kw):
+        return PrefillProblem(dtype="bfloat16", head_dim_qk=d, head_dim_vo=d, group_size=g, **kw)
 
     for d, g, causal in ((64, 1, True), (64, 8, False), (128, 1, True), (128, 4, True), (128, 1, False)):
-        assert default_tiles(d, d, g, causal=causal).get("stale_max") is True, (d, g, causal)
+        assert default_tiles(problem(d, g, causal=causal), num_sms=132).softmax is Softmax.STALE, (d, g, causal)
     for d, kw in ((256, {}), (128, dict(page_size=16)), (64, dict(page_size=16)), (128, dict(use_window=True)),
-                  (128, dict(use_soft_cap=True)), (64, dict(use_score_mod=True)), (128, dict(use_custom_mask=True))):
-        assert not default_tiles(d, d, 1, causal=True, **kw).get("stale_max"), (d, kw)
-    base = dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
-    assert Sm90PrefillConfig(**base, stale_max=True, use_window=True, page_size=16).stale_max
-    for bad in (dict(use_soft_cap=True), dict(score_mod=lambda s, b, h, q, k: s), dict(use_custom_mask=True),
-                dict(k_release_early=True)):
-        with pytest.raises(ValueError, match="stale_max needs"):
-            Sm90PrefillConfig(**base, stale_max=True, **bad)
-    with pytest.raises(ValueError, match="stale_max must be a bool"):
-        Sm90PrefillConfig(**base, stale_max=1)
+                  (128, dict(use_soft_cap=True)), (64, dict(score_mod=lambda s, b, h, q, k: s)),
+                  (128, dict(use_custom_mask=True))):
+        assert default_tiles(problem(d, causal=not kw.get("use_custom_mask"), **kw), num_sms=132).softmax \
+            is Softmax.EXACT, (d, kw)
+    stale = Tiles(softmax=Softmax.STALE)
+    assert Sm90Config(problem(128, use_window=True, page_size=16), stale).tiles.softmax is Softmax.STALE
+    for bad in (dict(use_soft_cap=True), dict(score_mod=lambda s, b, h, q, k: s), dict(use_custom_mask=True)):
+        with pytest.raises(ValueError, match="softmax=stale needs"):
+            Sm90Config(problem(128, **bad), stale)
+    with pytest.raises(ValueError, match="softmax must be a Softmax"):
+        Sm90Config(problem(128), Tiles(softmax="stale"))
+    for bad in (Tiles(p_tail=2), Tiles(softmax=Softmax.STALE, p_tail=2),
+                Tiles(loop_order=LoopOrder.SPLIT, p_wait_lead=4)):
+        with pytest.raises(ValueError, match="p_tail / p_wait_lead"):
+            Sm90Config(problem(64), bad)
 
 
 def test_sm90_prefill_head_sections_default():
-    """The tile order by sections of kv heads (32 MiB of K+V) is the default where it was measured faster
-    (session 9): causal problems on the persistent grid (ragged K/V, head_dim <= 128); not for full attention,
-    head_dim 256 (one CTA per tile), paged K/V (no token count of K) or a custom mask (which replaces causal)."""
-    from cutedsl_attn.sm90.prefill import default_tiles
+    """The tile order by sections of kv heads (32 MiB of K+V) is the default where it was measured faster: causal
+    problems on the persistent grid (ragged K/V, head_dim <= 128); not for full attention, head_dim 256 (one CTA
+    per tile), paged K/V (no token count of K) or a custom mask (which replaces causal)."""
+    def mib(d, g=1, **kw):
+        p = PrefillProblem(dtype="bfloat16", head_dim_qk=d, head_dim_vo=d, group_size=g, **kw)
+        return default_tiles(p, num_sms=132).head_section_mib
 
     for d, g, kw in ((128, 1, {}), (128, 4, {}), (64, 1, {}), (128, 4, dict(use_window=True))):
-        assert default_tiles(d, d, g, causal=True, **kw)["head_section_mib"] == 32
+        assert mib(d, g, causal=True, **kw) == 32
     for d, kw in ((128, dict(causal=False)), (256, dict(causal=True)), (128, dict(causal=True, page_size=16)),
-                  (128, dict(causal=True, use_custom_mask=True)), (64, dict(causal=False))):
-        assert "head_section_mib" not in default_tiles(d, d, 1, **kw)
+                  (128, dict(use_custom_mask=True)), (64, dict(causal=False))):
+        assert mib(d, **kw) == 0
 
 
 def test_prefill_tune_env(monkeypatch):
-    """CUTEDSL_ATTN_PREFILL_TUNE: integer and boolean fields parsed, bad items named with the variable."""
+    """The tuning hook: ``override_tiles`` parses integer, boolean and enum fields (a member's lowercase name) and
+    names the key and its allowed values for a bad item; dispatch applies CUTEDSL_ATTN_PREFILL_TUNE through it."""
+    t = override_tiles(Tiles(), {"tile_n": " 128", "pingpong": "false", "num_ctas": "8", "epilogue": "smem_tma",
+                                 "loop_order": "SPLIT_late_v", "softmax": "stale", "tile_info": "smem_early"})
+    assert t == Tiles(tile_n=128, pingpong=False, num_ctas=8, epilogue=Epilogue.SMEM_TMA,
+                      loop_order=LoopOrder.SPLIT_LATE_V, softmax=Softmax.STALE, tile_info=TileInfo.SMEM_EARLY)
+    assert override_tiles(t, {}) == t
+    for key, val, msg in (("pingpong", "2", "pingpong takes 0/1/true/false"), ("tile_n", "x", "tile_n takes an integer"),
+                          ("epilogue", "tma", r"epilogue takes one of \['regs', 'smem', 'smem_tma'\]"),
+                          ("causal", "1", "'causal' is not a tuning field"), ("ex2_poly", "3", "not a tuning field"),
+                          ("trace", "1", "not a tuning field"), ("k_release_early", "1", "not a tuning field")):
+        with pytest.raises(ValueError, match=msg):
+            override_tiles(Tiles(), {key: val})
     keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=1)
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", " tile_n=128, pingpong=false,num_ctas=8,")
     cfg = ci.config("prefill", "sm_90a", **keys)
-    assert (cfg.tile_n, cfg.pingpong, cfg.num_ctas) == (128, False, 8)
-    for bad, msg in (("pingpong=2", "0/1/true/false"), ("causal=1", "key=value with key in"),
-                     ("tile_n", "key=value"), ("tile_n=x", "integer"), ("claim_after_q=maybe", "0/1/true/false"),
-                     ("ex2_poly=3.5", "integer")):
-        monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", bad)
-        with pytest.raises(ValueError, match=f"CUTEDSL_ATTN_PREFILL_TUNE: .*{msg}"):
-            ci.config("prefill", "sm_90a", **keys)
-    # parse errors raise whichever kernel serves the problem (head_dim 32 and RoPE run the portable kernel)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "foo=1")
-    for portable_keys in (dict(keys, head_dim_qk=32), dict(keys, pos_encoding_mode="ROPE_LLAMA")):
-        with pytest.raises(ValueError, match="CUTEDSL_ATTN_PREFILL_TUNE: 'foo=1'"):
-            ci.config("prefill", "sm_90a", **portable_keys)
-        with pytest.raises(ValueError, match="CUTEDSL_ATTN_PREFILL_TUNE: 'foo=1'"):
-            ci.config("prefill", "sm_100a", **keys)
-    monkeypatch.delenv("CUTEDSL_ATTN_PREFILL_TUNE")
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "Portable")
-    with pytest.raises(ValueError, match="CUTEDSL_ATTN_PREFILL_KERNEL must be 'auto' or 'portable', got 'Portable'"):
+    assert (cfg.tiles.tile_n, cfg.tiles.pingpong, cfg.num_ctas) == (128, False, 8)
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "epilogue=tma")
+    with pytest.raises(ValueError, match="epilogue"):
         ci.config("prefill", "sm_90a", **keys)
-    monkeypatch.delenv("CUTEDSL_ATTN_PREFILL_KERNEL")
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "ex2_poly=9")
-    with pytest.raises(ValueError, match=r"ex2_poly must be in 0\.\.8.*CUTEDSL_ATTN_PREFILL_TUNE"):
-        ci.config("prefill", "sm_90a", **keys)
-    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig
-
-    with pytest.raises(ValueError, match="claim_after_q must be a bool"):
-        Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, claim_after_q=2)
-    # an override that does not fit this problem names the variable and the problem's default tiles
+    # an override that does not fit this problem is refused by the config, naming the rule
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_n=128")
-    with pytest.raises(ValueError, match=r"shared memory .*CUTEDSL_ATTN_PREFILL_TUNE='tile_n=128'.*'tile_n': 80"):
+    with pytest.raises(ValueError, match="shared memory"):
         ci.config("prefill", "sm_90a", **{**keys, "head_dim_qk": 256})
-    # turning the staged epilogue off drops the default's TMA store of the staged rows (d128 causal), unless
-    # the override asks for it too (then the config names the rule)
-    causal = dict(keys, group_size=4, causal=True)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "smem_epilogue=0,q_stages=1,tile_n=176")
-    cfg = ci.config("prefill", "sm_90a", **causal)
-    assert (cfg.smem_epilogue, cfg.tma_epilogue, cfg.tile_n) == (False, False, 176)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "smem_epilogue=0,tma_epilogue=1")
-    with pytest.raises(ValueError, match="tma_epilogue stores a warp's 16 staged rows"):
-        ci.config("prefill", "sm_90a", **causal)
+    # the staged epilogue off takes its TMA store with it (one enum), whatever the default was
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "epilogue=regs,q_stages=1,tile_n=176")
+    cfg = ci.config("prefill", "sm_90a", **dict(keys, group_size=4, causal=True))
+    assert (cfg.tiles.epilogue, cfg.tiles.tile_n) == (Epilogue.REGS, 176)
 
 
 def test_prefill_tuning_fields():
-    """Every SM90 config field a problem does not fix is a tuning field (the environment variable accepts all of
-    them, derived from the dataclass, no hand-kept list); each takes its default's type; the staged epilogue
-    needs head_dim_vo <= head_dim_qk (it writes O into Q's rows); ``trace`` only where the mask argument is
-    free (ragged K/V, no custom mask)."""
+    """Every field of ``Tiles`` is a tuning field (derived from the dataclass, no hand-kept list); each takes its
+    default's type; a staged epilogue needs head_dim_vo <= head_dim_qk (it writes O into Q's rows); early epilogue
+    coordinates only with the register epilogue."""
     from dataclasses import fields
 
-    from cutedsl_attn.sm90.prefill import PROBLEM_FIELDS, TUNING_FIELDS, Sm90PrefillConfig
+    from cutedsl_attn.sm90.prefill import TUNING_FIELDS
 
-    names = {f.name for f in fields(Sm90PrefillConfig)}
-    assert set(TUNING_FIELDS) == names - set(PROBLEM_FIELDS) and set(PROBLEM_FIELDS) <= names
-    assert {"tile_n", "q_stages", "smem_epilogue", "trace", "loop_split"} <= set(TUNING_FIELDS)
-    base = dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
-    for name in TUNING_FIELDS:
-        wrong = 2 if isinstance(getattr(Sm90PrefillConfig, name), bool) else True
-        with pytest.raises(ValueError, match=f"{name} must be"):
-            Sm90PrefillConfig(**base, **{name: wrong})
+    assert TUNING_FIELDS == tuple(f.name for f in fields(Tiles))
+    assert {"tile_n", "q_stages", "epilogue", "loop_order", "softmax", "tile_info"} <= set(TUNING_FIELDS)
+    assert not {"trace", "ex2_poly", "k_release_early", "claim_after_q"} & set(TUNING_FIELDS)
+    p = PrefillProblem(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
+    p64 = PrefillProblem(dtype="bfloat16", head_dim_qk=64, head_dim_vo=128, group_size=1)
+    for f in fields(Tiles):
+        wrong = 2 if isinstance(f.default, bool) else True
+        with pytest.raises(ValueError, match=f"{f.name} must be"):
+            Sm90Config(p, Tiles(**{f.name: wrong}))
     with pytest.raises(ValueError, match="q_stages must be 1 or 2"):
-        Sm90PrefillConfig(**base, q_stages=3)
+        Sm90Config(p, Tiles(q_stages=3))
     with pytest.raises(ValueError, match="head_dim_vo <= head_dim_qk"):
-        Sm90PrefillConfig(**{**base, "head_dim_qk": 64}, smem_epilogue=True)
-    for bad in (dict(page_size=16), dict(use_custom_mask=True)):
-        with pytest.raises(ValueError, match="trace writes into the mask argument"):
-            Sm90PrefillConfig(**base, **bad, trace=True)
-    base64 = {**base, "head_dim_qk": 64, "head_dim_vo": 64}
-    with pytest.raises(ValueError, match="trace records at most three consumer warpgroups"):
-        Sm90PrefillConfig(**base64, num_wg=4, tile_n=64, trace=True)
-    with pytest.raises(ValueError, match="num_wg 4 needs head dims <= 64"):  # 112 registers per consumer thread
-        Sm90PrefillConfig(**base, num_wg=4, tile_n=64)
-    with pytest.raises(ValueError, match="num_wg must be 2, 3 or 4"):
-        Sm90PrefillConfig(**base64, num_wg=5)
-    assert Sm90PrefillConfig(**base64, num_wg=4, tile_n=64).tile_m == 256
+        Sm90Config(p64, Tiles(epilogue=Epilogue.SMEM))
+    with pytest.raises(ValueError, match="num_wg must be 2 or 3"):
+        Sm90Config(p, Tiles(num_wg=4, tile_n=64))
+    assert Sm90Config(p, Tiles(num_wg=3, tile_n=80)).tile_m == 192
     with pytest.raises(ValueError, match="shared memory"):  # two Q stages at tile_n 176 do not fit
-        Sm90PrefillConfig(**base, q_stages=2, tile_n=176)
-    for bad in (dict(), dict(smem_epilogue=True, group_size=32)):  # TMA boxes of a warp's 16 staged rows
-        with pytest.raises(ValueError, match="tma_epilogue stores a warp's 16 staged rows"):
-            Sm90PrefillConfig(**{**base, **bad}, tma_epilogue=True)
+        Sm90Config(p, Tiles(q_stages=2, tile_n=176))
+    with pytest.raises(ValueError, match="needs epilogue=regs"):
+        Sm90Config(p, Tiles(epilogue=Epilogue.SMEM, tile_info=TileInfo.SMEM_EARLY))
+    with pytest.raises(TypeError, match="PrefillProblem and a Tiles"):
+        Sm90Config(p, dict(tile_n=128))
 
 
 @pytest.mark.parametrize("keys", [dict(head_dim_qk=128, group_size=4, causal=True),
@@ -833,16 +831,17 @@ def test_prefill_tuning_fields():
                                   dict(head_dim_qk=128, group_size=4, page_size=1, use_custom_mask=True)],
                          ids=["hd128_staged", "hd64", "hd128_paged1_mask"])
 def test_sm90_prefill_tile_info_smem_ptx(monkeypatch, keys):
-    """``tile_info_smem`` (no gain measured alone on the H200, session 7; on at head_dim 64 since session 13): the
-    consumers' scalar reads of the work table (global ``ld`` of 32-bit fields) move to shared memory -- fewer global
-    loads, more shared ones, same GEMMs, no spills."""
+    """``tile_info=smem`` (on at head_dim 64, with early epilogue coordinates): the consumers' scalar reads of the
+    work table (global ``ld`` of 32-bit fields) move to shared memory -- fewer global loads, more shared ones,
+    same GEMMs, no spills."""
     keys = dict(dtype="bfloat16", **keys)
     ldg = r"ld\.global(\.nc)?\.[bsu]32"
-    assert ci.config("prefill", "sm_90a", **keys).tile_info_smem == (keys["head_dim_qk"] == 64)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_info_smem=0")
+    want = TileInfo.SMEM_EARLY if keys["head_dim_qk"] == 64 else TileInfo.GLOBAL
+    assert ci.config("prefill", "sm_90a", **keys).tiles.tile_info is want
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_info=global")
     off = ci.ptx("prefill", "sm_90a", **keys)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_info_smem=1")
-    assert ci.config("prefill", "sm_90a", **keys).tile_info_smem
+    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "tile_info=smem")
+    assert ci.config("prefill", "sm_90a", **keys).tiles.tile_info is TileInfo.SMEM
     on = ci.ptx("prefill", "sm_90a", **keys)
     assert len(re.findall(ldg, on)) < len(re.findall(ldg, off))
     assert len(re.findall(r"ld\.shared", on)) > len(re.findall(r"ld\.shared", off))
@@ -850,21 +849,30 @@ def test_sm90_prefill_tile_info_smem_ptx(monkeypatch, keys):
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
 
-def test_sm90_prefill_trace_ptx(monkeypatch):
-    """``trace=1`` (perf/trace_prefill.py): %clock64 stamps stored to global memory at the tile's start, first S
-    GEMM, last P V and epilogue (consumers), finer ones in warpgroup 0 and the Q hand-over (producer); off, the PTX
-    has none."""
+
+
+def test_sm90_prefill_trace_kernel_ptx():
+    """The per-tile ``%clock64`` trace is a perf tool's kernel subclass (perf/trace_prefill.py fills the kernel's
+    empty trace hooks): stamps at the tile's start, first S GEMM, last P V and epilogue (consumers), finer ones in
+    warpgroup 0 with two consumer warpgroups and the Q hand-over (producer); the product kernel has none."""
+    sys.path.insert(0, str(REPO / "perf"))
+    try:
+        import trace_prefill as tp
+    finally:
+        sys.path.pop(0)
+    import glob
+    import tempfile
+
     keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True)
     assert "%clock64" not in ci.ptx("prefill", "sm_90a", **keys)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "trace=1")
-    text = ci.ptx("prefill", "sm_90a", **keys)
-    assert ci.config("prefill", "sm_90a", **keys).num_wg == 3  # (the default: no finer stamps)
-    assert text.count("%clock64") == 5 and len(re.findall(r"st\.global\.u64", text)) >= 5
-    # 5 stamps, and 6 finer ones of warpgroup 0 with two consumer warpgroups (Sm90PrefillKernel._stamp_fine)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "trace=1,num_wg=2,tile_n=160")
-    text = ci.ptx("prefill", "sm_90a", **keys)
-    assert text.count("%clock64") == 11 and len(re.findall(r"st\.global\.u64", text)) >= 11
-    assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
+    prob = PrefillProblem(head_dim_vo=128, **keys)
+    for over, stamps in (({}, 5), (dict(num_wg="2", tile_n="160"), 11)):
+        cfg = Sm90Config(prob, override_tiles(default_tiles(prob, num_sms=132), over))
+        with tempfile.TemporaryDirectory() as d:
+            tp.build(tp.TracedKernel(cfg), cfg, keep_ptx_dir=d)
+            (path,) = glob.glob(os.path.join(d, "*.ptx"))
+            text = open(path).read()
+        assert text.count("%clock64") == stamps and len(re.findall(r"st\.global\.u64", text)) >= stamps
 
 
 @pytest.mark.parametrize("keys", [dict(head_dim_qk=128, group_size=4), dict(head_dim_qk=64, group_size=8, page_size=16),
@@ -876,10 +884,10 @@ def test_sm90_prefill_custom_mask_ptx(keys):
     ignored (the mask replaces it), still TMA + wgmma, no spills (head_dim 256 spills 16-40 B, below)."""
     keys = dict(dtype="bfloat16", causal=False, use_custom_mask=True, **keys)
     cfg = ci.config("prefill", "sm_90a", **keys)
-    assert type(cfg).__name__ == "Sm90PrefillConfig" and (cfg.tile_n, cfg.num_wg) == (64, 2), cfg
+    assert isinstance(cfg, Sm90Config) and (cfg.tiles.tile_n, cfg.tiles.num_wg) == (64, 2), cfg
     text = ci.ptx("prefill", "sm_90a", **keys)
     # one mask byte per score: 2 places (first block, main loop) x 2 rows x tile_n / 4 values per thread
-    assert len(re.findall(r"ld\.global(\.\w+)*\.[bu]8", text)) == 2 * 2 * cfg.tile_n // 4
+    assert len(re.findall(r"ld\.global(\.\w+)*\.[bu]8", text)) == 2 * 2 * cfg.tiles.tile_n // 4
     assert "wgmma.mma_async" in text and "cp.async.bulk.tensor" in text
     # the mask replaces causal (FlashInfer; the portable kernel too): a causal flag changes nothing
     assert ci.ptx("prefill", "sm_90a", **{**keys, "causal": True}) == text
@@ -888,23 +896,22 @@ def test_sm90_prefill_custom_mask_ptx(keys):
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
 
-@pytest.mark.parametrize("tune", ["loop_split=1", "loop_split=1,k_release_early=1,v_wait_late=1,stale_max=0",
-                                  "v_wait_late=1"])
+@pytest.mark.parametrize("tune", ["loop_order=split", "loop_order=split_late_v,softmax=exact"])
 def test_sm90_prefill_loop_order_variants_build(monkeypatch, tune):
-    """FlashAttention's main-loop order as tuning variants (the d64 default uses two; run on the H200 in
-    session 6, ``tests/test_prefill_gpu.py::test_loop_order_variants``): ``loop_split`` issues the
-    main loop's GEMMs in two loops (masked blocks, then the rest: 3 places for S and for P V instead of 2),
-    every variant builds without spills for causal, window + soft cap and paged problems; the default
-    configs' PTX does not depend on the variants' code (compared byte for byte in session 5)."""
+    """FlashAttention's main-loop orders (the d64 default uses ``split_late_v``): a split loop issues the main
+    loop's GEMMs in two loops (masked blocks, then the rest: 3 places for S and for P V instead of 2); every
+    order builds without spills for causal, window + soft cap and paged problems."""
     keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True)
     base = ci.ptx("prefill", "sm_90a", **keys)
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", tune)
     cfg = ci.config("prefill", "sm_90a", **keys)
+    assert cfg.tiles.loop_order is not LoopOrder.FA3
     text = ci.ptx("prefill", "sm_90a", **keys)
-    places = 3 if "loop_split" in tune else 2
-    qk = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tile_n}k16", text))
+    places = 3
+    qk = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{cfg.tiles.tile_n}k16", text))
     pv = len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16", text))
-    assert (qk, pv) == ((places + cfg.stale_max) * 8, places * cfg.tile_n // 16), (qk, pv)  # (+ the redo's S)
+    stale = cfg.tiles.softmax is Softmax.STALE
+    assert (qk, pv) == ((places + stale) * 8, places * cfg.tiles.tile_n // 16), (qk, pv)  # (+ the redo's S)
     assert text != base
     for extra in (dict(), dict(use_window=True, use_soft_cap=True), dict(page_size=16)):
         assert ci.resources("prefill", "sm_90a", **{**keys, **extra})["stack_bytes"] == 0, extra
@@ -916,32 +923,10 @@ def test_sm90_prefill_custom_mask_hd256_spill_bound(page_size):
     tile_n 64 (the documented exception; ragged / gather / TMA pages); the bound keeps it from growing."""
     keys = dict(dtype="bfloat16", head_dim_qk=256, group_size=1, use_custom_mask=True, page_size=page_size)
     cfg = ci.config("prefill", "sm_90a", **keys)
-    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.tile_n == 64
+    assert isinstance(cfg, Sm90Config) and cfg.tiles.tile_n == 64
     assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] <= 48
 
 
-@pytest.mark.parametrize("ex2_poly", [0, 3, 8])
-def test_sm90_prefill_ex2_poly_ptx(monkeypatch, ex2_poly):
-    """``ex2_poly = k``: k of every 8 exponentials of a row leave the MUFU (``ex2.approx``) for the cubic on the
-    FMA pipe (its 1.5 * 2^23 rounding constant and the shift into the exponent field appear once per value)."""
-    keys = dict(dtype="bfloat16", head_dim_qk=64, group_size=8, causal=True)
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", f"ex2_poly={ex2_poly}")
-    cfg = ci.config("prefill", "sm_90a", **keys)
-    assert cfg.ex2_poly == ex2_poly
-    text = ci.ptx("prefill", "sm_90a", **keys)
-    # softmax of the first block and of the main loop (two with loop_split, the d64 default; with stale_max the
-    # unmasked loop's exact step is its redo, and its stale step keeps MUFU ex2): 2 or 3 places x 2 rows x
-    # tile_n / 4 values per thread
-    assert cfg.loop_split and cfg.stale_max
-    values = 3 * 2 * cfg.tile_n // 4
-    n_poly = values * ex2_poly // 8
-    assert len(re.findall(r"add\.rn\.f32\s+\S+,\s*\S+,\s*0f4B400000", text)) == n_poly
-    assert len(re.findall(r"shl\.b32\s+\S+,\s*\S+,\s*23;", text)) == n_poly
-    # the MUFU keeps the rest, plus the row-rescale factors (2 per softmax) and the epilogue's
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "ex2_poly=0")
-    base = len(re.findall(r"ex2\.approx", ci.ptx("prefill", "sm_90a", **keys)))
-    assert len(re.findall(r"ex2\.approx", text)) == base - n_poly
-    assert ci.resources("prefill", "sm_90a", **keys)["stack_bytes"] == 0
 
 
 def test_cubin_resources_rejects_non_elf():
@@ -951,23 +936,28 @@ def test_cubin_resources_rejects_non_elf():
 
 def test_sm90_prefill_routing():
     """What the SM90 kernel does not serve goes to the portable kernel; it never builds for Blackwell."""
-    from cutedsl_attn.sm90.prefill import Sm90PrefillConfig
+    from cutedsl_attn.sm90.prefill import unsupported_reason
 
     base = dict(dtype="bfloat16", head_dim_qk=128, group_size=4)
-    assert type(ci.config("prefill", "sm_90a", **base, page_size=16)).__name__ == "Sm90PrefillConfig"
-    assert type(ci.config("prefill", "sm_90a", **base, use_custom_mask=True)).__name__ == "Sm90PrefillConfig"
+    assert isinstance(ci.config("prefill", "sm_90a", **base, page_size=16), Sm90Config)
+    assert isinstance(ci.config("prefill", "sm_90a", **base, use_custom_mask=True), Sm90Config)
     for over in (dict(pos_encoding_mode="ROPE_LLAMA"),
                  dict(pos_encoding_mode="ALIBI"), dict(group_size=3), dict(head_dim_qk=32)):
         cfg = ci.config("prefill", "sm_90a", **{**base, **over})
-        assert type(cfg).__name__ == "PrefillConfig", over
-    assert type(ci.config("prefill", "sm_100a", **base)).__name__ == "PrefillConfig"
-    assert type(ci.config("prefill", "sm_90a", **base, kernel="portable")).__name__ == "PrefillConfig"
+        assert not isinstance(cfg, Sm90Config), over
+    assert not isinstance(ci.config("prefill", "sm_100a", **base), Sm90Config)
+    assert not isinstance(ci.config("prefill", "sm_90a", **base, kernel="portable"), Sm90Config)
     with pytest.raises(ValueError, match="SM90 prefill kernel cannot serve"):
         ci.config("prefill", "sm_90a", **base, pos_encoding_mode="ALIBI", kernel="sm90")
+    p = PrefillProblem(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
+    assert unsupported_reason(p) is None
+    assert "portable" in unsupported_reason(PrefillProblem(**{**p.__dict__, "pos_encoding_mode": "ALIBI"}))
+    assert "divide 128" in unsupported_reason(PrefillProblem(**{**p.__dict__, "group_size": 3}))
     with pytest.raises(ValueError, match="sm_90a only"):
-        Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, arch="sm_100a")
+        Sm90Config(PrefillProblem(**{**p.__dict__, "arch": "sm_100a"}), Tiles())
     with pytest.raises(ValueError, match="shared memory"):
-        Sm90PrefillConfig(dtype="bfloat16", head_dim_qk=256, head_dim_vo=256, group_size=1, tile_n=128, num_stages=3)
+        Sm90Config(PrefillProblem(**{**p.__dict__, "head_dim_qk": 256, "head_dim_vo": 256}),
+                   Tiles(tile_n=128, num_stages=3))
 
 
 # ----------------------------------------------------------------------------- prefill positional encodings
@@ -1046,8 +1036,8 @@ def test_score_mod_traced_into_prefill(arch, kernel):
     keys = dict(dtype="bfloat16", head_dim_qk=128, group_size=4, causal=True, kernel=kernel)
     b1, b2 = _make_bias(0.03), _make_bias(0.07)
     c1, c2 = ci.config("prefill", arch, score_mod=b1, **keys), ci.config("prefill", arch, score_mod=b2, **keys)
-    assert type(c1).__name__ == ("Sm90PrefillConfig" if kernel == "sm90" else "PrefillConfig")
-    assert c1.score_mod is b1 and c1 != c2
+    assert isinstance(c1, Sm90Config) == (kernel == "sm90")
+    assert getattr(c1, "problem", c1).score_mod is b1 and c1 != c2
     from cutedsl_attn.compile.cache import config_key
     assert config_key(c1) != config_key(c2)
     assert config_key(c1) == config_key(ci.config("prefill", arch, score_mod=_make_bias(0.03), **keys))
@@ -1058,9 +1048,10 @@ def test_score_mod_traced_into_prefill(arch, kernel):
     assert t1.count("cvt.rn.f32.s32") > t0.count("cvt.rn.f32.s32") + 32
     if kernel == "sm90":
         assert "wgmma.mma_async" in t1 and "cp.async.bulk.tensor" in t1
-        # head_dim 128: three warpgroups x tile_n 80 with the conditional rescaling (measured faster, session 12),
+        # head_dim 128: three warpgroups x tile_n 80 with the conditional rescaling (measured faster),
         # without spills for this score_mod
-        assert (c1.num_wg, c1.tile_n, c1.rescale_threshold, c1.stale_max) == (3, 80, 8, False)
+        t = c1.tiles
+        assert (t.num_wg, t.tile_n, t.rescale_threshold, t.softmax) == (3, 80, 8, Softmax.EXACT)
         assert ci.resources("prefill", arch, score_mod=b1, **keys)["stack_bytes"] == 0
     else:
         assert "mma.sync.aligned.m16n8k16" in t1

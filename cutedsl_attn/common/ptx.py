@@ -129,46 +129,6 @@ def ex2(x):
     return _inline("ex2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
 
 
-# 2^f ~ 1 + f (C1 + f (C2 + f C3)) on f in [-1/2, 1/2]: the minimax fit of the relative error (a linear
-# program over 4001 points, rounded to float32; max relative error 1.01e-4 -- below a bf16 or fp16 ulp of P)
-EX2_POLY_COEFFS = (0.6932829022407532, 0.2422109693288803, 0.055009059607982635)
-EX2_POLY_MIN = -127.0  # inputs are clamped here: 2^-127 comes out as exactly +0.0 (bits of 1.0 minus 127 << 23)
-_EX2_MAGIC = 12582912.0  # 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits
-
-
-def ex2_poly(x):
-    """2**x for ``x <= 0`` on the FMA and integer pipes instead of the MUFU (FlashAttention-4's trick of
-    computing part of the softmax exponentials in software, here with our own fit): ``x`` is clamped to
-    -127 (``-inf`` and anything below give exactly 0, as ``ex2.approx.ftz`` gives 0 for ``-inf``), split as
-    ``x = n + f`` with ``n = round(x)`` (the 1.5 * 2^23 addition) and ``f`` in [-1/2, 1/2]; 2^f is a
-    cubic (:data:`EX2_POLY_COEFFS`, relative error <= 1.01e-4) and ``n`` is added to its exponent field.
-    Inputs in (-127, -126) give denormal-range results up to 87% off (values below 2^-126, as good as 0
-    next to a softmax row sum >= 1).  9 instructions: max, 3 add, 3 fma, shl, add.  Meant for ``x <= 0`` (the
-    softmax subtracts the row max first); with ``rescale_threshold`` (a stale max) inputs reach that
-    threshold (<= 15), where the same split holds (exponent field up to 127)."""
-    c1, c2, c3 = (_f32_hex(c) for c in EX2_POLY_COEFFS)
-    return _inline(
-        "{ .reg .f32 x, t, n, f, p; .reg .b32 pb, tb;\n"
-        f" max.f32 x, {{$r0}}, {_f32_hex(EX2_POLY_MIN)};\n"
-        f" add.rn.f32 t, x, {_f32_hex(_EX2_MAGIC)};\n"
-        f" sub.rn.f32 n, t, {_f32_hex(_EX2_MAGIC)};\n"
-        " sub.rn.f32 f, x, n;\n"
-        f" fma.rn.f32 p, f, {c3}, {c2};\n"
-        f" fma.rn.f32 p, p, f, {c1};\n"
-        " fma.rn.f32 p, p, f, 0f3F800000;\n"
-        " mov.b32 tb, t;\n shl.b32 tb, tb, 23;\n mov.b32 pb, p;\n add.s32 pb, pb, tb;\n"
-        " mov.b32 {$w0}, pb; }",
-        write_only_types=[Float32], read_only_args=[Float32(x)])
-
-
-def _f32_hex(v: float) -> str:
-    """``v`` rounded to float32 and written as a PTX float32 literal: ``0f`` and its 8 hex digits (1.0 gives
-    ``0f3F800000``)."""
-    import struct
-
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
-
-
 def lg2(x):
     """log2(x) (``lg2.approx.ftz.f32``; lg2(0) = -inf)."""
     return _inline("lg2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
@@ -248,6 +208,11 @@ def st_global_v4_b32(addr, v0, v1, v2, v3):
     """16-byte global store (Int64 byte address, 16-byte aligned)."""
     _inline("st.global.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
             read_only_args=[Int64(addr), Int32(v0), Int32(v1), Int32(v2), Int32(v3)])
+
+
+def st_shared_zero_v4(addr):
+    """16 zero bytes to a shared-window byte address (Int32, 16-byte aligned): ``st.shared.v4.b32``."""
+    _inline("st.shared.v4.b32 [{$r0}], {0, 0, 0, 0};", read_only_args=[Int32(addr)])
 
 
 def fence_proxy_async_shared():

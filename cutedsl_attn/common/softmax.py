@@ -19,8 +19,7 @@ from cutlass import Float32, Int32
 
 from . import ptx
 
-NEG_INF = float("-inf")
-LOG2E = 1.4426950408889634
+from .constants import LOG2E, NEG_INF
 
 
 def _finite_or_zero(x):
@@ -50,8 +49,7 @@ def score_mod_logit(score_mod, raw, sc_in, batch_idx, head_idx, q_idx, kv_idx):
     return Float32(score_mod(raw * sc_in, batch_idx, head_idx, q_idx, kv_idx))
 
 
-def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=None, ex2_poly: int = 0,
-                        max_slack: int = 0):
+def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=None, max_slack: int = 0):
     """Turn ``sacc`` (logits, -inf where masked) into probabilities in place.
 
     Without ``logit_scale`` the logits are already in log2 units.  With it (a positive
@@ -59,10 +57,6 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
     kept in log2 units and each probability is one ``fma`` + ``ex2``
     (``2^(s * logit_scale - m)``), saving the separate scaling pass.  ``logit_scale`` must
     be > 0 (the max of the raw values is the max of the scaled ones).
-
-    ``ex2_poly`` (0..8): of every 8 consecutive values of a row a thread holds, that many exponentials
-    run as :func:`cutedsl_attn.common.ptx.ex2_poly` (FMA pipe) instead of ``ex2`` (MUFU, 16 per clock
-    per SM on Hopper: at head_dim 64 the softmax exponentials take as long as both GEMMs).
 
     ``max_slack`` (log2 units, 0: exact): a row keeps its running max while the block's max exceeds it by
     at most this much, so its factor stays exactly 1 (the caller may then skip the rescale of O); the
@@ -73,8 +67,6 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
     Updates ``row_m``/``row_l`` (log2 units) and writes the factor ``scale[h]`` by which the
     output accumulator rows must be multiplied (see :func:`rescale_rows`).
     """
-    if not 0 <= ex2_poly <= 8:
-        raise ValueError(f"ex2_poly must be in 0..8, got {ex2_poly}")
     if not 0 <= max_slack <= 15:  # P <= 2^max_slack must fit the 16-bit P (float16 max 65504)
         raise ValueError(f"max_slack must be in 0..15, got {max_slack}")
     for h in range(2):
@@ -94,11 +86,10 @@ def online_softmax_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale=Non
         ps = []
         for n in range(n_tiles):
             for e in range(2):
-                exp2 = ptx.ex2_poly if (2 * n + e) % 8 < ex2_poly else ptx.ex2
                 if logit_scale is not None:
-                    p = exp2(sacc[4 * n + 2 * h + e] * logit_scale - m_use)
+                    p = ptx.ex2(sacc[4 * n + 2 * h + e] * logit_scale - m_use)
                 else:
-                    p = exp2(sacc[4 * n + 2 * h + e] - m_use)
+                    p = ptx.ex2(sacc[4 * n + 2 * h + e] - m_use)
                 sacc[4 * n + 2 * h + e] = p
                 ps.append(p)
         row_l[h] = row_l[h] * scale[h] + _tree(ps, lambda a, b: a + b)
@@ -117,7 +108,7 @@ def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn,
     step). A thread whose partial sum of a row (an upper bound of each of its probabilities of that row)
     reaches ``2^STALE_MAX_LIMIT`` or is inf -- also a row without a finite max yet (``m = -inf``) -- marks the
     block, and ``any_fn`` (a Boolean -> Boolean OR over every thread that takes part in the redo: a warpgroup-wide
-    reduction where the redo issues a warpgroup GEMM -- a warp vote there hung the H200, session 12) combines the
+    reduction where the redo issues a warpgroup GEMM, which a warp issuing it alone would hang) combines the
     marks. Returns that uniform Boolean: True means nothing was committed
     (``row_l`` unchanged) and ``sacc`` no longer holds S, so the caller computes S again and runs
     :func:`online_softmax_step`. Otherwise the block's sums are added and ``scale`` is exactly 1 (O keeps
@@ -128,8 +119,6 @@ def stale_max_step(sacc, n_tiles: int, row_m, row_l, scale, logit_scale, any_fn,
     probabilities of n8 tile ``n`` (both rows) are in ``sacc``, the tiles in order -- the caller's hook to convert
     them while the rest are computed."""
     def exp_at(n, h, e):
-        # MUFU ex2 only: the argument can be +inf (no finite max yet) or >= 128 here, where ex2 gives +inf and
-        # ptx.ex2_poly (clamped from below only) NaN or garbage
         p = ptx.ex2(sacc[4 * n + 2 * h + e] * logit_scale - row_m[h])
         sacc[4 * n + 2 * h + e] = p
         return p
@@ -213,3 +202,48 @@ def finalize_row(m, l, sink_log2):
     factor = Float32(cutlass.select_(pos, ptx.rcp(tot), Float32(0.0))) * w_keys
     lse = Float32(cutlass.select_(pos, m_use + ptx.lg2(tot), Float32(NEG_INF)))
     return factor, lse
+
+
+class SoftmaxState:
+    """The online-softmax state of a lane's two rows of an ``m16n8`` C fragment (rows ``g`` and ``g + 8``).
+
+    ``row_max``: the running max (log2 units, ``-inf`` before any visible key); ``row_sum``: the thread-partial
+    sum of the probabilities against it (:meth:`quad_sum` reduces it over the row's 4 lanes); ``scale``: the
+    factor of the last step, by which the O accumulator rows must be multiplied (:meth:`rescale`). Three
+    2-element fp32 register tensors, allocated where the state is made (call inside a kernel).
+    """
+
+    def __init__(self):
+        self.row_max = cute.make_rmem_tensor((2,), Float32)
+        self.row_sum = cute.make_rmem_tensor((2,), Float32)
+        self.scale = cute.make_rmem_tensor((2,), Float32)
+
+    # immutable to the DSL's dynamic control flow (which treats a method call as a write): the tensors are
+    # defined where the state is made and only their elements change, so nothing needs carrying
+    def __extract_mlir_values__(self):
+        return []
+
+    def __new_from_mlir_values__(self, values):
+        return self
+
+    def reset_row(self, h: int):
+        """Row ``h`` before its first block: max ``-inf``, sum 0."""
+        self.row_max[h] = Float32(NEG_INF)
+        self.row_sum[h] = Float32(0.0)
+
+    def online_step(self, sacc, n_tiles: int, logit_scale=None, max_slack: int = 0):
+        """:func:`online_softmax_step` on this state."""
+        online_softmax_step(sacc, n_tiles, self.row_max, self.row_sum, self.scale, logit_scale, max_slack)
+
+    def stale_step(self, sacc, n_tiles: int, logit_scale, any_fn, after_tile=None, running_sums: bool = False):
+        """:func:`stale_max_step` on this state; returns its redo flag."""
+        return stale_max_step(sacc, n_tiles, self.row_max, self.row_sum, self.scale, logit_scale, any_fn,
+                              after_tile, running_sums)
+
+    def rescale(self, acc, n_tiles: int):
+        """:func:`rescale_rows` of ``acc`` by the last step's factors."""
+        rescale_rows(acc, n_tiles, self.scale)
+
+    def quad_sum(self):
+        """:func:`quad_sum_rows`: the full row sums, once the last block is in."""
+        quad_sum_rows(self.row_sum)
