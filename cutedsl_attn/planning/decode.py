@@ -27,6 +27,7 @@ W_BATCH, W_TOK_START, W_TOK_END, W_KV_LEN, W_PAGE_OFF, W_NUM_SPLITS, W_PART_BASE
 CHUNK = 16  # tokens per warp iteration in the decode kernel: one m16n8k16 K-extent of P V
 
 DTYPES = ("bfloat16", "float16")
+KV_DTYPES = ("", "float8_e4m3fn")  # "": the cache has the query's dtype
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 HEAD_DIMS = (32, 64, 128, 256)
 
@@ -35,10 +36,15 @@ HEAD_DIMS = (32, 64, 128, 256)
 class DecodeProblem:
     """What a paged-decode caller fixes at ``plan()`` (the problem half of a decode kernel's config and key).
 
-    ``dtype`` ``"bfloat16"`` / ``"float16"`` (q, k, v, o); ``head_dim`` one of :data:`HEAD_DIMS`; ``page_size``
-    >= 1; ``group_size`` query heads per kv head, 1..16; ``arch`` the compile target.  Batch, lengths, page
-    count, kv heads, strides, layout (NHD / HND), scales and the window are run-time arguments
-    (:class:`DecodeArgs`).  Raises TypeError / ValueError as :class:`cutedsl_attn.planning.prefill.PrefillProblem`.
+    ``dtype`` ``"bfloat16"`` / ``"float16"`` (q and o; k and v too unless ``kv_dtype`` says otherwise);
+    ``kv_dtype`` the K/V cache's element type: ``""`` (the default) or ``dtype`` itself (normalised to ``""``)
+    for a 16-bit cache, ``"float8_e4m3fn"`` for an fp8 cache whose per-tensor ``k_scale`` / ``v_scale`` the
+    caller folds into ``sm_scale`` and ``output_scale`` (:class:`DecodeArgs`); ``head_dim`` one of
+    :data:`HEAD_DIMS`; ``page_size`` >= 1; ``group_size`` query heads per kv head, 1..16; ``arch`` the compile
+    target.  Batch, lengths, page count, kv heads, strides, layout (NHD / HND), scales and the window are
+    run-time arguments (:class:`DecodeArgs`).  Raises TypeError / ValueError as
+    :class:`cutedsl_attn.planning.prefill.PrefillProblem` (``kv_dtype`` included); NotImplementedError for
+    ``kv_dtype="float8_e5m2"``.
     """
 
     dtype: str
@@ -49,6 +55,7 @@ class DecodeProblem:
     use_soft_cap: bool = False
     use_sinks: bool = False
     arch: str = "sm_90a"
+    kv_dtype: str = ""
 
     def __post_init__(self):
         for name in ("head_dim", "page_size", "group_size"):
@@ -68,17 +75,35 @@ class DecodeProblem:
             raise ValueError(f"group_size must be in [1, 16], got {self.group_size}")
         if self.pos_encoding_mode not in POS_ENCODING_MODES:
             raise ValueError(f"pos_encoding_mode must be one of {POS_ENCODING_MODES}, got {self.pos_encoding_mode!r}")
+        if not isinstance(self.kv_dtype, str):
+            raise TypeError(f"kv_dtype must be a str, got {self.kv_dtype!r}")
+        if self.kv_dtype == self.dtype:
+            object.__setattr__(self, "kv_dtype", "")  # one spelling of a 16-bit cache: one compile key
+        if self.kv_dtype == "float8_e5m2":
+            raise NotImplementedError("kv_dtype 'float8_e5m2' is not supported; fp8 K/V caches must be "
+                                      "'float8_e4m3fn' (or the cache has the query's dtype: kv_dtype '')")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be '' (the query's dtype), {self.dtype!r} or 'float8_e4m3fn', "
+                             f"got {self.kv_dtype!r}")
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the K/V cache is fp8 e4m3 (1 byte per element)."""
+        return self.kv_dtype == "float8_e4m3fn"
 
 
 class DecodeArgs(NamedTuple):
     """One paged-decode launch's tensors and scalars (the decode kernel's ``launch`` orders them).
 
-    q ``[B, Hq, D]``; k / v ``[pages, page_size, Hkv, D]`` (NHD, or an HND cache as a permuted view);
+    q ``[B, Hq, D]``; k / v ``[pages, page_size, Hkv, D]`` (NHD, or an HND cache as a permuted view) of q's
+    dtype or, for a problem with ``kv_dtype="float8_e4m3fn"``, torch.float8_e4m3fn (rows 16-byte aligned);
     ``indices`` int32 flat page ids; ``work`` int32 ``[W, WORK_COLS]`` (:func:`plan_paged_decode`); ``out``
     ``[B, Hq, D]`` (written); ``lse`` fp32 ``[B, Hq]`` base 2 (written); ``part_o`` fp32 ``[P, Hq, D]`` and
     ``part_lse`` fp32 ``[P, Hq]`` split-KV partials; ``counters`` int32 per (request, kv head), left at 0;
     ``sinks`` / ``alibi_slopes`` fp32 ``[Hq]`` (1-element dummies when unused); ``sm_scale``, ``soft_cap`` (0:
     none), ``rope_rcp_scale``, ``rope_log2_theta`` and ``output_scale`` (FlashInfer's ``v_scale / o_scale``, applied in fp32 before the 16-bit rounding).
+    For an fp8 cache ``sm_scale`` is ``sm_scale * q_scale * k_scale`` (and ``output_scale`` carries ``v_scale``):
+    the kernel only widens e4m3 to 16 bits.
     """
 
     q: Any

@@ -1,7 +1,8 @@
 """Portable paged-KV decode kernel (SM80-class instructions: ``cp.async``, ``ldmatrix``, ``mma.sync``).
 
-Serves every decode problem on every target (``sm_90a``, ``sm_100a``, ``sm_103a``); verified on an H200
-(SM90), Blackwell builds cross-compiled and PTX-checked only.  The module follows the kernel contract:
+Serves every decode problem (RoPE on an fp8 cache excepted) on every target (``sm_90a``, ``sm_100a``,
+``sm_103a``); 16-bit caches verified on an H200 (SM90), fp8 caches and Blackwell builds cross-compiled and
+PTX-checked only.  The module follows the kernel contract:
 :data:`NAME`, :class:`Tiles`, :class:`Config`, :func:`unsupported_reason`, :func:`default_tiles`,
 :func:`compile`, :func:`launch`.
 
@@ -32,6 +33,25 @@ sinks are natural-log logits not multiplied by ``sm_scale``; soft cap
 and k at its token position; empty rows give O = 0 and LSE = -inf; ``output_scale`` (FlashInfer's
 ``v_scale``) multiplies the normalised O in fp32 before the 16-bit rounding, once, in the final write (the
 LSE and split-KV partials do not include it).
+
+fp8 K/V (``kv_dtype="float8_e4m3fn"``, 1 byte per element): rows land in shared memory by the same ``cp.async``
+(``D + 16`` bytes a row), are read with ``ld.shared.b32`` (``ldmatrix`` moves 16-bit elements) and widened
+with ``cvt.rn.f16x2.e4m3x2`` straight into the B fragments; both MMAs then run in f16, a bf16 q being
+converted to f16 in shared memory once per CTA (exact except for |q| > 65504 or below f16's normal range;
+e4m3 and P in [0, 1] are exact in f16).  With ``g = lane // 4``, ``t = lane % 4`` (the ``mma`` layouts of
+:mod:`cutedsl_attn.common.ptx`):
+
+* S = Q K^T permutes the reduction index d inside each 16-column block ``kk``: logical k ``2t, 2t+1, 2t+8,
+  2t+9`` are physical ``d = 16 kk + 4t + 0..3``, so one 32-bit load of K row ``g`` (``+8`` for the second n8
+  tile) gives b0 (its low two bytes) and b1 (its high two); the A fragment of Q follows the same
+  permutation (``a0, a2`` one 8-byte load of Q row ``g``, ``a1, a3`` of row ``g + 8``), so S is unchanged;
+* O += P V permutes the output column instead: n8 tile ``dd = 4 q4 + i``, column ``n`` holds
+  ``d = 32 q4 + 4 n + i``, so one 32-bit load of V row ``r`` at byte ``32 q4 + 4g`` holds the four tiles'
+  column ``g`` of token ``r``; lanes load rows ``2t, 2t+1, 2t+8, 2t+9`` and ``prmt`` pairs tokens
+  ``(2t, 2t+1)`` / ``(2t+8, 2t+9)`` byte by byte into the e4m3x2 halves of b0 / b1; the warp merge writes
+  column ``d`` back to its place;
+* rows are ``D + 16`` bytes (``16 * odd``): the K loads (8 rows x 16 bytes) and the V loads (rows 0, 2, 4, 6
+  x 32 bytes) hit 32 distinct banks.
 """
 
 from __future__ import annotations
@@ -53,8 +73,44 @@ from ..planning.decode import (
 from ._tuning import check_int_fields, override_int_fields
 
 NAME = "paged_decode"
+_inline = cute.arch.inline_ptx
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one CTA may use on sm_90a / sm_100a / sm_103a
+
+
+def _ld_shared_b32(addr):
+    """32-bit load from a shared-window byte address (Int32)."""
+    return _inline("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int32(addr)])
+
+
+def _ld_shared_v2_b32(addr):
+    """8-byte load from a shared-window byte address (Int32, 8-byte aligned); 2 Int32."""
+    return _inline("ld.shared.v2.b32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Int32] * 2,
+                   read_only_args=[Int32(addr)])
+
+
+def _st_shared_b32(addr, v):
+    """32-bit store to a shared-window byte address (Int32)."""
+    _inline("st.shared.b32 [{$r0}], {$r1};", read_only_args=[Int32(addr), Int32(v)])
+
+
+def _prmt(a, b, sel: int):
+    """``prmt.b32``: byte ``i`` of the result is byte ``sel``'s nibble ``i`` of {b, a} (0-3: a, 4-7: b)."""
+    return _inline(f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {sel:#06x};", write_only_types=[Int32],
+                   read_only_args=[Int32(a), Int32(b)])
+
+
+def _e4m3x4_to_f16x2(w):
+    """Four e4m3 bytes -> two f16x2 registers (bytes 0, 1 -> the first, 2, 3 -> the second; the lower byte in
+    the low half), ``cvt.rn.f16x2.e4m3x2`` (sm_89+): exact."""
+    return _inline("{ .reg .b16 l, h; mov.b32 {l, h}, {$r0}; cvt.rn.f16x2.e4m3x2 {$w0}, l; "
+                   "cvt.rn.f16x2.e4m3x2 {$w1}, h; }", write_only_types=[Int32, Int32], read_only_args=[Int32(w)])
+
+
+def _bf16x2_to_f16x2(w):
+    """Two bf16 -> two f16 (round to nearest) in one register."""
+    return _inline("{ .reg .b32 l, h; shl.b32 l, {$r0}, 16; and.b32 h, {$r0}, 0xffff0000; "
+                   "cvt.rn.f16x2.f32 {$w0}, h, l; }", write_only_types=[Int32], read_only_args=[Int32(w)])
 
 
 @dataclass(frozen=True)
@@ -82,8 +138,8 @@ TUNING_FIELDS = tuple(f.name for f in fields(Tiles))  # the keys override_tiles 
 
 def unsupported_reason(problem: DecodeProblem) -> str | None:
     """Why the decode kernel cannot serve ``problem``, or None.  Its SM80-class code serves every
-    :class:`~cutedsl_attn.planning.decode.DecodeProblem`; it refuses only a target outside
-    ``compile.arch.SUPPORTED_ARCHS`` (``sm_90a``, ``sm_100a``, ``sm_103a``, spelled so).
+    :class:`~cutedsl_attn.planning.decode.DecodeProblem` but one: it refuses a target outside
+    ``compile.arch.SUPPORTED_ARCHS`` (``sm_90a``, ``sm_100a``, ``sm_103a``, spelled so) and RoPE on an fp8 cache.
 
     Raises TypeError when ``problem`` is not a DecodeProblem.
     """
@@ -91,6 +147,9 @@ def unsupported_reason(problem: DecodeProblem) -> str | None:
         raise TypeError(f"problem must be a DecodeProblem, got {type(problem).__name__}")
     if problem.arch not in SUPPORTED_ARCHS:
         return f"arch must be one of {SUPPORTED_ARCHS}, got {problem.arch!r}"
+    if problem.kv_fp8 and problem.pos_encoding_mode == "ROPE_LLAMA":
+        return ("pos_encoding_mode 'ROPE_LLAMA' with an fp8 K/V cache is not supported (K is rotated in shared "
+                "memory at 16 bits); fp8 caches serve pos_encoding_mode 'NONE' and 'ALIBI'")
     return None
 
 
@@ -123,8 +182,22 @@ class Config:
 
     @property
     def cutlass_dtype(self):
-        """The CuTe DSL element type of q, k, v and o."""
+        """The CuTe DSL element type of q and o (and of k and v for a 16-bit cache)."""
         return cutlass.BFloat16 if self.problem.dtype == "bfloat16" else cutlass.Float16
+
+    @property
+    def kv_cutlass_dtype(self):
+        """The CuTe DSL element type of k and v."""
+        return cutlass.Float8E4M3FN if self.problem.kv_fp8 else self.cutlass_dtype
+
+    @property
+    def mma_dtype(self):
+        """The 16-bit type both MMAs run in: f16 for an fp8 cache (e4m3 widens exactly to f16), else q's."""
+        return cutlass.Float16 if self.problem.kv_fp8 else self.cutlass_dtype
+
+    @property
+    def kv_elem_bytes(self) -> int:
+        return 1 if self.problem.kv_fp8 else 2
 
     # ---- derived quantities (host side) ----
     @property
@@ -133,12 +206,18 @@ class Config:
 
     @property
     def row_bytes(self) -> int:
-        # one 16B pad per row: rows shift by 4 banks, so ldmatrix is conflict-free
+        """Bytes of one K/V row in shared memory."""
+        # one 16B pad per row: rows shift by 4 banks, so ldmatrix (fp8: the 32-bit loads) is conflict-free
+        return self.problem.head_dim * self.kv_elem_bytes + 16
+
+    @property
+    def q_row_bytes(self) -> int:
+        """Bytes of one Q row in shared memory (16-bit elements)."""
         return self.problem.head_dim * 2 + 16
 
     @property
     def smem_q_bytes(self) -> int:
-        return 16 * self.row_bytes
+        return 16 * self.q_row_bytes
 
     @property
     def smem_stats_bytes(self) -> int:
@@ -174,10 +253,13 @@ def default_tiles(problem: DecodeProblem, *, num_sms: int, split: bool = False) 
     otherwise                       3 stages: (4, 3) and (8, 3) within 1-3% of each other, (2, 4) slowest
     split, head_dim <= 128          8 warps: with split-KV 12-16% faster than 4 on (1, 8192), equal elsewhere
     otherwise                       4 warps
+    fp8 K/V                         2 s - 1 stages (s: the 16-bit row's): the same bytes in flight (not tuned)
     ==============================  ==========================================================================
     """
     num_stages = 2 if problem.head_dim >= 256 else 3
     num_warps = 8 if split and problem.head_dim <= 128 else 4
+    if problem.kv_fp8:
+        num_stages = 2 * num_stages - 1
     return Tiles(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -195,6 +277,11 @@ class PagedDecodeKernel:
         self.cfg = cfg
         self.problem = pb = cfg.problem
         self.dtype = cfg.cutlass_dtype
+        self.mma_dtype = cfg.mma_dtype
+        self.kv_fp8 = pb.kv_fp8
+        self.q_to_f16 = pb.kv_fp8 and pb.dtype == "bfloat16"
+        self.EB = cfg.kv_elem_bytes
+        self.QRB = cfg.q_row_bytes
         self.D = pb.head_dim
         self.PS = pb.page_size
         self.G = pb.group_size
@@ -296,13 +383,31 @@ class PagedDecodeKernel:
             row_l = cute.make_rmem_tensor((2,), Float32)
             self._mainloop(mK, mV, mIdx, qf, acc, row_m, row_l, slope, sQ, sKV, t0, t1, kv_len, page_off, kvh,
                            sc_in, sc_out, rope_rcp_scale, rope_log2_theta, lane, warp)
+            if const_expr(self.kv_fp8):
+                self._merge(mO, mLSE, mPO, mPLSE, mCnt, mSinks, mWork, acc, row_m, row_l, sM, sL, sW, sRow, sFlag,
+                            sKV, wi, kvh, mK.shape[2], head0, output_scale, tidx, lane, warp)
+            else:
+                final = n_splits == 1
+                self._merge_warps(mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sKV,
+                                  b, part, head0, final, output_scale, tidx, lane, warp)
+                if n_splits > 1:
+                    self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sKV,
+                                       b, kvh, mK.shape[2], part0, n_splits, head0, output_scale, tidx)
 
-            final = n_splits == 1
-            self._merge_warps(mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sKV,
-                              b, part, head0, final, output_scale, tidx, lane, warp)
-            if n_splits > 1:
-                self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sKV,
-                                   b, kvh, mK.shape[2], part0, n_splits, head0, output_scale, tidx)
+    @cute.jit
+    def _merge(self, mO, mLSE, mPO, mPLSE, mCnt, mSinks, mWork, acc, row_m, row_l, sM, sL, sW, sRow, sFlag, sKV,
+               wi, kvh, num_kv_heads, head0, output_scale, tidx, lane, warp):
+        """Both merges with the work row read again after the main loop, so none of it stays live through the
+        loop (the fp8 loop at 8 warps fits 128 registers without a spill)."""
+        b = mWork[wi, W_BATCH]
+        n_splits = mWork[wi, W_NUM_SPLITS]
+        part0 = mWork[wi, W_PART_BASE]
+        final = n_splits == 1
+        self._merge_warps(mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sKV,
+                          b, part0 + mWork[wi, W_SPLIT_IDX], head0, final, output_scale, tidx, lane, warp)
+        if n_splits > 1:
+            self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sKV,
+                               b, kvh, num_kv_heads, part0, n_splits, head0, output_scale, tidx)
 
     @cute.jit
     def _issue_q(self, mQ, sQ, b, head0, tidx):
@@ -310,7 +415,7 @@ class PagedDecodeKernel:
 
         The wait happens in :meth:`_mainloop` after the K/V prologue is issued, so the Q
         latency overlaps the first K/V loads."""
-        D, G, NT, RB = self.D, self.G, self.NT, self.RB
+        D, G, NT, RB = self.D, self.G, self.NT, self.QRB
         q_base = mQ.iterator.toint()
         for it in cutlass.range_constexpr((2 * D + NT - 1) // NT):
             idx = it * NT + tidx
@@ -354,9 +459,15 @@ class PagedDecodeKernel:
             self._rope_rows(sQ, 16 * (D // 2), warp * 32 + lane, self.NT, kv_len - 1, 0, rope_rcp_scale,
                             rope_log2_theta)
             cute.arch.sync_threads()
+        if const_expr(self.q_to_f16):
+            self._q_to_f16(sQ, warp * 32 + lane)
+            cute.arch.sync_threads()
         if const_expr(self.cfg.q_in_registers):
             for kk in cutlass.range_constexpr(D // 16):
-                qr = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, kk))
+                if const_expr(self.kv_fp8):
+                    qr = self._q_frag_fp8(sQ, lane, kk)
+                else:
+                    qr = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, kk))
                 for e in cutlass.range_constexpr(4):
                     qf[kk * 4 + e] = qr[e]
 
@@ -394,8 +505,12 @@ class PagedDecodeKernel:
                 ptx.st_shared_f32(sL + (warp * 16 + g + 8 * h) * 4, row_l[h])
         for dd in cutlass.range_constexpr(D // 8):
             for e in cutlass.range_constexpr(4):
-                ptx.st_shared_f32(sO + ((warp * 16 + g + 8 * (e // 2)) * D + dd * 8 + 2 * t + (e % 2)) * 4,
-                                  acc[dd * 4 + e])
+                if const_expr(self.kv_fp8):  # tile dd, column n holds d = 32 (dd // 4) + 4 n + dd % 4
+                    col = 32 * (dd // 4) + 8 * t + 4 * (e % 2) + dd % 4
+                    ptx.st_shared_f32(sO + ((warp * 16 + g + 8 * (e // 2)) * D + col) * 4, acc[dd * 4 + e])
+                else:
+                    ptx.st_shared_f32(sO + ((warp * 16 + g + 8 * (e // 2)) * D + dd * 8 + 2 * t + (e % 2)) * 4,
+                                      acc[dd * 4 + e])
         cute.arch.sync_threads()
 
         if tidx < G:
@@ -515,13 +630,34 @@ class PagedDecodeKernel:
     def _q_frag_addr(self, sQ, lane, kk: cutlass.Constexpr):
         m = lane // 8
         row = (m % 2) * 8 + lane % 8
-        return sQ + row * self.RB + (kk * 16 + (m // 2) * 8) * 2
+        return sQ + row * self.QRB + (kk * 16 + (m // 2) * 8) * 2
+
+    @cute.jit
+    def _q_frag_fp8(self, sQ, lane, kk: cutlass.Constexpr):
+        """The A fragment of Q for k block ``kk`` in the fp8 path's permuted k order (module docstring):
+        ``(a0, a1, a2, a3)`` with ``a0, a2`` = Q[g, 16 kk + 4t .. +3] and ``a1, a3`` the same of row g + 8."""
+        g = lane // 4
+        t = lane % 4
+        addr = sQ + g * self.QRB + (kk * 16 + 4 * t) * 2
+        lo = _ld_shared_v2_b32(addr)
+        hi = _ld_shared_v2_b32(addr + 8 * self.QRB)
+        return (lo[0], hi[0], lo[1], hi[1])
+
+    @cute.jit
+    def _q_to_f16(self, sQ, tid):
+        """bf16 Q rows in smem -> f16 in place (the fp8 path's MMAs run in f16); all NT threads."""
+        D, NT, QRB = self.D, self.NT, self.QRB
+        for it in cutlass.range_constexpr(16 * (D // 2) // NT):  # 8 D words, a multiple of NT
+            idx = it * NT + tid
+            addr = sQ + (idx // (D // 2)) * QRB + (idx % (D // 2)) * 4
+            _st_shared_b32(addr, _bf16x2_to_f16x2(_ld_shared_b32(addr)))
 
     @cute.jit
     def _load_chunk(self, mK, mV, mIdx, k_base, v_base, s_dst, start, t1, page_off, kvh, lane):
         """cp.async one 16-token chunk of K and V (rows past ``t1`` zero-filled)."""
-        D, PS, RB = self.D, self.PS, self.RB
-        cpr = D // 8  # 16-byte pieces per row
+        D, PS, RB, EB = self.D, self.PS, self.RB, self.EB
+        epp = 16 // EB  # elements per 16-byte piece
+        cpr = D // epp  # 16-byte pieces per row
         rpp = 32 // cpr  # rows per pass
         col = lane % cpr
         for p in cutlass.range_constexpr(CHUNK // rpp):
@@ -531,11 +667,11 @@ class PagedDecodeKernel:
             tok_c = cutlass.min(tok, t1 - 1)
             page = mIdx[page_off + tok_c // PS]
             slot = tok_c % PS
-            koff = Int64(page) * mK.stride[0] + Int64(slot) * mK.stride[1] + Int64(kvh) * mK.stride[2] + col * 8
-            voff = Int64(page) * mV.stride[0] + Int64(slot) * mV.stride[1] + Int64(kvh) * mV.stride[2] + col * 8
+            koff = Int64(page) * mK.stride[0] + Int64(slot) * mK.stride[1] + Int64(kvh) * mK.stride[2] + col * epp
+            voff = Int64(page) * mV.stride[0] + Int64(slot) * mV.stride[1] + Int64(kvh) * mV.stride[2] + col * epp
             nbytes = cutlass.select_(valid, 16, 0)
-            ptx.cp_async_16(s_dst + row * RB + col * 16, k_base + koff * 2, nbytes)
-            ptx.cp_async_16(s_dst + self.TILE + row * RB + col * 16, v_base + voff * 2, nbytes)
+            ptx.cp_async_16(s_dst + row * RB + col * 16, k_base + koff * EB, nbytes)
+            ptx.cp_async_16(s_dst + self.TILE + row * RB + col * 16, v_base + voff * EB, nbytes)
 
     @cute.jit
     def _consume_chunk(self, qf, acc, row_m, row_l, slope, sQ, sK, sV, start, t1, kv_len, sc_in, sc_out, lane, g, t):
@@ -545,18 +681,21 @@ class PagedDecodeKernel:
         sacc = cute.make_rmem_tensor((8,), Float32)
         for i in cutlass.range_constexpr(8):
             sacc[i] = Float32(0.0)
-        k_row = (m // 2) * 8 + lane % 8
-        for kk in cutlass.range_constexpr(D // 16):
-            if const_expr(self.cfg.q_in_registers):
-                a = (qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3])
-            else:
-                a = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, kk))
-            kb = ptx.ldmatrix_x4(sK + k_row * RB + (kk * 16 + (m % 2) * 8) * 2)
-            for j in cutlass.range_constexpr(2):
-                c = ptx.mma_m16n8k16(a, (kb[2 * j], kb[2 * j + 1]),
-                                     (sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3]), dt)
-                for e in cutlass.range_constexpr(4):
-                    sacc[4 * j + e] = c[e]
+        if const_expr(self.kv_fp8):
+            self._qk_fp8(qf, sacc, sQ, sK, lane)
+        else:
+            k_row = (m // 2) * 8 + lane % 8
+            for kk in cutlass.range_constexpr(D // 16):
+                if const_expr(self.cfg.q_in_registers):
+                    a = (qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3])
+                else:
+                    a = ptx.ldmatrix_x4(self._q_frag_addr(sQ, lane, kk))
+                kb = ptx.ldmatrix_x4(sK + k_row * RB + (kk * 16 + (m % 2) * 8) * 2)
+                for j in cutlass.range_constexpr(2):
+                    c = ptx.mma_m16n8k16(a, (kb[2 * j], kb[2 * j + 1]),
+                                         (sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3]), dt)
+                    for e in cutlass.range_constexpr(4):
+                        sacc[4 * j + e] = c[e]
         # logits in log2 units, masked past t1
         for j in cutlass.range_constexpr(2):
             for e in cutlass.range_constexpr(4):
@@ -571,16 +710,61 @@ class PagedDecodeKernel:
         scale = cute.make_rmem_tensor((2,), Float32)
         sm.online_softmax_step(sacc, 2, row_m, row_l, scale)
         sm.rescale_rows(acc, D // 8, scale)
-        pa = sm.p_as_a_operand(sacc, 0, dt)
-        v_row = (m % 2) * 8 + lane % 8
-        for dp in cutlass.range_constexpr(D // 16):
-            vb = ptx.ldmatrix_x4(sV + v_row * RB + ((2 * dp + m // 2) * 8) * 2, trans=True)
+        pa = sm.p_as_a_operand(sacc, 0, self.mma_dtype)
+        if const_expr(self.kv_fp8):
+            self._pv_fp8(pa, acc, sV, lane)
+        else:
+            v_row = (m % 2) * 8 + lane % 8
+            for dp in cutlass.range_constexpr(D // 16):
+                vb = ptx.ldmatrix_x4(sV + v_row * RB + ((2 * dp + m // 2) * 8) * 2, trans=True)
+                for j in cutlass.range_constexpr(2):
+                    dd = 2 * dp + j
+                    c = ptx.mma_m16n8k16(pa, (vb[2 * j], vb[2 * j + 1]),
+                                         (acc[dd * 4], acc[dd * 4 + 1], acc[dd * 4 + 2], acc[dd * 4 + 3]), dt)
+                    for e in cutlass.range_constexpr(4):
+                        acc[dd * 4 + e] = c[e]
+
+    @cute.jit
+    def _qk_fp8(self, qf, sacc, sQ, sK, lane):
+        """S += Q K^T of one chunk from an fp8 K tile: per k block and n8 tile one 32-bit load of K row
+        ``g`` (+8), widened to b0 / b1 (the permuted k order of the module docstring); f16 MMAs."""
+        D, RB = self.D, self.RB
+        k_addr = sK + (lane // 4) * RB + 4 * (lane % 4)
+        for kk in cutlass.range_constexpr(D // 16):
+            if const_expr(self.cfg.q_in_registers):
+                a = (qf[kk * 4], qf[kk * 4 + 1], qf[kk * 4 + 2], qf[kk * 4 + 3])
+            else:
+                a = self._q_frag_fp8(sQ, lane, kk)
             for j in cutlass.range_constexpr(2):
-                dd = 2 * dp + j
-                c = ptx.mma_m16n8k16(pa, (vb[2 * j], vb[2 * j + 1]),
-                                     (acc[dd * 4], acc[dd * 4 + 1], acc[dd * 4 + 2], acc[dd * 4 + 3]), dt)
+                kb = _e4m3x4_to_f16x2(_ld_shared_b32(k_addr + j * 8 * RB + kk * 16))
+                c = ptx.mma_m16n8k16(a, kb, (sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3]),
+                                     cutlass.Float16)
                 for e in cutlass.range_constexpr(4):
-                    acc[dd * 4 + e] = c[e]
+                    sacc[4 * j + e] = c[e]
+
+    @cute.jit
+    def _pv_fp8(self, pa, acc, sV, lane):
+        """O += P V of one chunk from an fp8 V tile: per 32 columns, four 32-bit loads (token rows 2t, 2t+1,
+        2t+8, 2t+9 at byte 32 q4 + 4g), byte-paired by ``prmt`` into the b0 / b1 of n8 tiles 4 q4 .. 4 q4 + 3
+        (column g of tile 4 q4 + i is d = 32 q4 + 4g + i); f16 MMAs."""
+        D, RB = self.D, self.RB
+        v_addr = sV + 2 * (lane % 4) * RB + 4 * (lane // 4)
+        for q4 in cutlass.range_constexpr(D // 32):
+            w0 = _ld_shared_b32(v_addr + q4 * 32)
+            w1 = _ld_shared_b32(v_addr + RB + q4 * 32)
+            w8 = _ld_shared_b32(v_addr + 8 * RB + q4 * 32)
+            w9 = _ld_shared_b32(v_addr + 9 * RB + q4 * 32)
+            for h in cutlass.range_constexpr(2):
+                sel = 0x5140 if h == 0 else 0x7362  # bytes (2h, 2h+1) of each word, tokens interleaved
+                b0 = _e4m3x4_to_f16x2(_prmt(w0, w1, sel))  # tokens 2t, 2t+1 of tiles 4 q4 + 2h, + 1
+                b1 = _e4m3x4_to_f16x2(_prmt(w8, w9, sel))  # tokens 2t+8, 2t+9
+                for i in cutlass.range_constexpr(2):
+                    dd = 4 * q4 + 2 * h + i
+                    c = ptx.mma_m16n8k16(pa, (b0[i], b1[i]),
+                                         (acc[dd * 4], acc[dd * 4 + 1], acc[dd * 4 + 2], acc[dd * 4 + 3]),
+                                         cutlass.Float16)
+                    for e in cutlass.range_constexpr(4):
+                        acc[dd * 4 + e] = c[e]
 
     @cute.jit
     def _rope_rows(self, s_base, n_pairs: cutlass.Constexpr, tid, nthr: cutlass.Constexpr, pos0, pos_step: cutlass.Constexpr,
@@ -608,10 +792,13 @@ class PagedDecodeKernel:
 
 def fake_tensors(cfg: Config) -> tuple:
     """The symbolic tensors :func:`compile` builds against: every size dynamic except ``page_size`` and
-    ``head_dim``; the last dims contiguous, strides multiples of 8 elements (16 bytes)."""
+    ``head_dim``; the last dims contiguous, strides multiples of 16 bytes (8 elements, 16 for an fp8 cache);
+    k and v ``Float8E4M3FN`` for an fp8 cache."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
     dt = cfg.cutlass_dtype
+    kv_dt = cfg.kv_cutlass_dtype  # torch.float8_e4m3fn reaches tvm-ffi as DLPack float8_e4m3fn: no uint8 view
+    kv_div = 16 // cfg.kv_elem_bytes  # strides in elements of 16-byte rows
     D = cfg.problem.head_dim
     PS = cfg.problem.page_size
 
@@ -623,8 +810,8 @@ def fake_tensors(cfg: Config) -> tuple:
 
     B, Hq, P, Hkv, NNZ, W, NP, NC = (sym() for _ in range(8))
     q = make_fake_tensor(dt, (B, Hq, D), (s64(8), s64(8), 1), assumed_align=16)
-    k = make_fake_tensor(dt, (P, PS, Hkv, D), (s64(8), s64(8), s64(8), 1), assumed_align=16)
-    v = make_fake_tensor(dt, (P, PS, Hkv, D), (s64(8), s64(8), s64(8), 1), assumed_align=16)
+    k = make_fake_tensor(kv_dt, (P, PS, Hkv, D), (s64(kv_div), s64(kv_div), s64(kv_div), 1), assumed_align=16)
+    v = make_fake_tensor(kv_dt, (P, PS, Hkv, D), (s64(kv_div), s64(kv_div), s64(kv_div), 1), assumed_align=16)
     idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
     o = make_fake_compact_tensor(dt, (B, Hq, D), stride_order=(2, 1, 0), assumed_align=16)

@@ -1,5 +1,6 @@
-"""Paged K/V helpers of the oracle: CSR page tables <-> block tables, and a paged cache gathered into
-contiguous per-request K/V (FlashInfer's layouts: NHD / HND pages, ``last_page_len`` per request)."""
+"""Paged K/V helpers of the oracle: CSR page tables <-> block tables, a paged cache gathered into
+contiguous per-request K/V (FlashInfer's layouts: NHD / HND pages, ``last_page_len`` per request), and fp8
+caches dequantised with their per-tensor scales."""
 
 from __future__ import annotations
 
@@ -9,7 +10,42 @@ import torch
 
 from ._checks import _check_float_tensor, _check_int_tensor, _check_ndim, _check_kv_layout, _indptr_list
 
-__all__ = ["block_tables_to_csr", "csr_to_block_tables", "paged_kv_to_contiguous"]
+__all__ = ["block_tables_to_csr", "csr_to_block_tables", "dequantize_kv_cache", "paged_kv_to_contiguous"]
+
+
+def dequantize_kv_cache(cache: torch.Tensor, scale=1.0, *, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``cache.to(dtype) * scale``: an fp8 (or any float) K or V cache as the values attention reads.
+
+    FlashInfer's per-tensor ``k_scale`` multiplies the logits and ``v_scale`` the output; both are linear, so
+    attention over the dequantised cache with scale 1 is the same math.  Unused page slots keep whatever
+    they held (NaN stays NaN: the oracle never gathers them).
+
+    Args:
+        cache: float tensor of any shape (typically torch.float8_e4m3fn ``[pages, page_size, Hkv, D]``).
+        scale: python number, or a one-element float tensor (any device).
+        dtype: torch.float32 or torch.float64 (default).
+
+    Returns:
+        A new tensor of ``cache``'s shape and device in ``dtype``.
+
+    Raises:
+        TypeError: ``cache`` not a float tensor, ``scale`` not a number or one-element float tensor, ``dtype``
+            not float32 / float64.
+        ValueError: ``scale`` not finite.
+    """
+    _check_float_tensor("cache", cache)
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.is_floating_point():
+            raise TypeError(f"scale must be a number or a one-element float tensor, got {scale.dtype} "
+                            f"of shape {tuple(scale.shape)}")
+        scale = float(scale.reshape(()).item())
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a number or a one-element float tensor, got {type(scale).__name__}")
+    if scale != scale or scale in (float("inf"), float("-inf")):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return cache.to(dtype) * float(scale)
 
 
 def block_tables_to_csr(
@@ -199,19 +235,22 @@ def paged_kv_to_contiguous(
     kv_last_page_len: torch.Tensor,
     *,
     kv_layout: str = "NHD",
+    k_scale=None,
+    v_scale=None,
 ):
     """Gather each request's K/V out of a paged cache into contiguous NHD tensors.
 
     Token ``t`` of request ``b`` lives at page ``kv_indices[kv_indptr[b] + t // page_size]``,
     slot ``t % page_size`` (``flashinfer_api.md`` section 1.2).  Cache forms as in
-    :func:`paged_decode`.
+    :func:`paged_decode`.  ``k_scale`` / ``v_scale`` (None: leave that cache as it is) dequantise
+    the gathered K / V to float64 (:func:`dequantize_kv_cache`): an fp8 cache as its values.
 
     Returns:
         ``(ks, vs)``: python lists of length ``B`` with ``ks[b]`` ``[kv_len_b, Hkv, Dqk]``
-        and ``vs[b]`` ``[kv_len_b, Hkv, Dvo]`` (cache dtype/device, NHD).
+        and ``vs[b]`` ``[kv_len_b, Hkv, Dvo]`` (cache dtype, float64 where scaled; cache device, NHD).
 
     Raises:
-        TypeError / ValueError / KeyError: see :func:`paged_decode`.
+        TypeError / ValueError / KeyError: see :func:`paged_decode` and :func:`dequantize_kv_cache`.
     """
     k4, v4 = _unpack_paged_cache(k_cache, v_cache, kv_layout)
     if kv_layout == "HND":
@@ -236,6 +275,6 @@ def paged_kv_to_contiguous(
         ntok = pages.numel() * page_size
         kb = k4.index_select(0, pages).reshape(ntok, *k4.shape[2:])[: lens[b]]
         vb = v4.index_select(0, pages).reshape(ntok, *v4.shape[2:])[: lens[b]]
-        ks.append(kb)
-        vs.append(vb)
+        ks.append(kb if k_scale is None else dequantize_kv_cache(kb, k_scale))
+        vs.append(vb if v_scale is None else dequantize_kv_cache(vb, v_scale))
     return ks, vs
