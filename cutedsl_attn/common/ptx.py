@@ -264,3 +264,38 @@ def ld_global_cg_v4_f32(addr):
         write_only_types=[Float32] * 4,
         read_only_args=[Int64(addr)],
     )
+
+
+def ld_shared_b32(addr):
+    """32-bit load from a shared-window byte address (Int32)."""
+    return _inline("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int32(addr)])
+
+
+def ld_shared_v2_b32(addr):
+    """8-byte load from a shared-window byte address (Int32, 8-byte aligned); 2 Int32."""
+    return _inline("ld.shared.v2.b32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Int32] * 2,
+                   read_only_args=[Int32(addr)])
+
+
+def st_shared_b32(addr, v):
+    """32-bit store to a shared-window byte address (Int32)."""
+    _inline("st.shared.b32 [{$r0}], {$r1};", read_only_args=[Int32(addr), Int32(v)])
+
+
+def prmt(a, b, sel: int):
+    """``prmt.b32``: byte ``i`` of the result is byte ``sel``'s nibble ``i`` of {b, a} (0-3: a, 4-7: b)."""
+    return _inline(f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {sel:#06x};", write_only_types=[Int32],
+                   read_only_args=[Int32(a), Int32(b)])
+
+
+def e4m3x4_to_f16x2(w):
+    """Four e4m3 bytes -> two f16x2 registers (bytes 0, 1 -> the first, 2, 3 -> the second; the lower byte in
+    the low half), ``cvt.rn.f16x2.e4m3x2`` (sm_89+): exact."""
+    return _inline("{ .reg .b16 l, h; mov.b32 {l, h}, {$r0}; cvt.rn.f16x2.e4m3x2 {$w0}, l; "
+                   "cvt.rn.f16x2.e4m3x2 {$w1}, h; }", write_only_types=[Int32, Int32], read_only_args=[Int32(w)])
+
+
+def bf16x2_to_f16x2(w):
+    """Two bf16 -> two f16 (round to nearest) in one register."""
+    return _inline("{ .reg .b32 l, h; shl.b32 l, {$r0}, 16; and.b32 h, {$r0}, 0xffff0000; "
+                   "cvt.rn.f16x2.f32 {$w0}, h, l; }", write_only_types=[Int32], read_only_args=[Int32(w)])

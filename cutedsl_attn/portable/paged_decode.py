@@ -20,7 +20,7 @@ Work decomposition (planned on the host by :mod:`cutedsl_attn.planning`):
   group: S = Q K^T (Q from ``ldmatrix``, K from ``ldmatrix``), online softmax in
   fp32 with exp2, O += P V (P re-used from the S accumulators as the A operand,
   V from ``ldmatrix.trans``);
-* the warps' (m, l, O) states are merged through shared memory; a request with
+* the warps' (m, l, O) states are merged through shared memory (:mod:`.decode_merge`); a request with
   one work item writes O and LSE directly, otherwise each item writes an fp32
   partial and the last CTA to finish (a per-(request, kv head) counter with
   ``atom.add``) merges the partials, so split-KV needs no second launch.  The
@@ -71,46 +71,11 @@ from ..planning.decode import (
     DecodeArgs, DecodeProblem,
 )
 from ._tuning import check_int_fields, override_int_fields
+from .decode_merge import DecodeMerge
 
 NAME = "paged_decode"
-_inline = cute.arch.inline_ptx
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one CTA may use on sm_90a / sm_100a / sm_103a
-
-
-def _ld_shared_b32(addr):
-    """32-bit load from a shared-window byte address (Int32)."""
-    return _inline("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int32(addr)])
-
-
-def _ld_shared_v2_b32(addr):
-    """8-byte load from a shared-window byte address (Int32, 8-byte aligned); 2 Int32."""
-    return _inline("ld.shared.v2.b32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Int32] * 2,
-                   read_only_args=[Int32(addr)])
-
-
-def _st_shared_b32(addr, v):
-    """32-bit store to a shared-window byte address (Int32)."""
-    _inline("st.shared.b32 [{$r0}], {$r1};", read_only_args=[Int32(addr), Int32(v)])
-
-
-def _prmt(a, b, sel: int):
-    """``prmt.b32``: byte ``i`` of the result is byte ``sel``'s nibble ``i`` of {b, a} (0-3: a, 4-7: b)."""
-    return _inline(f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {sel:#06x};", write_only_types=[Int32],
-                   read_only_args=[Int32(a), Int32(b)])
-
-
-def _e4m3x4_to_f16x2(w):
-    """Four e4m3 bytes -> two f16x2 registers (bytes 0, 1 -> the first, 2, 3 -> the second; the lower byte in
-    the low half), ``cvt.rn.f16x2.e4m3x2`` (sm_89+): exact."""
-    return _inline("{ .reg .b16 l, h; mov.b32 {l, h}, {$r0}; cvt.rn.f16x2.e4m3x2 {$w0}, l; "
-                   "cvt.rn.f16x2.e4m3x2 {$w1}, h; }", write_only_types=[Int32, Int32], read_only_args=[Int32(w)])
-
-
-def _bf16x2_to_f16x2(w):
-    """Two bf16 -> two f16 (round to nearest) in one register."""
-    return _inline("{ .reg .b32 l, h; shl.b32 l, {$r0}, 16; and.b32 h, {$r0}, 0xffff0000; "
-                   "cvt.rn.f16x2.f32 {$w0}, h, l; }", write_only_types=[Int32], read_only_args=[Int32(w)])
 
 
 @dataclass(frozen=True)
@@ -270,7 +235,7 @@ def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
     return override_int_fields(tiles, items)
 
 
-class PagedDecodeKernel:
+class PagedDecodeKernel(DecodeMerge):
     """CuTe DSL paged decode; see the module docstring.  Build with :func:`compile`."""
 
     def __init__(self, cfg: Config):
@@ -395,21 +360,6 @@ class PagedDecodeKernel:
                                        b, kvh, mK.shape[2], part0, n_splits, head0, output_scale, tidx)
 
     @cute.jit
-    def _merge(self, mO, mLSE, mPO, mPLSE, mCnt, mSinks, mWork, acc, row_m, row_l, sM, sL, sW, sRow, sFlag, sKV,
-               wi, kvh, num_kv_heads, head0, output_scale, tidx, lane, warp):
-        """Both merges with the work row read again after the main loop, so none of it stays live through the
-        loop (the fp8 loop at 8 warps fits 128 registers without a spill)."""
-        b = mWork[wi, W_BATCH]
-        n_splits = mWork[wi, W_NUM_SPLITS]
-        part0 = mWork[wi, W_PART_BASE]
-        final = n_splits == 1
-        self._merge_warps(mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sKV,
-                          b, part0 + mWork[wi, W_SPLIT_IDX], head0, final, output_scale, tidx, lane, warp)
-        if n_splits > 1:
-            self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sKV,
-                               b, kvh, num_kv_heads, part0, n_splits, head0, output_scale, tidx)
-
-    @cute.jit
     def _issue_q(self, mQ, sQ, b, head0, tidx):
         """cp.async the group's Q rows -> smem (16 rows, zero-filled past G); one commit group.
 
@@ -490,141 +440,6 @@ class PagedDecodeKernel:
         ptx.cp_async_wait(0)
         sm.quad_sum_rows(row_l)
 
-    @cute.jit
-    def _merge_warps(self, mO, mLSE, mPO, mPLSE, mSinks, acc, row_m, row_l, sM, sL, sW, sO,
-                     b, part, head0, final, output_scale, tidx, lane, warp):
-        """Merge the NW warp states; write O (times ``output_scale``) and the LSE (one split) or the unscaled fp32
-        partial (split-KV)."""
-        D, G, NW, NT = self.D, self.G, self.NW, self.NT
-        g = lane // 4
-        t = lane % 4
-        cute.arch.sync_threads()  # every warp is done with its K/V ring; sO aliases it
-        if t == 0:
-            for h in cutlass.range_constexpr(2):
-                ptx.st_shared_f32(sM + (warp * 16 + g + 8 * h) * 4, row_m[h])
-                ptx.st_shared_f32(sL + (warp * 16 + g + 8 * h) * 4, row_l[h])
-        for dd in cutlass.range_constexpr(D // 8):
-            for e in cutlass.range_constexpr(4):
-                if const_expr(self.kv_fp8):  # tile dd, column n holds d = 32 (dd // 4) + 4 n + dd % 4
-                    col = 32 * (dd // 4) + 8 * t + 4 * (e % 2) + dd % 4
-                    ptx.st_shared_f32(sO + ((warp * 16 + g + 8 * (e // 2)) * D + col) * 4, acc[dd * 4 + e])
-                else:
-                    ptx.st_shared_f32(sO + ((warp * 16 + g + 8 * (e // 2)) * D + dd * 8 + 2 * t + (e % 2)) * 4,
-                                      acc[dd * 4 + e])
-        cute.arch.sync_threads()
-
-        if tidx < G:
-            big_m = Float32(NEG_INF)
-            for w in cutlass.range_constexpr(NW):
-                big_m = cute.arch.fmax(big_m, ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4))
-            sink_l2 = Float32(NEG_INF)
-            if const_expr(self.problem.use_sinks):
-                if final:
-                    sink_l2 = mSinks[head0 + tidx] * LOG2E
-            m_all = cute.arch.fmax(big_m, sink_l2)
-            m_use = Float32(cutlass.select_(m_all == Float32(NEG_INF), Float32(0.0), m_all))
-            tot = ptx.ex2(sink_l2 - m_use)
-            for w in cutlass.range_constexpr(NW):
-                tot = tot + ptx.ld_shared_f32(sL + (w * 16 + tidx) * 4) * ptx.ex2(
-                    ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4) - m_use)
-            inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0)))
-            # the output scale rides on the merge weights of the final write only: a partial stays unscaled
-            w_scale = inv * Float32(cutlass.select_(final, output_scale, Float32(1.0)))
-            for w in cutlass.range_constexpr(NW):
-                ptx.st_shared_f32(sW + (w * 16 + tidx) * 4,
-                                  ptx.ex2(ptx.ld_shared_f32(sM + (w * 16 + tidx) * 4) - m_use) * w_scale)
-            lse = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot), Float32(NEG_INF)))
-            if final:
-                mLSE[b, head0 + tidx] = lse
-            else:
-                mPLSE[part, head0 + tidx] = lse
-        cute.arch.sync_threads()
-
-        for e in cutlass.range((G * D + NT - 1 - tidx) // NT, unroll=1):
-            idx = tidx + e * NT
-            r = idx // D
-            d = idx % D
-            o = Float32(0.0)
-            for w in cutlass.range_constexpr(NW):
-                o = o + ptx.ld_shared_f32(sW + (w * 16 + r) * 4) * ptx.ld_shared_f32(sO + ((w * 16 + r) * D + d) * 4)
-            if final:
-                mO[b, head0 + r, d] = o.to(self.dtype)
-            else:
-                mPO[part, head0 + r, d] = o
-
-    @cute.jit
-    def _merge_splits(self, mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sBuf, b, kvh, num_kv_heads, part0,
-                      n_splits, head0, output_scale, tidx):
-        """Split-KV: the last CTA of (request, kv head) to finish merges all partials and writes O times
-        ``output_scale``."""
-        D, G, NT = self.D, self.G, self.NT
-        hq_total = mO.shape[1]
-        ptx.fence_gpu()
-        cute.arch.sync_threads()
-        cnt_addr = mCnt.iterator.toint() + (Int64(b) * num_kv_heads + kvh) * 4
-        if tidx == 0:
-            old = ptx.atomic_add_global_u32(cnt_addr, 1)
-            ptx.st_shared_f32(sFlag, Float32(cutlass.select_(old == n_splits - 1, Float32(1.0), Float32(0.0))))
-        cute.arch.sync_threads()
-        if ptx.ld_shared_f32(sFlag) > Float32(0.5):
-            ptx.fence_gpu()
-            plse_base = mPLSE.iterator.toint()
-            po_base = mPO.iterator.toint()
-            n_lse = n_splits * G
-            # (1) every partial LSE of the group -> smem, all threads, independent loads
-            for e in cutlass.range((n_lse + NT - 1 - tidx) // NT, unroll=4):
-                li = tidx + e * NT
-                ptx.st_shared_f32(sBuf + li * 4, ptx.ld_global_cg_f32(
-                    plse_base + (Int64(part0 + li // G) * hq_total + head0 + li % G) * 4))
-            cute.arch.sync_threads()
-            # (2) per row: max, denominator (with the sink), LSE
-            if tidx < G:
-                big_m = Float32(NEG_INF)
-                for p in cutlass.range(n_splits, unroll=4):
-                    big_m = cute.arch.fmax(big_m, ptx.ld_shared_f32(sBuf + (p * G + tidx) * 4))
-                sink_l2 = Float32(NEG_INF)
-                if const_expr(self.problem.use_sinks):
-                    sink_l2 = mSinks[head0 + tidx] * LOG2E
-                m_all = cute.arch.fmax(big_m, sink_l2)
-                m_use = Float32(cutlass.select_(m_all == Float32(NEG_INF), Float32(0.0), m_all))
-                tot = ptx.ex2(sink_l2 - m_use)
-                for p in cutlass.range(n_splits, unroll=4):
-                    tot = tot + ptx.ex2(ptx.ld_shared_f32(sBuf + (p * G + tidx) * 4) - m_use)
-                inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0)))
-                ptx.st_shared_f32(sRow + tidx * 8, m_use)
-                ptx.st_shared_f32(sRow + tidx * 8 + 4, inv * output_scale)  # the scale joins the merge weights
-                mLSE[b, head0 + tidx] = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot), Float32(NEG_INF)))
-            cute.arch.sync_threads()
-            # (3) LSE -> merge weights in place
-            for e in cutlass.range((n_lse + NT - 1 - tidx) // NT, unroll=1):
-                li = tidx + e * NT
-                r = li % G
-                ptx.st_shared_f32(sBuf + li * 4, ptx.ex2(ptx.ld_shared_f32(sBuf + li * 4) - ptx.ld_shared_f32(sRow + r * 8))
-                                  * ptx.ld_shared_f32(sRow + r * 8 + 4))
-            cute.arch.sync_threads()
-            # (4) O = sum_p w_p O_p, 4 columns per thread, loads unrolled so several are in flight
-            for e in cutlass.range((G * (D // 4) + NT - 1 - tidx) // NT, unroll=1):
-                vi = tidx + e * NT
-                r = vi // (D // 4)
-                c4 = vi % (D // 4)
-                o0 = Float32(0.0)
-                o1 = Float32(0.0)
-                o2 = Float32(0.0)
-                o3 = Float32(0.0)
-                for p in cutlass.range(n_splits, unroll=8):
-                    wgt = ptx.ld_shared_f32(sBuf + (p * G + r) * 4)
-                    x = ptx.ld_global_cg_v4_f32(po_base + ((Int64(part0 + p) * hq_total + head0 + r) * D + c4 * 4) * 4)
-                    o0 = o0 + wgt * x[0]
-                    o1 = o1 + wgt * x[1]
-                    o2 = o2 + wgt * x[2]
-                    o3 = o3 + wgt * x[3]
-                mO[b, head0 + r, c4 * 4] = o0.to(self.dtype)
-                mO[b, head0 + r, c4 * 4 + 1] = o1.to(self.dtype)
-                mO[b, head0 + r, c4 * 4 + 2] = o2.to(self.dtype)
-                mO[b, head0 + r, c4 * 4 + 3] = o3.to(self.dtype)
-            if tidx == 0:
-                ptx.st_global_u32(cnt_addr, 0)
-
     # ------------------------------------------------------------------ pieces
     @cute.jit
     def _q_frag_addr(self, sQ, lane, kk: cutlass.Constexpr):
@@ -639,8 +454,8 @@ class PagedDecodeKernel:
         g = lane // 4
         t = lane % 4
         addr = sQ + g * self.QRB + (kk * 16 + 4 * t) * 2
-        lo = _ld_shared_v2_b32(addr)
-        hi = _ld_shared_v2_b32(addr + 8 * self.QRB)
+        lo = ptx.ld_shared_v2_b32(addr)
+        hi = ptx.ld_shared_v2_b32(addr + 8 * self.QRB)
         return (lo[0], hi[0], lo[1], hi[1])
 
     @cute.jit
@@ -650,7 +465,7 @@ class PagedDecodeKernel:
         for it in cutlass.range_constexpr(16 * (D // 2) // NT):  # 8 D words, a multiple of NT
             idx = it * NT + tid
             addr = sQ + (idx // (D // 2)) * QRB + (idx % (D // 2)) * 4
-            _st_shared_b32(addr, _bf16x2_to_f16x2(_ld_shared_b32(addr)))
+            ptx.st_shared_b32(addr, ptx.bf16x2_to_f16x2(ptx.ld_shared_b32(addr)))
 
     @cute.jit
     def _load_chunk(self, mK, mV, mIdx, k_base, v_base, s_dst, start, t1, page_off, kvh, lane):
@@ -736,7 +551,7 @@ class PagedDecodeKernel:
             else:
                 a = self._q_frag_fp8(sQ, lane, kk)
             for j in cutlass.range_constexpr(2):
-                kb = _e4m3x4_to_f16x2(_ld_shared_b32(k_addr + j * 8 * RB + kk * 16))
+                kb = ptx.e4m3x4_to_f16x2(ptx.ld_shared_b32(k_addr + j * 8 * RB + kk * 16))
                 c = ptx.mma_m16n8k16(a, kb, (sacc[4 * j], sacc[4 * j + 1], sacc[4 * j + 2], sacc[4 * j + 3]),
                                      cutlass.Float16)
                 for e in cutlass.range_constexpr(4):
@@ -750,14 +565,14 @@ class PagedDecodeKernel:
         D, RB = self.D, self.RB
         v_addr = sV + 2 * (lane % 4) * RB + 4 * (lane // 4)
         for q4 in cutlass.range_constexpr(D // 32):
-            w0 = _ld_shared_b32(v_addr + q4 * 32)
-            w1 = _ld_shared_b32(v_addr + RB + q4 * 32)
-            w8 = _ld_shared_b32(v_addr + 8 * RB + q4 * 32)
-            w9 = _ld_shared_b32(v_addr + 9 * RB + q4 * 32)
+            w0 = ptx.ld_shared_b32(v_addr + q4 * 32)
+            w1 = ptx.ld_shared_b32(v_addr + RB + q4 * 32)
+            w8 = ptx.ld_shared_b32(v_addr + 8 * RB + q4 * 32)
+            w9 = ptx.ld_shared_b32(v_addr + 9 * RB + q4 * 32)
             for h in cutlass.range_constexpr(2):
                 sel = 0x5140 if h == 0 else 0x7362  # bytes (2h, 2h+1) of each word, tokens interleaved
-                b0 = _e4m3x4_to_f16x2(_prmt(w0, w1, sel))  # tokens 2t, 2t+1 of tiles 4 q4 + 2h, + 1
-                b1 = _e4m3x4_to_f16x2(_prmt(w8, w9, sel))  # tokens 2t+8, 2t+9
+                b0 = ptx.e4m3x4_to_f16x2(ptx.prmt(w0, w1, sel))  # tokens 2t, 2t+1 of tiles 4 q4 + 2h, + 1
+                b1 = ptx.e4m3x4_to_f16x2(ptx.prmt(w8, w9, sel))  # tokens 2t+8, 2t+9
                 for i in cutlass.range_constexpr(2):
                     dd = 4 * q4 + 2 * h + i
                     c = ptx.mma_m16n8k16(pa, (b0[i], b1[i]),
