@@ -6,6 +6,11 @@ current GPU (or ``CUTEDSL_ATTN_ARCH`` when cross-compiling) and cached in memory
 on disk.  What was run where: the decode and prefill kernels (portable CuTe DSL) and the
 SM90 prefill kernel (TMA + wgmma) are run and verified on an NVIDIA H200 (SM90); SM100/SM103
 builds are cross-compiled and PTX-checked only.
+
+Every kernel launch is a torch custom op (``cutedsl_attn::prefill_sm90``, ``cutedsl_attn::prefill_portable``,
+``cutedsl_attn::paged_decode``; the ``single_*`` functions are ``cutedsl_attn::single_prefill`` /
+``cutedsl_attn::single_decode``): ``torch.compile(fullgraph=True)`` traces through a wrapper's ``run()`` and the
+``single_*`` functions, and the profiler shows the kernel by that name.
 """
 
 __version__ = "0.1.0"

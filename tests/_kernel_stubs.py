@@ -1,56 +1,115 @@
-"""Stand-ins for the dispatch layer's compiled kernels, shared by the CPU API tests (decode and prefill).
+"""Stand-ins for the compiled kernels behind ``dispatch.KernelChoice``, shared by the CPU API tests.
 
-``Recorder(arg_names)`` replaces ``dispatch.paged_decode_kernel`` / ``dispatch.prefill_kernel``: it records
-each requested config and each launch (checking the argument count against ``arg_names(cfg)``) and writes
-recognisable values into ``o`` (1.0) and ``lse`` (0.5) so the wrappers' output handling can be checked.
-``EntryRejects(arg_index, pname, signature)`` is a kernel whose tvm-ffi entry rejects one argument with
-the entry's own message format.
+The seam: ``dispatch.get_compiled`` (what ``KernelChoice.fn`` compiles through) returns a stub callable, and
+each kernel module's ``launch`` is wrapped.  The real ``launch`` still runs (it orders the arguments for the
+stub), so the tests see what dispatch and the kernel module hand over.
+
+``Recorder`` records each compiled configuration (``cfgs``, as :class:`Launched`) and each launch (``calls``: ``(name, cfg, args)``,
+``args`` the family's ``PrefillArgs`` / ``DecodeArgs``) and writes recognisable values: ``out`` =
+``args.output_scale`` (a kernel whose normalised O is 1 applies the output scale in fp32), ``lse`` = 0.5.
+``EntryRejects(arg_index, pname, signature)`` is a compiled kernel whose tvm-ffi entry rejects argument
+``arg_index`` (the kernel's own position) with the entry's message format.
 """
 
 from __future__ import annotations
 
+from cutedsl_attn import dispatch
+
+
+class Launched:
+    """The choice of one recorded launch: ``name`` (the kernel's ``NAME``), ``cfg``, and the problem's, tiles' and
+    config's attributes by name (``.causal``, ``.tile_n``, ``.tile_m``)."""
+
+    def __init__(self, name, cfg):
+        self.name, self.cfg = name, cfg
+
+    def __eq__(self, other):
+        return isinstance(other, Launched) and (self.name, self.cfg) == (other.name, other.cfg)
+
+    def __hash__(self):
+        return hash((self.name, self.cfg))
+
+    def __getattr__(self, attr):
+        for o in (self.cfg.problem, self.cfg.tiles, self.cfg):
+            if hasattr(o, attr):
+                return getattr(o, attr)
+        raise AttributeError(attr)
+
+
+class _StubKernel:
+    """What ``get_compiled`` returns under a stub: records how many positional arguments each call passed."""
+
+    def __init__(self, name, cfg, sink):
+        self.name, self.cfg, self.sink = name, cfg, sink
+
+    def __call__(self, *positional):
+        self.sink.append(len(positional))
+
+
+def _fresh_registries(monkeypatch):
+    """The choices dispatch keeps (shared by plans of one shape, found by the custom ops) start empty and are
+    restored after the test: no choice outlives it with a stub as its compiled kernel."""
+    monkeypatch.setattr(dispatch, "_CHOICES", {})
+    monkeypatch.setattr(dispatch, "_BY_KEY", {})
+
 
 class Recorder:
-    """Records configs and launches of a stubbed kernel family."""
+    """Records compiles and launches of every kernel module (install with :meth:`install`)."""
 
-    def __init__(self, arg_names):
-        self.arg_names = arg_names  # cfg -> the kernel's argument names, in order
+    def __init__(self):
         self.cfgs = []
         self.calls = []
+        self.positional = []
 
-    def __call__(self, cfg):
-        self.cfgs.append(cfg)
+    def install(self, monkeypatch):
+        _fresh_registries(monkeypatch)
+        monkeypatch.setattr(dispatch, "get_compiled", self._get_compiled)
+        for name, m in dispatch.KERNEL_MODULES.items():
+            monkeypatch.setattr(m, "launch", self._launch(name, m.launch))
+        return self
 
-        def launch(*args):
-            assert len(args) == len(self.arg_names(cfg))
-            self.calls.append((cfg, args))
-            args[5].fill_(1.0)  # o
-            args[6].fill_(0.5)  # lse
+    def _get_compiled(self, name, cfg, build):
+        self.cfgs.append(Launched(name, cfg))
+        return _StubKernel(name, cfg, self.positional)
+
+    def _launch(self, name, real):
+        def launch(fn, cfg, args):
+            real(fn, cfg, args)  # the module's own argument order, into the stub
+            self.calls.append((name, cfg, args))
+            args.out.fill_(args.output_scale)
+            args.lse.fill_(0.5)
 
         return launch
 
     def named(self, i):
-        cfg, a = self.calls[i]
-        return cfg, dict(zip(self.arg_names(cfg), a))
+        name, cfg, args = self.calls[i]
+        return Launched(name, cfg), args._asdict()
 
     @property
     def last(self):
         return self.named(-1)
 
 
+class _Raising:
+    def __init__(self, msg_holder):
+        self.holder = msg_holder
+
+    def __call__(self, *a):
+        raise ValueError(self.holder.msg)
+
+
 class EntryRejects:
-    """A kernel whose tvm-ffi entry rejects argument ``arg_index`` (named ``pname`` in the kernel signature
+    """A compiled kernel whose tvm-ffi entry rejects argument ``arg_index`` (named ``pname`` in the kernel signature
     ``signature``), with the entry's own message format; ``msg`` may be replaced by a test."""
 
     def __init__(self, arg_index, pname, signature):
         self.msg = (f"Mismatched {pname}.strides[2] on argument #{arg_index} when calling: "
                     f"`__call__({signature}, ...)`, expected 1")
 
-    def __call__(self, cfg):
-        def launch(*args):
-            raise ValueError(self.msg)
-
-        return launch
+    def install(self, monkeypatch):
+        _fresh_registries(monkeypatch)
+        monkeypatch.setattr(dispatch, "get_compiled", lambda name, cfg, build: _Raising(self))
+        return self
 
 
 # ----------------------------------------------------------------------------- bad paged caches

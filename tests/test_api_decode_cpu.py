@@ -3,7 +3,7 @@
 Every documented error of ``BatchDecodeWithPagedKVCacheWrapper`` (constructor,
 ``plan``, ``run``) and ``single_decode_with_kv_cache`` must raise the documented
 exception type, with a message naming the argument, before any kernel launch.
-The kernel factory ``dispatch.paged_decode_kernel`` is replaced by a recorder, so
+The compiled kernels behind ``dispatch.KernelChoice`` are replaced by a recorder (``_kernel_stubs``), so
 these tests also check what a *valid* call hands to the kernel (tensor shapes,
 scalars, the work table) and that an invalid call never reaches it.
 
@@ -23,17 +23,14 @@ import torch
 import cutedsl_attn as ca
 from cutedsl_attn import dispatch
 from cutedsl_attn.api import decode as api_decode
-from cutedsl_attn.planning.decode import WORK_COLS, kv_lens_from_csr, max_items, plan_paged_decode
+from cutedsl_attn.planning.decode import WORK_COLS, kv_lens_from_csr, max_items, occupancy, plan_paged_decode
 from cutedsl_attn import ref
-from cutedsl_attn.ref import alibi_slopes
+from cutedsl_attn.planning.alibi import get_alibi_slopes as alibi_slopes
 
 from _kernel_stubs import (  # pytest puts tests/ on sys.path
     BAD_PAGED_CACHE_SHAPES, EntryRejects, Recorder, bad_cache_tuples, bad_paged_cache)
 
 BF16, FP16 = torch.bfloat16, torch.float16
-ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "part_o", "part_lse", "counters", "sinks", "slopes",
-             "sm_scale", "soft_cap", "rope_rcp_scale", "rope_log2_theta")
-N_KERNEL_ARGS = len(ARG_NAMES)
 
 
 # ----------------------------------------------------------------------------- fixtures and helpers
@@ -44,9 +41,7 @@ def _arch(monkeypatch):
 
 @pytest.fixture
 def rec(monkeypatch):
-    r = Recorder(lambda cfg: ARG_NAMES)
-    monkeypatch.setattr(dispatch, "paged_decode_kernel", r)
-    return r
+    return Recorder().install(monkeypatch)
 
 
 def csr(lens, page_size, *, spare=3, seed=0):
@@ -279,7 +274,7 @@ def test_plan_data_type_fills_unset_q_and_kv(rec):
     w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
     w.plan(*plan_args(p), q_data_type=None, data_type="bfloat16")
     w.run(p["q"], p["cache"])
-    assert rec.calls[-1][0].dtype == "bfloat16"
+    assert rec.last[0].dtype == "bfloat16"
 
 
 def test_plan_q_len_per_req():
@@ -288,9 +283,7 @@ def test_plan_q_len_per_req():
     _plan_raises(ValueError, "q_len_per_req", q_len_per_req=0)
 
 
-def test_plan_multirow_routes_to_prefill(monkeypatch):
-    calls = []
-    monkeypatch.setattr(dispatch, "prefill_kernel", lambda cfg: (lambda *a: calls.append((cfg, a))))
+def test_plan_multirow_routes_to_prefill(rec):
     p = problem(lens=(37, 3, 300, 16))
     w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True)
     with pytest.raises(ValueError, match="kv_len must be >= q_len_per_req"):
@@ -306,9 +299,10 @@ def test_plan_multirow_routes_to_prefill(monkeypatch):
         w.run(q3, p["cache"], q_len_per_req=2)
     out = w.run(q3, p["cache"])
     assert out.shape == (3 * B, hq, d)
-    cfg, args = calls[-1]
+    cfg, args = rec.last
+    assert cfg.name.startswith("prefill_")
     assert cfg.causal and cfg.group_size == hq // p["hkv"] and cfg.page_size == 16
-    work = args[4].cpu()
+    work = args["work"].cpu()
     live = work[work[:, 0] >= 0]
     assert sorted(set(live[:, 0].tolist())) == list(range(B))  # every request has a tile
     assert (live[:, 2] == 3).all()  # qo_len column = q_len_per_req
@@ -519,7 +513,7 @@ def _rejected_or_handed_over(rec, w, p, name, bad):
     if name == "cache":
         assert a["k"].data_ptr() == bad[:, 0].data_ptr() and a["k"].stride() == bad[:, 0].stride()
     else:
-        t = a[{"q": "q", "out": "o", "lse": "lse"}[name]]
+        t = a[name]
         assert t.data_ptr() == bad.data_ptr() and t.stride() == bad.stride()
 
 
@@ -543,7 +537,7 @@ ENTRY_ARGS = [(0, "mQ", "q"), (1, "mK", "k_cache"), (2, "mV", "v_cache"), (5, "m
 
 @pytest.mark.parametrize("arg_index,pname,uname", ENTRY_ARGS)
 def test_run_kernel_entry_errors_name_the_argument(monkeypatch, arg_index, pname, uname):
-    monkeypatch.setattr(dispatch, "paged_decode_kernel", _EntryRejects(arg_index, pname))
+    _EntryRejects(arg_index, pname).install(monkeypatch)
     _assert_entry_error_names(uname)
 
 
@@ -564,7 +558,7 @@ def test_run_kernel_entry_alignment_errors_name_the_argument(monkeypatch, arg_in
                f"bfloat16), mK: Tensor([n2, 16, n3, 64], bfloat16), mV: Tensor([n2, 16, n3, 64], bfloat16), "
                f"mIdx: Tensor([n4], int32), mWork: Tensor([n5, 8], int32), mO: Tensor([n0, n1, 64], bfloat16), "
                f"mLSE: Tensor([n0, n1], float32), ...)`, expected data alignment=16 bytes")
-    monkeypatch.setattr(dispatch, "paged_decode_kernel", rej)
+    rej.install(monkeypatch)
     _assert_entry_error_names(uname)
 
 
@@ -644,12 +638,12 @@ def test_run_extra_positional(rec):
 
 # ----------------------------------------------------------------------------- run(): valid launches
 def _expected_work(p, window_left=-1, **kw):
-    cfg = dispatch.decode_config(dtype=p["dtype"], head_dim=p["d"], page_size=p["ps"],
-                                 group_size=p["hq"] // p["hkv"], arch="sm_90a")
+    cfg = dispatch.decode_choice(dispatch.decode_problem(dtype=p["dtype"], head_dim=p["d"], page_size=p["ps"],
+                                                         group_size=p["hq"] // p["hkv"], arch="sm_90a")).cfg
     kv_lens = kv_lens_from_csr(p["indptr"].long(), p["last"].long(), p["ps"])
     return plan_paged_decode(kv_lens, p["indptr"][:-1].long(), num_kv_heads=p["hkv"], page_size=p["ps"],
                              window_left=window_left, num_sms=dispatch.num_sms(None),
-                             ctas_per_sm=dispatch.paged_decode_ctas_per_sm(cfg), **kw)
+                             ctas_per_sm=occupancy(cfg.smem_bytes, cfg.num_threads), **kw)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -674,7 +668,7 @@ def test_valid_run_reaches_kernel_with_right_arguments(rec, layout):
     wp = _expected_work(p)
     assert a["work"].dtype == torch.int32 and a["work"].shape[1] == WORK_COLS
     assert torch.equal(a["work"].cpu(), wp.work)
-    assert a["o"] is out and out.shape == (B, hq, d) and out.dtype == BF16 and out.is_contiguous()
+    assert a["out"] is out and out.shape == (B, hq, d) and out.dtype == BF16 and out.is_contiguous()
     assert a["lse"].shape == (B, hq) and a["lse"].dtype == torch.float32
     n_part = max(1, wp.num_partials)
     assert a["part_o"].shape == (n_part, hq, d) and a["part_o"].dtype == torch.float32
@@ -708,8 +702,8 @@ def test_valid_run_alibi_slopes(rec):
     w.run(p["q"], p["cache"])
     cfg, a = rec.last
     assert cfg.pos_encoding_mode == "ALIBI" and not cfg.use_soft_cap
-    assert a["slopes"].dtype == torch.float32
-    assert torch.allclose(a["slopes"], alibi_slopes(p["hq"]).float())
+    assert a["alibi_slopes"].dtype == torch.float32
+    assert torch.allclose(a["alibi_slopes"], alibi_slopes(p["hq"]).float())
 
 
 def test_valid_run_window_left_in_work_table(rec):
@@ -740,7 +734,7 @@ def test_valid_run_sinks_selects_sink_kernel(rec):
     assert [c.use_sinks for c in rec.cfgs] == [False, True]  # one kernel per variant, cached
     cfg, a = rec.last
     assert cfg.use_sinks and a["sinks"] is sinks
-    assert rec.calls[0][1][10] is not sinks
+    assert rec.named(0)[1]["sinks"] is not sinks and rec.named(0)[1]["sinks"].numel() == 1  # the dummy
 
 
 def test_valid_run_given_out_and_lse_and_aliases(rec):
@@ -752,7 +746,7 @@ def test_valid_run_given_out_and_lse_and_aliases(rec):
     assert r[0] is out and r[1] is lse
     assert w.forward(p["q"], p["cache"]).shape == out.shape
     assert isinstance(w.forward_return_lse(p["q"], p["cache"]), tuple)
-    assert all(c[1][5].shape == out.shape for c in rec.calls)
+    assert all(c[2].out.shape == out.shape for c in rec.calls)
     w.end_forward()
 
 
@@ -811,7 +805,7 @@ def test_cuda_graph_replan_keeps_kernel_buffers(rec):
     assert torch.equal(a2["work"], wp.work)
     pad = a2["work"][wp.num_work:]
     assert (pad[:, 0] == -1).all() and (pad[:, 1] == pad[:, 2]).all()
-    n_rows = max_items(4, p2["hkv"], dispatch.num_sms(None) * dispatch.paged_decode_ctas_per_sm(rec.cfgs[-1]))
+    n_rows = max_items(4, p2["hkv"], dispatch.num_sms(None) * occupancy(rec.cfgs[-1].smem_bytes, rec.cfgs[-1].num_threads))
     assert a2["work"].shape[0] == n_rows
 
 
@@ -822,7 +816,7 @@ def test_cuda_graph_replan_keeps_alibi_slopes(rec):
     for _ in range(3):
         w.plan(*plan_args(p), q_data_type=BF16, pos_encoding_mode="ALIBI")
         w.run(p["q"], p["cache"])
-        keep.append(rec.last[1]["slopes"].data_ptr())
+        keep.append(rec.last[1]["alibi_slopes"].data_ptr())
     assert len(set(keep)) == 1
 
 
@@ -975,3 +969,69 @@ def test_cuda_graph_multirow_replan_and_frozen_signature():
     with pytest.raises(ValueError, match="cannot change between plans"):
         g.plan(None, None, None, 32, 8, 128, 16, q_len_per_req=2, q_data_type=BF16,
                block_tables=bt.to(torch.int32), seq_lens=sl.to(torch.int32))
+
+
+# ----------------------------------------------------------------------------- the launch contract
+def test_plan_indptr_must_start_at_zero(rec):
+    """FlashInfer requires CSR offsets from 0: a shifted indptr is a ValueError naming it, before any launch."""
+    p = problem()
+    p["indptr"] = p["indptr"] + 1
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    with pytest.raises(ValueError, match=r"indptr\[0\] must be 0"):
+        w.plan(*plan_args(p), q_data_type=BF16)
+    assert rec.calls == [] and w._plan is None
+
+
+def test_output_scale_is_a_kernel_argument(monkeypatch):
+    """v_scale reaches the kernel as ``output_scale`` (its fp32 epilogue); the API does not scale the 16-bit
+    output afterwards."""
+    rec = Recorder().install(monkeypatch)
+    monkeypatch.setattr(dispatch.KERNEL_MODULES["paged_decode"], "launch",
+                        lambda fn, cfg, args: (rec.calls.append((None, cfg, args)), args.out.fill_(1.0)))
+    w, p = planned()
+    out = w.run(p["q"], p["cache"], v_scale=2.5)
+    assert rec.last[1]["output_scale"] == 2.5 and torch.equal(out, torch.ones_like(out))
+
+
+def test_decode_graph_signature(rec):
+    """CUDA-graph mode: the signature holds the plan's shape scalars and the kernel choice's graph key."""
+    w, _ = _graph_wrapper(4, max_pages=256)
+    p = problem()
+    w.plan(*plan_args(p), q_data_type=BF16)
+    sig = w._graph_sig
+    assert sig["kernel"] == w._plan["choice"].graph_key and sig["page_table"] == "csr"
+    w.plan(*plan_args(problem(lens=(3, 90, 16, 1))), q_data_type=BF16)  # lengths may change
+    with pytest.raises(ValueError, match="cannot change between plans"):
+        w.plan(*plan_args(p), q_data_type=BF16, pos_encoding_mode="ROPE_LLAMA")
+
+
+def test_decode_min_waves_moves_to_dispatch(rec, monkeypatch):
+    """CUTEDSL_ATTN_DECODE_MIN_WAVES is read by dispatch.decode_schedule (a number, else ValueError naming it)."""
+    monkeypatch.setenv("CUTEDSL_ATTN_DECODE_MIN_WAVES", "lots")
+    with pytest.raises(ValueError, match="CUTEDSL_ATTN_DECODE_MIN_WAVES"):
+        planned()
+    assert not hasattr(api_decode, "os")
+
+
+def test_single_decode_keeps_no_wrapper(rec):
+    """single_decode_with_kv_cache makes, plans and drops a wrapper per call (no device state outlives a call)."""
+    import gc
+    import weakref
+
+    q, k, v = torch.randn(8, 64).to(BF16), torch.randn(40, 2, 64).to(BF16), torch.randn(40, 2, 64).to(BF16)
+    made = []
+    cls = ca.BatchDecodeWithPagedKVCacheWrapper
+    real_init = cls.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(weakref.ref(self))
+
+    cls.__init__ = init
+    try:
+        ca.single_decode_with_kv_cache(q, k, v)
+        ca.single_decode_with_kv_cache(q, k, v)
+    finally:
+        cls.__init__ = real_init
+    gc.collect()
+    assert len(made) == 2 and all(r() is None for r in made)

@@ -3,10 +3,10 @@
 Every documented error of ``BatchPrefillWithRaggedKVCacheWrapper``,
 ``BatchPrefillWithPagedKVCacheWrapper`` (constructor, ``plan``, ``run``) and
 ``single_prefill_with_kv_cache`` must raise the documented exception type, with a message
-naming the argument, before any kernel launch.  The kernel factory
-``dispatch.prefill_kernel`` is replaced by a recorder, so these tests also check what a
-*valid* call hands to the kernel (tensors, scalars, config flags, the work table, the packed
-mask) and that an invalid call never reaches it.
+naming the argument, before any kernel launch.  The compiled kernels behind
+``dispatch.KernelChoice`` are replaced by a recorder (``_kernel_stubs``), so these tests also check what
+a *valid* call hands to the kernel (the ``PrefillArgs`` tensors and scalars, the problem, the work table,
+the packed mask) and that an invalid call never reaches it.
 
 Wrappers, workspaces and all tensors live on the CPU; ``plan()`` needs a target
 architecture for its kernel config, given through ``CUTEDSL_ATTN_ARCH``.
@@ -32,15 +32,6 @@ from _kernel_stubs import (  # pytest puts tests/ on sys.path
     BAD_PAGED_CACHE_SHAPES, EntryRejects, Recorder, bad_cache_tuples, bad_paged_cache)
 
 BF16, FP16 = torch.bfloat16, torch.float16
-ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "mask", "sinks", "sm_scale", "soft_cap", "window_left")
-N_KERNEL_ARGS = len(ARG_NAMES)
-# the portable kernel (configs with a pos_encoding_mode field) also takes the ALiBi slopes and the RoPE scalars
-POS_ARG_NAMES = ("q", "k", "v", "indices", "work", "o", "lse", "mask", "sinks", "alibi", "sm_scale", "soft_cap",
-                 "window_left", "rope_rcp_scale", "rope_log2_theta")
-
-
-def arg_names(cfg):
-    return POS_ARG_NAMES if hasattr(cfg, "pos_encoding_mode") else ARG_NAMES
 LN2 = math.log(2.0)
 Ragged = ca.BatchPrefillWithRaggedKVCacheWrapper
 Paged = ca.BatchPrefillWithPagedKVCacheWrapper
@@ -54,9 +45,7 @@ def _arch(monkeypatch):
 
 @pytest.fixture
 def rec(monkeypatch):
-    r = Recorder(arg_names)
-    monkeypatch.setattr(dispatch, "prefill_kernel", r)
-    return r
+    return Recorder().install(monkeypatch)
 
 
 def ws(nbytes=1 << 20):
@@ -738,7 +727,7 @@ def _rejected_or_handed_over(rec, w, p, name, bad):
         assert name in str(e)
         return
     a = rec.last[1]
-    t = a[{"q": "q", "k": "k", "out": "o", "lse": "lse"}[name]]
+    t = a[name]
     assert t.data_ptr() == bad.data_ptr() and t.stride() == bad.stride()
 
 
@@ -761,7 +750,7 @@ def _EntryRejects(arg_index, pname):
 @pytest.mark.parametrize("arg_index,pname,uname", [
     (0, "mQ", "q"), (1, "mK", "k"), (2, "mV", "v"), (5, "mO", "out"), (6, "mLSE", "lse"), (8, "mSinks", "sinks")])
 def test_run_kernel_entry_errors_name_the_argument(monkeypatch, which, arg_index, pname, uname):
-    monkeypatch.setattr(dispatch, "prefill_kernel", _EntryRejects(arg_index, pname))
+    _EntryRejects(arg_index, pname).install(monkeypatch)
     if which == "paged" and uname in ("k", "v"):
         uname += "_cache"
     w, p = planned_ragged() if which == "ragged" else planned_paged()
@@ -794,7 +783,7 @@ def test_ragged_valid_launch(rec, layout):
     work, n = expected_work(QO, KV, indptr(KV)[:-1], 4, tile_m=cfg.tile_m)
     assert a["work"].dtype == torch.int32 and a["work"].shape[1] == WORK_COLS
     assert torch.equal(a["work"], work) and w._plan["num_work"] == n
-    assert a["o"] is out and out.shape == (T, hq, d) and out.dtype == BF16 and out.is_contiguous()
+    assert a["out"] is out and out.shape == (T, hq, d) and out.dtype == BF16 and out.is_contiguous()
     assert a["lse"].shape == (T, hq) and a["lse"].dtype == torch.float32 and a["lse"].is_contiguous()
     assert a["mask"].dtype == torch.uint8 and a["mask"].numel() == 1
     assert a["sinks"].dtype == torch.float32 and a["sinks"].numel() == 1
@@ -934,7 +923,7 @@ def test_sinks_select_sink_kernel(rec, which):
     assert [c.use_sinks for c in rec.cfgs] == [False, True]  # one kernel per variant, cached per plan
     cfg, a = rec.last
     assert cfg.use_sinks and a["sinks"] is sinks
-    assert rec.calls[0][1][8] is not sinks
+    assert rec.named(0)[1]["sinks"] is not sinks and rec.named(0)[1]["sinks"].numel() == 1  # the dummy
 
 
 @pytest.mark.parametrize("layout", ["NH", "HN"])
@@ -990,7 +979,7 @@ def test_dtype_names_and_defaults(rec):
     w.plan(*ragged_args(p))  # q_data_type defaults to float16
     w.run(p["q"], p["k"], p["v"])
     w.plan(*ragged_args(ragged_problem()), q_data_type="bfloat16", kv_data_type="bf16", o_data_type=BF16)
-    assert rec.cfgs[0].dtype == "float16" and w._plan["cfg"].dtype == "bfloat16"
+    assert rec.cfgs[0].dtype == "float16" and w._plan["choice"].problem.dtype == "bfloat16"
     with pytest.raises(ValueError, match="q"):
         w.run(p["q"], p["k"], p["v"])
 
@@ -1064,7 +1053,8 @@ def test_graph_ragged_replan_keeps_buffers(rec):
     B = 4
     bufs = ragged_graph_buffers(B)
     w = Ragged(ws(), "NHD", use_cuda_graph=True, **bufs)
-    tm = dispatch.prefill_config(dtype=BF16, head_dim_qk=64, head_dim_vo=64, group_size=4, causal=True).tile_m
+    tm = dispatch.prefill_choice(dispatch.prefill_problem(dtype=BF16, head_dim_qk=64, head_dim_vo=64, group_size=4,
+                                                          causal=True)).tile_m
     n_rows = max_tiles(sum(QO), B, 4, tm)
     works = []
     problems = [ragged_problem(), ragged_problem(qo=(1, 40, 30, 7), kv=(100, 40, 1, 7)),  # same total rows (78)
@@ -1137,7 +1127,7 @@ def test_graph_paged_replan_keeps_buffers(rec):
     for n, src in (("qo_indptr_buf", "qo_indptr"), ("paged_kv_indptr_buf", "kv_indptr"),
                    ("paged_kv_last_page_len_buf", "last")):
         assert torch.equal(bufs[n], p2[src])
-    tm = w._plan["cfg"].tile_m
+    tm = w._plan["choice"].tile_m
     work, _ = expected_work(p2["qo"], p2["kv"], p2["kv_indptr"][:-1], 4, num_rows=max_tiles(sum(QO), B, 4, tm),
                             tile_m=tm)
     assert torch.equal(a2["work"], work)
@@ -1324,7 +1314,7 @@ def test_pos_rope_valid_launch(rec, which):
     cfg, a = rec.last
     assert cfg.pos_encoding_mode == "ROPE_LLAMA" and cfg.causal
     assert a["rope_rcp_scale"] == 0.25 and math.isclose(a["rope_log2_theta"], math.log2(5e5), rel_tol=1e-15)
-    assert a["alibi"].numel() == 1 and a["alibi"].dtype == torch.float32  # not read by a RoPE kernel
+    assert a["alibi_slopes"].numel() == 1 and a["alibi_slopes"].dtype == torch.float32  # not read by a RoPE kernel
     # the defaults (FlashInfer): rope_scale 1, rope_theta 1e4
     w, p = (planned_ragged if which == "ragged" else planned_paged)(pos_encoding_mode="ROPE_LLAMA")
     w.run(p["q"], p["k"], p["v"]) if which == "ragged" else w.run(p["q"], p["cache"])
@@ -1342,13 +1332,13 @@ def test_pos_alibi_valid_launch(rec, which, hq, hkv):
     cfg, a = rec.last
     assert cfg.pos_encoding_mode == "ALIBI" and cfg.group_size == hq // hkv and cfg.use_window
     # FlashInfer's get_alibi_slopes(num_qo_heads), natural-log units, indexed by the query head
-    assert a["alibi"].dtype == torch.float32 and torch.equal(a["alibi"], _alibi_ref(hq))
+    assert a["alibi_slopes"].dtype == torch.float32 and torch.equal(a["alibi_slopes"], _alibi_ref(hq))
     assert (a["rope_rcp_scale"], a["rope_log2_theta"]) == (1.0, math.log2(1e4))
     # a re-plan with the same heads keeps the slopes buffer; NONE hands the kernel the dummy
-    ptr = a["alibi"].data_ptr()
+    ptr = a["alibi_slopes"].data_ptr()
     w.plan(*(ragged_args(p) if which == "ragged" else paged_args(p)), q_data_type=BF16, pos_encoding_mode="ALIBI")
     w.run(p["q"], p["k"], p["v"]) if which == "ragged" else w.run(p["q"], p["cache"])
-    assert rec.last[1]["alibi"].data_ptr() == ptr
+    assert rec.last[1]["alibi_slopes"].data_ptr() == ptr
 
 
 def test_pos_modes_are_compile_keys(rec):
@@ -1361,7 +1351,7 @@ def test_pos_modes_are_compile_keys(rec):
     # NONE is served by the SM90 kernel on sm_90a (its config has no positional-encoding field)
     assert [getattr(c, "pos_encoding_mode", "NONE") for c in cfgs] == ["NONE", "ROPE_LLAMA", "ALIBI"]
     assert len(set(cfgs)) == 3
-    assert "alibi" not in rec.named(0)[1] and rec.named(1)[1]["alibi"].numel() == 1  # ROPE: the dummy
+    assert rec.named(0)[1]["alibi_slopes"].numel() == 1 and rec.named(1)[1]["alibi_slopes"].numel() == 1  # dummies
 
 
 def test_pos_alibi_graph_mode_keeps_slopes_address(rec):
@@ -1372,8 +1362,8 @@ def test_pos_alibi_graph_mode_keeps_slopes_address(rec):
         p = paged_problem(kv=kv)
         w.plan(*paged_args(p), q_data_type=BF16, pos_encoding_mode="ALIBI", causal=True)
         w.run(p["q"], p["cache"])
-        ptrs.append(rec.last[1]["alibi"].data_ptr())
-        assert torch.equal(rec.last[1]["alibi"], _alibi_ref(p["hq"]))
+        ptrs.append(rec.last[1]["alibi_slopes"].data_ptr())
+        assert torch.equal(rec.last[1]["alibi_slopes"], _alibi_ref(p["hq"]))
     assert ptrs[0] == ptrs[1]
 
 
@@ -1387,7 +1377,7 @@ def test_pos_single_prefill(rec, mode):
     assert cfg.pos_encoding_mode == mode and cfg.causal
     assert a["rope_rcp_scale"] == 0.5 and math.isclose(a["rope_log2_theta"], math.log2(1e6), rel_tol=1e-15)
     if mode == "ALIBI":
-        assert torch.equal(a["alibi"], _alibi_ref(8))
+        assert torch.equal(a["alibi_slopes"], _alibi_ref(8))
 
 
 def test_pos_encoding_positional_plan_argument(rec):
@@ -1411,23 +1401,22 @@ def test_pos_rejected_plan_never_launches(rec):
 
 
 def test_pos_kernel_without_pos_args(rec):
-    """The SM90 kernel (no pos_encoding_mode field, the 12-argument signature) gets no positional-encoding
-    arguments; the deprecated forward() switching to ALiBi re-dispatches to the portable kernel and re-plans
-    the work table for its tile height."""
+    """The SM90 kernel (no positional encodings) gets the dummy slopes; the deprecated forward() switching to ALiBi
+    re-dispatches to the portable kernel and re-plans the work table for its tile height."""
     w, p = planned_ragged(causal=True)
     w.run(p["q"], p["k"], p["v"])
     cfg, a = rec.last
-    assert type(cfg).__name__ == "Sm90PrefillConfig" and len(rec.calls[-1][1]) == N_KERNEL_ARGS and "alibi" not in a
+    assert cfg.name == "prefill_sm90" and a["alibi_slopes"].numel() == 1
     with pytest.warns(DeprecationWarning):
         w.forward(p["q"], p["k"], p["v"], causal=True, pos_encoding_mode="ALIBI")
     cfg, a = rec.last
-    assert type(cfg).__name__ == "PrefillConfig" and cfg.pos_encoding_mode == "ALIBI" and "alibi" in a
+    assert cfg.name == "prefill_portable" and cfg.pos_encoding_mode == "ALIBI" and a["alibi_slopes"].numel() == 8
     work, n = expected_work(QO, KV, indptr(KV)[:-1], 4, causal=True, tile_m=cfg.tile_m)
     assert torch.equal(a["work"], work) and w._plan["num_work"] == n
     with pytest.warns(DeprecationWarning):
         w.forward(p["q"], p["k"], p["v"], causal=True, window_left=3)
     cfg, a = rec.last
-    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.use_window and len(rec.calls[-1][1]) == N_KERNEL_ARGS
+    assert cfg.name == "prefill_sm90" and cfg.use_window
     assert torch.equal(a["work"], expected_work(QO, KV, indptr(KV)[:-1], 4, causal=True, window_left=3,
                                                 tile_m=cfg.tile_m)[0])
 
@@ -1438,35 +1427,16 @@ def test_sm90_kernel_chosen_and_portable_forced(rec, monkeypatch):
     128, else 128) for ragged and paged problems it serves, the portable kernel (64-row tiles) for what it does
     not; the env override forces portable."""
     w, p = planned_ragged()
-    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].tile_m == 192
+    assert w._plan["choice"].name == "prefill_sm90" and w._plan["choice"].tile_m == 192
     w, p = planned_ragged(ragged_problem(dqk=128))
-    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].tile_m == 192
+    assert w._plan["choice"].name == "prefill_sm90" and w._plan["choice"].tile_m == 192
     w, p = planned_ragged(ragged_problem(dqk=128), logits_soft_cap=30.0)
-    assert type(w._plan["cfg"]).__name__ == "Sm90PrefillConfig" and w._plan["cfg"].tile_m == 128
+    assert w._plan["choice"].name == "prefill_sm90" and w._plan["choice"].tile_m == 128
     w, p = planned_ragged(pos_encoding_mode="ALIBI")
-    assert type(w._plan["cfg"]).__name__ == "PrefillConfig" and w._plan["cfg"].tile_m == 64
+    assert w._plan["choice"].name == "prefill_portable" and w._plan["choice"].tile_m == 64
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "portable")
     w, p = planned_ragged()
-    assert type(w._plan["cfg"]).__name__ == "PrefillConfig"
-
-
-def test_sm90_trace_gets_its_own_buffer(rec, monkeypatch):
-    """``trace=1`` (a tuning field: per-tile %clock64 stamps into the kernel's mask argument) plans a zeroed
-    buffer of 128 bytes per tile for that argument, never the 1-byte dummy (the stamps would write past
-    it); also after the deprecated forward() re-plans the work table.  Without it the dummy is passed."""
-    w, p = planned_ragged(causal=True)
-    w.run(p["q"], p["k"], p["v"])
-    assert rec.last[1]["mask"].numel() == 1
-    monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_TUNE", "trace=1")
-    w, p = planned_ragged(causal=True)
-    w.run(p["q"], p["k"], p["v"])
-    cfg, a = rec.last
-    assert cfg.trace and a["mask"].dtype == torch.uint8
-    assert a["mask"].numel() == a["work"].shape[0] * 2 * 128 and not a["mask"].any()  # hkv = 2
-    with pytest.warns(DeprecationWarning):
-        w.forward(p["q"], p["k"], p["v"], causal=True, window_left=3)
-    cfg, a = rec.last
-    assert cfg.trace and a["mask"].numel() == a["work"].shape[0] * 2 * 128
+    assert w._plan["choice"].name == "prefill_portable"
 
 
 @pytest.mark.parametrize("sm_scale", [-0.125, 0.0])
@@ -1476,7 +1446,7 @@ def test_non_positive_sm_scale_plans_portable(rec, sm_scale):
     w, p = planned_ragged(sm_scale=sm_scale)
     w.run(p["q"], p["k"], p["v"])
     cfg, a = rec.last
-    assert type(cfg).__name__ == "PrefillConfig" and a["sm_scale"] == sm_scale
+    assert cfg.name == "prefill_portable" and a["sm_scale"] == sm_scale
 
 
 def test_sm90_negative_run_scale_raises(rec):
@@ -1489,7 +1459,7 @@ def test_sm90_negative_run_scale_raises(rec):
     assert len(rec.calls) == n
     w, p = planned_ragged(sm_scale=0.125, logits_soft_cap=5.0)
     w.run(p["q"], p["k"], p["v"], k_scale=-1.0)
-    assert len(rec.calls) == n + 1 and type(rec.last[0]).__name__ == "Sm90PrefillConfig"
+    assert len(rec.calls) == n + 1 and rec.last[0].name == "prefill_sm90"
 
 
 def test_single_prefill_k_scale_joins_the_plan_scale(rec):
@@ -1497,7 +1467,7 @@ def test_single_prefill_k_scale_joins_the_plan_scale(rec):
     k = torch.randn(9, 2, 64).to(BF16)
     ca.single_prefill_with_kv_cache(q, k, k.clone(), k_scale=-2.0)
     cfg, a = rec.last
-    assert type(cfg).__name__ == "PrefillConfig" and math.isclose(a["sm_scale"], -2.0 / 8.0)
+    assert cfg.name == "prefill_portable" and math.isclose(a["sm_scale"], -2.0 / 8.0)
 
 
 # ============================================================================= review fixes
@@ -1538,24 +1508,27 @@ def test_window_left_must_fit_int32(rec):
         planned_ragged(window_left=2**31)
 
 
-def test_single_prefill_wrappers_are_per_thread(rec):
-    import threading
-
-    from cutedsl_attn.api import prefill as api_prefill
-
+def test_single_prefill_keeps_no_wrapper(rec):
+    """single_prefill_with_kv_cache makes, plans and drops a wrapper per call: no device state outlives a call (a
+    CUDA-graph pool must hold only a captured call's outputs), and two threads never share one."""
     q = torch.randn(7, 8, 64).to(BF16)
     k = torch.randn(9, 2, 64).to(BF16)
-    seen = []
+    made = []
+    real_init = Ragged.__init__
 
-    def call():
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        made.append(weakref.ref(self))
+
+    Ragged.__init__ = init
+    try:
         ca.single_prefill_with_kv_cache(q, k, k.clone())
-        seen.append(id(api_prefill._single_state.wrappers[(q.device, q.dtype)]))
-
-    call()
-    t = threading.Thread(target=call)
-    t.start()
-    t.join()
-    assert len(seen) == 2 and seen[0] != seen[1]
+        ca.single_prefill_with_kv_cache(q, k, k.clone())
+    finally:
+        Ragged.__init__ = real_init
+    gc.collect()
+    assert len(made) == 2 and all(r() is None for r in made)
+    assert not hasattr(api_prefill, "_single_state")
 
 
 # ============================================================================= score_mod (this package's extension)
@@ -1570,20 +1543,20 @@ def test_score_mod_reaches_both_kernels(rec):
     w, p = planned_ragged(causal=True, score_mod=_bias)
     w.run(p["q"], p["k"], p["v"])
     cfg = rec.last[0]
-    assert type(cfg).__name__ == "Sm90PrefillConfig" and cfg.score_mod is _bias and cfg.causal
+    assert cfg.name == "prefill_sm90" and cfg.score_mod is _bias and cfg.causal
     # head_dim 64: three warpgroups x tile_n 128 and FlashAttention's loop order, as without one (perf/RESULTS.md)
-    assert not cfg.positive_scale_only and (cfg.tile_n, cfg.num_wg, cfg.loop_split) == (128, 3, True)
+    assert not cfg.positive_scale_only and (cfg.tile_n, cfg.num_wg, cfg.loop_order.name) == (128, 3, "SPLIT_LATE_V")
     p128 = ragged_problem(dqk=128)
     w, _ = planned_ragged(p128, causal=True, score_mod=_bias)
     w.run(p128["q"], p128["k"], p128["v"])
-    # head_dim 128: three warpgroups x tile_n 80 with the conditional rescaling, no staging, no stale_max (session 12)
+    # head_dim 128: three warpgroups x tile_n 80 with the conditional rescaling, no staging, no stale_max
     c128 = rec.last[0]
-    assert (c128.tile_n, c128.num_wg, c128.rescale_threshold, c128.smem_epilogue, c128.stale_max) == (80, 3, 8, False,
-                                                                                                      False)
+    assert (c128.tile_n, c128.num_wg, c128.rescale_threshold, c128.epilogue.name, c128.softmax.name) == (
+        80, 3, 8, "REGS", "EXACT")
     p32 = ragged_problem(dqk=32)
     w, _ = planned_ragged(p32, score_mod=_bias)
     w.run(p32["q"], p32["k"], p32["v"])
-    assert type(rec.last[0]).__name__ == "PrefillConfig" and rec.last[0].score_mod is _bias
+    assert rec.last[0].name == "prefill_portable" and rec.last[0].score_mod is _bias
     wp, pp = planned_paged(score_mod=_bias)
     wp.run(pp["q"], pp["cache"])
     assert rec.last[0].score_mod is _bias and rec.last[0].page_size == 16
@@ -1646,3 +1619,79 @@ def test_score_mod_cuda_graph_replan(rec):
     w.plan(*ragged_args(p), q_data_type=BF16, causal=True, score_mod=_make_bias(0.1))
     with pytest.raises(ValueError, match="score_mod"):
         w.plan(*ragged_args(p), q_data_type=BF16, causal=True, score_mod=_make_bias(0.2))
+
+
+# ============================================================================= the launch contract
+@pytest.mark.parametrize("name", ["qo_indptr", "kv_indptr"])
+def test_plan_ragged_indptr_must_start_at_zero(rec, name):
+    """FlashInfer requires offsets from 0: a shifted indptr is a ValueError naming it, before any launch."""
+    p = ragged_problem()
+    p[name] = p[name] + 3
+    w = Ragged(ws(), "NHD")
+    with pytest.raises(ValueError, match=rf"{name}\[0\] must be 0"):
+        w.plan(*ragged_args(p), q_data_type=BF16)
+    assert rec.calls == [] and w._plan is None
+
+
+@pytest.mark.parametrize("name", ["qo_indptr", "paged_kv_indptr"])
+def test_plan_paged_indptr_must_start_at_zero(rec, name):
+    p = paged_problem()
+    key = "kv_indptr" if name == "paged_kv_indptr" else name
+    p[key] = p[key] + 1
+    w = Paged(ws(), "NHD")
+    with pytest.raises(ValueError, match=rf"{name}\[0\] must be 0"):
+        w.plan(*paged_args(p), q_data_type=BF16)
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("which", BOTH_PLANS)
+def test_output_scale_is_a_kernel_argument(monkeypatch, which):
+    """v_scale / o_scale reach the kernel as ``output_scale`` (applied in its fp32 epilogue); the API does not
+    scale the 16-bit output afterwards (a second rounding)."""
+    rec = Recorder().install(monkeypatch)
+    for m in dispatch.KERNEL_MODULES.values():  # a kernel that writes O = 1 whatever the output scale
+        monkeypatch.setattr(m, "launch", lambda fn, cfg, args: (rec.calls.append((None, cfg, args)),
+                                                                args.out.fill_(1.0)))
+    w, p = planned_ragged() if which == "ragged" else planned_paged()
+    kw = dict(v_scale=3.0, o_scale=4.0) if which == "ragged" else dict(v_scale=3.0)
+    out = w.run(p["q"], p["k"], p["v"], **kw) if which == "ragged" else w.run(p["q"], p["cache"], **kw)
+    assert rec.last[1]["output_scale"] == (0.75 if which == "ragged" else 3.0)
+    assert torch.equal(out, torch.ones_like(out))
+
+
+def test_ragged_kv_passed_as_given(rec):
+    """K/V with spare rows past kv_indptr[-1] reach the kernel as the caller's tensors (no slice, no copy): each
+    kernel ignores rows past a request's end."""
+    p = ragged_problem()
+    k = torch.randn(sum(KV) + 17, 2, 64).to(BF16)
+    v = torch.randn(sum(KV) + 17, 2, 64).to(BF16)
+    w, _ = planned_ragged(p)
+    w.run(p["q"], k, v)
+    a = rec.last[1]
+    assert a["k"] is k and a["v"] is v
+
+
+def test_graph_signature_names_what_changed(rec):
+    """CUDA-graph mode: the re-plan signature is dispatch.graph_signature of the choice and the plan scalars; a
+    changed scalar is named, a changed kernel alone (same scalars) is "the kernel choice"."""
+    B = 4
+    w = Ragged(ws(), "NHD", use_cuda_graph=True, **ragged_graph_buffers(B))
+    p = ragged_problem()
+    w.plan(*ragged_args(p), q_data_type=BF16, causal=True)
+    sig = w._graph_sig
+    assert sig == dispatch.graph_signature(w._plan["choice"], **{k: v for k, v in sig.items() if k != "kernel"})
+    assert sig["kernel"] == w._plan["choice"].graph_key and sig["causal"] is True
+    with pytest.raises(ValueError, match="logits_soft_cap changed"):
+        w.plan(*ragged_args(p), q_data_type=BF16, causal=True, logits_soft_cap=3.0)
+    w.plan(*ragged_args(p), q_data_type=BF16, causal=True)  # the same plan again is fine
+
+
+def test_dispatch_choice_is_the_launch_seam(rec):
+    """The API hands dispatch a PrefillArgs; the kernel module's launch orders it for the compiled callable (the
+    stub counts the positional arguments: SM90 12, portable 16)."""
+    w, p = planned_ragged(causal=True)
+    w.run(p["q"], p["k"], p["v"])
+    w2, _ = planned_ragged(p, pos_encoding_mode="ROPE_LLAMA")
+    w2.run(p["q"], p["k"], p["v"])
+    assert [rec.named(i)[0].name for i in range(2)] == ["prefill_sm90", "prefill_portable"]
+    assert rec.positional[-1] == 16 and rec.positional[0] in (12, 13)  # SM90: + output_scale once converted

@@ -6,7 +6,7 @@ by relative Frobenius error (bf16 <= 1e-2, fp16 <= 4e-3), the LSE by its -inf pa
 with no visible key) and its finite values (base 2, abs err < 2e-2).
 
 Needs a CUDA GPU and an importable ``cudnn`` (cudnn-frontend); skipped otherwise.  Written for
-the H200 + torch 2.11+cu130 (cuDNN 9.19) + cudnn-frontend 1.32 image; all passed there on 2026-11-29.
+the H200 + torch 2.11+cu130 (cuDNN 9.19) + cudnn-frontend 1.32 image; they pass there.
 About 20 distinct cuDNN graphs are built (tens of ms to ~1 s each).
 """
 

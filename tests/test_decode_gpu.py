@@ -183,7 +183,7 @@ def test_cuda_graph_replay_after_replan():
 
 
 def test_real_activations_minilm():
-    from cutedsl_attn.realmodel import decode_cases, load_minilm_fixture
+    from cutedsl_attn._demo.realmodel import decode_cases, load_minilm_fixture
 
     fx = load_minilm_fixture()  # decode = each sentence's last token over all its keys
     n_layers = 0

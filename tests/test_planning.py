@@ -330,20 +330,9 @@ def test_plan_properties(lens, hkv, num_sms, ctas_per_sm, window_left, mode, fix
 
 
 # ----------------------------------------------------------------------------- CSR <-> block tables (wrapper)
-class _Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, cfg):
-        def launch(*args):
-            self.calls.append(args)
-
-        return launch
-
-
 def _resolved_pages(args, page_size):
     """(request, token) -> physical page, as the kernel reads it from the work table and flat indices."""
-    indices, work = args[3], args[4]
+    indices, work = args.indices, args.work
     out = {}
     for b, s, e, kv_len, off, *_ in work.tolist():
         if b < 0:
@@ -357,11 +346,11 @@ def _resolved_pages(args, page_size):
 @pytest.mark.parametrize("window_left", [-1, 40])
 def test_block_tables_equal_csr_in_wrapper(monkeypatch, page_size, window_left):
     import cutedsl_attn as ca
-    from cutedsl_attn import dispatch
 
     monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
-    rec = _Recorder()
-    monkeypatch.setattr(dispatch, "paged_decode_kernel", rec)
+    from _kernel_stubs import Recorder
+
+    rec = Recorder().install(monkeypatch)
     g = torch.Generator().manual_seed(3)
     seq_lens = torch.tensor([700, 0, 1, 33, 16, 250], dtype=torch.int32)
     width = -(-700 // page_size) + 2
@@ -380,10 +369,10 @@ def test_block_tables_equal_csr_in_wrapper(monkeypatch, page_size, window_left):
     w2.plan(None, None, None, hq, hkv, d, page_size, q_data_type=torch.bfloat16, window_left=window_left,
             block_tables=bt, seq_lens=seq_lens)
     w2.run(q, cache)
-    a_csr, a_bt = rec.calls
+    (_, _, a_csr), (_, _, a_bt) = rec.calls
     # same kv_lens in both work tables, same physical page for every token the kernel reads
     for a in (a_csr, a_bt):
-        lens_seen = {r[0]: r[3] for r in a[4].tolist() if r[0] >= 0}
+        lens_seen = {r[0]: r[3] for r in a.work.tolist() if r[0] >= 0}
         assert [lens_seen[b] for b in range(6)] == seq_lens.tolist()
     p_csr, p_bt = _resolved_pages(a_csr, page_size), _resolved_pages(a_bt, page_size)
     assert p_csr == p_bt

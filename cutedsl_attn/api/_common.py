@@ -154,7 +154,10 @@ def check_sm_scale(sm_scale, head_dim_qk: int) -> float:
 
 
 def indptr_host(name: str, t, *, length: int | None = None) -> torch.Tensor:
-    """A validated int32 ``[B+1]`` offset array, read to the CPU as int64."""
+    """A validated int32 ``[B+1]`` offset array (from 0, non-decreasing), read to the CPU as int64.
+
+    Raises TypeError for a non-tensor, ValueError naming ``name`` for another dtype, length or ndim, a first
+    entry other than 0, or a decrease."""
     check_tensor(name, t, ndim=1)
     if t.dtype != torch.int32:
         raise ValueError(f"{name} must be int32, got {t.dtype}")
@@ -163,8 +166,8 @@ def indptr_host(name: str, t, *, length: int | None = None) -> torch.Tensor:
     if t.shape[0] < 1:
         raise ValueError(f"{name} must have at least one entry (batch_size + 1)")
     h = t.to("cpu", torch.int64)
-    if int(h[0]) < 0:
-        raise ValueError(f"{name}[0] must be >= 0, got {int(h[0])}")
+    if int(h[0]) != 0:  # as FlashInfer: offsets start at 0
+        raise ValueError(f"{name}[0] must be 0, got {int(h[0])}")
     if (h[1:] < h[:-1]).any():
         raise ValueError(f"{name} must be non-decreasing")
     return h
@@ -173,7 +176,7 @@ def indptr_host(name: str, t, *, length: int | None = None) -> torch.Tensor:
 def csr_kv_lens(indptr, last_page_len, B: int, page_size: int, *,
                 names=("paged_kv_indptr", "paged_kv_last_page_len")):
     """``(indptr on the host, kv_lens)`` of a CSR page table after validating ``indptr`` (``[B+1]`` int32,
-    non-decreasing, from >= 0) and ``last_page_len`` (``[B]`` int32, in ``[1, page_size]``, 0 only for a
+    non-decreasing, from 0) and ``last_page_len`` (``[B]`` int32, in ``[1, page_size]``, 0 only for a
     request without pages); ``kv_len_b = (npages_b - 1) * page_size + last_page_len_b``.  ``names``: the
     two arguments' names in the caller's API (FlashInfer's prefill names by default)."""
     from ..planning.decode import kv_lens_from_csr
@@ -248,35 +251,6 @@ def split_paged_kv_cache(paged_kv_cache, kv_layout: str):
     if kv_layout == "HND":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     return k, v
-
-
-_KERNEL_ARG_RE = None
-
-
-def kernel_entry_error(e: Exception, positions: dict[int, str], renames: dict[str, str]) -> ValueError:
-    """A ValueError from a compiled kernel's tvm-ffi entry check, in the API's argument names.
-
-    The entry names arguments by position (``argument #3``) and by the kernel's parameter
-    names (``mK``); ``positions`` and ``renames`` map both to the FlashInfer names.
-    """
-    import re
-
-    global _KERNEL_ARG_RE
-    if _KERNEL_ARG_RE is None:
-        _KERNEL_ARG_RE = re.compile(r"argument #(\d+)")
-    text = str(e)
-    head, _, tail = text.partition(" when calling")
-    # the entry's reason follows the call signature (e.g. "expected device_type=cuda"); keep it
-    reason = tail.split("`", 2)[-1].strip(" :,.\n") if "`" in tail else tail.strip(" :,.\n")
-    msg = _KERNEL_ARG_RE.sub(lambda m: f"argument {positions.get(int(m.group(1)), m.group(1))}", head)
-    if reason:
-        msg = f"{msg}: {reason[:300]}"
-    for kname, uname in renames.items():
-        msg = msg.replace(kname + ".", uname + ".").replace(kname + " ", uname + " ")
-    return ValueError(
-        f"{msg} (inputs must be CUDA tensors with a contiguous last dim, 16-byte aligned pointers and strides; "
-        "out and lse contiguous)"
-    )
 
 
 def paged_kv_views(paged_kv_cache, kv_layout: str, *, page_size: int, num_kv_heads: int, head_dims, dtype, device):

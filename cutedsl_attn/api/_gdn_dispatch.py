@@ -1,8 +1,10 @@
 """Kernel choice for the gated delta rule ops (to be merged into ``cutedsl_attn.dispatch``).
 
-Today one kernel serves every GDN problem on every arch: the token-serial recurrent kernel
-(:mod:`cutedsl_attn.portable.gdn_recurrent`), the right algorithm for the decode step and the stand-in for
-prefill until the chunked kernels exist.
+Today one kernel module serves every problem of the delta-rule family (GDN, GDN-2, Gated DeltaProduct, KDA) on
+every arch: the token-serial recurrent kernel (:mod:`cutedsl_attn.portable.gdn_recurrent`, its variants selected
+by :class:`GdnProblem` fields), the right algorithm for the decode step and the stand-in for prefill until the
+chunked kernels exist.  Under ``torch.compile`` the launch is the custom op ``cutedsl_attn::gdn_recurrent``
+(a fake implementation for tracing); eager calls launch directly.
 """
 
 from __future__ import annotations
@@ -12,8 +14,11 @@ import functools
 import torch
 
 from ..compile import get_compiled
+from ..compile.keys import config_key
 from ..planning.gdn import GdnArgs, GdnProblem
 from ..portable import gdn_recurrent as _rec
+
+_BY_KEY: dict = {}  # config key -> (module, config): the custom op finds its kernel here
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,8 +40,36 @@ def gdn_choice(problem: GdnProblem, *, device_index: int | None = None):
     return _rec, _rec.Config(problem, _rec.default_tiles(problem, num_sms=_num_sms(device_index)))
 
 
+def _launch(module, cfg, args: GdnArgs) -> None:
+    fn = get_compiled(module.NAME, cfg, module.compile)
+    module.launch(fn, cfg, args)
+
+
+# the state pool may be both initial_state and output_state (an in-place update): both are declared mutated
+@torch.library.custom_op("cutedsl_attn::gdn_recurrent", mutates_args=("initial_state", "output_state", "output"))
+def _gdn_recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      cu_seqlens: torch.Tensor, initial_state: torch.Tensor, initial_state_indices: torch.Tensor,
+                      output_state: torch.Tensor, output_state_indices: torch.Tensor, output: torch.Tensor,
+                      scale: float, q_group: int, k_group: int, v_group: int, flags: int, key: str) -> None:
+    choice = _BY_KEY.get(key)
+    if choice is None:
+        raise RuntimeError(f"cutedsl_attn: no gated delta rule kernel with key {key[:120]!r} in this process")
+    _launch(*choice, GdnArgs(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices, output_state,
+                             output_state_indices, output, scale, q_group, k_group, v_group, flags))
+
+
+@_gdn_recurrent_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices, output_state, output_state_indices,
+      output, scale, q_group, k_group, v_group, flags, key) -> None:
+    return None
+
+
 def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None = None) -> None:
     """Compile (cached in memory and on disk) the chosen kernel and launch it on the current stream."""
     module, cfg = gdn_choice(problem, device_index=device_index)
-    fn = get_compiled(module.NAME, cfg, module.compile)
-    module.launch(fn, cfg, args)
+    if torch.compiler.is_compiling():
+        key = f"{module.NAME}:{config_key(cfg)}"
+        _BY_KEY.setdefault(key, (module, cfg))
+        _gdn_recurrent_op(*args, key)
+        return
+    _launch(module, cfg, args)

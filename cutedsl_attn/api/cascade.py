@@ -3,8 +3,7 @@
 
 An attention *state* for a set of keys is the pair ``(v, s)``: ``v`` the softmax-
 normalised output over those keys and ``s`` its base-2 log-sum-exp
-(``s = log2(sum_j exp(logit_j))``, FlashInfer's LSE convention, ``flashinfer_api.md``
-sections 1.5/1.6).  Merging states of two disjoint key sets gives the state of their
+(``s = log2(sum_j exp(logit_j))``, FlashInfer's LSE convention).  Merging states of two disjoint key sets gives the state of their
 union::
 
     m  = max(s_a, s_b);  w_a = 2^(s_a - m);  w_b = 2^(s_b - m)
@@ -115,8 +114,7 @@ def merge_state(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merge two attention states (``flashinfer.cascade.merge_state``).
 
-    Torch-implemented (float32 math, no custom kernel yet).  Convention:
-    ``flashinfer_api.md`` section 1.6, base-2 LSE.
+    Torch-implemented (float32 math, no custom kernel yet).  Convention: FlashInfer's, base-2 LSE.
 
     Args:
         v_a: ``[n, H, D]`` attention output over key set A (any float dtype).
@@ -154,8 +152,7 @@ def merge_state_in_place(
     """Merge ``(v_other, s_other)`` into ``(v, s)`` in place
     (``flashinfer.cascade.merge_state_in_place``).
 
-    Torch-implemented (float32 math, no custom kernel yet).  Convention:
-    ``flashinfer_api.md`` section 1.6.  Rows with ``mask[i] == False`` are left
+    Torch-implemented (float32 math, no custom kernel yet).  Convention: FlashInfer's.  Rows with ``mask[i] == False`` are left
     untouched (no host sync, CUDA-graph friendly).
 
     Args:
@@ -206,8 +203,7 @@ def merge_state_in_place(
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merge ``num_states`` attention states per row (``flashinfer.cascade.merge_states``).
 
-    Torch-implemented (float32 math, no custom kernel yet).  Convention:
-    ``flashinfer_api.md`` section 1.6, base-2 LSE; empty states (``s = -inf``) contribute
+    Torch-implemented (float32 math, no custom kernel yet).  Convention: FlashInfer's, base-2 LSE; empty states (``s = -inf``) contribute
     nothing; ``num_states == 0`` or all-empty rows give ``v = 0``, ``s = -inf``.
 
     Args:

@@ -1,7 +1,7 @@
 """The ``backend="cudnn"`` prefill path: :func:`cudnn_batch_prefill_with_kv_cache` (FlashInfer 0.7.2's
-``flashinfer.cudnn_batch_prefill_with_kv_cache``, ``flashinfer_api.md`` section 2.9) and the glue the
+``flashinfer.cudnn_batch_prefill_with_kv_cache``) and the glue the
 prefill wrappers (``BatchPrefillWithRaggedKVCacheWrapper`` / ``BatchPrefillWithPagedKVCacheWrapper``
-with ``backend="cudnn"``, sections 2.11 / 2.12) call from ``plan()`` and ``run()``.
+with ``backend="cudnn"``) call from ``plan()`` and ``run()``.
 
 Every call here runs one cuDNN frontend graph (``cudnn.pygraph`` with one SDPA forward node; the
 graphs, their cache and the handle live in :mod:`cutedsl_attn.cudnn.prefill`).  The ``cudnn``
@@ -12,17 +12,17 @@ it is missing.
 Conventions (FlashInfer's, each with its source):
 
 * causal is bottom-right aligned: key ``j`` is visible to row ``i`` of a request iff
-  ``j <= i + kv_len - qo_len`` (``flashinfer_api.md`` 1.4; FlashInfer's cuDNN path passes
+  ``j <= i + kv_len - qo_len`` (FlashInfer's cuDNN path passes
   ``use_causal_mask_bottom_right=causal``); rows with no visible key give O = 0 and LSE = -inf;
 * ``window_left=w`` keeps ``w+1`` keys (the diagonal included) = cuDNN's
-  ``diagonal_band_left_bound=w+1`` (1.4); only together with ``causal`` here;
+  ``diagonal_band_left_bound=w+1``; only together with ``causal`` here;
 * the LSE is base 2 by default: cuDNN's Stats are natural-log and are multiplied by ``log2(e)``
   (FlashInfer ``cudnn/prefill.py``; ``lse_base="ln"`` keeps them as written);
 * the wrappers' LSE is packed tokens-major ``[qo_indptr[-1], Hq]`` (FlashInfer's wrapper passes
   ``batch_offsets_stats``); the raw function's default LSE is padded ``[B, max_token_per_sequence,
-  Hq]`` unless ``batch_offsets_stats`` is given (1.5);
+  Hq]`` unless ``batch_offsets_stats`` is given;
 * the raw function's ``batch_offsets_*`` are in **elements** by default
-  (``batch_offsets_units="elements"``), token indptrs with ``"tokens"`` (1.2).
+  (``batch_offsets_units="elements"``), token indptrs with ``"tokens"``.
 
 Wrapper graphs: ``plan()`` does host work only (validation, lengths, the dense block table gathered
 on the device from the CSR arrays, ragged offsets); the first ``run()`` of a new graph key builds the
@@ -34,7 +34,7 @@ wrappers with ``backend="cudnn"``: CUDA-graph mode, the deprecated ``forward()``
 ``kv_layout="HND"`` (as FlashInfer), and the features listed in :func:`plan_wrapper`.
 
 Status: written against cudnn-frontend 1.32.0 and the cuDNN 9.19 runtime of torch 2.11+cu130 on
-SM90; verified on an NVIDIA H200 (2026-11-29: tests/test_cudnn_gpu.py passed against the float64 oracle).
+SM90; verified on an NVIDIA H200 against the float64 oracle.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def cudnn_batch_prefill_with_kv_cache(
     lse_base: str = "log2",
 ):
     """Batched prefill attention over a paged or ragged KV, one cuDNN frontend SDPA graph
-    (FlashInfer 0.7.2's ``flashinfer.cudnn_batch_prefill_with_kv_cache``; ``flashinfer_api.md`` 2.9).
+    (FlashInfer 0.7.2's ``flashinfer.cudnn_batch_prefill_with_kv_cache``).
 
     Args:
       q: packed queries ``[total_q, Hq, Dqk]`` fp16/bf16 (request ``b``'s rows consecutive), last dim
@@ -365,7 +365,7 @@ def cudnn_batch_prefill_with_kv_cache(
     Notes: the graph is cached by (device, dtype, B, ``S_q``, ``S_kv``, heads, head dims, scale, causal,
     LSE form, tensor strides, page-table width); a new combination builds a graph (tens of ms).  Rows
     without a visible key are fixed by a few small device ops plus one masked pass over ``out`` (no
-    host synchronisation).  Status: verified on an NVIDIA H200 (2026-11-29: tests/test_cudnn_gpu.py passed against the float64 oracle).
+    host synchronisation).  Verified on an NVIDIA H200 against the float64 oracle.
     """
     # ---- FlashInfer's checks first (same order)
     if lse_base not in LSE_BASES:

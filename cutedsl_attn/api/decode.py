@@ -13,17 +13,14 @@ H200 (SM90); on SM100/SM103 it is only cross-compiled and PTX-checked.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import threading
 import warnings
 
 import torch
 
 from .. import dispatch
-from ..planning.decode import WORK_COLS, max_items, plan_paged_decode
-from ..ref.attention import alibi_slopes
+from ..planning.alibi import get_alibi_slopes
+from ..planning.decode import DecodeArgs
 from ._common import (
     canonical_dtype,
     check_head_dim,
@@ -34,23 +31,46 @@ from ._common import (
     check_int,
     check_tensor,
     check_window_left,
-    csr_kv_lens,
-    kernel_entry_error,
     paged_kv_views,
     return_lse_method,
     run_scale,
 )
+from ._graph import FixedBuffers, pinned_if_capturing, staged_host_copies, to_device
+from ._pagetable import from_block_tables, from_csr
+from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper  # q_len_per_req > 1 plans through it
 
-_SUPPORTED_BACKENDS = ("auto", "cute")
-_KERNEL_ARG_NAMES = {0: "q", 1: "k_cache", 2: "v_cache", 3: "indices", 5: "out", 6: "lse", 10: "sinks"}
-_KERNEL_RENAMES = {"mQ": "q", "mK": "k_cache", "mV": "v_cache", "mO": "out", "mLSE": "lse", "mSinks": "sinks",
-                   "mIdx": "indices"}
-_FLASHINFER_BACKENDS = ("fa2", "fa3", "trtllm-gen", "cute-dsl", "cudnn", "cutile", "prims-ts", "xqa")
+# the kernel arguments (DecodeArgs fields) in the names of FlashInfer's decode wrapper
+_ARG_NAMES = {"k": "k_cache", "v": "v_cache"}
 _PLAN_POSITIONAL = (
     "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type", "o_data_type",
     "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking", "block_tables", "seq_lens",
     "fixed_split_size", "disable_split_kv", "q_len_per_req",
 )
+
+
+def _plan_dtypes(q_data_type, kv_data_type, o_data_type, data_type):
+    """``(q, kv, o)`` torch dtypes of a decode plan (FlashInfer's defaults: q float16, kv and o q's; the deprecated
+    ``data_type`` fills only the unset q / kv).  NotImplementedError for fp8 or mixed dtypes."""
+    q_dt = canonical_dtype("q_data_type", q_data_type)
+    kv_dt = canonical_dtype("kv_data_type", kv_data_type)
+    o_dt = canonical_dtype("o_data_type", o_data_type)
+    d_dt = canonical_dtype("data_type", data_type)
+    if d_dt is not None:
+        q_dt = q_dt if q_dt is not None else d_dt
+        kv_dt = kv_dt if kv_dt is not None else d_dt
+    q_dt = q_dt or torch.float16
+    kv_dt = kv_dt or q_dt
+    o_dt = o_dt or q_dt
+    for n, dt in (("q_data_type", q_dt), ("kv_data_type", kv_dt), ("o_data_type", o_dt)):
+        if dt not in (torch.float16, torch.bfloat16):
+            raise NotImplementedError(f"{n}={dt} is not supported; supported: torch.float16, torch.bfloat16")
+    if not (q_dt == kv_dt == o_dt):
+        hint = (" (q_data_type defaults to float16 and the deprecated data_type only fills unset dtypes, "
+                "as in FlashInfer: pass q_data_type)" if d_dt is not None else "")
+        raise NotImplementedError(
+            f"mixed dtypes (q={q_dt}, kv={kv_dt}, o={o_dt}) are not supported; q, kv and o must match{hint}"
+        )
+    return q_dt, kv_dt, o_dt
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -93,12 +113,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         jit_args=None,
     ) -> None:
         check_kv_layout(kv_layout)
-        if backend not in _SUPPORTED_BACKENDS:
-            if backend in _FLASHINFER_BACKENDS:
-                raise NotImplementedError(
-                    f"backend={backend!r} is not available in cutedsl_attn; supported: {_SUPPORTED_BACKENDS}"
-                )
-            raise ValueError(f"unknown backend {backend!r}; supported: {_SUPPORTED_BACKENDS}")
+        dispatch.decode_backend(backend)
         if jit_args is not None:
             raise NotImplementedError("jit_args is not supported; kernels are extended through their Python config")
         check_tensor("float_workspace_buffer", float_workspace_buffer)
@@ -129,10 +144,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._indices_buf = paged_kv_indices_buffer
         self._last_page_len_buf = paged_kv_last_page_len_buffer
         self._plan = None
-        self._kernels: dict[bool, object] = {}
-        self._work_dev = None
+        self._bufs = FixedBuffers(self.device, fixed=self._use_cuda_graph)
         self._counters = None
-        self._table_buf = None
         self._graph_sig = None
         self._multirow = None
         self._dummy = None
@@ -269,25 +282,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if cap > 0 and pos_encoding_mode == "ALIBI":
             raise NotImplementedError("logits_soft_cap together with ALIBI is not supported")
 
-        q_dt = canonical_dtype("q_data_type", q_data_type)
-        kv_dt = canonical_dtype("kv_data_type", kv_data_type)
-        o_dt = canonical_dtype("o_data_type", o_data_type)
-        d_dt = canonical_dtype("data_type", data_type)
-        if d_dt is not None:
-            q_dt = q_dt if q_dt is not None else d_dt
-            kv_dt = kv_dt if kv_dt is not None else d_dt
-        q_dt = q_dt or torch.float16
-        kv_dt = kv_dt or q_dt
-        o_dt = o_dt or q_dt
-        for n, dt in (("q_data_type", q_dt), ("kv_data_type", kv_dt), ("o_data_type", o_dt)):
-            if dt not in (torch.float16, torch.bfloat16):
-                raise NotImplementedError(f"{n}={dt} is not supported; supported: torch.float16, torch.bfloat16")
-        if not (q_dt == kv_dt == o_dt):
-            hint = (" (q_data_type defaults to float16 and the deprecated data_type only fills unset dtypes, "
-                    "as in FlashInfer: pass q_data_type)" if d_dt is not None else "")
-            raise NotImplementedError(
-                f"mixed dtypes (q={q_dt}, kv={kv_dt}, o={o_dt}) are not supported; q, kv and o must match{hint}"
-            )
+        q_dt, kv_dt, o_dt = _plan_dtypes(q_data_type, kv_data_type, o_data_type, data_type)
 
         # --- page table: CSR or dense block table -> (kv_lens, page_offsets, flat indices)
         if (block_tables is not None or seq_lens is not None) and indptr is not None:
@@ -295,60 +290,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 "give the page table either as CSR (indptr/indices/last_page_len) or as block_tables/seq_lens, "
                 "not both (pass None for the unused form)"
             )
-        if block_tables is not None or seq_lens is not None:
-            if block_tables is None or seq_lens is None:
-                raise ValueError("block_tables and seq_lens must be given together")
-            check_tensor("block_tables", block_tables, ndim=2)
-            block_tables = block_tables.to(self.device, non_blocking=non_blocking)  # as FlashInfer: host tables ok
-            if block_tables.dtype not in (torch.int32,):
-                raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
-            check_tensor("seq_lens", seq_lens, ndim=1)
-            B = block_tables.shape[0]
-            if seq_lens.shape[0] != B:
-                raise ValueError(f"seq_lens must have shape [{B}], got {tuple(seq_lens.shape)}")
-            if seq_lens.dtype.is_floating_point or seq_lens.dtype == torch.bool:
-                raise ValueError(f"seq_lens must be an integer tensor, got {seq_lens.dtype}")
-            kv_lens = seq_lens.to("cpu", torch.int64)
-            if (kv_lens < 0).any():
-                raise ValueError("seq_lens must be >= 0")
-            if kv_lens.numel() and int(kv_lens.max()) > block_tables.shape[1] * page_size:
-                raise ValueError("block_tables is too narrow for seq_lens: need ceil(seq_len/page_size) columns")
-            flat = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
-            flat = flat.reshape(-1)
-            page_offsets = torch.arange(B, dtype=torch.int64) * block_tables.shape[1]
-            copies = [("block_tables", flat)]
+        use_table = block_tables is not None or seq_lens is not None
+        if use_table:
+            kv_lens, page_offsets, flat = from_block_tables(block_tables, seq_lens, page_size, self.device,
+                                                            non_blocking)
         else:
-            for n, t in (("indptr", indptr), ("indices", indices), ("last_page_len", last_page_len)):
-                check_tensor(n, t, ndim=1)
-                if t.dtype != torch.int32:
-                    raise ValueError(f"{n} must be int32, got {t.dtype}")
-            indices = indices.to(self.device, non_blocking=non_blocking)  # as FlashInfer: host indices are copied
-            B = last_page_len.shape[0]
-            indptr_h, kv_lens = csr_kv_lens(indptr, last_page_len, B, page_size, names=("indptr", "last_page_len"))
-            if int(indptr_h[-1]) > indices.shape[0]:
-                raise ValueError(f"indptr[-1] ({int(indptr_h[-1])}) exceeds len(indices) ({indices.shape[0]})")
-            page_offsets = indptr_h[:-1]
-            flat = indices
-            copies = [("indices", indices), ("indptr", indptr), ("last_page_len", last_page_len)]
-            if self._use_cuda_graph and indices.shape[0] > self._indices_buf.shape[0]:
+            _, kv_lens, page_offsets, flat = from_csr(indptr, indices, last_page_len, page_size, self.device,
+                                                      non_blocking, names=("indptr", "indices", "last_page_len"))
+            if self._use_cuda_graph and flat.shape[0] > self._indices_buf.shape[0]:
                 raise ValueError(
-                    f"indices ({indices.shape[0]}) does not fit paged_kv_indices_buffer ({self._indices_buf.shape[0]})"
+                    f"indices ({flat.shape[0]}) does not fit paged_kv_indices_buffer ({self._indices_buf.shape[0]})"
                 )
+        B = kv_lens.shape[0]
         if self._use_cuda_graph and B != self._fixed_batch_size:
             raise ValueError(
                 f"The batch size should be fixed in cudagraph mode, the runtime batch size {B} "
                 f"mismatches the batch size set during initialization {self._fixed_batch_size}"
             )
-        if self._use_cuda_graph:
-            # a captured graph keeps the kernel, its grid size and the buffers of its capture
-            sig = (num_qo_heads, num_kv_heads, head_dim, page_size, q_dt, pos_encoding_mode, cap > 0,
-                   q_len_per_req, "block_tables" if block_tables is not None else "csr")
-            if self._graph_sig is not None and sig != self._graph_sig:
-                raise ValueError(
-                    "in CUDA-graph mode num_qo_heads, num_kv_heads, head_dim, page_size, dtypes, pos_encoding_mode, "
-                    "whether a soft cap is used, q_len_per_req and the page-table form (CSR or block_tables) "
-                    f"cannot change between plans: first plan {self._graph_sig}, now {sig}"
-                )
 
         if q_len_per_req > 1:
             if kv_lens.numel() and int(kv_lens.min()) < q_len_per_req:
@@ -356,81 +314,75 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError(
                     f"every kv_len must be >= q_len_per_req ({q_len_per_req}); request {b} has {int(kv_lens[b])}"
                 )
+            if self._use_cuda_graph:
+                self._freeze_signature(self._signature(None, num_qo_heads, num_kv_heads, head_dim, page_size, q_dt,
+                                                       pos_encoding_mode, cap, q_len_per_req, use_table))
             self._plan_multirow(
                 B, q_len_per_req, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                block_tables, seq_lens, dict(
-                    causal=True, pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
-                    logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-                    q_data_type=q_dt, kv_data_type=kv_dt, o_data_type=o_dt, non_blocking=non_blocking,
-                ))
-            if self._use_cuda_graph:
-                self._graph_sig = sig
+                block_tables, seq_lens, causal=True, pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale,
+                window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+                rope_theta=rope_theta, q_data_type=q_dt, kv_data_type=kv_dt, o_data_type=o_dt,
+                non_blocking=non_blocking)
             return
         self._multirow = None
 
-        sms = dispatch.num_sms(self.device.index if self.device.type == "cuda" else None)
-        min_waves = float(os.environ.get("CUTEDSL_ATTN_DECODE_MIN_WAVES", "0"))  # tuning experiments only
-
-        def make_plan(cfg):
-            per_sm = dispatch.paged_decode_ctas_per_sm(cfg)
-            slots = sms * per_sm
-            return plan_paged_decode(
-                kv_lens, page_offsets, num_kv_heads=num_kv_heads, page_size=page_size, window_left=window_left,
-                num_sms=sms, ctas_per_sm=per_sm,
-                fixed_split_tokens=fixed_split_size * page_size if fixed_split_size else None,
-                disable_split_kv=disable_split_kv,
-                num_rows=max_items(B, num_kv_heads, slots) if self._use_cuda_graph else None,
-                max_splits_per_request=(cfg.smem_kv_bytes // 4) // group,
-                min_waves=min_waves,
-            )
-
-        cfg = dispatch.decode_config(
-            dtype=q_dt, head_dim=head_dim, page_size=page_size, group_size=group,
-            pos_encoding_mode=pos_encoding_mode, use_soft_cap=cap > 0, use_sinks=False,
-        )
-        wp = make_plan(cfg)
-        # (not in CUDA-graph mode: a captured graph keeps the kernel and buffer sizes of its capture)
-        alt = dispatch.decode_config_for_split(cfg) if wp.split_tokens > 0 and not self._use_cuda_graph else None
-        if alt is not None:
-            # split-KV (small batch, long requests): fewer, wider CTAs keep more chunks in flight
-            cfg, wp = alt, make_plan(alt)
-
-        # --- device buffers (fixed addresses in CUDA-graph mode); every check is done by now
+        problem = dispatch.decode_problem(dtype=q_dt, head_dim=head_dim, page_size=page_size, group_size=group,
+                                          pos_encoding_mode=pos_encoding_mode, use_soft_cap=cap > 0)
+        choice, wp = dispatch.decode_schedule(
+            problem, kv_lens, page_offsets, num_kv_heads=num_kv_heads, window_left=window_left,
+            fixed_split_tokens=fixed_split_size * page_size if fixed_split_size else None,
+            disable_split_kv=disable_split_kv, cuda_graph=self._use_cuda_graph,
+            device_index=self.device.index if self.device.type == "cuda" else None)
         if self._use_cuda_graph:
-            src = dict(copies)
-            if "block_tables" in src:
-                bt = src["block_tables"]
-                if self._table_buf is None:
-                    self._table_buf = torch.empty_like(bt)
-                if bt.numel() > self._table_buf.numel():
-                    raise ValueError("block_tables grew beyond the first plan's size (not allowed in CUDA-graph mode)")
-                self._table_buf[: bt.numel()].copy_(bt, non_blocking=non_blocking)
-                flat = self._table_buf
-            else:
-                self._indices_buf[: src["indices"].shape[0]].copy_(src["indices"], non_blocking=non_blocking)
-                self._indptr_buf.copy_(src["indptr"], non_blocking=non_blocking)
-                self._last_page_len_buf.copy_(src["last_page_len"], non_blocking=non_blocking)
-                flat = self._indices_buf
-        n_rows_dev = wp.work.shape[0]
-        if self._use_cuda_graph:
-            if self._work_dev is None or self._work_dev.shape[0] < n_rows_dev:
-                self._work_dev = torch.empty((n_rows_dev, WORK_COLS), dtype=torch.int32, device=self.device)
-            self._work_dev[:n_rows_dev].copy_(wp.work, non_blocking=non_blocking)
-            work_dev = self._work_dev[:n_rows_dev]
-            n_part = n_rows_dev
-        else:
-            work_dev = wp.work.to(self.device, non_blocking=non_blocking)
-            n_part = max(1, wp.num_partials)
+            # a captured graph keeps the kernel, its grid size and the buffers of its capture
+            self._freeze_signature(self._signature(choice, num_qo_heads, num_kv_heads, head_dim, page_size, q_dt,
+                                                   pos_encoding_mode, cap, q_len_per_req, use_table))
+        table_buf = self._bufs.get("block_tables")
+        if self._use_cuda_graph and use_table and table_buf is not None and flat.numel() > table_buf.numel():
+            raise ValueError("block_tables grew beyond the first plan's size (not allowed in CUDA-graph mode)")
+        n_rows = wp.work.shape[0]
+        n_part = n_rows if self._use_cuda_graph else max(1, wp.num_partials)
         n_cnt = max(1, B * num_kv_heads)
-        if self._counters is None or self._counters.numel() < n_cnt:
-            if self._use_cuda_graph and self._counters is not None:
-                raise ValueError("the split-KV counter buffer cannot grow in CUDA-graph mode")
-            self._counters = torch.zeros(n_cnt, dtype=torch.int32, device=self.device)
+        if self._use_cuda_graph and self._counters is not None and self._counters.numel() < n_cnt:
+            raise ValueError("the split-KV counter buffer cannot grow in CUDA-graph mode")
         need = n_part * num_qo_heads * (head_dim + 1) * 4 + 256
         if need > self._workspace.numel():
             raise ValueError(
                 f"float_workspace_buffer holds {self._workspace.numel()} bytes, the plan needs {need}"
             )
+
+        # --- device buffers (fixed addresses in CUDA-graph mode); every check is done by now
+        flat, work_dev, part_o, part_lse, slopes = self._plan_buffers(
+            flat, wp, use_table, indptr, last_page_len, B, n_part, n_cnt, num_qo_heads, head_dim, pos_encoding_mode,
+            non_blocking)
+        self._plan = dict(
+            B=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+            group=group, dtype=q_dt, pos_encoding_mode=pos_encoding_mode, window_left=window_left, soft_cap=cap,
+            sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
+            rope_rcp_scale=1.0 / float(rope_scale if rope_scale is not None else 1.0),
+            rope_log2_theta=math.log2(float(rope_theta if rope_theta is not None else 1e4)),
+            indices=flat, work=work_dev, part_o=part_o, part_lse=part_lse, slopes=slopes, dummy=self._dummy,
+            lse_scratch=self._lse_scratch,
+            choice=choice, cfg=choice.cfg, kv_lens=wp.kv_lens, num_work=wp.num_work, split_tokens=wp.split_tokens,
+        )
+
+    begin_forward = plan
+
+    def _plan_buffers(self, flat, wp, use_table, indptr, last_page_len, B, n_part, n_cnt, num_qo_heads, head_dim,
+                      pos_encoding_mode, non_blocking):
+        """The plan's device buffers: ``(indices, work, part_o, part_lse, alibi_slopes)``; in CUDA-graph mode the
+        wrapper's of fixed address (the caller's page-table buffers, the work table, counters, slopes)."""
+        if self._use_cuda_graph:
+            if use_table:
+                flat = self._bufs.copy("block_tables", flat, non_blocking=non_blocking)
+            else:
+                self._indices_buf[: flat.shape[0]].copy_(flat, non_blocking=non_blocking)
+                self._indptr_buf.copy_(indptr, non_blocking=non_blocking)
+                self._last_page_len_buf.copy_(last_page_len, non_blocking=non_blocking)
+                flat = self._indices_buf
+        work_dev = self._bufs.copy("work", wp.work, non_blocking=non_blocking)
+        if self._counters is None or self._counters.numel() < n_cnt:
+            self._counters = torch.zeros(n_cnt, dtype=torch.int32, device=self.device)
         ws = self._workspace
         po_bytes = n_part * num_qo_heads * head_dim * 4
         part_o = ws[:po_bytes].view(torch.float32).view(n_part, num_qo_heads, head_dim)
@@ -444,34 +396,36 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if pos_encoding_mode == "ALIBI":
             if self._slopes is None or self._slopes.numel() != num_qo_heads:
                 self._slopes = torch.empty(num_qo_heads, dtype=torch.float32, device=self.device)
-            self._slopes.copy_(alibi_slopes(num_qo_heads))
+            self._slopes.copy_(pinned_if_capturing(get_alibi_slopes(num_qo_heads)), non_blocking=non_blocking)
             slopes = self._slopes
         else:
             slopes = dummy
         if self._lse_scratch is None or self._lse_scratch.shape != (B, num_qo_heads):
             self._lse_scratch = torch.empty((B, num_qo_heads), dtype=torch.float32, device=self.device)
-        self._plan = dict(
-            B=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-            group=group, dtype=q_dt, pos_encoding_mode=pos_encoding_mode, window_left=window_left, soft_cap=cap,
-            sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-            rope_rcp_scale=1.0 / float(rope_scale if rope_scale is not None else 1.0),
-            rope_log2_theta=math.log2(float(rope_theta if rope_theta is not None else 1e4)),
-            indices=flat, work=work_dev, part_o=part_o, part_lse=part_lse, slopes=slopes, dummy=dummy,
-            lse_scratch=self._lse_scratch,
-            cfg=cfg, kv_lens=wp.kv_lens, num_work=wp.num_work, split_tokens=wp.split_tokens,
-        )
-        self._kernels = {}
-        if self._use_cuda_graph:
-            self._graph_sig = sig
+        return flat, work_dev, part_o, part_lse, slopes
 
-    begin_forward = plan
+    @staticmethod
+    def _signature(choice, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, pos_encoding_mode, cap,
+                   q_len_per_req, use_table) -> dict:
+        return dispatch.graph_signature(
+            choice, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+            dtype=dtype, pos_encoding_mode=pos_encoding_mode, soft_cap=cap > 0, q_len_per_req=q_len_per_req,
+            page_table="block_tables" if use_table else "csr")
+
+    def _freeze_signature(self, sig: dict) -> None:
+        if self._graph_sig is None:
+            self._graph_sig = sig
+        elif sig != self._graph_sig:
+            raise ValueError(
+                "in CUDA-graph mode num_qo_heads, num_kv_heads, head_dim, page_size, dtypes, pos_encoding_mode, "
+                "whether a soft cap is used, q_len_per_req and the page-table form (CSR or block_tables) "
+                f"cannot change between plans: first plan {self._graph_sig}, now {sig}"
+            )
 
     def _plan_multirow(self, B, q_len, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                       page_size, block_tables, seq_lens, kw):
+                       page_size, block_tables, seq_lens, **plan_kw):
         """q_len_per_req > 1 (speculative / MTP verify): the prefill kernel with the query heads of a kv head
         packed into MMA rows, bottom-right causal, as FlashInfer's tensor-core decode does."""
-        from .prefill import BatchPrefillWithPagedKVCacheWrapper
-
         qo_indptr = torch.arange(B + 1, dtype=torch.int32) * q_len
         if self._multirow is None:
             gbuf = {}
@@ -481,10 +435,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
                             paged_kv_last_page_len_buf=self._last_page_len_buf)
             self._multirow = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout,
                                                                  use_cuda_graph=self._use_cuda_graph, **gbuf)
-        self._multirow.plan(qo_indptr.to(self.device), indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
-                            head_dim, page_size, block_tables=block_tables, seq_lens=seq_lens, **kw)
+        self._multirow.plan(to_device(qo_indptr, self.device, True), indptr, indices, last_page_len, num_qo_heads,
+                            num_kv_heads, head_dim, page_size, block_tables=block_tables, seq_lens=seq_lens,
+                            **plan_kw)
         self._plan = dict(multirow=True, B=B, q_len=q_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, window_left=kw["window_left"])
+                          head_dim=head_dim, window_left=plan_kw["window_left"])
 
     def _split_cache(self, paged_kv_cache):
         """(k, v) NHD-ordered views of the cache, validated against the plan."""
@@ -492,15 +447,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return paged_kv_views(paged_kv_cache, self._kv_layout, page_size=p["page_size"],
                               num_kv_heads=p["num_kv_heads"], head_dims=(p["head_dim"], p["head_dim"]),
                               dtype=p["dtype"], device=self.device)
-
-    def _kernel(self, use_sinks: bool):
-        k = self._kernels.get(use_sinks)
-        if k is None:
-            cfg = self._plan["cfg"]
-            if use_sinks:
-                cfg = dataclasses.replace(cfg, use_sinks=True)
-            k = self._kernels[use_sinks] = dispatch.paged_decode_kernel(cfg)
-        return k
 
     # ------------------------------------------------------------------ run
     def run(
@@ -528,8 +474,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             (rows of one request consecutive).
           paged_kv_cache: ``(k_cache, v_cache)`` 4-D tensors or one 5-D tensor ``[pages, 2, ...]``
             in the wrapper's ``kv_layout``; any strides with a contiguous last dim.
-          q_scale, k_scale: multiply ``sm_scale``; v_scale: multiplies the output (an extra
-            elementwise op).  Floats.
+          q_scale, k_scale: multiply ``sm_scale``; v_scale: multiplies the output (in the kernel's fp32
+            epilogue, before the rounding to q's dtype).  Floats.
           out: optional ``[B, Hq, D]`` output in q's dtype (contiguous).
           lse: optional ``[B, Hq]`` float32 (contiguous), base-2 log-sum-exp.
           return_lse: also return the LSE.
@@ -590,28 +536,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
             check_tensor("sinks", sinks, shape=(Hq,), device=self.device)
             if sinks.dtype != torch.float32:
                 raise ValueError(f"sinks must be float32, got {sinks.dtype}")
-        sm_scale = p["sm_scale"] * run_scale("q_scale", q_scale) * run_scale("k_scale", k_scale)
-        v_factor = run_scale("v_scale", v_scale)
-        fn = self._kernels.get(sinks is not None) or self._kernel(sinks is not None)
+        sm_scale = p["sm_scale"]
+        output_scale = 1.0  # v_scale, applied in the kernel's fp32 epilogue
+        if q_scale is not None or k_scale is not None or v_scale is not None:
+            sm_scale *= run_scale("q_scale", q_scale) * run_scale("k_scale", k_scale)
+            output_scale = run_scale("v_scale", v_scale)
         if self.device.index is not None and self.device.index != torch.cuda.current_device():
             with torch.cuda.device(self.device):
                 return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
                                 lse=lse, return_lse=return_lse, window_left=window_left, sinks=sinks)
+        choice = p["choice"] if sinks is None else p["choice"].with_sinks()
+        args = DecodeArgs(q, k, v, p["indices"], p["work"], out, lse, p["part_o"], p["part_lse"], self._counters,
+                          p["dummy"] if sinks is None else sinks, p["slopes"], sm_scale, p["soft_cap"],
+                          p["rope_rcp_scale"], p["rope_log2_theta"], output_scale)
         try:
-            fn(q, k, v, p["indices"], p["work"], out, lse, p["part_o"], p["part_lse"], self._counters,
-               p["dummy"] if sinks is None else sinks, p["slopes"],
-               sm_scale, p["soft_cap"], p["rope_rcp_scale"], p["rope_log2_theta"])
-        except Exception as e:
-            if not isinstance(e, ValueError):
-                if q.device.type != "cuda":
-                    raise ValueError(
-                        f"q, the kv cache and the workspace must be CUDA tensors to launch, got {q.device}"
-                    ) from None
-                raise
-            # the tvm-ffi entry's layout checks, in FlashInfer's names
-            raise kernel_entry_error(e, _KERNEL_ARG_NAMES, _KERNEL_RENAMES) from None
-        if v_factor != 1.0:
-            out.mul_(v_factor)
+            choice.launch(args)
+        except dispatch.KernelEntryError as e:  # the compiled entry's layout checks, in FlashInfer's names
+            raise e.named(_ARG_NAMES) from None
+        except (ValueError, NotImplementedError):
+            raise
+        except Exception:
+            if q.device.type != "cuda":
+                raise ValueError(
+                    f"q, the kv cache and the workspace must be CUDA tensors to launch, got {q.device}"
+                ) from None
+            raise
         return (out, lse) if return_lse else out
 
     run_return_lse = return_lse_method("[batch_size, num_qo_heads]")
@@ -656,9 +605,6 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
         )
 
 
-_single_state = threading.local()  # one wrapper per (thread, device, shape): plan() + run() per call
-
-
 def single_decode_with_kv_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -687,8 +633,9 @@ def single_decode_with_kv_cache(
     Returns:
       o ``[num_qo_heads, head_dim]`` in q's dtype, or ``(o, lse[num_qo_heads])`` (base-2 LSE).
 
-    The KV is served as a paged cache of page size 1 over the contiguous rows (no
-    copy); the page index array is cached per (device, length bucket).
+    The KV is served as a paged cache of page size 1 over the contiguous rows (no copy), by a wrapper made,
+    planned and dropped on every call (no device state outlives the call).  Under ``torch.compile`` the call
+    is the custom op ``cutedsl_attn::single_decode``.
 
     Raises:
       KeyError: ``kv_layout`` not NHD/HND (as FlashInfer).  TypeError / ValueError: a non-tensor or wrongly
@@ -697,6 +644,25 @@ def single_decode_with_kv_cache(
       NotImplementedError: q / k / v dtypes differing, or what the wrapper does not serve.
     """
     check_kv_layout(kv_layout)
+    if torch.compiler.is_compiling():  # plan() is host work: the whole call is one custom op in the graph
+        o, lse = _single_decode_op(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, _opt_float(q_scale),
+                                   _opt_float(k_scale), _opt_float(v_scale), window_left,
+                                   _opt_float(logits_soft_cap), _opt_float(sm_scale), _opt_float(rope_scale),
+                                   _opt_float(rope_theta))
+        return (o, lse) if return_lse else o
+    o, lse = _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
+                            window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+    return (o, lse) if return_lse else o
+
+
+def _opt_float(x):
+    """A scale argument as the custom op's ``float?`` (None stays None; other types are checked eagerly)."""
+    return None if x is None else float(x)
+
+
+def _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
+                   logits_soft_cap, sm_scale, rope_scale, rope_theta):
+    """The eager body of :func:`single_decode_with_kv_cache`: ``(o [Hq, D], lse [Hq])``."""
     check_tensor("q", q, ndim=2)
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
@@ -711,25 +677,40 @@ def single_decode_with_kv_cache(
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise NotImplementedError(f"q/k/v dtypes must match (got {q.dtype}, {k.dtype}, {v.dtype})")
     dev = q.device
-    key = (dev, hq, hkv, d, q.dtype)  # one wrapper per shape; plan() runs on every call
-    cache = getattr(_single_state, "wrappers", None)
-    if cache is None:
-        cache = _single_state.wrappers = {}
-    entry = cache.get(key)
-    if entry is None:
-        ws = torch.empty(32 * 1024 * 1024, dtype=torch.uint8, device=dev)
-        entry = cache[key] = [BatchDecodeWithPagedKVCacheWrapper(ws, "NHD"), None, -1]
-    wrapper = entry[0]
-    n_idx = max(1, 1 << max(kv_len - 1, 0).bit_length())
-    if entry[1] is None or entry[1].numel() < n_idx:
-        entry[1] = torch.arange(n_idx, dtype=torch.int32, device=dev)
+    # a wrapper, workspace and page ids per call, dropped after it: no device tensor outlives the call (a
+    # CUDA-graph pool, e.g. of torch.compile's reduce-overhead mode, must hold only the outputs)
+    ws = torch.empty(_single_workspace_bytes(kv_len, hq, d), dtype=torch.uint8, device=dev)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
     indptr = torch.tensor([0, kv_len], dtype=torch.int32)
     last = torch.tensor([1 if kv_len > 0 else 0], dtype=torch.int32)
-    wrapper.plan(
-        indptr, entry[1], last, hq, hkv, d, 1, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-        logits_soft_cap=logits_soft_cap, q_data_type=q.dtype, sm_scale=sm_scale, rope_scale=rope_scale,
-        rope_theta=rope_theta,
-    )
+    with staged_host_copies():  # the same call may be captured next (CUDA graphs)
+        wrapper.plan(
+            indptr, torch.arange(max(kv_len, 1), dtype=torch.int32, device=dev), last, hq, hkv, d, 1,
+            pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+            q_data_type=q.dtype, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+        )
     o, lse = wrapper.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), q_scale=q_scale, k_scale=k_scale,
                          v_scale=v_scale, return_lse=True)
-    return (o[0], lse[0]) if return_lse else o[0]
+    return o[0], lse[0]
+
+
+def _single_workspace_bytes(kv_len: int, hq: int, d: int) -> int:
+    """Split-KV partials for one request: at most one piece per 16 tokens (``CHUNK``), 128 pieces."""
+    pieces = min(128, max(1, -(-kv_len // 16)))
+    return pieces * hq * (d + 1) * 4 + 512
+
+
+@torch.library.custom_op("cutedsl_attn::single_decode", mutates_args=())
+def _single_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str, pos_encoding_mode: str,
+                      use_tensor_cores: bool, q_scale: float | None, k_scale: float | None, v_scale: float | None,
+                      window_left: int, logits_soft_cap: float | None, sm_scale: float | None,
+                      rope_scale: float | None, rope_theta: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
+                            window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+    return o, lse
+
+
+@_single_decode_op.register_fake
+def _(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
+      logits_soft_cap, sm_scale, rope_scale, rope_theta):
+    return torch.empty_like(q), q.new_empty((q.shape[0],), dtype=torch.float32)

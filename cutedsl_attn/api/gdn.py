@@ -29,7 +29,6 @@ __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode", "gated_delta_rul
 
 _IO_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-_SERVED = "'auto' and 'cute' (the CuTe DSL recurrent kernel)"
 
 
 # ---------------------------------------------------------------------------- checks
@@ -143,10 +142,11 @@ def _dummy(device, dtype, shape=(1,)):
     return torch.empty(shape, device=device, dtype=dtype)
 
 
-def _problem(q, K, V, state_dtype, gate_domain, use_l2norm, decode=False, state_k_major=False):
+def _problem(q, K, V, state_dtype, gate_domain, use_l2norm, decode=False, state_k_major=False, **family):
+    """The :class:`GdnProblem`; ``family``: its delta-rule-family fields (``gate_per_channel``, ...)."""
     return GdnProblem(dtype=_IO_DTYPES[q.dtype], head_dim_k=K, head_dim_v=V, state_dtype=state_dtype,
                       gate_domain=gate_domain, use_qk_l2norm=bool(use_l2norm), decode=decode,
-                      state_k_major=state_k_major, arch=target_arch(q.device))
+                      state_k_major=state_k_major, arch=target_arch(q.device), **family)
 
 
 # ---------------------------------------------------------------------------- prefill
@@ -181,7 +181,9 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
         state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens, _cp_chunk_len: not served.
         use_cp: ``"auto"`` or False (no context-parallel path exists yet; True is not served).
         state_indices: ``[N]`` int32 / int64 pool rows of each sequence's initial and final state, unique.
-        backend: ``"auto"`` or ``"cute"``; ``"cudnn"`` is not served yet.
+        backend: ``"auto"`` or ``"cute"`` (the CuTe DSL kernel), or ``"cudnn"`` (never chosen implicitly):
+            :func:`cutedsl_attn.api.cudnn_linear.cudnn_chunk_gated_delta_rule`, which refuses state checkpoints,
+            ``state_indices``, ``use_cp=True`` and ``_cp_chunk_len`` (NotImplementedError, before any call).
         max_seqlen: None or an int in ``[ceil(T / N), T]`` (unused by the recurrent kernel).
         gate_domain: ``"linear"`` (FlashInfer) or ``"log"`` (fla).
 
@@ -194,9 +196,13 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
             one sequence, not monotone), alpha outside [0, 1] with ``gate_domain="linear"``, overlapping
             states, duplicate or out-of-range ``state_indices``, ``output_final_state`` with ``state_indices``
             but no ``output_state``, bad ``backend`` / ``use_cp`` / ``gate_domain`` / ``max_seqlen``.
-        NotImplementedError: head dims other than 64 / 128, ``backend="cudnn"``, ``use_cp=True``, state
+        NotImplementedError: head dims other than 64 / 128, ``use_cp=True``, state
             checkpoints, ``_cp_chunk_len``.
     """
+    if backend == "cudnn":
+        return _cudnn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                              use_qk_l2norm_in_kernel, output, output_state, state_checkpoints, checkpoint_cu_starts,
+                              checkpoint_every_n_tokens, use_cp, state_indices, _cp_chunk_len, gate_domain)
     problem, args, result = _plan_prefill(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, output,
         output_state, state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp, state_indices,
@@ -206,13 +212,43 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     return result
 
 
+def _cudnn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                   output, output_state, state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp,
+                   state_indices, _cp_chunk_len, gate_domain):
+    """``backend="cudnn"``: cuDNN's ``gdn`` graph; the arguments its entry point lacks are refused first."""
+    named = (("state_checkpoints", state_checkpoints), ("checkpoint_cu_starts", checkpoint_cu_starts),
+             ("state_indices", state_indices), ("_cp_chunk_len", _cp_chunk_len))
+    lacks = [name for name, val in named if val is not None]
+    lacks += ["checkpoint_every_n_tokens"] if checkpoint_every_n_tokens else []
+    lacks += ["use_cp=True"] if use_cp is True else []
+    if lacks:
+        raise NotImplementedError(f"chunk_gated_delta_rule: backend='cudnn' does not take {', '.join(lacks)} "
+                                  "(cuDNN's GDN entry point has no state checkpoints, indexed state pools or "
+                                  "context parallel)")
+    if use_cp not in ("auto", False):
+        raise ValueError(f"use_cp must be 'auto', True or False, got {use_cp!r}")
+    if gate_domain not in ("linear", "log"):
+        raise ValueError(f"gate_domain must be 'linear' or 'log', got {gate_domain!r}")
+    from .cudnn_linear import cudnn_chunk_gated_delta_rule
+    nd = q.dim() if isinstance(q, torch.Tensor) else 3
+    sq = [x[0] if (isinstance(x, torch.Tensor) and nd == 4 and x.dim() == 4) else x for x in (q, k, v)]
+    gl = g[0] if (isinstance(g, torch.Tensor) and nd == 4 and g.dim() == 3) else g
+    bl = beta[0] if (isinstance(beta, torch.Tensor) and nd == 4 and beta.dim() == 3) else beta
+    if gl is not None and gate_domain == "log":
+        gl = torch.exp(gl)  # cuDNN's GDN entry point takes FlashInfer's linear alpha
+    o3 = output[0] if (isinstance(output, torch.Tensor) and output.dim() == 4) else output
+    res = cudnn_chunk_gated_delta_rule(*sq, gl, bl, scale, initial_state, output_final_state, cu_seqlens,
+                                       use_qk_l2norm_in_kernel, o3, output_state)
+    out = res[0] if output_final_state else res
+    out = output if output is not None else (out.unsqueeze(0) if nd == 4 else out)
+    return (out, res[1]) if output_final_state else out
+
+
 def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
                   output, output_state, state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens, use_cp,
                   state_indices, _cp_chunk_len, backend, max_seqlen, gate_domain):
     """Every check, the allocations and the launch arguments of :func:`chunk_gated_delta_rule`:
     ``(problem, args, result)`` (``args`` None: nothing to launch)."""
-    if backend == "cudnn":
-        raise NotImplementedError(f"chunk_gated_delta_rule: backend='cudnn' is not served yet; served: {_SERVED}")
     if backend not in ("auto", "cute"):
         raise ValueError(f"backend must be 'auto', 'cute' or 'cudnn', got {backend!r}")
     if use_cp is True:
@@ -254,29 +290,68 @@ def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     g3 = _gate("g", g, T, ho, nd, dev)
     b3 = _gate("beta", beta, T, ho, nd, dev)
 
-    if cu_seqlens is None:
-        n_seq, cu_dev = 1, None
-    else:
-        _tensor("cu_seqlens", cu_seqlens)
-        if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of N + 1 >= 2 offsets, got "
-                             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-        if cu_seqlens.device.type != "cpu":
-            _on("cu_seqlens", cu_seqlens, dev)
-        n_seq = cu_seqlens.shape[0] - 1
-        cu_dev = cu_seqlens.to(device=dev, dtype=torch.int32, non_blocking=True)
-    if n_seq > MAX_SEQS:
-        raise ValueError(f"at most {MAX_SEQS} sequences a call, got {n_seq}")
+    n_seq, cu_dev = _cu_seqlens_arg(cu_seqlens, dev)
     if max_seqlen is not None:
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not (
                 -(-T // n_seq) <= max_seqlen <= max(T, 0) or T == 0):
             raise ValueError(f"max_seqlen must be an int in [ceil(T / N), T] = [{-(-T // n_seq)}, {T}], got "
                              f"{max_seqlen!r}")
+    scale = _scale_arg(scale, K)
+    h0, ht, write_state, state_dt = _states_arg(initial_state, output_state, output_final_state, state_indices,
+                                                n_seq, ho, V, K, dev)
+    o3, output = _output_arg(output, nd, T, ho, V, q.dtype, dev)
+
+    checks = []
+    if g3 is not None and gate_domain == "linear":
+        checks.append((((g3 < 0) | (g3 > 1) | torch.isnan(g3)).any(),
+                       "g must be a linear-space alpha in [0, 1] with gate_domain='linear' (log-space gates need "
+                       "gate_domain='log')"))
+    checks += _index_checks(cu_seqlens, T, state_indices, h0, ht)
+    _value_checks(checks)
+    _require_cuda(dev)
+
+    if T == 0 or n_seq == 0:
+        _empty_final_states(write_state, n_seq, state_indices, h0, ht)
+        return None, None, ((output, ht) if output_final_state else output)
+
+    if cu_dev is None:
+        cu_dev = torch.tensor([0, T], device=dev, dtype=torch.int32)
+    idx = None if state_indices is None else state_indices.to(device=dev, dtype=torch.int32, non_blocking=True)
+    flags = ((FLAG_HAS_G if g3 is not None else 0) | (FLAG_HAS_BETA if b3 is not None else 0)
+             | (FLAG_HAS_INITIAL_STATE if h0 is not None else 0) | (FLAG_WRITE_STATE if write_state else 0)
+             | (FLAG_INITIAL_INDICES | FLAG_OUTPUT_INDICES if idx is not None else 0))
+    problem = _problem(q, K, V, _STATE_DTYPES[state_dt], gate_domain, use_qk_l2norm_in_kernel)
+    args = _prefill_args(q3, k3, v3, g3, b3, cu_dev, h0, ht, idx, o3, scale, hq, hk, hv, flags)
+    return problem, args, ((output, ht) if output_final_state else output)
+
+
+# ---------------------------------------------------------------------------- pieces shared by the family
+def _cu_seqlens_arg(cu_seqlens, dev):
+    """``(N, cu_seqlens as int32 on dev or None)``; shape / dtype / device checks (values: :func:`_index_checks`)."""
+    if cu_seqlens is None:
+        return 1, None
+    _tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of N + 1 >= 2 offsets, got "
+                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device.type != "cpu":
+        _on("cu_seqlens", cu_seqlens, dev)
+    n_seq = cu_seqlens.shape[0] - 1
+    if n_seq > MAX_SEQS:
+        raise ValueError(f"at most {MAX_SEQS} sequences a call, got {n_seq}")
+    return n_seq, cu_seqlens.to(device=dev, dtype=torch.int32, non_blocking=True)
+
+
+def _scale_arg(scale, K):
     if scale is None or scale == 0.0:
         scale = 1.0 / math.sqrt(K)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
+    return float(scale)
 
+
+def _states_arg(initial_state, output_state, output_final_state, state_indices, n_seq, ho, V, K, dev):
+    """``(h0, ht, write_state, state dtype)``: the checked states, ``ht`` allocated when a state is written."""
     h0 = _state("initial_state", initial_state, ho, V, K, dev)
     ht = _state("output_state", output_state, ho, V, K, dev)
     if state_indices is not None:
@@ -297,22 +372,26 @@ def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     state_dt = (h0 if h0 is not None else ht).dtype if (h0 is not None or ht is not None) else torch.float32
     if ht is None and write_state:
         ht = torch.empty(n_seq, ho, V, K, device=dev, dtype=state_dt)
+    return h0, ht, write_state, state_dt
+
+
+def _output_arg(output, nd, T, ho, V, dtype, dev):
+    """``(output [T, HO, V] view, output as returned)``: the checked buffer, or a new one."""
     if output is not None:
         _tensor("output", output)
         o3 = output[0] if (nd == 4 and output.dim() == 4) else output
-        if tuple(o3.shape) != (T, ho, V) or o3.dtype != q.dtype or not o3.is_contiguous():
-            raise ValueError(f"output must be a contiguous [T, HO, V] = [{T}, {ho}, {V}] {q.dtype} tensor, got "
+        if tuple(o3.shape) != (T, ho, V) or o3.dtype != dtype or not o3.is_contiguous():
+            raise ValueError(f"output must be a contiguous [T, HO, V] = [{T}, {ho}, {V}] {dtype} tensor, got "
                              f"{output.dtype} {tuple(output.shape)}")
         _on("output", o3, dev)
-    else:
-        o3 = torch.empty(T, ho, V, device=dev, dtype=q.dtype)
-        output = o3.unsqueeze(0) if nd == 4 else o3
+        return o3, output
+    o3 = torch.empty(T, ho, V, device=dev, dtype=dtype)
+    return o3, (o3.unsqueeze(0) if nd == 4 else o3)
 
+
+def _index_checks(cu_seqlens, T, state_indices, h0, ht) -> list:
+    """The value checks of ``cu_seqlens`` and ``state_indices`` (for :func:`_value_checks`)."""
     checks = []
-    if g3 is not None and gate_domain == "linear":
-        checks.append((((g3 < 0) | (g3 > 1) | torch.isnan(g3)).any(),
-                       "g must be a linear-space alpha in [0, 1] with gate_domain='linear' (log-space gates need "
-                       "gate_domain='log')"))
     if cu_seqlens is not None:
         c = cu_seqlens
         checks.append((((c[1:] < c[:-1]).any() | (c[0] != 0) | (c[-1] != T)),
@@ -322,28 +401,26 @@ def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         dup, rng = _unique_in_range(state_indices, pool)
         checks.append((dup, "state_indices must be unique (two sequences would share a pool row)"))
         checks.append((rng, f"state_indices must be in [0, {pool}) (the pool's rows)"))
-    _value_checks(checks)
-    _require_cuda(dev)
+    return checks
 
-    if T == 0 or n_seq == 0:
-        if write_state and n_seq:  # every sequence is empty: the final state is the initial one
-            for n in range(n_seq):
-                r = n if state_indices is None else int(state_indices[n])
-                if h0 is None:
-                    ht[r].zero_()
-                elif ht is not h0:
-                    ht[r].copy_(h0[r])
-        return None, None, ((output, ht) if output_final_state else output)
 
-    if cu_dev is None:
-        cu_dev = torch.tensor([0, T], device=dev, dtype=torch.int32)
-    idx = None if state_indices is None else state_indices.to(device=dev, dtype=torch.int32, non_blocking=True)
-    flags = ((FLAG_HAS_G if g3 is not None else 0) | (FLAG_HAS_BETA if b3 is not None else 0)
-             | (FLAG_HAS_INITIAL_STATE if h0 is not None else 0) | (FLAG_WRITE_STATE if write_state else 0)
-             | (FLAG_INITIAL_INDICES | FLAG_OUTPUT_INDICES if idx is not None else 0))
-    problem = _problem(q, K, V, _STATE_DTYPES[state_dt], gate_domain, use_qk_l2norm_in_kernel)
+def _empty_final_states(write_state, n_seq, state_indices, h0, ht) -> None:
+    """Every sequence is empty: the final state is the initial one (zeros without one)."""
+    if write_state and n_seq:
+        for n in range(n_seq):
+            r = n if state_indices is None else int(state_indices[n])
+            if h0 is None:
+                ht[r].zero_()
+            elif ht is not h0:
+                ht[r].copy_(h0[r])
+
+
+def _prefill_args(q3, k3, v3, g3, b3, cu_dev, h0, ht, idx, o3, scale, hq, hk, hv, flags) -> GdnArgs:
+    """The launch arguments, 1-element dummies for what is absent."""
+    dev, (ho, V, K) = q3.device, o3.shape[1:] + q3.shape[2:]
+    state_dt = (h0 if h0 is not None else ht).dtype if (h0 is not None or ht is not None) else torch.float32
     sdummy = None if (h0 is not None and ht is not None) else _dummy(dev, state_dt, (1, ho, V, K))
-    args = GdnArgs(
+    return GdnArgs(
         q=q3, k=k3, v=v3,
         g=g3 if g3 is not None else _dummy(dev, torch.float32, (1, 1)),
         beta=b3 if b3 is not None else _dummy(dev, torch.float32, (1, 1)),
@@ -353,7 +430,6 @@ def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         output_state=ht if ht is not None else sdummy,
         output_state_indices=idx if idx is not None else _dummy(dev, torch.int32),
         output=o3, scale=float(scale), q_group=ho // hq, k_group=ho // hk, v_group=ho // hv, flags=flags)
-    return problem, args, ((output, ht) if output_final_state else output)
 
 
 # ---------------------------------------------------------------------------- decode
