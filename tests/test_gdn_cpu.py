@@ -208,7 +208,7 @@ def test_valid_call_reaches_the_device_check():
 
 
 @pytest.mark.parametrize("over,exc,pattern", [
-    (dict(backend="cudnn"), NotImplementedError, "cudnn.*served"),
+    (dict(backend="cudnn", state_indices=torch.tensor([0, 1])), NotImplementedError, "cudnn.*state_indices"),
     (dict(backend="triton"), ValueError, "backend"),
     (dict(use_cp=True), NotImplementedError, "use_cp"),
     (dict(use_cp="yes"), ValueError, "use_cp"),

@@ -9,16 +9,17 @@ chunked kernels exist.  Under ``torch.compile`` the launch is the custom op ``cu
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import functools
 
 import torch
 
 from ..compile import get_compiled
-from ..compile.keys import config_key
 from ..planning.gdn import GdnArgs, GdnProblem
 from ..portable import gdn_recurrent as _rec
 
-_BY_KEY: dict = {}  # config key -> (module, config): the custom op finds its kernel here
+_FIELDS = tuple(f.name for f in dataclasses.fields(GdnProblem))
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,10 +52,8 @@ def _gdn_recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       cu_seqlens: torch.Tensor, initial_state: torch.Tensor, initial_state_indices: torch.Tensor,
                       output_state: torch.Tensor, output_state_indices: torch.Tensor, output: torch.Tensor,
                       scale: float, q_group: int, k_group: int, v_group: int, flags: int, key: str) -> None:
-    choice = _BY_KEY.get(key)
-    if choice is None:
-        raise RuntimeError(f"cutedsl_attn: no gated delta rule kernel with key {key[:120]!r} in this process")
-    _launch(*choice, GdnArgs(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices, output_state,
+    module, cfg = gdn_choice(_problem_of(key), device_index=q.device.index)
+    _launch(module, cfg, GdnArgs(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices, output_state,
                              output_state_indices, output, scale, q_group, k_group, v_group, flags))
 
 
@@ -64,12 +63,18 @@ def _(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices, output
     return None
 
 
+def _problem_key(problem: GdnProblem) -> str:
+    """The problem as the custom op's string argument (built from constants: traceable without side effects)."""
+    return ";".join(f"{name}={getattr(problem, name)!r}" for name in _FIELDS)
+
+
+def _problem_of(key: str) -> GdnProblem:
+    return GdnProblem(**{name: ast.literal_eval(val) for name, val in (kv.split("=", 1) for kv in key.split(";"))})
+
+
 def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None = None) -> None:
     """Compile (cached in memory and on disk) the chosen kernel and launch it on the current stream."""
-    module, cfg = gdn_choice(problem, device_index=device_index)
     if torch.compiler.is_compiling():
-        key = f"{module.NAME}:{config_key(cfg)}"
-        _BY_KEY.setdefault(key, (module, cfg))
-        _gdn_recurrent_op(*args, key)
+        _gdn_recurrent_op(*args, _problem_key(problem))
         return
-    _launch(module, cfg, args)
+    _launch(*gdn_choice(problem, device_index=device_index), args)

@@ -24,6 +24,7 @@ FLAG_INITIAL_INDICES = 16  # initial_state row of sequence n is initial_state_in
 FLAG_OUTPUT_INDICES = 32  # output_state row of sequence n is output_state_indices[n] (else n)
 
 MAX_SEQS = 65535  # grid.y of the recurrent kernel
+MAX_HOUSEHOLDER = 8
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,12 @@ class GdnProblem:
     fp32 either way); ``gate_domain`` of ``g`` (``"linear"``: alpha, ``"log"``: log alpha);
     ``use_qk_l2norm`` fuses ``x * rsqrt(sum x^2 + 1e-6)`` on q and k; ``decode``: a few tokens a sequence (the
     decode step), which the kernels' defaults size for; ``state_k_major``: the state is ``[*, HO, K, V]``
-    instead of V-major ``[*, HO, V, K]``; ``arch`` the compile target.  Token and
+    instead of V-major ``[*, HO, V, K]``; ``arch`` the compile target.
+    The rest of the delta-rule family: ``gate_per_channel``: ``g`` is ``[T, HO, K]``, a decay per key channel
+    (GDN-2, KDA); ``erase_write_gates``: ``beta`` is ``[T, HO, K + V]``, an erase gate per key channel then a
+    write gate per value channel (GDN-2; needs ``gate_per_channel``); ``num_householder`` ``n`` updates a token
+    on the expanded timeline (Gated DeltaProduct: k / v / beta ``[T n, ...]``, the gate on the first update, the
+    readout after the last; scalar gates only).  Token and
     sequence counts, head counts and their grouping (GVA / GQA ratios), strides, the scale and which optional
     tensors are present are run-time arguments (:class:`GdnArgs`).
 
@@ -53,13 +59,16 @@ class GdnProblem:
     decode: bool = False
     state_k_major: bool = False
     arch: str = "sm_90a"
+    gate_per_channel: bool = False
+    erase_write_gates: bool = False
+    num_householder: int = 1
 
     def __post_init__(self):
         for name in ("head_dim_k", "head_dim_v"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {v!r}")
-        for name in ("use_qk_l2norm", "decode", "state_k_major"):
+        for name in ("use_qk_l2norm", "decode", "state_k_major", "gate_per_channel", "erase_write_gates"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.dtype not in DTYPES:
@@ -73,14 +82,23 @@ class GdnProblem:
             raise ValueError(f"gate_domain must be one of {GATE_DOMAINS}, got {self.gate_domain!r}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        n = self.num_householder
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_HOUSEHOLDER:
+            raise ValueError(f"num_householder must be an int in [1, {MAX_HOUSEHOLDER}], got {n!r}")
+        if self.erase_write_gates and not self.gate_per_channel:
+            raise ValueError("erase_write_gates (GDN-2) needs gate_per_channel")
+        if n > 1 and (self.gate_per_channel or self.erase_write_gates):
+            raise ValueError("num_householder > 1 (Gated DeltaProduct) takes scalar gates only")
 
 
 class GdnArgs(NamedTuple):
     """One GDN launch's tensors and scalars (the kernel's ``launch`` orders them).
 
     ``q`` ``[T, Hq, K]``, ``k`` ``[T, Hk, K]``, ``v`` ``[T, Hv, V]`` (16-bit, last dim contiguous, other strides
-    multiples of 8 elements); ``g`` / ``beta`` fp32 ``[T, HO]`` (last dim contiguous; 1-element dummies when
-    absent); ``cu_seqlens`` int32 ``[N + 1]``; ``initial_state`` ``[P, HO, V, K]`` and ``output_state``
+    multiples of 8 elements; k / v ``[T n, ...]`` with ``num_householder`` n); ``g`` / ``beta`` fp32 ``[T, HO]``
+    (last dim contiguous; 1-element dummies when absent; ``g`` contiguous ``[T, HO, K]`` with
+    ``gate_per_channel``, ``beta`` contiguous ``[T, HO, K + V]`` with ``erase_write_gates``, ``[T n, HO]``
+    with n updates a token); ``cu_seqlens`` int32 ``[N + 1]``; ``initial_state`` ``[P, HO, V, K]`` and ``output_state``
     ``[P', HO, V, K]`` (``[*, HO, K, V]`` when ``state_k_major``) contiguous, ``state_dtype`` (dummies when
     absent; the same tensor for an in-place pool update); ``initial_state_indices`` / ``output_state_indices``
     int32 ``[N]`` pool rows (dummies when absent);

@@ -20,6 +20,17 @@ rescaled afterwards (``x * rsqrt(sum x^2 + 1e-6)``, in fp32, not rounded to the 
 length 0 writes its initial state (zeros without one) as its final state.  Each CTA reads its state slice
 before it writes it and no two CTAs share a slice, so an in-place pool update (one tensor for the initial and
 the final state, unique rows) is race-free.
+
+The rest of the delta-rule family, selected by problem fields (each a separate compiled kernel):
+
+* ``gate_per_channel`` (GDN-2, KDA): a decay ``a_j`` per key channel, folded into the operands
+  (``H' x = H (a * x)`` for ``H' = H D(a)``), so each lane loads and exponentiates its ``K / lanes_per_row``
+  gates;
+* ``erase_write_gates`` (GDN-2): ``u = w * v - H' (b * k)`` with the erase gate ``b`` per key channel and the
+  write gate ``w`` per value row (one ``[K + V]`` fp32 row a token and head);
+* ``num_householder = n`` (Gated DeltaProduct): the CTA walks the expanded timeline of ``n`` sub-tokens a
+  token, the gate applied on the first sub-token (1 elsewhere), q read at the token's row, the output written
+  after the last sub-token.
 """
 
 from __future__ import annotations
@@ -120,10 +131,14 @@ def default_tiles(problem: GdnProblem, *, num_sms: int) -> Tiles:
     the shuffles of 32: a warp's shuffles, not its FMAs, bound the token rate).
     Decode: 1 token prefetched and 32 lanes a row (a token or two a sequence: the fewest registers, hence the
     most CTAs an SM and the most state in flight).
+    Per-channel gates (GDN-2, KDA) prefill: 2 tokens prefetched (a token carries K / 16 more gate words a lane,
+    twice that with erase gates: 4 tokens would not fit the registers).
     """
     del num_sms  # the choice does not depend on the GPU size yet
     if problem.decode:
         return Tiles(tile_v=16, num_warps=4, prefetch=1, lanes_per_row=32)
+    if problem.gate_per_channel:
+        return Tiles(tile_v=16, num_warps=4, prefetch=2, lanes_per_row=16)
     return Tiles(tile_v=16, num_warps=4, prefetch=4, lanes_per_row=16)
 
 
@@ -140,6 +155,21 @@ def _ld_nc_v2_b32(addr):
 def _ld_nc_v4_b32(addr):
     return _inline("ld.global.nc.v4.b32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];", write_only_types=[Int32] * 4,
                    read_only_args=[Int64(addr)])
+
+
+def _ld_nc_f32_vec(addr, n: int) -> list:
+    """``n`` (1, 2, 4, 8, 16) consecutive fp32 values at ``addr``, ``4 n``-byte aligned (16 from 4 on)."""
+    if n == 1:
+        return [_inline("ld.global.nc.f32 {$w0}, [{$r0}];", write_only_types=[Float32],
+                        read_only_args=[Int64(addr)])]
+    if n == 2:
+        return list(_inline("ld.global.nc.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
+                            read_only_args=[Int64(addr)]))
+    out = []
+    for h in range(n // 4):
+        out += list(_inline("ld.global.nc.v4.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                            write_only_types=[Float32] * 4, read_only_args=[Int64(addr + 16 * h)]))
+    return out
 
 
 def _ld_nc_u16(addr):
@@ -241,7 +271,13 @@ class GdnRecurrentKernel:
         self.RW = t.rows_per_warp
         self.R = t.rows_per_lane  # rows a lane (its group) owns
         self.P = t.prefetch
-        self.W = 2 * self.KL + self.R + 2  # fp32 words of one token: q, k columns, v rows, alpha, beta
+        self.chan = p.gate_per_channel
+        self.erase = p.erase_write_gates
+        self.NH = p.num_householder
+        self.NA = self.KL if self.chan else 1  # words of the gate: one a column, or the scalar alpha
+        self.NB = self.KL + self.R if self.erase else 1  # erase gate columns + write gate rows, or the scalar beta
+        # fp32 words of one token: q, k columns, v rows, the gate, beta
+        self.W = 2 * self.KL + self.R + self.NA + self.NB
         self.NVT = p.head_dim_v // t.tile_v
         self.log_gate = p.gate_domain == "log"
         self.l2norm = p.use_qk_l2norm
@@ -277,6 +313,9 @@ class GdnRecurrentKernel:
         k0 = sub * KL  # this lane's first column
         bos = mCu[n]
         eos = mCu[n + 1]
+        if const_expr(self.NH > 1):  # the expanded timeline: n sub-tokens a token
+            bos = bos * self.NH
+            eos = eos * self.NH
         qh = oh // q_group
         kh = oh // k_group
         vh = oh // v_group
@@ -312,8 +351,15 @@ class GdnRecurrentKernel:
                                  cutlass.min(t0 + P + p, last), qh, kh, vh, oh, v0, k0, flags)
             for p in cutlass.range_constexpr(P):
                 if t0 + p < eos:
-                    self._step(st, cur, p * W, red, scale)
-                    self._store_out(o_base, red, t0 + p, ho, oh, v0, sub)
+                    if const_expr(self.chan):
+                        self._step_channel(st, cur, p * W, red, scale)
+                    else:
+                        self._step(st, cur, p * W, red, scale)
+                    if const_expr(self.NH > 1):  # the readout follows the token's last update
+                        if (t0 + p) % self.NH == self.NH - 1:
+                            self._store_out(o_base, red, (t0 + p) // self.NH, ho, oh, v0, sub)
+                    else:
+                        self._store_out(o_base, red, t0 + p, ho, oh, v0, sub)
             for i in cutlass.range_constexpr(P * W):
                 cur[i] = nxt[i]
 
@@ -384,6 +430,16 @@ class GdnRecurrentKernel:
     def _load_token(self, mQ, mK, mV, mG, mBeta, q_base, k_base, v_base, dst, at: cutlass.Constexpr, t, qh, kh, vh,
                     oh, v0, k0, flags):
         """Token ``t``'s q / k columns of this lane, v rows of this warp, alpha, beta -> ``dst[at:at + W]``."""
+        if const_expr(self.chan or self.erase or self.NH > 1):
+            self._load_token_family(mQ, mK, mV, mG, mBeta, q_base, k_base, v_base, dst, at, t, qh, kh, vh, oh, v0,
+                                    k0, flags)
+        else:
+            self._load_token_gdn(mQ, mK, mV, mG, mBeta, q_base, k_base, v_base, dst, at, t, qh, kh, vh, oh, v0,
+                                 k0, flags)
+
+    @cute.jit
+    def _load_token_gdn(self, mQ, mK, mV, mG, mBeta, q_base, k_base, v_base, dst, at: cutlass.Constexpr, t, qh, kh,
+                        vh, oh, v0, k0, flags):
         KL, R = self.KL, self.R
         q_off = Int64(t) * mQ.stride[0] + Int64(qh) * mQ.stride[1] + k0
         k_off = Int64(t) * mK.stride[0] + Int64(kh) * mK.stride[1] + k0
@@ -401,6 +457,60 @@ class GdnRecurrentKernel:
             b = mBeta[t, oh]
         dst[at + 2 * KL + R] = a
         dst[at + 2 * KL + R + 1] = b
+
+    @cute.jit
+    def _load_token_family(self, mQ, mK, mV, mG, mBeta, q_base, k_base, v_base, dst, at: cutlass.Constexpr, t, qh,
+                           kh, vh, oh, v0, k0, flags):
+        """:meth:`_load_token_gdn` for the other variants: per-channel gates, erase / write gates, sub-tokens."""
+        KL, R, K = self.KL, self.R, self.K
+        tq = t  # the real token: q and the gate are read at its row
+        if const_expr(self.NH > 1):
+            tq = t // self.NH
+        q_off = Int64(tq) * mQ.stride[0] + Int64(qh) * mQ.stride[1] + k0
+        k_off = Int64(t) * mK.stride[0] + Int64(kh) * mK.stride[1] + k0
+        v_off = Int64(t) * mV.stride[0] + Int64(vh) * mV.stride[1] + v0
+        self._load_vec16(q_base + q_off * 2, dst, at, KL)
+        self._load_vec16(k_base + k_off * 2, dst, at + KL, KL)
+        self._load_vec16(v_base + v_off * 2, dst, at + 2 * KL, R)
+        ga = at + 2 * KL + R
+        gb = ga + self.NA
+        if const_expr(self.chan):
+            if (flags & FLAG_HAS_G) != 0:
+                g_addr = mG.iterator.toint() + ((Int64(tq) * mG.shape[1] + oh) * K + k0) * 4
+                vals = _ld_nc_f32_vec(g_addr, KL)
+                for j in cutlass.range_constexpr(KL):
+                    x = vals[j]
+                    if const_expr(self.log_gate):
+                        x = ptx.ex2(x * Float32(LOG2E))
+                    dst[ga + j] = x
+            else:
+                for j in cutlass.range_constexpr(KL):
+                    dst[ga + j] = Float32(1.0)
+        else:
+            a = Float32(1.0)
+            if (flags & FLAG_HAS_G) != 0:
+                if t % self.NH == 0:  # the decay acts before the token's first update only
+                    a = mG[tq, oh]
+                    if const_expr(self.log_gate):
+                        a = ptx.ex2(a * Float32(LOG2E))
+            dst[ga] = a
+        if const_expr(self.erase):
+            if (flags & FLAG_HAS_BETA) != 0:
+                row = mBeta.iterator.toint() + (Int64(t) * mBeta.shape[1] + oh) * (K + self.V) * 4
+                bvals = _ld_nc_f32_vec(row + k0 * 4, KL)
+                wvals = _ld_nc_f32_vec(row + (K + v0) * 4, R)
+                for j in cutlass.range_constexpr(KL):
+                    dst[gb + j] = bvals[j]
+                for r in cutlass.range_constexpr(R):
+                    dst[gb + KL + r] = wvals[r]
+            else:
+                for j in cutlass.range_constexpr(KL + R):
+                    dst[gb + j] = Float32(1.0)
+        else:
+            b = Float32(1.0)
+            if (flags & FLAG_HAS_BETA) != 0:
+                b = mBeta[t, oh]
+            dst[gb] = b
 
     @cute.jit
     def _step(self, st, cur, at: cutlass.Constexpr, red, scale):
@@ -445,6 +555,55 @@ class GdnRecurrentKernel:
                 st[r * KL + j] = a * st[r * KL + j] + uk * cur[at + KL + j]
 
     @cute.jit
+    def _step_channel(self, st, cur, at: cutlass.Constexpr, red, scale):
+        """:meth:`_step` with a decay per key channel (and erase / write gates): ``H' = H D(a)``, so
+        ``H' x = H (a * x)`` and the update is ``H = H' + u k^T``; leaves ``o`` in ``red[0:R]``."""
+        KL, R = self.KL, self.R
+        ga = at + 2 * KL + R
+        gb = ga + self.NA
+        aq = [cur[ga + j] * cur[at + j] for j in range(KL)]
+        ak = [cur[ga + j] * cur[at + KL + j] for j in range(KL)]
+        if const_expr(self.erase):
+            ak = [ak[j] * cur[gb + j] for j in range(KL)]  # H' (b * k)
+        for r in cutlass.range_constexpr(R):
+            pk = Float32(0.0)
+            pq = Float32(0.0)
+            for j in cutlass.range_constexpr(KL):
+                pk = pk + st[r * KL + j] * ak[j]
+                pq = pq + st[r * KL + j] * aq[j]
+            red[r] = pk
+            red[R + r] = pq
+        kq = Float32(0.0)
+        kk = Float32(0.0)
+        qq = Float32(0.0)
+        for j in cutlass.range_constexpr(KL):
+            kq = kq + cur[at + j] * cur[at + KL + j]
+            kk = kk + cur[at + KL + j] * cur[at + KL + j]
+            qq = qq + cur[at + j] * cur[at + j]
+        red[2 * R] = kq
+        red[2 * R + 1] = kk
+        red[2 * R + 2] = qq
+        n_red = 2 * R + 3 if self.l2norm else 2 * R + 1
+        for s in cutlass.range_constexpr(self.L.bit_length() - 1):
+            for i in cutlass.range_constexpr(n_red):
+                red[i] = red[i] + cute.arch.shuffle_sync_bfly(red[i], offset=(self.L // 2) >> s)
+        rk = Float32(1.0)
+        rq = scale
+        if const_expr(self.l2norm):
+            rk = _rsqrt(red[2 * R + 1] + Float32(L2NORM_EPS))
+            rq = scale * _rsqrt(red[2 * R + 2] + Float32(L2NORM_EPS))
+        kq_n = red[2 * R] * rk
+        for r in cutlass.range_constexpr(R):
+            if const_expr(self.erase):
+                u = cur[gb + KL + r] * cur[at + 2 * KL + r] - rk * red[r]  # w v - H' (b * k)
+            else:
+                u = cur[gb] * (cur[at + 2 * KL + r] - rk * red[r])  # beta (v - H' k)
+            red[r] = rq * (red[R + r] + u * kq_n)  # scale H_t q
+            uk = u * rk
+            for j in cutlass.range_constexpr(KL):
+                st[r * KL + j] = cur[ga + j] * st[r * KL + j] + uk * cur[at + KL + j]
+
+    @cute.jit
     def _store_out(self, o_base, red, t, ho, oh, v0, sub):
         """The group's first lane writes its R output values of token ``t`` (one vector store)."""
         R, io = self.R, self.io
@@ -476,11 +635,19 @@ def _fake_args(cfg: Config) -> tuple:
         return cute.sym_int64(divisibility=div)
 
     T, Hq, Hk, Hv, HO = (sym() for _ in range(5))
+    Tk = sym() if p.num_householder > 1 else T  # k / v on the expanded timeline
     q = make_fake_tensor(io, (T, Hq, p.head_dim_k), (s64(), s64(), 1), assumed_align=16)
-    k = make_fake_tensor(io, (T, Hk, p.head_dim_k), (s64(), s64(), 1), assumed_align=16)
-    v = make_fake_tensor(io, (T, Hv, p.head_dim_v), (s64(), s64(), 1), assumed_align=16)
-    g = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
-    beta = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
+    k = make_fake_tensor(io, (Tk, Hk, p.head_dim_k), (s64(), s64(), 1), assumed_align=16)
+    v = make_fake_tensor(io, (Tk, Hv, p.head_dim_v), (s64(), s64(), 1), assumed_align=16)
+    if p.gate_per_channel:
+        g = make_fake_compact_tensor(Float32, (sym(), sym(), p.head_dim_k), stride_order=(2, 1, 0), assumed_align=16)
+    else:
+        g = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
+    if p.erase_write_gates:
+        beta = make_fake_compact_tensor(Float32, (sym(), sym(), p.head_dim_k + p.head_dim_v), stride_order=(2, 1, 0),
+                                        assumed_align=16)
+    else:
+        beta = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
     cu = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
     mat = (p.head_dim_k, p.head_dim_v) if p.state_k_major else (p.head_dim_v, p.head_dim_k)
     h0 = make_fake_compact_tensor(sdt, (sym(), sym()) + mat, stride_order=(3, 2, 1, 0), assumed_align=16)

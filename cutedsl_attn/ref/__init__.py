@@ -32,3 +32,11 @@ __all__ = [
 from .gdn import chunk_gated_delta_rule, gdn_head_maps  # noqa: E402
 
 __all__ += ["chunk_gated_delta_rule", "gdn_head_maps"]
+
+from .delta_family import chunk_gated_delta_product, chunk_gated_delta_rule2, kda_gate, recurrent_kda  # noqa: E402
+
+__all__ += ["chunk_gated_delta_product", "chunk_gated_delta_rule2", "kda_gate", "recurrent_kda"]
+
+from .mla import mla_paged_attention  # noqa: E402
+
+__all__ += ["mla_paged_attention"]
