@@ -174,7 +174,7 @@ def main():
         if not args.rounds:
             t = timed(fns["ours"])
             row["ours_ms"], row["ours_tf"] = t * 1e3, fl / t / 1e12
-        row["ours_kernel"] = type(w._plan["cfg"]).__name__
+        row["ours_kernel"] = w._plan["choice"].name
         for tune in tunes:
             try:
                 wt = plan_ours(ws, indptr, hq, hkv, d, causal, {"CUTEDSL_ATTN_PREFILL_TUNE": tune})

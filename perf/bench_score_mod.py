@@ -74,7 +74,7 @@ def main():
             w = plan_ours(ws, indptr, H, H, D, True, {"CUTEDSL_ATTN_PREFILL_TUNE": tune} if tune else None,
                           score_mod=score_mod)
             o = w.run(q, k, v)
-            return (lambda: w.run(q, k, v, out=o)), o, type(w._plan["cfg"]).__name__
+            return (lambda: w.run(q, k, v, out=o)), o, w._plan["choice"].name
 
         fns["ours"], outs["ours"], kern = ours(rel_bias)
         fns["ours, no score_mod"], _, _ = ours(None)

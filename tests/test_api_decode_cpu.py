@@ -249,7 +249,8 @@ def test_plan_page_table_not_tensor_or_wrong_ndim(name):
     (dict(q_data_type=BF16, kv_data_type=FP16), NotImplementedError, "dtype"),
     (dict(q_data_type=FP16, o_data_type=BF16), NotImplementedError, "dtype"),
     (dict(q_data_type=torch.float8_e4m3fn), NotImplementedError, "q_data_type"),
-    (dict(q_data_type=BF16, kv_data_type=torch.float8_e4m3fn), NotImplementedError, "kv_data_type"),
+    (dict(q_data_type=BF16, kv_data_type=torch.float8_e5m2), NotImplementedError, "kv_data_type"),
+    (dict(q_data_type=BF16, kv_data_type=torch.float8_e4m3fn, o_data_type=FP16), NotImplementedError, "dtype"),
     (dict(q_data_type="float8_e5m2"), NotImplementedError, "q_data_type"),
     (dict(q_data_type=torch.float32), NotImplementedError, "q_data_type"),
     (dict(q_data_type="int8"), TypeError, "q_data_type"),
@@ -257,6 +258,30 @@ def test_plan_page_table_not_tensor_or_wrong_ndim(name):
 ])
 def test_plan_dtypes(kw, exc, match):
     _plan_raises(exc, match, **kw)
+
+
+@pytest.mark.parametrize("q_dt", [BF16, FP16])
+def test_fp8_kv_cache_plans_and_runs(rec, q_dt):
+    # an e4m3 cache under a 16-bit q: the problem carries the cache type, run() checks the cache against it
+    p = problem(dtype=q_dt)
+    fp8_cache = p["cache"].to(torch.float8_e4m3fn)
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    w.plan(*plan_args(p), q_data_type=q_dt, kv_data_type=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="kv_data_type"):
+        w.run(p["q"], p["cache"])  # a 16-bit cache against an fp8 plan
+    assert rec.calls == []
+    w.run(p["q"], fp8_cache, k_scale=0.5, v_scale=2.0)
+    cfg, args = rec.last
+    assert cfg.problem.kv_dtype == "float8_e4m3fn" and cfg.problem.dtype == str(q_dt).replace("torch.", "")
+    assert args["k"].dtype == torch.float8_e4m3fn and args["output_scale"] == 2.0
+    assert args["sm_scale"] == pytest.approx(0.5 / math.sqrt(p["d"]))
+
+
+def test_fp8_kv_cache_multirow_not_served():
+    p = problem()
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True)
+    with pytest.raises(NotImplementedError, match="q_len_per_req"):
+        w.plan(*plan_args(p), q_data_type=BF16, kv_data_type=torch.float8_e4m3fn, q_len_per_req=2)
 
 
 def test_plan_deprecated_data_type_alone_does_not_plan_bf16():

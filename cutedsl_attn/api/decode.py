@@ -50,7 +50,8 @@ _PLAN_POSITIONAL = (
 
 def _plan_dtypes(q_data_type, kv_data_type, o_data_type, data_type):
     """``(q, kv, o)`` torch dtypes of a decode plan (FlashInfer's defaults: q float16, kv and o q's; the deprecated
-    ``data_type`` fills only the unset q / kv).  NotImplementedError for fp8 or mixed dtypes."""
+    ``data_type`` fills only the unset q / kv).  NotImplementedError for mixed dtypes other than an fp8 e4m3 cache
+    under fp16/bf16 q and o."""
     q_dt = canonical_dtype("q_data_type", q_data_type)
     kv_dt = canonical_dtype("kv_data_type", kv_data_type)
     o_dt = canonical_dtype("o_data_type", o_data_type)
@@ -62,13 +63,15 @@ def _plan_dtypes(q_data_type, kv_data_type, o_data_type, data_type):
     kv_dt = kv_dt or q_dt
     o_dt = o_dt or q_dt
     for n, dt in (("q_data_type", q_dt), ("kv_data_type", kv_dt), ("o_data_type", o_dt)):
-        if dt not in (torch.float16, torch.bfloat16):
-            raise NotImplementedError(f"{n}={dt} is not supported; supported: torch.float16, torch.bfloat16")
-    if not (q_dt == kv_dt == o_dt):
+        if dt not in (torch.float16, torch.bfloat16) and not (n == "kv_data_type" and dt == torch.float8_e4m3fn):
+            raise NotImplementedError(f"{n}={dt} is not supported; supported: torch.float16, torch.bfloat16"
+                                      + (" (and torch.float8_e4m3fn for kv_data_type)" if n == "kv_data_type" else ""))
+    if not (q_dt == o_dt and kv_dt in (q_dt, torch.float8_e4m3fn)):
         hint = (" (q_data_type defaults to float16 and the deprecated data_type only fills unset dtypes, "
                 "as in FlashInfer: pass q_data_type)" if d_dt is not None else "")
         raise NotImplementedError(
-            f"mixed dtypes (q={q_dt}, kv={kv_dt}, o={o_dt}) are not supported; q, kv and o must match{hint}"
+            f"mixed dtypes (q={q_dt}, kv={kv_dt}, o={o_dt}) are not supported; q and o must match, and kv must match "
+            f"them or be torch.float8_e4m3fn{hint}"
         )
     return q_dt, kv_dt, o_dt
 
@@ -309,6 +312,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             )
 
         if q_len_per_req > 1:
+            if kv_dt != q_dt:
+                raise NotImplementedError(f"kv_data_type={kv_dt} with q_len_per_req > 1 is not supported (those rows "
+                                          "run the prefill kernel, which reads 16-bit caches); served: q_len_per_req=1")
             if kv_lens.numel() and int(kv_lens.min()) < q_len_per_req:
                 b = int((kv_lens < q_len_per_req).nonzero()[0])
                 raise ValueError(
@@ -327,7 +333,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._multirow = None
 
         problem = dispatch.decode_problem(dtype=q_dt, head_dim=head_dim, page_size=page_size, group_size=group,
-                                          pos_encoding_mode=pos_encoding_mode, use_soft_cap=cap > 0)
+                                          pos_encoding_mode=pos_encoding_mode, use_soft_cap=cap > 0,
+                                          kv_dtype="" if kv_dt == q_dt else kv_dt)
         choice, wp = dispatch.decode_schedule(
             problem, kv_lens, page_offsets, num_kv_heads=num_kv_heads, window_left=window_left,
             fixed_split_tokens=fixed_split_size * page_size if fixed_split_size else None,
@@ -357,7 +364,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             non_blocking)
         self._plan = dict(
             B=B, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-            group=group, dtype=q_dt, pos_encoding_mode=pos_encoding_mode, window_left=window_left, soft_cap=cap,
+            group=group, dtype=q_dt, kv_dtype=kv_dt, pos_encoding_mode=pos_encoding_mode, window_left=window_left, soft_cap=cap,
             sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim),
             rope_rcp_scale=1.0 / float(rope_scale if rope_scale is not None else 1.0),
             rope_log2_theta=math.log2(float(rope_theta if rope_theta is not None else 1e4)),
@@ -446,7 +453,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         p = self._plan
         return paged_kv_views(paged_kv_cache, self._kv_layout, page_size=p["page_size"],
                               num_kv_heads=p["num_kv_heads"], head_dims=(p["head_dim"], p["head_dim"]),
-                              dtype=p["dtype"], device=self.device)
+                              dtype=p.get("kv_dtype", p["dtype"]), device=self.device)
 
     # ------------------------------------------------------------------ run
     def run(
