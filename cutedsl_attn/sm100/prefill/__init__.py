@@ -1,0 +1,52 @@
+"""The SM100 / SM103 (Blackwell) prefill kernel: TMA + tcgen05.mma with S, P and O in tensor memory.
+
+Cross-compiled for ``sm_100a`` / ``sm_103a`` and checked on the CPU (PTX instruction mix, SASS resources, the TMEM
+plan); never run on Blackwell hardware yet, so nothing routes to it without a first-use check on a real device.
+
+The kernel contract (what dispatch uses): :data:`NAME`, :class:`Tiles` and :class:`Config` (``Config(problem,
+tiles)``, the compile key), :func:`unsupported_reason`, :func:`default_tiles`, :func:`compile` and :func:`launch`.
+Modules: ``config`` (dataclasses, TMEM plan, warp roles), ``kernel`` (the device code).
+"""
+
+from __future__ import annotations
+
+from ...planning.prefill import PrefillArgs, PrefillProblem
+from .config import Config, Tiles, tmem_alloc_cols, tmem_plan, tmem_plan_reason, unsupported_reason
+
+NAME = "prefill_sm100"
+
+__all__ = ["NAME", "Tiles", "Config", "unsupported_reason", "default_tiles", "compile", "launch", "tmem_plan",
+           "tmem_plan_reason", "tmem_alloc_cols"]
+
+
+def default_tiles(problem: PrefillProblem, *, num_sms: int) -> Tiles:
+    """The tiles for ``problem`` (``num_sms`` is unused: one CTA per work row and kv head).
+
+    Not measured (no Blackwell GPU yet): 128-token KV blocks and a rescale threshold of 8 as FlashAttention-4's
+    SM100 kernel; three K/V stages at head_dim 64, two at 128 (three fit, with 1 KiB to spare: untried); one Q
+    tile per CTA (``q_tiles=2``, FA4's two softmax warpgroups with P aliased in S, is built and checked the same
+    way but has more to go wrong on a first run).
+    ``problem`` must be one the kernel serves (:func:`unsupported_reason` is None).
+    """
+    return Tiles(tile_n=128, kv_stages=3 if problem.head_dim_qk <= 64 else 2, rescale_threshold=8)
+
+
+def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile the kernel for ``cfg`` from fake tensors (no GPU needed); one build serves every batch, length and
+    head count.
+
+    ``keep_ptx_dir``: also write the PTX there (``keep_cubin``: and the cubin; needs ``keep_ptx_dir``).
+    Returns the tvm-ffi callable that :func:`launch` calls (it launches on torch's current stream).
+    Raises ValueError for ``keep_cubin`` without ``keep_ptx_dir``; the DSL's errors for a failed build.
+    """
+    from .kernel import build
+
+    return build(cfg, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
+
+
+def launch(fn, cfg: Config, args: PrefillArgs) -> None:
+    """Run the compiled ``fn`` (:func:`compile` of ``cfg``) on one launch's :class:`PrefillArgs` (the only code that
+    knows its argument order: the SM90 kernel's).  ``args.sm_scale`` must be > 0 (the caller checks); the soft
+    cap, window and positional-encoding fields are not read (the kernel refuses those problems)."""
+    fn(args.q, args.k, args.v, args.indices, args.work, args.out, args.lse, args.mask, args.sinks, args.sm_scale,
+       args.soft_cap, args.window_left, args.output_scale)

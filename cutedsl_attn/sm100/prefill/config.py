@@ -1,0 +1,278 @@
+"""The SM100 prefill kernel's configuration: tiles (:class:`Tiles`), the compile key (:class:`Config`), the TMEM
+column plan, the warp roles with their register budgets, and the one list of what the kernel refuses.
+
+Pure Python (no device code): the tile math here is what the CPU tests assert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import cutlass
+
+from ...planning.prefill import PrefillProblem
+
+ARCHS = ("sm_100a", "sm_103a")
+HEAD_DIMS = (64, 128)
+TILE_M = 128  # packed query rows of one Q tile: the M of one tcgen05 (cta_group::1) MMA
+SMEM_LIMIT = 227 * 1024
+TMEM_COLS = 512  # columns of the SM's tensor memory (128 lanes x 32 bits each)
+REGISTER_FILE = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The warp roles of a CTA with ``q_tiles`` Q tiles and the registers per thread of each after setmaxnreg.
+
+    Softmax warpgroup ``t`` owns Q tile ``t``; the correction warpgroup serves every tile; the MMA and load warps
+    share a warpgroup with idle warps (setmaxnreg acts per warpgroup).  Warp ``w`` reaches TMEM lanes
+    ``32 (w % 4) ..``, so softmax warp ``4 t + k`` and correction warp ``k`` own the same rows of their tiles.
+    """
+
+    q_tiles: int
+
+    @property
+    def softmax_warps(self) -> tuple[int, ...]:
+        return tuple(range(4 * self.q_tiles))
+
+    @property
+    def correction_warps(self) -> tuple[int, ...]:
+        return tuple(range(4 * self.q_tiles, 4 * self.q_tiles + 4))
+
+    @property
+    def mma_warp(self) -> int:
+        return 4 * self.q_tiles + 4
+
+    @property
+    def load_warp(self) -> int:
+        return self.mma_warp + 1
+
+    @property
+    def idle_warps(self) -> tuple[int, ...]:
+        return (self.mma_warp + 2, self.mma_warp + 3)
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * self.q_tiles + 8
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def registers(self) -> dict[str, int]:
+        """softmax / correction / other registers per thread: the softmax row (tile_n fp32 scores) needs the most;
+        the warpgroups' sum (x 128 threads) must fit the register file (two softmax warpgroups: FA4's budget)."""
+        if self.q_tiles == 1:
+            return {"softmax": 224, "correction": 112, "other": 48}
+        return {"softmax": 208, "correction": 64, "other": 32}
+
+
+# named barrier ids (0 is __syncthreads)
+BAR_TMEM_ALLOC = 1  # the MMA warp's TMEM allocation published to the softmax and correction warpgroups
+BAR_TMEM_FREE = 2  # the correction warpgroup's last TMEM read, before the MMA warp frees the columns
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """What the SM100 prefill kernel chooses for a problem.
+
+    ``tile_n``: KV tokens per block, the N of S = Q K^T and the K of O += P V (64 or 128);
+    ``kv_stages``: depth of the K ring and of the V ring in shared memory (2 or 3);
+    ``q_tiles``: Q tiles of 128 packed rows per CTA (1, or 2 with two softmax warpgroups taking turns on the
+    tensor core, FlashAttention-4's layout);
+    ``rescale_threshold`` (log2 units, 0..15; 0: the exact running max): a row's max is only raised when a block's
+    max exceeds it by more than this, so O is rescaled rarely (FlashAttention-4's conditional rescaling; P then
+    reaches up to ``2^threshold``, which 16 bits hold for threshold <= 15).
+    """
+
+    tile_n: int = 128
+    kv_stages: int = 2
+    rescale_threshold: int = 8
+    q_tiles: int = 1
+
+
+def tmem_plan(tile_n: int, head_dim_vo: int, q_tiles: int = 1) -> dict[str, tuple[int, int]]:
+    """The TMEM columns of each accumulator, ``name -> (first column, columns)``.
+
+    One Q tile: ``S0``/``S1`` are two fp32 score buffers of ``tile_n`` columns (the MMA warp writes block
+    ``i + 1``'s scores while the softmax warpgroup reads block ``i``'s), ``O`` the fp32 output accumulator
+    (``head_dim_vo`` columns), ``P0``/``P1`` the 16-bit probabilities of the two S buffers (two per 32-bit
+    column), read by the P V MMA as its A operand from TMEM; no region overlaps another.
+
+    Two Q tiles: ``S0``/``S1`` and ``O0``/``O1`` belong to tiles 0 and 1; ``P0``/``P1`` lie in the upper half of
+    their own tile's S buffer (:data:`TMEM_ALIASES`): the softmax warpgroup has all of S in registers before it
+    writes P there, and the MMA warp issues tile ``t``'s P V before its next Q K^T, which tcgen05's in-order
+    execution keeps behind the P V's reads.  Every region starts on a multiple of 32 columns.
+    """
+    if q_tiles == 1:
+        return {
+            "S0": (0, tile_n),
+            "S1": (tile_n, tile_n),
+            "O": (2 * tile_n, head_dim_vo),
+            "P0": (2 * tile_n + head_dim_vo, tile_n // 2),
+            "P1": (2 * tile_n + head_dim_vo + tile_n // 2, tile_n // 2),
+        }
+    return {
+        "S0": (0, tile_n),
+        "S1": (tile_n, tile_n),
+        "O0": (2 * tile_n, head_dim_vo),
+        "O1": (2 * tile_n + head_dim_vo, head_dim_vo),
+        "P0": (tile_n // 2, tile_n // 2),
+        "P1": (tile_n + tile_n // 2, tile_n // 2),
+    }
+
+
+def tmem_aliases(q_tiles: int) -> dict[str, str]:
+    """Regions of :func:`tmem_plan` that live inside another by design (``alias -> host``)."""
+    return {} if q_tiles == 1 else {"P0": "S0", "P1": "S1"}
+
+
+def tmem_alloc_cols(plan: dict[str, tuple[int, int]]) -> int:
+    """Columns to allocate for ``plan``: the end of its last region rounded up to a power of two >= 32 (what
+    ``tcgen05.alloc`` accepts)."""
+    end = max(a + n for a, n in plan.values())
+    cols = 32
+    while cols < end:
+        cols *= 2
+    return cols
+
+
+def tmem_plan_reason(plan: dict[str, tuple[int, int]], aliases: dict[str, str] | None = None) -> str | None:
+    """Why ``plan`` is not a valid TMEM plan, or None: a region empty or not starting on a multiple of 32
+    columns, two regions overlapping (an ``aliases`` entry must instead lie inside its host), or more than 512
+    columns."""
+    aliases = aliases or {}
+    for k, (a, n) in plan.items():
+        if a % 32 or a < 0 or n <= 0:
+            return f"TMEM region {k} = [{a}, {a + n}) must be non-empty and start on a multiple of 32 columns"
+    for k, host in aliases.items():
+        if k not in plan or host not in plan:
+            return f"TMEM alias {k} -> {host} names a region missing from the plan"
+        (a, n), (ha, hn) = plan[k], plan[host]
+        if a < ha or a + n > ha + hn:
+            return f"TMEM region {k} = [{a}, {a + n}) must lie inside {host} = [{ha}, {ha + hn})"
+    spans = sorted((a, a + n, k) for k, (a, n) in plan.items() if k not in aliases)
+    for (a0, e0, k0), (a1, e1, k1) in zip(spans, spans[1:]):
+        if a1 < e0:
+            return f"TMEM regions {k0} = [{a0}, {e0}) and {k1} = [{a1}, {e1}) overlap"
+    for k, (a, n) in plan.items():
+        for j, (b, m) in plan.items():
+            if k in aliases and j != aliases[k] and j != k and a < b + m and b < a + n:
+                return f"TMEM region {k} = [{a}, {a + n}) overlaps {j} = [{b}, {b + m})"
+    end = max(a + n for a, n in plan.values())
+    if end > TMEM_COLS:
+        return f"the TMEM plan needs {end} columns (> {TMEM_COLS})"
+    return None
+
+
+def unsupported_reason(problem: PrefillProblem) -> str | None:
+    """Why the SM100 prefill kernel cannot serve ``problem``, or None (the arch test included).
+
+    Serves bf16/fp16, ragged K/V, head_dim_qk == head_dim_vo in {64, 128}, causal (bottom-right) or not,
+    sinks, any ``group_size`` dividing 128, on ``sm_100a`` / ``sm_103a``.  Refuses paged K/V, custom masks,
+    sliding windows, soft caps, ``score_mod``, positional encodings, head_dim 256 and 192/128.
+    """
+    p = problem
+    if p.arch not in ARCHS:
+        return f"the SM100 prefill kernel builds for sm_100a / sm_103a only, got arch {p.arch!r}"
+    if p.head_dim_qk != p.head_dim_vo or p.head_dim_qk not in HEAD_DIMS:
+        return (f"head_dim_qk == head_dim_vo in {HEAD_DIMS} only (256 and 192/128 are not served), got "
+                f"{p.head_dim_qk}/{p.head_dim_vo}")
+    if p.page_size > 0:
+        return "paged K/V is not served by the SM100 kernel yet (ragged K/V only)"
+    if p.use_custom_mask:
+        return "custom masks are not served by the SM100 kernel yet"
+    if p.use_window:
+        return "sliding windows (window_left) are not served by the SM100 kernel yet"
+    if p.use_soft_cap:
+        return "soft caps are not served by the SM100 kernel yet"
+    if p.score_mod is not None:
+        return "score_mod is not served by the SM100 kernel yet"
+    if p.pos_encoding_mode != "NONE":
+        return "positional encodings (RoPE / ALiBi) are served by the portable kernel"
+    if TILE_M % p.group_size:
+        return f"group_size must divide {TILE_M} (the query heads of a token share one MMA tile), got {p.group_size}"
+    return None
+
+
+def _tiles_reason(p: PrefillProblem, t: Tiles) -> str | None:
+    for f in dataclasses.fields(Tiles):
+        v = getattr(t, f.name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"{f.name} must be an int, got {v!r}"
+    if t.tile_n not in (64, 128):
+        return f"tile_n must be 64 or 128, got {t.tile_n}"
+    if t.kv_stages not in (2, 3):
+        return f"kv_stages must be 2 or 3, got {t.kv_stages}"
+    if t.q_tiles not in (1, 2):
+        return f"q_tiles must be 1 or 2, got {t.q_tiles}"
+    if not 0 <= t.rescale_threshold <= 15:
+        return f"rescale_threshold must be in 0..15 (P <= 2^threshold must fit 16 bits), got {t.rescale_threshold}"
+    return tmem_plan_reason(tmem_plan(t.tile_n, p.head_dim_vo, t.q_tiles), tmem_aliases(t.q_tiles))
+
+
+@dataclass(frozen=True)
+class Config:
+    """The compile key of the SM100 prefill kernel: a problem and the tiles chosen for it.
+
+    Raises TypeError when the halves are not a :class:`PrefillProblem` and a :class:`Tiles`; ValueError naming
+    the reason when the kernel cannot serve ``problem`` (:func:`unsupported_reason`) or ``tiles`` do not fit it
+    (field ranges, the TMEM plan, shared memory).
+    """
+
+    problem: PrefillProblem
+    tiles: Tiles
+
+    def __post_init__(self):
+        if not isinstance(self.problem, PrefillProblem) or not isinstance(self.tiles, Tiles):
+            raise TypeError(f"Config(problem, tiles) takes a PrefillProblem and a Tiles, got "
+                            f"{type(self.problem).__name__} and {type(self.tiles).__name__}")
+        reason = unsupported_reason(self.problem) or _tiles_reason(self.problem, self.tiles)
+        if reason is None and self.smem_bytes > SMEM_LIMIT:
+            reason = f"needs {self.smem_bytes} B of shared memory (> {SMEM_LIMIT})"
+        if reason:
+            raise ValueError(f"SM100 prefill: {reason}")
+
+    @property
+    def cutlass_dtype(self):
+        """The CuTe DSL element type of q, k, v and o."""
+        return cutlass.BFloat16 if self.problem.dtype == "bfloat16" else cutlass.Float16
+
+    @property
+    def tile_m(self) -> int:
+        """Packed query rows per CTA (the work table's tile): 128 per Q tile."""
+        return TILE_M * self.tiles.q_tiles
+
+    @property
+    def roles(self) -> Roles:
+        """The warp roles and their register budgets."""
+        return Roles(self.tiles.q_tiles)
+
+    @property
+    def positive_scale_only(self) -> bool:
+        """The launch needs ``sm_scale > 0``: the row max is taken on raw ``q.k`` and the scale folded in after."""
+        return True
+
+    @property
+    def tmem(self) -> dict[str, tuple[int, int]]:
+        """The TMEM column plan (:func:`tmem_plan`)."""
+        return tmem_plan(self.tiles.tile_n, self.problem.head_dim_vo, self.tiles.q_tiles)
+
+    @property
+    def tmem_cols(self) -> int:
+        """TMEM columns allocated per CTA."""
+        return tmem_alloc_cols(self.tmem)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of the kernel's storage: the mbarriers, the TMEM base address and the per-row statistics
+        (padded to the 1 KiB alignment of the buffers), then Q and the K and V rings."""
+        p, t, e = self.problem, self.tiles, 2
+        qt = t.q_tiles
+        n_mbar = 2 * qt + 4 * t.kv_stages + 4 + 4 + 2 * qt + 2 * qt + 1
+        head = -(-(8 * n_mbar + 4 + 4 * 2 * TILE_M * qt) // 1024) * 1024
+        q = TILE_M * t.q_tiles * p.head_dim_qk * e
+        kv = t.kv_stages * t.tile_n * (p.head_dim_qk + p.head_dim_vo) * e
+        return head + q + kv

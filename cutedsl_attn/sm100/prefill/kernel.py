@@ -1,0 +1,640 @@
+"""SM100 / SM103 (Blackwell) prefill / append attention: TMA + tcgen05.mma with TMEM accumulators, warp-specialised.
+
+One CTA per (work row, kv head): ``128 * q_tiles`` packed query rows of one request (the work table of
+:mod:`cutedsl_attn.planning.prefill`; packed row ``r`` is token ``r // group`` of query head
+``kv_head * group + r % group``), all its KV blocks right to left (the masked ones first).  Roles
+(:class:`~cutedsl_attn.sm100.prefill.config.Roles`):
+
+* load warp: TMA of the Q tiles (once) and of the K and V blocks into two rings (``PipelineTmaUmma`` each); a V
+  block running past the request lands on its own mbarrier and has its tail rows zeroed before the MMA reads it;
+* MMA warp (one elected thread): S = Q K^T into TMEM (``PipelineUmmaAsync`` to the softmax warpgroups) and
+  O += P V with P read from TMEM (``PipelineAsyncUmma`` from the softmax warpgroups, ``PipelineUmmaAsync`` to the
+  correction warpgroup); it owns the TMEM allocation.  One Q tile: two S buffers, block ``i + 1``'s scores
+  computed while the softmax works on block ``i``; two Q tiles: the tiles take turns on the tensor core;
+* softmax warpgroup per Q tile (one thread per row): ``tcgen05.ld`` of its S row, masks, online max / sum,
+  ``ex2``, the 16-bit P written back with ``tcgen05.st``; each block's rescale factor to the correction
+  warpgroup through shared memory (``PipelineAsync``);
+* correction warpgroup: rescales O in TMEM between P V GEMMs, then the epilogue (normalise, sinks, output scale,
+  16-bit O and base-2 LSE straight to global memory).
+
+Conventions as the other prefill kernels: bottom-right causal, LSE base 2, empty rows O = 0 and LSE = -inf,
+``sm_scale > 0``; K/V rows past a request never reach an output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, tcgen05
+
+from ...common import masks, ptx
+from ...common import softmax as sm
+from ...common.constants import LOG2E, NEG_INF
+from ...compile.arch import compile_options
+from ...compile.fake import prefill_tensors
+from ...planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0, WORK_COLS
+from . import config as C
+from .config import Config
+
+
+def _at(stages: int, count, producer: bool):
+    """The pipeline state of the ``count``-th use of a ``stages``-deep pipeline (derived, not carried: a state
+    advanced inside a dynamic branch would escape it)."""
+    count = Int32(count)
+    phase = (count // stages) & 1
+    return pipeline.PipelineState(stages, count, count % stages, phase ^ 1 if producer else phase)
+
+
+def _fence_after_sync():
+    """``tcgen05.fence::after_thread_sync``: this thread's later tcgen05 operations are ordered after the barrier
+    wait just passed (and so after the tcgen05 operations other threads fenced before arriving)."""
+    cute.arch.inline_ptx("tcgen05.fence::after_thread_sync;")
+
+
+def _fence_before_sync():
+    """``tcgen05.fence::before_thread_sync``: this thread's earlier tcgen05 operations are ordered before the
+    barrier arrive that follows."""
+    cute.arch.inline_ptx("tcgen05.fence::before_thread_sync;")
+
+
+class Sm100PrefillKernel:
+    """The CuTe DSL SM100 prefill kernel of one :class:`Config` (build with ``compile``)."""
+
+    def __init__(self, cfg: Config):
+        p, t = cfg.problem, cfg.tiles
+        self.cfg = cfg
+        self.dtype = cfg.cutlass_dtype
+        self.DQ, self.DV, self.G = p.head_dim_qk, p.head_dim_vo, p.group_size
+        self.TM, self.TN, self.S = C.TILE_M, t.tile_n, t.kv_stages  # TM: rows of one Q tile (the MMA's M)
+        self.QT, self.CTA_M = t.q_tiles, cfg.tile_m
+        self.roles = cfg.roles
+        self.CH = 32 if self.QT == 1 else 16  # O columns per correction tcgen05.ld / st (registers: its budget)
+        self.causal, self.use_sinks = p.causal, p.use_sinks
+        self.rescale_threshold = t.rescale_threshold
+        self.tmem = cfg.tmem
+        self.tmem_cols = cfg.tmem_cols
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mIdx: cute.Tensor, mWork: cute.Tensor,
+                 mO: cute.Tensor, mLSE: cute.Tensor, mMask: cute.Tensor, mSinks: cute.Tensor,
+                 sm_scale: Float32, soft_cap: Float32, window_left: Int32, output_scale: Float32, stream):
+        DQ, DV, TM, TN, S, G = self.DQ, self.DV, self.TM, self.TN, self.S, self.G
+        dt = self.dtype
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
+        one_cta = tcgen05.CtaGroup.ONE
+        self.qk_tiler = (TM, TN, DQ)
+        self.pv_tiler = (TM, DV, TN)
+        qk_mma = sm100_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32, one_cta, (TM, TN))
+        # P (A) from TMEM, K-major; V (B) as (head_dim, tokens): head_dim contiguous, MN-major
+        pv_mma = sm100_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, one_cta, (TM, DV),
+                                                    tcgen05.OperandSource.TMEM)
+        sQ_layout = sm100_utils.make_smem_layout_a(qk_mma, self.qk_tiler, dt, self.QT)  # one stage per Q tile
+        sK_layout = sm100_utils.make_smem_layout_b(qk_mma, self.qk_tiler, dt, S)
+        sV_layout = sm100_utils.make_smem_layout_b(pv_mma, self.pv_tiler, dt, S)
+        tP_layout = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, dt, 1)
+
+        hkv = mK.shape[1]
+        # Q as ((group, tokens), dim, kv_heads): one M=128 box of a tile is its packed rows (GQA packing)
+        mQ_t = cute.make_tensor(mQ.iterator, cute.make_layout(
+            ((G, mQ.shape[0]), DQ, hkv), stride=((mQ.stride[1], mQ.stride[0]), 1, G * mQ.stride[1])))
+        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))  # (tokens, dim, kv_heads)
+        mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))  # (dim, tokens, kv_heads)
+        g2s = cpasync.CopyBulkTensorTileG2SOp(one_cta)
+        vmnk = (1, 1, 1, 1)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
+            g2s, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), self.qk_tiler, qk_mma, vmnk)
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+            g2s, mK_t, cute.select(sK_layout, mode=[0, 1, 2]), self.qk_tiler, qk_mma, vmnk)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+            g2s, mV_t, cute.select(sV_layout, mode=[0, 1, 2]), self.pv_tiler, pv_mma, vmnk)
+        self.q_bytes = TM * DQ * 2
+        self.k_bytes = TN * DQ * 2
+        self.v_bytes = TN * DV * 2
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.QT]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            mbar_s: cute.struct.MemRange[cutlass.Int64, 4]
+            mbar_p: cute.struct.MemRange[cutlass.Int64, 4]
+            mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * self.QT]
+            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * self.QT]
+            mbar_v_tail: cute.struct.MemRange[cutlass.Int64, 1]
+            tmem_base: Int32
+            # per row: the block's O rescale factor, or (final message) the row sum and the log2-unit row max
+            s_stats: cute.struct.MemRange[Float32, 2 * TM * self.QT]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        # a second pair of tiled MMAs for Q tile 1: the MMA warp sets their ACCUMULATE field inside its per-tile
+        # branches, and a tiled MMA mutated in one branch cannot be used in another
+        qk_mma1 = sm100_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32, one_cta, (TM, TN))
+        pv_mma1 = sm100_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, one_cta, (TM, DV),
+                                                     tcgen05.OperandSource.TMEM)
+        self.kernel(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mWork, mO, mLSE, mSinks, sm_scale,
+                    output_scale, qk_mma, pv_mma, qk_mma1, pv_mma1, sQ_layout, sK_layout, sV_layout,
+                    tP_layout).launch(
+            grid=(mWork.shape[0], hkv, 1), block=(self.roles.num_threads, 1, 1), smem=SharedStorage.size_in_bytes(),
+            stream=stream, min_blocks_per_mp=1)  # (.minnctapersm: without it ptxas ignores setmaxnreg)
+
+    @cute.kernel
+    def kernel(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mWork, mO, mLSE, mSinks,
+               sm_scale: Float32, output_scale: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
+               qk_mma1: cute.TiledMma, pv_mma1: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout):
+        """Device entry: one CTA per (work row ``blockIdx.x``, kv head ``blockIdx.y``)."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        wi, kvh, _ = cute.arch.block_idx()
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        R = self.roles
+        if warp == R.load_warp:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+
+        def group(n):
+            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+
+        QT = self.QT
+        # pipeline counts: Q tile t's j-th use of a per-tile pipeline is count j * QT + t (see _at)
+        pipe_q = pipeline.PipelineTmaUmma.create(num_stages=QT, producer_group=group(1), consumer_group=group(1),
+                                                 tx_count=self.q_bytes, barrier_storage=storage.mbar_q.data_ptr(),
+                                                 defer_sync=True)
+        pipe_k = pipeline.PipelineTmaUmma.create(num_stages=self.S, producer_group=group(1),
+                                                 consumer_group=group(1), tx_count=self.k_bytes,
+                                                 barrier_storage=storage.mbar_k.data_ptr(), defer_sync=True)
+        pipe_v = pipeline.PipelineTmaUmma.create(num_stages=self.S, producer_group=group(1),
+                                                 consumer_group=group(1), tx_count=self.v_bytes,
+                                                 barrier_storage=storage.mbar_v.data_ptr(), defer_sync=True)
+        # S buffers: MMA -> softmax (128 threads release a buffer once its scores are in registers); one Q tile:
+        # S0 / S1 alternate over the blocks, two: S_t is tile t's
+        pipe_s = pipeline.PipelineUmmaAsync.create(num_stages=2, producer_group=group(1), consumer_group=group(128),
+                                                   barrier_storage=storage.mbar_s.data_ptr(), defer_sync=True)
+        # P buffers: softmax -> MMA (released by the P V GEMM's commit)
+        pipe_p = pipeline.PipelineAsyncUmma.create(num_stages=2, producer_group=group(128), consumer_group=group(1),
+                                                   barrier_storage=storage.mbar_p.data_ptr(), defer_sync=True)
+        # O: MMA -> correction (a P V GEMM done; released once O is rescaled for the next one)
+        pipe_o = pipeline.PipelineUmmaAsync.create(num_stages=QT, producer_group=group(1), consumer_group=group(128),
+                                                   barrier_storage=storage.mbar_o.data_ptr(), defer_sync=True)
+        # row statistics: softmax -> correction through s_stats
+        pipe_stats = pipeline.PipelineAsync.create(num_stages=QT, producer_group=group(128),
+                                                   consumer_group=group(128),
+                                                   barrier_storage=storage.mbar_stats.data_ptr(), defer_sync=True)
+        v_bar = storage.mbar_v_tail.data_ptr()
+        if warp == R.load_warp:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(v_bar, 1)
+        cute.arch.mbarrier_init_fence()
+        tmem = cutlass.memory.TmemAllocator(
+            storage.tmem_base.ptr, barrier_for_retrieve=pipeline.NamedBarrier(C.BAR_TMEM_ALLOC, 32 + 128 * QT + 128),
+            allocator_warp_id=R.mma_warp)
+        free_bar = pipeline.NamedBarrier(C.BAR_TMEM_FREE, 32 + 128)
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        s_stats = storage.s_stats.get_tensor(cute.make_layout((self.TM * QT, 2), stride=(1, self.TM * QT)))
+
+        b, row0, qo_len, kv_len, blk_lo, n_blk = self._tile(mWork, wi)
+        regs = R.registers
+        if warp < R.correction_warps[0]:
+            cute.arch.setmaxregister_increase(regs["softmax"])
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            if b >= 0:
+                if const_expr(QT == 1):
+                    self._softmax(tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, row0, qo_len,
+                                  kv_len, blk_lo, n_blk, tidx, 0)
+                else:
+                    wg = warp // 4
+                    if wg == 0:
+                        self._softmax(tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, row0, qo_len,
+                                      kv_len, blk_lo, n_blk, tidx, 0)
+                    else:
+                        self._softmax(tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, row0, qo_len,
+                                      kv_len, blk_lo, n_blk, tidx - 128, 1)
+        elif warp < R.mma_warp:
+            cute.arch.setmaxregister_decrease(regs["correction"])
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            if b >= 0:
+                self._correction(tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, wi, kvh, mO, mLSE, mSinks,
+                                 output_scale, row0, qo_len, n_blk, tidx - 128 * QT)
+            free_bar.arrive_and_wait()
+        else:  # the MMA and load warps (traced last: the MMA mutates the tiled MMAs inside its loop)
+            cute.arch.setmaxregister_decrease(regs["other"])
+            if warp == R.load_warp:
+                if n_blk > 0:
+                    self._load(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k,
+                               pipe_v, v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk)
+            if warp == R.mma_warp:
+                tmem.allocate(self.tmem_cols)
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                tmem.relinquish_alloc_permit()
+                if n_blk > 0:
+                    self._mma(tmem_ptr, (qk_mma, qk_mma1), (pv_mma, pv_mma1), tP_layout, sQ, sK, sV, pipe_q, pipe_k,
+                              pipe_v, pipe_s, pipe_p, pipe_o, n_blk)
+                free_bar.arrive_and_wait()
+                tmem.free(tmem_ptr)
+
+    @cute.jit
+    def _tile(self, mWork, wi):
+        """Work row ``wi``'s fields and its KV block range: ``(b, row0, qo_len, kv_len, blk_lo, n_blk)``, ``n_blk``
+        0 for a padding row (``b < 0``)."""
+        b = mWork[wi, W_BATCH]
+        row0 = mWork[wi, W_ROW0]
+        qo_len = mWork[wi, W_QO_LEN]
+        kv_len = mWork[wi, W_KV_LEN]
+        blk_lo, n_blk = masks.kv_block_range(row0, qo_len, kv_len, Int32(-1), self.G, self.CTA_M, self.TN,
+                                             self.causal, False)
+        n_blk = cutlass.select_(b >= 0, n_blk, Int32(0))
+        return b, row0, qo_len, kv_len, blk_lo, n_blk
+
+    # ------------------------------------------------------------------ TMEM views
+    def _tmem_S(self, tmem_ptr, qk_mma, name):
+        """The (128, tile_n) fp32 score buffer ``name`` (``"S0"`` / ``"S1"``) of the TMEM plan."""
+        thr = qk_mma.get_slice(0)
+        frag = thr.make_fragment_C(thr.partition_shape_C((self.TM, self.TN)))
+        return cute.make_tensor(tmem_ptr + self.tmem[name][0], frag.layout)
+
+    def _tmem_O(self, tmem_ptr, pv_mma, t: int):
+        """Q tile ``t``'s (128, head_dim_vo) fp32 output accumulator."""
+        thr = pv_mma.get_slice(0)
+        frag = thr.make_fragment_C(thr.partition_shape_C((self.TM, self.DV)))
+        return cute.make_tensor(tmem_ptr + self.tmem["O" if self.QT == 1 else f"O{t}"][0], frag.layout)
+
+    def _tmem_P_operand(self, tmem_ptr, pv_mma, tP_layout, name):
+        """P buffer ``name`` as the P V GEMM's TMEM A operand (16-bit, two per column)."""
+        thr = pv_mma.get_slice(0)
+        tOrP = thr.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[None, None, None, 0]
+        return cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem[name][0], dtype=tOrP.element_type),
+                                tOrP.layout)
+
+    # ------------------------------------------------------------------ load warp
+    @cute.jit
+    def _load(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+              v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk):
+        """TMA Q once and the K / V blocks ``blk_lo + n_blk - 1 .. blk_lo`` (right to left) into their rings."""
+        TM, TN, DQ, DV = self.TM, self.TN, self.DQ, self.DV
+        qk_thr = qk_mma.get_slice(0)
+        pv_thr = pv_mma.get_slice(0)
+        gQ = cute.flat_divide(cute.domain_offset(((0, mWork[wi, W_Q_START]), 0, 0), tma_Q), (TM, DQ))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                                           cute.group_modes(qk_thr.partition_A(gQ), 0, 3))
+        kv_start = mWork[wi, W_KV_START]
+        gK = cute.flat_divide(cute.domain_offset((kv_start, 0, 0), tma_K), (TN, DQ))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+                                           cute.group_modes(qk_thr.partition_B(gK), 0, 3))
+        gV = cute.flat_divide(cute.domain_offset((0, kv_start, 0), tma_V), (DV, TN))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+                                           cute.group_modes(pv_thr.partition_B(gV), 0, 3))
+        for t in cutlass.range_constexpr(self.QT):
+            q_state = _at(self.QT, t, True)
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ[None, mWork[wi, W_ROW0] // TM + t, 0, kvh], tQsQ[None, t],
+                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        rows = kv_len - (blk_lo + n_blk - 1) * TN  # rows of the first (rightmost) block inside the request
+        for i in cutlass.range(n_blk, unroll=1):
+            n = blk_lo + n_blk - 1 - i
+            state = _at(self.S, i, True)
+            pipe_k.producer_acquire(state)
+            cute.copy(tma_atom_K, tKgK[None, n, 0, kvh], tKsK[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            if (i == 0) & (rows < TN):
+                # the tail block: land on v_bar, zero rows past the request, then complete the stage by an arrive
+                pipe_v.sync_object_empty.wait(state.index, state.phase)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(v_bar, self.v_bytes)
+                cute.copy(tma_atom_V, tVgV[None, 0, n, kvh], tVsV[None, state.index], tma_bar_ptr=v_bar)
+                cute.arch.mbarrier_wait(v_bar, 0)
+                self._zero_v_rows(sV, state.index, rows)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(pipe_v.sync_object_full.get_barrier(state.index))
+            else:
+                pipe_v.producer_acquire(state)
+                cute.copy(tma_atom_V, tVgV[None, 0, n, kvh], tVsV[None, state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+
+    @cute.jit
+    def _zero_v_rows(self, sV, stage, rows):
+        """Zero token rows ``rows .. tile_n - 1`` of V stage ``stage`` (another request's rows or spare buffer
+        rows, which a masked P of 0 would turn into NaN in P V if they held NaN or inf), then order the stores
+        before the MMA's async-proxy reads."""
+        TN, DV = self.TN, self.DV
+        lane = cute.arch.lane_idx()
+        sVs = sV[None, None, None, stage]
+        # sVs: ((head_dim, 16 tokens), 1, tile_n / 16): the P V GEMM's B operand per 16-token k-block
+        for e in cutlass.range(lane, (TN - rows) * DV, 32, unroll=1):
+            r = rows + e // DV
+            sVs[((e % DV, r % 16), 0, r // 16)] = self.dtype(0.0)
+        ptx.fence_proxy_async_shared()
+        cute.arch.sync_warp()
+
+    # ------------------------------------------------------------------ MMA warp
+    @cute.jit
+    def _mma(self, tmem_ptr, qk_mmas, pv_mmas, tP_layout, sQ, sK, sV, pipe_q, pipe_k, pipe_v, pipe_s, pipe_p,
+             pipe_o, n_blk):
+        """One Q tile: S_i = Q K_i^T into S buffer ``i % 2``, then O += P_{i-1} V_{i-1} (the next block's scores are
+        computed while the softmax warpgroup works on this one's).  Two Q tiles, per block ``i``: for ``t`` = 0, 1,
+        O_t += P_t(i-1) V_{i-1}, then S_t = Q_t K_i^T (tile ``t``'s P lives in S_t, so its P V goes first; the
+        tensor core works on one tile while the other tile's softmax runs)."""
+        QT = self.QT
+        qk_mma, pv_mma = qk_mmas[0], pv_mmas[0]
+        qk_thr = qk_mma.get_slice(0)
+        pv_thr = pv_mma.get_slice(0)
+        tSrQ = qk_thr.make_fragment_A(sQ)
+        tSrK = qk_thr.make_fragment_B(sK)
+        tOrV = pv_thr.make_fragment_B(sV)
+        tStS0 = self._tmem_S(tmem_ptr, qk_mma, "S0")
+        tOrP0 = self._tmem_P_operand(tmem_ptr, pv_mma, tP_layout, "P0")
+        tOtO = [self._tmem_O(tmem_ptr, pv_mma, t) for t in range(QT)]
+        s_cols, p_cols = self.tmem["S1"][0] - self.tmem["S0"][0], self.tmem["P1"][0] - self.tmem["P0"][0]
+        for t in cutlass.range_constexpr(QT):
+            pipe_q.consumer_wait(_at(QT, t, False))
+        for i in cutlass.range(n_blk + 1, unroll=1):
+            k_state = _at(self.S, i, False)
+            v_state = _at(self.S, i - 1, False)
+            if i < n_blk:
+                pipe_k.consumer_wait(k_state)
+            if i > 0:
+                pipe_v.consumer_wait(v_state)
+            for t in cutlass.range_constexpr(QT):
+                if const_expr(QT == 1):
+                    if i < n_blk:
+                        self._issue_qk(qk_mmas[0], pipe_s, _at(2, i, True), tStS0, s_cols, tSrQ, tSrK, k_state, 0)
+                if i > 0:
+                    p_state = _at(2, (i - 1) * QT + t, False)
+                    o_state = _at(QT, (i - 1) * QT + t, True)
+                    pipe_p.consumer_wait(p_state)
+                    pipe_o.producer_acquire(o_state)
+                    _fence_after_sync()
+                    tOrP = cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem["P0"][0] + p_state.index * p_cols,
+                                                            dtype=tOrP0.element_type), tOrP0.layout)
+                    self._gemm_pv(pv_mmas[t], tOtO[t], tOrP, tOrV, v_state.index, i > 1)
+                    pipe_o.producer_commit(o_state)
+                    pipe_p.consumer_release(p_state)
+                if const_expr(QT == 2):
+                    if i < n_blk:
+                        self._issue_qk(qk_mmas[t], pipe_s, _at(2, i * QT + t, True), tStS0, s_cols, tSrQ, tSrK,
+                                       k_state, t)
+            if i < n_blk:
+                pipe_k.consumer_release(k_state)
+            if i > 0:
+                pipe_v.consumer_release(v_state)
+        for t in cutlass.range_constexpr(QT):
+            pipe_q.consumer_release(_at(QT, t, False))
+
+    @cute.jit
+    def _issue_qk(self, qk_mma, pipe_s, s_state, tStS0, s_cols, tSrQ, tSrK, k_state, q_stage: cutlass.Constexpr):
+        """S (buffer ``s_state.index``) = Q (stage ``q_stage``) K^T, then signal the softmax warpgroup."""
+        pipe_s.producer_acquire(s_state)
+        _fence_after_sync()
+        tStS = cute.make_tensor(tStS0.iterator + s_state.index * s_cols, tStS0.layout)
+        self._gemm_qk(qk_mma, tStS, tSrQ, tSrK, k_state.index, q_stage)
+        pipe_s.producer_commit(s_state)
+
+    @cute.jit
+    def _gemm_qk(self, qk_mma, tStS, tSrQ, tSrK, k_stage, q_stage: cutlass.Constexpr):
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            qk_mma.set(tcgen05.Field.ACCUMULATE, k != 0)
+            cute.gemm(qk_mma, tStS, tSrQ[None, None, k, q_stage], tSrK[None, None, k, k_stage], tStS)
+
+    @cute.jit
+    def _gemm_pv(self, pv_mma, tOtO, tOrP, tOrV, v_stage, accumulate):
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate | (k != 0))
+            cute.gemm(pv_mma, tOtO, tOrP[None, None, k], tOrV[None, None, k, v_stage], tOtO)
+
+    # ------------------------------------------------------------------ softmax warpgroup
+    @cute.jit
+    def _softmax(self, tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, row0, qo_len, kv_len,
+                 blk_lo, n_blk, tidx, t: cutlass.Constexpr):
+        """Softmax warpgroup of Q tile ``t``: thread ``tidx`` owns packed row ``row0 + 128 t + lane`` (TMEM lane
+        ``lane``): per block, its scores by ``tcgen05.ld``, masked where the block needs it, the online max and
+        sum, P = 2^(s - max) back to TMEM as 16-bit values 32 columns at a time; the rescale factor of O to the
+        correction warpgroup; at the end the row's sum and max."""
+        TM, TN, G, QT = self.TM, self.TN, self.G, self.QT
+        CW = 16  # P words (32 columns of 16-bit values) per tcgen05.st
+        qk_thr = qk_mma.get_slice(0)
+        tStS0 = self._tmem_S(tmem_ptr, qk_mma, "S0")
+        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+        tiled_ld = tcgen05.make_tmem_copy(ld_atom, tStS0)
+        thr_ld = tiled_ld.get_slice(tidx)
+        tLtS0 = thr_ld.partition_S(tStS0)
+        s_cols, p_cols = self.tmem["S1"][0] - self.tmem["S0"][0], self.tmem["P1"][0] - self.tmem["P0"][0]
+        tLcS = thr_ld.partition_D(qk_thr.partition_C(cute.make_identity_tensor((TM, TN))))
+        tPc = cute.make_tensor(tmem_ptr + self.tmem["P0"][0],
+                               cute.composition(tStS0.layout, cute.make_layout((TM, CW))))
+        tiled_st = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(CW)), Float32), tPc)
+        thr_st = tiled_st.get_slice(tidx)
+        tStP0 = thr_st.partition_D(tPc)
+        tScP = thr_st.partition_S(cute.make_identity_tensor((TM, CW)))
+
+        scale_log2 = sm_scale * Float32(LOG2E)
+        row_max = Float32(NEG_INF)
+        row_sum = Float32(0.0)
+        row = tLcS[0][0]  # this thread's row of the tile: its TMEM lane
+        qpos = (row0 + t * TM + row) // G + kv_len - qo_len  # the row's bottom-right position
+        n_masked = masks.num_right_masked(blk_lo, n_blk, kv_len, row0 // G + kv_len - qo_len, TN,
+                                          causal=self.causal)
+        for i in cutlass.range(n_blk, unroll=1):
+            s_state = _at(2, i * QT + t, False)
+            p_state = _at(2, i * QT + t, True)
+            st_state = _at(QT, i * QT + t, True)
+            rS = cute.make_rmem_tensor(tLcS.shape, Float32)
+            pipe_s.consumer_wait(s_state)
+            _fence_after_sync()
+            cute.copy(tiled_ld, cute.make_tensor(tLtS0.iterator + s_state.index * s_cols, tLtS0.layout), rS)
+            cute.arch.fence_view_async_tmem_load()
+            _fence_before_sync()
+            pipe_s.consumer_release(s_state)
+            if i < n_masked:
+                j0 = (blk_lo + n_blk - 1 - i) * TN
+                _, hi = masks.visible_range(j0, kv_len, qpos, Int32(-1), causal=self.causal, use_window=False)
+                for e in cutlass.range_constexpr(cute.size(rS)):
+                    rS[e] = Float32(cutlass.select_(tLcS[e][1] <= hi, rS[e], Float32(NEG_INF)))
+            m_new = cute.arch.fmax(row_max, rS.load().reduce(cute.ReductionOp.MAX, Float32(NEG_INF), 0))
+            if const_expr(self.rescale_threshold > 0):
+                # keep the running max while the block's max exceeds it by <= 2^threshold (P <= 2^threshold fits
+                # 16 bits): O's factor stays 1 and the correction warpgroup skips its TMEM round trip (a row that
+                # saw nothing yet, -inf, always takes the new max: the difference is +inf or NaN)
+                grow = (m_new - row_max) * scale_log2
+                m_new = Float32(cutlass.select_(grow <= Float32(self.rescale_threshold), row_max, m_new))
+            m_use = Float32(cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new))
+            alpha = ptx.ex2((row_max - m_use) * scale_log2)
+            pipe_stats.producer_acquire(st_state)  # (block 0's factor is not used: its P V starts O)
+            s_stats[t * TM + row, 0] = alpha
+            pipe_stats.producer_commit(st_state)
+            row_max = m_new
+            neg_m = -m_use * scale_log2
+            acc = (row_sum * alpha, Float32(0.0))
+            pipe_p.producer_acquire(p_state)  # the P V that read this P buffer last is done
+            _fence_after_sync()
+            p_base = tStP0.iterator + p_state.index * p_cols
+            for c in cutlass.range_constexpr(TN // 32):
+                for e in cutlass.range_constexpr(32 * c, 32 * c + 32, 2):
+                    x0, x1 = cute.arch.fma_packed_f32x2((rS[e], rS[e + 1]), (scale_log2, scale_log2),
+                                                        (neg_m, neg_m))
+                    rS[e] = ptx.ex2(x0)
+                    rS[e + 1] = ptx.ex2(x1)
+                    acc = cute.arch.add_packed_f32x2(acc, (rS[e], rS[e + 1]))
+                rP = cute.make_rmem_tensor(tScP.shape, Float32)
+                rPw = cute.recast_tensor(rP, Int32)  # the same registers, as packed 16-bit pairs
+                for w in cutlass.range_constexpr(CW):
+                    rPw[w] = ptx.pack2(rS[32 * c + 2 * w], rS[32 * c + 2 * w + 1], self.dtype)
+                cute.copy(tiled_st, rP, cute.make_tensor(p_base + c * CW, tStP0.layout))
+            row_sum = acc[0] + acc[1]
+            cute.arch.fence_view_async_tmem_store()
+            _fence_before_sync()
+            pipe_p.producer_commit(p_state)
+        # final message: the row's sum and its max in log2 units (-inf: no visible key)
+        st_state = _at(QT, n_blk * QT + t, True)
+        pipe_stats.producer_acquire(st_state)
+        s_stats[t * TM + row, 0] = row_sum
+        s_stats[t * TM + row, 1] = row_max * scale_log2
+        pipe_stats.producer_commit(st_state)
+
+    # ------------------------------------------------------------------ correction warpgroup
+    @cute.jit
+    def _correction(self, tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, wi, kvh, mO, mLSE, mSinks,
+                    output_scale, row0, qo_len, n_blk, ctid):
+        """Thread ``ctid`` owns TMEM lane ``lane``, i.e. packed row ``row0 + 128 t + lane`` of every Q tile ``t``:
+        between P V GEMMs it scales the row of O_t by the softmax warpgroup's factor (skipped when the whole
+        warp's factors are 1), then normalises it and stores O (16-bit) and the base-2 LSE."""
+        TM, DV, QT = self.TM, self.DV, self.QT
+        CH = self.CH
+        tOtO0 = self._tmem_O(tmem_ptr, pv_mma, 0)
+        pv_thr = pv_mma.get_slice(0)
+        tOtO_c = cute.make_tensor(tOtO0.iterator, cute.composition(tOtO0.layout, cute.make_layout((TM, CH))))
+        cO = pv_thr.partition_C(cute.make_identity_tensor((TM, DV)))
+        cO_c = cute.make_tensor(cO.iterator, cute.composition(cO.layout, cute.make_layout((TM, CH))))
+        tiled_ld = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(CH)), Float32), tOtO_c)
+        tiled_st = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(CH)), Float32), tOtO_c)
+        thr_ld = tiled_ld.get_slice(ctid)
+        thr_st = tiled_st.get_slice(ctid)
+        tLtO = thr_ld.partition_S(tOtO_c)
+        tStO = thr_st.partition_D(tOtO_c)
+        tLcO = thr_ld.partition_D(cO_c)
+        o_cols = 0 if QT == 1 else self.tmem["O1"][0] - self.tmem["O0"][0]  # O_t at O_0 + t * o_cols
+        row = tLcO[0][0]  # this thread's TMEM lane
+        for i in cutlass.range(n_blk, unroll=1):
+            for t in cutlass.range_constexpr(QT):
+                st_state = _at(QT, i * QT + t, False)
+                pipe_stats.consumer_wait(st_state)
+                alpha = s_stats[t * TM + row, 0]
+                pipe_stats.consumer_release(st_state)
+                if i > 0:
+                    self._rescale(pipe_o, _at(QT, (i - 1) * QT + t, False), alpha, tiled_ld, tiled_st,
+                                  cute.make_tensor(tLtO.iterator + t * o_cols, tLtO.layout),
+                                  cute.make_tensor(tStO.iterator + t * o_cols, tStO.layout), tLcO)
+        for t in cutlass.range_constexpr(QT):
+            self._epilogue(pipe_o, pipe_stats, s_stats, mWork, wi, kvh, mO, mLSE, mSinks, output_scale, row0, qo_len,
+                           n_blk, row, t, tiled_ld, cute.make_tensor(tLtO.iterator + t * o_cols, tLtO.layout), tLcO)
+
+    @cute.jit
+    def _epilogue(self, pipe_o, pipe_stats, s_stats, mWork, wi, kvh, mO, mLSE, mSinks, output_scale, row0, qo_len,
+                  n_blk, row, t: cutlass.Constexpr, tiled_ld, tLtO, tLcO):
+        """Normalise Q tile ``t``'s row (sinks folded in, output scale in fp32), store it (16-byte stores) and its
+        LSE; a row past the request is not written."""
+        TM, DV, G, QT = self.TM, self.DV, self.G, self.QT
+        CH = self.CH
+        st_state = _at(QT, n_blk * QT + t, False)
+        pipe_stats.consumer_wait(st_state)
+        l = s_stats[t * TM + row, 0]
+        m = s_stats[t * TM + row, 1]
+        pipe_stats.consumer_release(st_state)
+        pr = row0 + t * TM + row
+        head = kvh * G + pr % G
+        sink_l2 = Float32(NEG_INF)
+        if const_expr(self.use_sinks):
+            sink_l2 = mSinks[head] * Float32(LOG2E)
+        factor, lse = sm.finalize_row(m, l, sink_l2)
+        factor = factor * output_scale
+        live = pr < qo_len * G
+        tok = mWork[wi, W_Q_START] + pr // G
+        hq = mO.shape[1]
+        row_addr = mO.iterator.toint() + ((Int64(tok) * hq + head) * DV) * 2
+        o_state = _at(QT, (n_blk - 1) * QT + t, False)
+        if n_blk > 0:
+            pipe_o.consumer_wait(o_state)  # the last P V is done
+            _fence_after_sync()
+        for c in cutlass.range_constexpr(DV // CH):
+            rO = cute.make_rmem_tensor(tLcO.shape, Float32)
+            if n_blk > 0:
+                cute.copy(tiled_ld, cute.make_tensor(tLtO.iterator + c * CH, tLtO.layout), rO)
+                cute.arch.fence_view_async_tmem_load()
+            else:
+                rO.fill(0.0)
+            if live:
+                for q in cutlass.range_constexpr(CH // 8):
+                    w = [self._scaled_pair(rO, 8 * q + 2 * h, factor) for h in range(4)]
+                    ptx.st_global_v4_b32(row_addr + (c * CH + 8 * q) * 2, w[0], w[1], w[2], w[3])
+        if n_blk > 0:
+            _fence_before_sync()
+            pipe_o.consumer_release(o_state)
+        if live:
+            mLSE[tok, head] = lse
+
+    @cute.jit
+    def _rescale(self, pipe_o, o_state, alpha, tiled_ld, tiled_st, tLtO, tStO, tLcO):
+        """Once the P V GEMM before is done, scale this thread's O row by ``alpha`` in TMEM (skipped when every
+        factor of the warp is 1), then let the next P V GEMM accumulate."""
+        CH = self.CH
+        pipe_o.consumer_wait(o_state)
+        _fence_after_sync()
+        if cute.arch.vote_any_sync(alpha != Float32(1.0)):
+            for c in cutlass.range_constexpr(self.DV // CH):
+                rO = cute.make_rmem_tensor(tLcO.shape, Float32)
+                cute.copy(tiled_ld, cute.make_tensor(tLtO.iterator + c * CH, tLtO.layout), rO)
+                cute.arch.fence_view_async_tmem_load()
+                for e in cutlass.range_constexpr(0, cute.size(rO), 2):
+                    rO[e], rO[e + 1] = cute.arch.mul_packed_f32x2((rO[e], rO[e + 1]), (alpha, alpha))
+                cute.copy(tiled_st, rO, cute.make_tensor(tStO.iterator + c * CH, tStO.layout))
+            cute.arch.fence_view_async_tmem_store()
+        _fence_before_sync()
+        pipe_o.consumer_release(o_state)
+
+    @cute.jit
+    def _scaled_pair(self, rO, e: cutlass.Constexpr, factor):
+        """``rO[e], rO[e + 1]`` times ``factor`` as one word of two 16-bit values; an exact 0 where ``factor`` is 0
+        (a row that saw no key), whatever the accumulator holds."""
+        ok = factor != Float32(0.0)
+        o0 = Float32(cutlass.select_(ok, rO[e] * factor, Float32(0.0)))
+        o1 = Float32(cutlass.select_(ok, rO[e + 1] * factor, Float32(0.0)))
+        return ptx.pack2(o0, o1, self.dtype)
+
+
+def _fake_spec(cfg: Config):
+    """What :func:`cutedsl_attn.compile.fake.prefill_tensors` reads: the problem's fields and the element type."""
+    p = cfg.problem
+    return types.SimpleNamespace(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)},
+                                 cutlass_dtype=cfg.cutlass_dtype)
+
+
+def build(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile the kernel of ``cfg`` from fake tensors (see the package's ``compile``)."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    opts = compile_options(cfg.problem.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
+    return cute.compile(
+        Sm100PrefillKernel(cfg), *prefill_tensors(_fake_spec(cfg), WORK_COLS), Float32(1.0), Float32(0.0),
+        Int32(-1), Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
+    )

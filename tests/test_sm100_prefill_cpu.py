@@ -1,0 +1,322 @@
+"""CPU checks of the SM100 / SM103 tcgen05 prefill kernel (``cutedsl_attn.sm100.prefill``), which no GPU here runs.
+
+* every served configuration cross-compiles for ``sm_100a`` and ``sm_103a`` (trace, verifier, TMA and shared
+  memory errors fail here);
+* the PTX is the design's: tcgen05.mma / ld / st / alloc / dealloc, TMA (``cp.async.bulk.tensor``), mbarriers;
+  no wgmma, no mma.sync;
+* resource gate on the cubin: no stack (spills), the three ``setmaxnreg`` budgets honoured by ptxas
+  (``USETMAXREG`` in the SASS, their sum within the register file);
+* SASS shape per KV block: UTCHMMA, MUFU.EX2, LDTM, STTM counts as the design says;
+* the TMEM column plan (no overlap, within 512 columns), the kernel contract, and every refused feature.
+"""
+
+import dataclasses
+import functools
+import glob
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+from cutedsl_attn.planning.prefill import PrefillArgs, PrefillProblem
+from cutedsl_attn.sm100 import prefill as K
+from cutedsl_attn.sm100.prefill import config as C
+
+ARCHS = ("sm_100a", "sm_103a")
+_DUMP = tempfile.TemporaryDirectory(prefix="sm100_prefill_")  # PTX / cubin of the session's builds (removed at exit)
+
+
+def problem(arch="sm_100a", d=128, causal=False, g=4, dtype="bfloat16", sinks=False, q=None, **kw):
+    return PrefillProblem(dtype=dtype, head_dim_qk=d, head_dim_vo=d, group_size=g, causal=causal, use_sinks=sinks,
+                          arch=arch, **kw)
+
+
+# the served matrix: both archs x head dims x causal, with the dtypes, group sizes and sinks spread over it, for
+# one Q tile per CTA (the default) and two (two softmax warpgroups)
+SERVED = [
+    dict(arch=a, d=d, causal=c, g=g, dtype=dt, sinks=s, q=1)
+    for a in ARCHS for d in (64, 128) for c in (False, True)
+    for (g, dt, s) in (((4, "bfloat16", False), (1, "float16", True)) if d == 128 else ((8, "bfloat16", True),))
+] + [
+    dict(arch=a, d=d, causal=c, g=g, dtype=dt, sinks=s, q=2)
+    for a in ARCHS for d in (64, 128) for c in (False, True)
+    for (g, dt, s) in (((4, "bfloat16", False),) if c or d == 64 else ((4, "bfloat16", False), (1, "float16", True)))
+]
+
+
+def _id(kw):
+    return f"{kw['arch']}-d{kw['d']}-{'causal' if kw['causal'] else 'full'}-g{kw['g']}-{kw['dtype']}" + (
+        "-sinks" if kw["sinks"] else "") + f"-q{kw['q']}"
+
+
+def tiles_for(p, q):
+    return dataclasses.replace(K.default_tiles(p, num_sms=148), q_tiles=q)
+
+
+@functools.lru_cache(maxsize=None)
+def _build(key):
+    """(cfg, ptx text, cubin bytes) of one served configuration (compiled once per session)."""
+    kw = dict(key)
+    p = problem(**kw)
+    cfg = K.Config(p, tiles_for(p, kw["q"]))
+    out = tempfile.mkdtemp(dir=_DUMP.name)
+    K.compile(cfg, keep_ptx_dir=out, keep_cubin=True)
+    ptx = open(glob.glob(f"{out}/*.ptx")[0]).read()
+    cubin = open(glob.glob(f"{out}/*.cubin")[0], "rb").read()
+    return cfg, ptx, cubin, out
+
+
+def built(kw):
+    return _build(tuple(sorted(kw.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _sass(key):
+    from cutedsl_attn.inspect import _find_tool
+
+    tool = _find_tool("cuobjdump")
+    if tool is None:
+        pytest.skip("cuobjdump not found (the test extra installs nvidia-cuda-cuobjdump)")
+    _, _, _, out = _build(key)
+    return subprocess.run([tool, "--dump-sass", glob.glob(f"{out}/*.cubin")[0]], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def sass_counts(kw):
+    """Opcode (mnemonic up to its first ``.``-suffix kept whole) -> count in the kernel's SASS."""
+    text = _sass(tuple(sorted(kw.items())))
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
+    counts = {}
+    for op in ops:
+        counts[op] = counts.get(op, 0) + 1
+    return counts, text
+
+
+def count_prefix(counts, prefix):
+    return sum(n for op, n in counts.items() if op == prefix or op.startswith(prefix + "."))
+
+
+# ============================================================================= compile + PTX mix
+@pytest.mark.parametrize("kw", SERVED, ids=_id)
+def test_compiles_with_the_tcgen05_instruction_mix(kw):
+    cfg, ptx, _, _ = built(kw)
+    assert f".target {kw['arch']}" in ptx
+    for needed in ("tcgen05.mma", "tcgen05.ld", "tcgen05.st", "tcgen05.alloc", "tcgen05.dealloc",
+                   "tcgen05.commit", "cp.async.bulk.tensor", "mbarrier", "setmaxnreg"):
+        assert needed in ptx, f"{needed} missing from the PTX"
+    for banned in ("wgmma", "mma.sync"):
+        assert banned not in ptx, f"{banned} in an SM100 kernel"
+    # one tcgen05.mma per 16-wide K step: Q K^T over head_dim_qk, P V over tile_n, per Q tile
+    assert ptx.count("tcgen05.mma") == cfg.tiles.q_tiles * (cfg.problem.head_dim_qk // 16 + cfg.tiles.tile_n // 16)
+    # P is read from TMEM by the P V GEMM (the A operand in brackets, not a shared-memory descriptor)
+    assert re.search(r"tcgen05\.mma\.cta_group::1\.kind::f16\S* \[%r\d+\], \[%r\d+\]", ptx)
+
+
+# ============================================================================= resource gate
+@pytest.mark.parametrize("kw", SERVED, ids=_id)
+def test_resources_no_spills_and_register_budgets(kw):
+    from cutedsl_attn.inspect import cubin_resources
+
+    cfg, ptx, cubin, _ = built(kw)
+    roles = cfg.roles
+    res = cubin_resources(cubin)
+    assert res["stack_bytes"] == 0, f"stack frame {res['stack_bytes']} B: spills or a local array"
+    assert res["registers"] * roles.num_threads <= C.REGISTER_FILE
+    # ptxas drops setmaxnreg (with only an info line) when it cannot tell the entry register count: the kernel
+    # must carry .minnctapersm, and the SASS must hold one USETMAXREG per warp role with the planned budget
+    assert ".minnctapersm 1" in ptx
+    counts, text = sass_counts(kw)
+    got = sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", text))
+    assert got == sorted(roles.registers.values()), f"setmaxnreg values in SASS {got} != plan {roles.registers}"
+    assert count_prefix(counts, "LDL") == 0 and count_prefix(counts, "STL") == 0
+
+
+@pytest.mark.parametrize("q", (1, 2))
+def test_register_plan_fits_the_register_file(q):
+    r = C.Roles(q)
+    regs = r.registers
+    assert (q * regs["softmax"] + regs["correction"] + regs["other"]) * 128 <= C.REGISTER_FILE
+    launch = (C.REGISTER_FILE // r.num_threads) // 8 * 8  # what ptxas can give every thread at launch
+    assert regs["softmax"] > launch > regs["correction"] > regs["other"]
+    for v in regs.values():
+        assert v % 8 == 0 and 24 <= v <= 256
+    assert len(r.softmax_warps) == 4 * q and len(r.correction_warps) == 4
+    assert sorted((*r.softmax_warps, *r.correction_warps, r.mma_warp, r.load_warp, *r.idle_warps)) == list(
+        range(r.num_warps))
+    assert r.num_warps % 4 == 0 and r.mma_warp // 4 == r.load_warp // 4  # setmaxnreg is per warpgroup
+    # TMEM lane access: warp w reaches lanes 32 (w % 4) ..; softmax and correction warp k own the same rows
+    assert [w % 4 for w in r.softmax_warps] == [0, 1, 2, 3] * q
+    assert [w % 4 for w in r.correction_warps] == [0, 1, 2, 3]
+
+
+# ============================================================================= SASS shape per KV block
+@pytest.mark.parametrize("kw", [k for k in SERVED if not k["sinks"]], ids=_id)
+def test_sass_instruction_mix_per_kv_block(kw):
+    """The kernel has one rolled loop per role over the KV blocks (each Q tile's softmax and its rescale and
+    epilogue code are traced once per tile), so the static counts are one block's plus the epilogue's, per Q
+    tile: UTCHMMA = head_dim / 16 (S) + tile_n / 16 (P V); MUFU.EX2 = tile_n (P) + 1 (O's factor) + 2 (the LSE's
+    sum and max terms); LDTM = S in x32 loads + O twice (rescale, epilogue) in loads of 32 (one Q tile) or 16
+    columns; STTM = P in x16 stores (32 columns of 16-bit values each) + O once (rescale)."""
+    cfg, _, _, _ = built(kw)
+    counts, _ = sass_counts(kw)
+    d, tn, q = cfg.problem.head_dim_vo, cfg.tiles.tile_n, cfg.tiles.q_tiles
+    ch = 32 if q == 1 else 16
+    assert count_prefix(counts, "UTCHMMA") == q * (cfg.problem.head_dim_qk // 16 + tn // 16)
+    assert counts.get("MUFU.EX2", 0) == q * (tn + 3)
+    assert count_prefix(counts, "LDTM") == q * (tn // 32 + 2 * (d // ch))
+    assert count_prefix(counts, "STTM") == q * (tn // 32 + d // ch)
+    assert count_prefix(counts, "HMMA") == 0 and count_prefix(counts, "HGMMA") == 0
+    assert count_prefix(counts, "UTMALDG") > 0
+    assert count_prefix(counts, "UTCBAR") > 0  # tcgen05.commit: MMA completion onto mbarriers
+
+
+def test_exact_rescaling_builds_the_same_mix():
+    """rescale_threshold=0 (the exact running max) compiles to the same tcgen05 / MUFU mix, spill-free."""
+    from cutedsl_attn.inspect import cubin_resources
+
+    p = problem(arch="sm_100a", d=128, causal=True)
+    out = tempfile.mkdtemp(dir=_DUMP.name)
+    K.compile(K.Config(p, K.Tiles(rescale_threshold=0)), keep_ptx_dir=out, keep_cubin=True)
+    ptx = open(glob.glob(f"{out}/*.ptx")[0]).read()
+    assert ptx.count("tcgen05.mma") == 16 and ptx.count("ex2.approx") == 128 + 3
+    assert cubin_resources(open(glob.glob(f"{out}/*.cubin")[0], "rb").read())["stack_bytes"] == 0
+
+
+# ============================================================================= TMEM plan
+@pytest.mark.parametrize("tile_n", (64, 128))
+@pytest.mark.parametrize("dv", (64, 128))
+def test_tmem_plan_one_q_tile_regions_disjoint_and_within_512(tile_n, dv):
+    plan = K.tmem_plan(tile_n, dv)
+    assert set(plan) == {"S0", "S1", "O", "P0", "P1"}
+    assert K.tmem_plan_reason(plan) is None and C.tmem_aliases(1) == {}
+    spans = sorted((a, a + n) for a, n in plan.values())
+    for (a0, e0), (a1, _) in zip(spans, spans[1:]):
+        assert e0 <= a1
+    assert spans[-1][1] <= 512
+    assert plan["S0"][1] == plan["S1"][1] == tile_n and plan["O"][1] == dv
+    assert plan["P0"][1] == plan["P1"][1] == tile_n // 2  # 16-bit P, two per 32-bit column
+    cols = K.tmem_alloc_cols(plan)
+    assert cols >= spans[-1][1] and cols & (cols - 1) == 0 and 32 <= cols <= 512
+
+
+@pytest.mark.parametrize("tile_n", (64, 128))
+@pytest.mark.parametrize("dv", (64, 128))
+def test_tmem_plan_two_q_tiles(tile_n, dv):
+    """S0/S1/O0/O1 disjoint within 512 columns; P_t inside its own S_t's upper half (written once S_t is in
+    registers), overlapping nothing else."""
+    plan = K.tmem_plan(tile_n, dv, 2)
+    aliases = C.tmem_aliases(2)
+    assert set(plan) == {"S0", "S1", "O0", "O1", "P0", "P1"} and aliases == {"P0": "S0", "P1": "S1"}
+    assert K.tmem_plan_reason(plan, aliases) is None
+    spans = sorted((a, a + n) for k, (a, n) in plan.items() if k not in aliases)
+    for (a0, e0), (a1, _) in zip(spans, spans[1:]):
+        assert e0 <= a1
+    assert spans[-1][1] <= 512
+    for t in (0, 1):
+        (pa, pn), (sa, sn) = plan[f"P{t}"], plan[f"S{t}"]
+        assert pn == tile_n // 2 and sa + sn // 2 == pa and pa + pn == sa + sn
+    # the same plan without its aliases declared is refused
+    assert "overlap" in K.tmem_plan_reason(plan)
+
+
+def test_tmem_plan_reason_catches_overlap_misalignment_and_overflow():
+    assert "overlap" in K.tmem_plan_reason({"S0": (0, 128), "P0": (64, 64)})
+    assert "multiple of 32" in K.tmem_plan_reason({"S0": (0, 128), "O": (136, 64)})
+    assert "512" in K.tmem_plan_reason({"S0": (0, 256), "O": (256, 288)})
+    assert "inside" in K.tmem_plan_reason({"S0": (0, 128), "P0": (96, 64)}, {"P0": "S0"})
+    assert "overlaps" in K.tmem_plan_reason({"S0": (0, 128), "P0": (64, 64), "P1": (96, 32)},
+                                            {"P0": "S0", "P1": "S0"})
+    assert "missing" in K.tmem_plan_reason({"S0": (0, 128)}, {"P0": "S0"})
+
+
+def test_config_carries_the_plan_and_fits_shared_memory():
+    for d in (64, 128):
+        for q in (1, 2):
+            p = problem(d=d)
+            cfg = K.Config(p, tiles_for(p, q))
+            assert cfg.tmem == K.tmem_plan(cfg.tiles.tile_n, d, q) and cfg.tmem_cols <= 512
+            assert cfg.smem_bytes <= C.SMEM_LIMIT and cfg.tile_m == 128 * q
+    for d in (64, 128):
+        for t in (K.Tiles(tile_n=n, kv_stages=s) for n in (64, 128) for s in (2, 3)):
+            assert K.Config(problem(d=d), t).smem_bytes <= C.SMEM_LIMIT
+    with pytest.raises(ValueError, match="shared memory"):
+        K.Config(problem(d=128), K.Tiles(tile_n=128, kv_stages=3, q_tiles=2))
+
+
+def test_config_refuses_what_shared_memory_cannot_hold(monkeypatch):
+    monkeypatch.setattr(C, "SMEM_LIMIT", 160 * 1024)
+    with pytest.raises(ValueError, match="shared memory"):
+        K.Config(problem(d=128), K.Tiles(tile_n=128, kv_stages=3))
+
+
+# ============================================================================= contract
+def test_contract_surface():
+    assert K.NAME == "prefill_sm100"
+    for name in ("Tiles", "Config", "unsupported_reason", "default_tiles", "compile", "launch"):
+        assert callable(getattr(K, name))
+    t = K.default_tiles(problem(), num_sms=148)
+    assert dataclasses.is_dataclass(t) and t.__dataclass_params__.frozen
+    assert K.Config(problem(), t).tile_m == 128
+
+
+def test_config_rejects_bad_tiles_and_types():
+    with pytest.raises(ValueError, match="tile_n"):
+        K.Config(problem(), K.Tiles(tile_n=96))
+    with pytest.raises(ValueError, match="kv_stages"):
+        K.Config(problem(), K.Tiles(kv_stages=4))
+    with pytest.raises(ValueError, match="int"):
+        K.Config(problem(), K.Tiles(tile_n=True))
+    with pytest.raises(ValueError, match="rescale_threshold"):
+        K.Config(problem(), K.Tiles(rescale_threshold=16))
+    with pytest.raises(ValueError, match="q_tiles"):
+        K.Config(problem(), K.Tiles(q_tiles=3))
+    with pytest.raises(TypeError):
+        K.Config(problem(), object())
+    with pytest.raises(ValueError, match="sm_100a"):
+        K.Config(problem(arch="sm_90a"), K.Tiles())
+
+
+def test_launch_passes_the_sm90_argument_order():
+    seen = []
+    args = PrefillArgs(q="q", k="k", v="v", indices="idx", work="work", out="o", lse="lse", mask="mask",
+                       sinks="sinks", alibi_slopes="alibi", sm_scale=0.5, soft_cap=0.0, window_left=-1,
+                       rope_rcp_scale=1.0, rope_log2_theta=13.0, output_scale=0.25)
+    K.launch(lambda *a: seen.append(a), K.Config(problem(), K.Tiles()), args)
+    assert seen == [("q", "k", "v", "idx", "work", "o", "lse", "mask", "sinks", 0.5, 0.0, -1, 0.25)]
+
+
+def test_served_problems_have_no_reason():
+    for a in ARCHS:
+        for d in (64, 128):
+            for c in (False, True):
+                for g in (1, 2, 4, 8, 16):
+                    for dt in ("bfloat16", "float16"):
+                        assert K.unsupported_reason(problem(arch=a, d=d, causal=c, g=g, dtype=dt, sinks=c)) is None
+
+
+REFUSED = [
+    (dict(arch="sm_90a"), "sm_100a"),
+    (dict(d=256), "256"),
+    (dict(page_size=16), "paged"),
+    (dict(use_custom_mask=True), "custom mask"),
+    (dict(use_window=True), "window"),
+    (dict(use_soft_cap=True), "soft cap"),
+    (dict(score_mod=lambda s, b, h, q, k: s), "score_mod"),
+    (dict(pos_encoding_mode="ROPE_LLAMA"), "positional"),
+    (dict(pos_encoding_mode="ALIBI"), "positional"),
+    (dict(g=3), "group_size"),
+]
+
+
+@pytest.mark.parametrize("kw,needle", REFUSED, ids=[n for _, n in REFUSED])
+def test_unsupported_reason_names_each_refused_feature(kw, needle):
+    reason = K.unsupported_reason(problem(**kw))
+    assert reason is not None and needle in reason
+    with pytest.raises(ValueError, match="SM100 prefill"):
+        K.Config(problem(**kw), K.Tiles())
+
+
+def test_unsupported_reason_refuses_192_128():
+    p = PrefillProblem(dtype="bfloat16", head_dim_qk=192, head_dim_vo=128, group_size=1, arch="sm_100a")
+    assert "192/128" in K.unsupported_reason(p)
