@@ -10,7 +10,11 @@ with ``CUTEDSL_ATTN_PREFILL_KERNEL=portable``.  Every (case, tool) pair runs in 
 (``compute-sanitizer --tool TOOL python3 perf/sanitize.py --child CASE``), after one plain run of the case that
 fills the compile cache (so the sanitized processes load kernels instead of compiling them) and lists the CUDA
 kernels it launched.  A tool's count is its "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY: N hazards")
-less the reports matched by :data:`SUPPRESSIONS`.  A new kernel joins the sweep with a case in :data:`CASES`.
+less the reports that :data:`SUPPRESSIONS` explain in full (a racecheck report lists one or more access pairs; it is
+suppressed only when every pair is matched).  The racecheck suppressions name instruction offsets of one build of
+the kernel: a change to the kernel moves them, the reports count again, and the offsets are re-derived from the
+SASS (``cutedsl_attn.inspect.sass``).  A child ran when it printed ``CHILD OK`` (see :func:`run_ok`).  A new kernel
+joins the sweep with a case in :data:`CASES`; a case's own sanitizer options go in ``Case.sanitizer_args``.
 
 compute-sanitizer comes from a CUDA toolkit or from the ``sanitize`` extra (``pip install -e ".[sanitize]"``).
 Exit status: 0 when every count is 0 and every child ran; 1 otherwise; 2 for bad options or no compute-sanitizer.
@@ -44,6 +48,7 @@ class Case:
     run: str  # name of the function below that builds and runs it
     env: tuple = ()  # (name, value) pairs set for the child
     optional: bool = False  # a missing dependency (cuDNN frontend) reports "n/a" instead of a failure
+    sanitizer_args: tuple = ()  # (tool, (option, ...)) pairs: extra compute-sanitizer options of this case
 
 
 CASES = (
@@ -56,14 +61,21 @@ CASES = (
          env=(("CUTEDSL_ATTN_PREFILL_KERNEL", "portable"),)),
     Case("prefill_portable_paged_causal", "portable prefill", "_prefill_paged_causal",
          env=(("CUTEDSL_ATTN_PREFILL_KERNEL", "portable"),)),
-    Case("prefill_cudnn_ragged_causal", "cuDNN prefill", "_prefill_cudnn_ragged_causal", optional=True),
+    # cuDNN's kernel uses more cuda::barrier objects than synccheck detects on its own ("Detected overflow of
+    # tracked cuda::barrier structures ... Try using --num-cuda-barriers"), and then fails its launch
+    Case("prefill_cudnn_ragged_causal", "cuDNN prefill", "_prefill_cudnn_ragged_causal", optional=True,
+         sanitizer_args=(("synccheck", ("--num-cuda-barriers", "64")),)),
+    Case("decode_paged_fp8", "paged decode, fp8 e4m3 cache", "_decode_paged_fp8"),
+    Case("gdn_prefill", "gated delta rule (recurrent)", "_gdn_prefill"),
+    Case("kda_prefill", "KDA (recurrent, per-channel decay)", "_kda_prefill"),
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class Suppression:
-    """One report the sweep does not count: ``pattern`` (a regular expression) searched in the report's text
-    (its first line and the indented lines under it), for cases matching ``cases`` (a glob) and ``tool``."""
+    """One kind of report the sweep does not count: ``pattern`` (a regular expression, multi-line mode) searched
+    in each item of a report (:func:`items`: a racecheck access pair, else the report's first line and the
+    indented lines under it), for cases matching ``cases`` (a glob) and ``tool``."""
 
     cases: str
     tool: str
@@ -71,8 +83,55 @@ class Suppression:
     reason: str  # one line: why this report is not a defect (e.g. accesses ordered by an mbarrier)
 
 
-# Narrow suppressions, each with the reason read from the SASS at the reported offsets. Empty: every report counts.
-SUPPRESSIONS: tuple[Suppression, ...] = ()
+def _race(kernel: str, a: tuple[str, int], b: tuple[str, int]) -> str:
+    """The pattern of one racecheck access pair of ``kernel`` (a regex of its symbol): accesses ``a`` and ``b``
+    (``("Write", 0xf00)``: kind and function-relative offset), in either order."""
+    def one(kind, off):
+        return rf"{kind} access at \S*{kernel}\S*\+{off:#x}(?![0-9a-fA-F])"
+
+    return (rf"^Error: Race reported between (?:{one(*a)}\nand {one(*b)}|{one(*b)}\nand {one(*a)})")
+
+
+_SM90_PREFILL = "Sm90PrefillKernel"
+# The producer's store of the tile index into s_tile (after its wait on the Q stage's empty mbarrier, before the
+# arrive on the full one) and the consumers' load of it (after their wait on the full mbarrier, before they
+# arrive on the empty one): the mbarrier arrive (release) / try_wait (acquire) pairs order them, racecheck does
+# not model mbarriers (SASS offsets of each case's build, sm_90a, bf16 d128 group 1).
+_HAND_OVER_RAW = "STS of s_tile before SYNCS.ARRIVE on the full mbarrier vs LDS after TRYWAIT on it: mbarrier-ordered"
+_HAND_OVER_WAR = ("LDS of s_tile before the consumers' SYNCS.ARRIVE on the empty mbarrier vs the producer's next STS "
+                  "after TRYWAIT on it: mbarrier-ordered")
+
+# Narrow suppressions, each with the reason read from the SASS at the reported offsets.
+SUPPRESSIONS: tuple[Suppression, ...] = (
+    # ragged causal (q_stages 2, persistent): tile index STS [s_tile+0] at +0xf00, LDS at +0x2090
+    Suppression("prefill_sm90_ragged_causal", "racecheck",
+                _race(_SM90_PREFILL, ("Write", 0xF00), ("Read", 0x2090)), _HAND_OVER_RAW),
+    # ragged (q_stages 1, persistent): tile index STS at +0x920, end marker (-1) STS at +0x1860; the consumers'
+    # first LDS at +0x1a30, the LDS at the bottom of their tile loop at +0x8da0
+    Suppression("prefill_sm90_ragged", "racecheck",
+                _race(_SM90_PREFILL, ("Write", 0x920), ("Read", 0x1A30)), _HAND_OVER_RAW),
+    Suppression("prefill_sm90_ragged", "racecheck",
+                _race(_SM90_PREFILL, ("Write", 0x1860), ("Read", 0x1A30)), _HAND_OVER_WAR),
+    Suppression("prefill_sm90_ragged", "racecheck",
+                _race(_SM90_PREFILL, ("Write", 0x1860), ("Read", 0x8DA0)), _HAND_OVER_RAW),
+    # paged causal (q_stages 1, one tile per CTA): tile index STS at +0x610, end marker STS at +0x3710; LDS at
+    # +0x38e0 (first) and +0xbd40 (tile loop bottom)
+    Suppression("prefill_sm90_paged_causal", "racecheck",
+                _race(_SM90_PREFILL, ("Write", 0x610), ("Read", 0x38E0)), _HAND_OVER_RAW),
+    Suppression("prefill_sm90_paged_causal", "racecheck",
+                _race(_SM90_PREFILL, ("Write", 0x3710), ("Read", 0x38E0)), _HAND_OVER_WAR),
+    Suppression("prefill_sm90_paged_causal", "racecheck",
+                _race(_SM90_PREFILL, ("Write", 0x3710), ("Read", 0xBD40)), _HAND_OVER_RAW),
+    # cuDNN backend: not our code
+    Suppression("prefill_cudnn_*", "racecheck",
+                _race("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", ("Read", 0x1440), ("Write", 0x7520)),
+                "inside cuDNN's own fprop kernel: third-party kernel, not ours"),
+    Suppression("prefill_cudnn_*", "memcheck",
+                r'^Program hit CUDA_ERROR_INVALID_VALUE \(error 1\) due to "invalid argument" on CUDA API call to '
+                r"cuGetProcAddress_v2\.",
+                "API return code of cuda-python's driver-entry-point probing (cuGetProcAddress of entry points this "
+                "driver lacks), not a device error"),
+)
 
 
 # ----------------------------------------------------------------------------- the problems (child side)
@@ -164,6 +223,46 @@ def _decode_paged_split():
     return _decode((4096, 16, 100), 4 * NUM_KV_HEADS)
 
 
+def _decode_paged_fp8():
+    import torch
+
+    import cutedsl_attn as ca
+
+    q = _randn(len(KV_LENS), NUM_QO_HEADS, HEAD_DIM)
+    cache, kv_indptr, indices, last = _paged_kv(KV_LENS)
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(_workspace(), "NHD")
+    w.plan(kv_indptr, indices, last, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, q_data_type=q.dtype,
+           kv_data_type=torch.float8_e4m3fn)
+    return w.run(q, cache.to(torch.float8_e4m3fn), k_scale=0.5, v_scale=2.0, return_lse=True)
+
+
+def _gdn_prefill():
+    # two sequences of 64 and 128 tokens, 4 heads, K = V = 128, initial and final state
+    import torch
+
+    import cutedsl_attn as ca
+
+    T, H = 192, 4
+    q, k, v = _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM)
+    g = torch.rand(T, H, device=_dev()) * 0.1 + 0.9
+    beta = torch.rand(T, H, device=_dev())
+    s0 = torch.randn(2, H, HEAD_DIM, HEAD_DIM, device=_dev()) * 0.01
+    return ca.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                     cu_seqlens=_indptr((64, 128)), use_qk_l2norm_in_kernel=True)
+
+
+def _kda_prefill():
+    import torch
+
+    import cutedsl_attn as ca
+
+    T, H = 192, 4
+    q, k, v = _randn(1, T, H, HEAD_DIM), _randn(1, T, H, HEAD_DIM), _randn(1, T, H, HEAD_DIM)
+    g = -torch.rand(1, T, H, HEAD_DIM, device=_dev()) * 0.1
+    beta = torch.rand(1, T, H, device=_dev())
+    return ca.recurrent_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=_indptr((64, 128)))
+
+
 def _is_missing_dependency(exc: BaseException) -> bool:
     return isinstance(exc, (ImportError, NotImplementedError)) or "cudnn" in str(exc).lower()
 
@@ -231,25 +330,61 @@ def reports(log: str) -> list[str]:
     return out
 
 
-def suppressed(case: str, tool: str, log: str) -> list[tuple[str, Suppression]]:
-    """The reports of ``log`` matched by a suppression for ``case`` and ``tool``."""
+def items(report: str) -> list[str]:
+    """What one suppression must explain in ``report``: for a racecheck report (``Error: Race reported between
+    <access>`` and ``and <access> [N hazards]`` lines), each access pair as ``"<first line>\\nand <access> ..."``;
+    for any other report, the report itself."""
+    lines = report.split("\n")
+    pairs = [line for line in lines[1:] if line.startswith("and ")]
+    if not lines[0].startswith("Error: Race reported between") or not pairs:
+        return [report]
+    return [lines[0] + "\n" + p for p in pairs]
+
+
+def suppressed(case: str, tool: str, log: str, suppressions=None) -> list[tuple[str, list[Suppression]]]:
+    """The reports of ``log`` that suppressions for ``case`` and ``tool`` explain in full (every item of
+    :func:`items` matched), each with the suppression of each item.  ``suppressions``: None for
+    :data:`SUPPRESSIONS`."""
+    mine = [s for s in (SUPPRESSIONS if suppressions is None else suppressions)
+            if s.tool == tool and fnmatch.fnmatch(case, s.cases)]
     hits = []
     for rep in reports(log):
-        for s in SUPPRESSIONS:
-            if s.tool == tool and fnmatch.fnmatch(case, s.cases) and re.search(s.pattern, rep):
-                hits.append((rep, s))
-                break
+        why = [next((s for s in mine if re.search(s.pattern, item, re.M)), None) for item in items(rep)]
+        if all(why):
+            hits.append((rep, why))
     return hits
 
 
-def count(case: str, tool: str, log: str):
-    """(unexpected count, raw count, suppressed count), or None when the log has no summary line."""
+def count(case: str, tool: str, log: str, suppressions=None):
+    """(unexpected count, raw count, suppressed count), or None when the log has no summary line.  Reports past
+    ``--print-limit`` are in the raw count but not printed, so they count as unexpected."""
     m = _SUMMARY[tool].findall(log)
     if not m:
         return None
     raw = int(m[-1])
-    sup = len(suppressed(case, tool, log))
+    sup = len(suppressed(case, tool, log, suppressions))
     return max(raw - sup, 0), raw, sup
+
+
+# nanobind's reference-leak report, printed at interpreter exit (the cuDNN frontend's bindings)
+_NANOBIND_LEAK = re.compile(r"^nanobind: leaked ", re.M)
+_CHILD_OK = re.compile(r"^CHILD OK$", re.M)
+
+
+def run_ok(rc, out: str) -> bool:
+    """Whether a child (plain or under a sanitizer, whose exit status is the child's) ran its case: it printed
+    ``CHILD OK`` and exited 0, or exited non-zero with nanobind's leak report at interpreter exit and no Python
+    traceback (the case itself had finished).  ``rc`` None (a timeout) or negative (a signal) is a failure."""
+    if rc is None or not _CHILD_OK.search(out):
+        return False
+    if rc == 0:
+        return True
+    return rc > 0 and bool(_NANOBIND_LEAK.search(out)) and "Traceback (most recent call last)" not in out
+
+
+def case_sanitizer_args(case: Case, tool: str) -> list[str]:
+    """The extra compute-sanitizer options of ``case`` for ``tool`` (``Case.sanitizer_args``)."""
+    return [a for t, opts in case.sanitizer_args if t == tool for a in opts]
 
 
 def _find_sanitizer(explicit: str | None):
@@ -290,7 +425,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated substrings of case names (default: all)")
     ap.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
     ap.add_argument("--sanitizer", default=None,
-                    help="path of compute-sanitizer (default: PATH, $CUDA_HOME/bin, the nvidia-cuda-sanitizer-api wheel)")
+                    help="path of compute-sanitizer (default: PATH, $CUDA_HOME/bin, "
+                         "the nvidia-cuda-sanitizer-api wheel)")
     ap.add_argument("--sanitizer-args", default="",
                     help="extra compute-sanitizer options, e.g. a kernel-name filter (split on spaces)")
     ap.add_argument("--log-dir", default=None, help="keep each run's full output here (default: a temp dir)")
@@ -332,7 +468,7 @@ def main(argv=None) -> int:
         if "CHILD N/A" in out:
             table.append((case, {t: "n/a" for t in tools}, kernels))
             continue
-        if rc != 0 or "CHILD OK" not in out:
+        if not run_ok(rc, out):
             failed = True
             table.append((case, {t: "run failed" for t in tools}, kernels))
             print(f"{case.name}: the plain run failed (rc {rc}); see {log_dir}/{case.name}.plain.log", file=sys.stderr)
@@ -342,14 +478,14 @@ def main(argv=None) -> int:
             tenv = dict(env)
             if tool == "memcheck":
                 tenv["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"  # torch's caching allocator would hide overruns
-            cmd = [sanitizer, "--tool", tool, "--print-limit", "100", *args.sanitizer_args.split(),
-                   sys.executable, me, "--child", case.name]
+            cmd = [sanitizer, "--tool", tool, "--print-limit", "100", *case_sanitizer_args(case, tool),
+                   *args.sanitizer_args.split(), sys.executable, me, "--child", case.name]
             rc, out, dt = _run(cmd, tenv, args.timeout)
             path = os.path.join(log_dir, f"{case.name}.{tool}.log")
             with open(path, "w") as f:
                 f.write(out)
             n = count(case.name, tool, out)
-            if n is None or "CHILD OK" not in out:
+            if n is None or not run_ok(rc, out):
                 failed = True
                 cells[tool] = "no summary" if n is None else "run failed"
                 print(f"{case.name} / {tool}: rc {rc}, see {path}", file=sys.stderr)

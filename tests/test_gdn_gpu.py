@@ -253,7 +253,7 @@ def test_cuda_graph_replay():
 @pytest.mark.parametrize("dim,tiles", [(128, t) for t in [(16, 4, 1, 32), (16, 4, 2, 16), (8, 8, 4, 32),
                                                             (64, 8, 1, 32), (4, 4, 4, 32), (16, 4, 2, 8),
                                                             (32, 4, 4, 16), (16, 2, 1, 8), (32, 8, 2, 16)]]
-                         + [(64, (16, 4, 4, 4)), (64, (16, 4, 2, 8))])
+                         + [(64, (32, 4, 4, 4)), (64, (16, 4, 2, 8))])
 def test_recurrent_kernel_tiles(dim, tiles):
     """The kernel module directly, every tile shape (block tails of the prefetch included) vs the oracle."""
 

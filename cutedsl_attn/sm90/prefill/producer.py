@@ -43,6 +43,7 @@ class Producer:
         self._stamp_hand_over(mMaskT, t)
         # compute-sanitizer's racecheck reports this store against the consumers' load of the index: it does not
         # model mbarriers; the arrive below (release) and the consumers' full-barrier wait (acquire) order them
+        # (and their empty-barrier arrive before the wait above orders their earlier load of the slot before it)
         s_tile[self._slot(q_state)] = t
         if t >= 0:
             if const_expr(self.tile_info_smem):
