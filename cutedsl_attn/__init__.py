@@ -3,12 +3,11 @@
 FlashInfer-shaped public API (switch ``import flashinfer`` for ``import cutedsl_attn``
 for the functions listed in ``__all__``).  Kernels are compiled at run time for the
 current GPU (or ``CUTEDSL_ATTN_ARCH`` when cross-compiling) and cached in memory and
-on disk.  What was run where: the decode and prefill kernels (portable CuTe DSL) and the
-SM90 prefill kernel (TMA + wgmma) are run and verified on an NVIDIA H200 (SM90); SM100/SM103
-builds are cross-compiled and PTX-checked only.
+on disk.  What runs where is the README's table: every kernel marked verified there ran on an NVIDIA
+H200 (SM90) against the float64 oracle; SM100/SM103 builds are cross-compiled and checked only.
 
 Every kernel launch is a torch custom op (``cutedsl_attn::prefill_sm90``, ``cutedsl_attn::prefill_portable``,
-``cutedsl_attn::paged_decode``; the ``single_*`` functions are ``cutedsl_attn::single_prefill`` /
+``cutedsl_attn::paged_decode``, ``cutedsl_attn::gdn_recurrent``, ``cutedsl_attn::mla_decode_portable``; the ``single_*`` functions are ``cutedsl_attn::single_prefill`` /
 ``cutedsl_attn::single_decode``): ``torch.compile(fullgraph=True)`` traces through a wrapper's ``run()`` and the
 ``single_*`` functions, and the profiler shows the kernel by that name.
 """
@@ -17,11 +16,21 @@ __version__ = "0.1.0"
 
 from .api.cascade import merge_state, merge_state_in_place, merge_states
 from .api.cudnn import cudnn_batch_prefill_with_kv_cache
+from .api.cudnn_decode import cudnn_batch_decode_with_kv_cache
+from .api.cudnn_linear import (
+    cudnn_chunk_gated_delta_product,
+    cudnn_chunk_gated_delta_rule,
+    cudnn_chunk_gated_delta_rule2,
+    cudnn_recurrent_kda,
+)
 from .api.decode import (
     BatchDecodeWithPagedKVCacheWrapper,
     CUDAGraphBatchDecodeWithPagedKVCacheWrapper,
     single_decode_with_kv_cache,
 )
+from .api.delta_family import chunk_gated_delta_product, chunk_gated_delta_rule2, recurrent_kda
+from .api.mla import BatchMLAPagedAttentionWrapper
+from .api.gdn import chunk_gated_delta_rule, gated_delta_rule_decode, gated_delta_rule_decode_pretranspose
 from .api.prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
@@ -39,6 +48,18 @@ __all__ = [
     "single_prefill_with_kv_cache",
     "single_prefill_with_kv_cache_return_lse",
     "cudnn_batch_prefill_with_kv_cache",
+    "cudnn_batch_decode_with_kv_cache",
+    "BatchMLAPagedAttentionWrapper",
+    "chunk_gated_delta_rule",
+    "gated_delta_rule_decode",
+    "gated_delta_rule_decode_pretranspose",
+    "chunk_gated_delta_rule2",
+    "chunk_gated_delta_product",
+    "recurrent_kda",
+    "cudnn_chunk_gated_delta_rule",
+    "cudnn_chunk_gated_delta_rule2",
+    "cudnn_chunk_gated_delta_product",
+    "cudnn_recurrent_kda",
     "packbits",
     "segment_packbits",
     "merge_state",

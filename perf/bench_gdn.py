@@ -29,7 +29,7 @@ import torch
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's own Triton kernels, not FlashQLA
 
 from cutedsl_attn.api import gdn as api  # noqa: E402
-from cutedsl_attn.api._gdn_dispatch import gdn_launch  # noqa: E402
+from cutedsl_attn.dispatch import gdn_launch  # noqa: E402
 from cutedsl_attn.compile import get_compiled  # noqa: E402
 from cutedsl_attn.portable import gdn_recurrent as rec  # noqa: E402
 from cutedsl_attn.timing import KernelTimer, read_bandwidth  # noqa: E402

@@ -65,6 +65,8 @@ def problem(B=3, m=1, hq=8, hkv=2, d=64, ps=16, lens=(40, 17, 64), width=5, dtyp
     NHD pool); pages shuffled, spare pages and table tails pointing at NaN-filled pages."""
     g = torch.Generator().manual_seed(seed)
     npg = [-(-n // ps) for n in lens]
+    if m > 1:  # the multi-row graph reads whole 128-key tiles: table columns up to that boundary
+        width = max(width, -(-(-(-max(lens) // 128) * 128) // ps))
     total = sum(npg) + spare
     perm = torch.randperm(total, generator=g).to(torch.int32)
     used, unused = perm[:sum(npg)], perm[sum(npg):]
@@ -558,3 +560,12 @@ def test_bound_views_match_the_declaration(fake_cudnn, m, extra):
             d = declared[uid]
             assert list(t.shape) == d.dim and list(t.stride()) == d.stride, (d.name, t.shape, t.stride(), d.dim, d.stride)
         assert binds[int(cd._UID.O)].data_ptr() == c.out.data_ptr()
+
+
+def test_multirow_needs_table_columns_up_to_the_128_key_tile():
+    # cuDNN's q_len_per_req > 1 graph reads whole 128-key tiles: a table narrower than that is refused up front
+    p = problem(m=2)
+    narrow = p["table"][:, :5].contiguous()
+    with pytest.raises(ValueError, match="block_tables has 5 columns.*needs >= 8"):
+        prepare(p, block_tables=narrow)
+

@@ -730,14 +730,14 @@ def test_frontend_accepts_the_graphs_on_a_simulated_hopper(monkeypatch):
 def test_custom_op_under_torch_compile(monkeypatch):
     """Under torch.compile the launch is ``cutedsl_attn::gdn_recurrent`` (traced with its fake, run for real):
     same results as eager, the in-place state (one tensor as initial and output state) included."""
-    from cutedsl_attn.api import _gdn_dispatch as d
+    from cutedsl_attn import dispatch as d
     from cutedsl_attn.planning import gdn as pg
     launches = []
-    monkeypatch.setattr(d, "_launch", lambda module, cfg, args: (launches.append(cfg.problem),
+    monkeypatch.setattr(d, "_gdn_launch_direct", lambda module, cfg, args: (launches.append(cfg.problem),
                                                                  emulate_launch(cfg.problem, args)))
     p = pg.GdnProblem(dtype="bfloat16", head_dim_k=64, head_dim_v=64, gate_per_channel=True, gate_domain="log",
                       use_qk_l2norm=True)
-    assert d._problem_of(d._problem_key(p)) == p
+    assert d._gdn_problem_of(d._gdn_problem_key(p)) == p
     T, H = 5, 2
     q, k, v = (torch.randn(T, H, 64).bfloat16() for _ in range(3))
     g, beta, cu = -torch.rand(T, H, 64), torch.rand(T, H), torch.tensor([0, 2, 5], dtype=torch.int32)
@@ -759,6 +759,6 @@ def test_custom_op_under_torch_compile(monkeypatch):
     # schema (declared mutations), fake tensor and functionalization checks on a call with separate states
     i32 = torch.zeros(1, dtype=torch.int32)
     args = (q, k, v, g, beta, cu, st1.clone(), i32, torch.zeros_like(st1), i32, torch.zeros(T, H, 64).bfloat16(),
-            0.125, 1, 1, 1, flags, d._problem_key(p))
+            0.125, 1, 1, 1, flags, d._gdn_problem_key(p))
     torch.library.opcheck(torch.ops.cutedsl_attn.gdn_recurrent.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))

@@ -375,7 +375,7 @@ def test_problem_and_config_rules():
     assert t.prefetch > 1  # prefill hides the load latency over a block of tokens
     assert rec.default_tiles(GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, decode=True),
                              num_sms=132).prefetch == 1
-    from cutedsl_attn.api._gdn_dispatch import gdn_choice
+    from cutedsl_attn.dispatch import gdn_choice
     mod, cfg = gdn_choice(p)
     assert mod is rec and cfg.problem == p and cfg.tiles == t
 

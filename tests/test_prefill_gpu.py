@@ -653,7 +653,7 @@ def test_real_model_minilm_all_layers(dtype):
     <= 3.4e-3 per layer / 4.2e-3 per sentence in bf16 and <= 6e-4 in fp16; error of 1e-2 in
     every layer keeps the sentence embeddings at cosine >= 0.9999 vs the stock model
     (tests/test_realmodel_fixture.py).  LSE (base 2) within 2e-2 of the float64 oracle."""
-    from cutedsl_attn.realmodel import run_prefill_check
+    from cutedsl_attn._demo.realmodel import run_prefill_check
 
     res = run_prefill_check(dtype=dtype, device=DEV)
     lines = [f"layer {r['layer']}: rel err {r['rel_err']:.2e} (worst sentence {r['worst_sentence_rel_err']:.2e}, "

@@ -108,12 +108,13 @@ def test_ptx_is_memoised():
 # ----------------------------------------------------------------------------- inspect API errors (no compile)
 def test_config_defaults_and_arch():
     cfg = ci.config("decode", "blackwell")
-    assert (cfg.dtype, cfg.head_dim, cfg.page_size, cfg.group_size, cfg.arch) == ("bfloat16", 128, 16, 4, "sm_100a")
-    assert ci.config("decode", "sm_90a", dtype="fp16", head_dim=256).num_stages == 2
+    pr = cfg.problem
+    assert (pr.dtype, pr.head_dim, pr.page_size, pr.group_size, pr.arch) == ("bfloat16", 128, 16, 4, "sm_100a")
+    assert ci.config("decode", "sm_90a", dtype="fp16", head_dim=256).tiles.num_stages == 2
     # prefill: head_dim_vo defaults to head_dim_qk, except 192 (DeepSeek's 192/128), as the CLI
-    assert ci.config("prefill", "sm_90a", head_dim_qk=192).head_dim_vo == 128
-    assert ci.config("prefill", "sm_90a", head_dim_qk=64).head_dim_vo == 64
-    assert ci.config("prefill", "sm_90a", head_dim_qk=192, head_dim_vo=64, kernel="portable").head_dim_vo == 64
+    assert ci.config("prefill", "sm_90a", head_dim_qk=192).problem.head_dim_vo == 128
+    assert ci.config("prefill", "sm_90a", head_dim_qk=64).problem.head_dim_vo == 64
+    assert ci.config("prefill", "sm_90a", head_dim_qk=192, head_dim_vo=64, kernel="portable").problem.head_dim_vo == 64
 
 
 @pytest.mark.parametrize("kw,exc,match", [
@@ -142,7 +143,7 @@ def test_sass_without_tools_is_a_clear_error(monkeypatch):
 
 def test_cubin_builds_without_gpu():
     """sass() disassembles the cubin kept by --keep-cubin; the cubin itself needs no GPU or toolkit."""
-    cubin = ci._cubin_cached("decode", ci.config("decode", "sm_100a", **CONFIGS["bf16_hd32_g1"]))
+    cubin = ci._cubin_cached(ci.config("decode", "sm_100a", **CONFIGS["bf16_hd32_g1"]))
     assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF" and len(cubin) > 1000
 
 
@@ -283,7 +284,7 @@ def test_run_return_lse_documented():
 
 
 def test_demo_cpu_path():
-    r = _run(["-m", "cutedsl_attn.demo"], timeout=600)
+    r = _run(["-m", "cutedsl_attn", "demo"], timeout=600)
     out = r.stdout
     assert r.returncode == 0, (out + r.stderr)[-4000:]
     assert "No CUDA GPU" in out
@@ -966,10 +967,11 @@ PREFILL_POS_BASE = dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, grou
 
 
 def _prefill_pos_ptx(arch, mode, **over):
-    from cutedsl_attn.portable.prefill import PrefillConfig
+    from cutedsl_attn.planning.prefill import PrefillProblem
+    from cutedsl_attn.portable import prefill as pf
 
-    cfg = PrefillConfig(**{**PREFILL_POS_BASE, **over}, pos_encoding_mode=mode, arch=arch)
-    return ci._ptx_cached("prefill", cfg)
+    problem = PrefillProblem(**{**PREFILL_POS_BASE, **over}, pos_encoding_mode=mode, arch=arch)
+    return ci._ptx_cached(pf.Config(problem, pf.default_tiles(problem, num_sms=132)))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -979,9 +981,9 @@ def test_prefill_ptx_pos_encodings(arch):
     for mode, t in texts.items():
         assert re.search(rf"^\.target\s+{arch}\s*$", t, re.M), mode
         assert len(re.findall(r"^\.(?:visible\s+)?\.entry\s+\S*PrefillKernel", t, re.M)) == 1
-        # the entry takes 15 parameters: 10 tensors (struct params) and 5 scalars
+        # the entry takes 16 parameters: 10 tensors (struct params) and 6 scalars (the last the output scale)
         entry = re.search(r"\.entry\s+\S+\(\s*(.*?)\)", t, re.S).group(1)
-        assert entry.count(".param") == 15, mode
+        assert entry.count(".param") == 16, mode
         # tensor-core work identical in every mode: QK (8 k-steps x 8 n-tiles) + PV (4 k-steps x 16 n-tiles)
         assert s[mode]["mma.sync"] == s[mode]["mma.sync.bf16"] == 8 * 8 + 4 * 16, mode
         assert s[mode]["ld.local"] == 0 and s[mode]["st.local"] == 0, f"{mode}: register spills"
@@ -1008,13 +1010,15 @@ def test_prefill_ptx_rope_hd192_and_alibi_ragged():
 
 
 def test_prefill_config_pos_encoding_mode():
-    from cutedsl_attn.portable.prefill import PrefillConfig
+    from cutedsl_attn.planning.prefill import PrefillProblem
+    from cutedsl_attn.portable import prefill as pf
 
     with pytest.raises(ValueError, match="pos_encoding_mode"):
-        PrefillConfig(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, pos_encoding_mode="XPOS")
+        PrefillProblem(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1, pos_encoding_mode="XPOS")
     base = dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=1)
-    assert PrefillConfig(**base).pos_encoding_mode == "NONE"
-    assert len({PrefillConfig(**base, pos_encoding_mode=m) for m in ("NONE", "ROPE_LLAMA", "ALIBI")}) == 3
+    assert PrefillProblem(**base).pos_encoding_mode == "NONE"
+    cfgs = {pf.Config(PrefillProblem(**base, pos_encoding_mode=m), pf.Tiles()) for m in ("NONE", "ROPE_LLAMA", "ALIBI")}
+    assert len(cfgs) == 3
 
 
 def _make_bias(c):

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from ..common.constants import LN2 as _LN2
 from .. import dispatch
 from ..planning.alibi import get_alibi_slopes
 from ..planning.prefill import PrefillArgs, max_tiles, plan_prefill
@@ -33,7 +34,6 @@ from ._mask import pack_custom_mask
 
 SUPPORTED_HEAD_DIMS_QK = (32, 64, 128, 192, 256)
 SUPPORTED_HEAD_DIMS_VO = (32, 64, 128, 256)
-_LN2 = math.log(2.0)
 
 # the kernel arguments (PrefillArgs fields) in the names of FlashInfer's ragged / paged wrappers
 _RAGGED_NAMES = {"mask": "custom_mask"}

@@ -39,10 +39,10 @@ SM90; verified on an NVIDIA H200 against the float64 oracle.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
+from ..common.constants import LN2 as _LN2
 from ..cudnn import prefill as cp
 from ._common import (
     LSE_BASES,
@@ -60,7 +60,6 @@ from ._common import (
 __all__ = ["cudnn_batch_prefill_with_kv_cache"]
 
 _FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
-_LN2 = math.log(2.0)
 
 
 # ----------------------------------------------------------------------------- small checks

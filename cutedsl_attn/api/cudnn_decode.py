@@ -19,6 +19,7 @@ __all__ = ["cudnn_batch_decode_with_kv_cache"]
 
 _FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
 _OFFSETS = ("batch_offsets_q", "batch_offsets_o", "batch_offsets_k", "batch_offsets_v")
+_MULTIROW_KV_TILE = 128  # keys per tile of cuDNN 9.19's multi-row (q_len_per_req > 1) SDPA graph on the H200
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -171,6 +172,12 @@ def cudnn_batch_decode_with_kv_cache(
         what serves it here (``BatchDecodeWithPagedKVCacheWrapper``, the CuTe DSL decode kernel).
       RuntimeError: a graph would have to be built during CUDA-graph capture.
 
+    Known cuDNN limitation (9.19, H200, ``q_len_per_req > 1``): the multi-row graph reads each request's K/V up
+    to the next 128-key boundary past its length, so those slots must hold finite values (NaN or inf there
+    reaches the output as ``0 * NaN``), and ``block_tables`` needs columns of valid page ids up to that boundary
+    (checked: ValueError).  One-token decode reads only the request's own keys.  The CuTe DSL decode kernel
+    behind ``BatchDecodeWithPagedKVCacheWrapper`` reads only owned slots in both cases.
+
     Difference from FlashInfer: without cudnn-frontend FlashInfer runs precompiled cuDNN cubins that serve
     bf16 one-token decode only (fp16, ``return_lse``, ``q_len_per_req > 1``, windows and sinks raise
     there).  This function has no cubin path; the fallback is the CuTe DSL decode kernel behind
@@ -301,6 +308,12 @@ def prepare_call(q, k_cache, v_cache, scale, workspace_buffer, *, max_sequence_k
     if actual_seq_lens_kv is None and max_kv > table.shape[1] * page_size:
         raise ValueError(f"max_sequence_kv ({max_kv}) exceeds the block table's capacity ({table.shape[1]} "
                          f"pages x {page_size}); without actual_seq_lens_kv every request holds max_sequence_kv keys")
+    if m > 1 and table.shape[1] * page_size < -(-max_kv // _MULTIROW_KV_TILE) * _MULTIROW_KV_TILE:
+        # cuDNN's multi-row graph reads whole 128-key tiles: a narrower table would be read past its end
+        need = -(-(-(-max_kv // _MULTIROW_KV_TILE) * _MULTIROW_KV_TILE) // page_size)
+        raise ValueError(f"block_tables has {table.shape[1]} columns; with q_len_per_req > 1 cuDNN reads whole "
+                         f"{_MULTIROW_KV_TILE}-key tiles, so it needs >= {need} columns of valid page ids for "
+                         f"max_sequence_kv={max_kv} at page_size {page_size} (pad with any page id)")
     seq_kv = _lens_kv(actual_seq_lens_kv, B, dev, max_kv)
     if sinks is not None:
         check_tensor("sinks", sinks, dtype=torch.float32, shape=(Hq,), device=dev)

@@ -30,7 +30,7 @@ from ..planning.gdn import (
     HEAD_DIMS, MAX_HOUSEHOLDER, GdnArgs,
 )
 from . import gdn as _g
-from ._gdn_dispatch import gdn_launch
+from ..dispatch import gdn_launch
 
 __all__ = ["chunk_gated_delta_product", "chunk_gated_delta_rule2", "recurrent_kda"]
 

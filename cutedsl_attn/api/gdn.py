@@ -23,7 +23,7 @@ from ..planning.gdn import (
     HEAD_DIMS, MAX_SEQS, GdnArgs, GdnProblem,
 )
 from ..compile import target_arch
-from ._gdn_dispatch import gdn_launch
+from ..dispatch import gdn_launch
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode", "gated_delta_rule_decode_pretranspose"]
 

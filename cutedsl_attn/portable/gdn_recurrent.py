@@ -35,6 +35,8 @@ The rest of the delta-rule family, selected by problem fields (each a separate c
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import cutlass
@@ -42,14 +44,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common import ptx
+from ..common.constants import LOG2E
 from ..compile.arch import compile_options
 from ..planning.gdn import (
     FLAG_HAS_BETA, FLAG_HAS_G, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE,
     GdnArgs, GdnProblem,
 )
+from ._tuning import override_int_fields
 
 NAME = "gdn_recurrent"
-LOG2E = 1.4426950408889634
 L2NORM_EPS = 1e-6
 
 _inline = cute.arch.inline_ptx
@@ -143,6 +146,15 @@ def default_tiles(problem: GdnProblem, *, num_sms: int) -> Tiles:
 
 
 # ------------------------------------------------------------------ PTX helpers of this kernel
+TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))  # the keys override_tiles takes
+
+
+def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
+    """``tiles`` with the fields named in ``items`` (field name -> decimal text) replaced; ValueError naming the key
+    for an unknown field or a non-integer value, and the Tiles checks for a refused combination."""
+    return override_int_fields(tiles, items)
+
+
 def _ld_nc_b32(addr):
     return _inline("ld.global.nc.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int64(addr)])
 

@@ -1,0 +1,167 @@
+"""Host-side planning for MLA (absorbed form, one latent KV head shared by every query head).
+
+Pure Python/torch on the CPU; imports only :mod:`.decode` (its split planner).  The query rows of a
+request, ``qo_len x num_heads`` of them, are packed into 16-row MMA tiles (row ``r`` is query token
+``r // num_heads``, head ``r % num_heads``); the grid is ``(row tiles, work items)``.
+
+Work-table row (int32, :data:`MLA_WORK_COLS` columns, the contract with
+``cutedsl_attn.portable.mla_decode``): the paged-decode columns of :mod:`.decode` followed by the request's
+first query row and query length::
+
+    [batch_idx, tok_start, tok_end, kv_len, page_off, num_splits, part_base, split_idx, q_start, qo_len]
+
+``batch_idx = -1`` marks a padding row (CUDA-graph mode launches a fixed grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from .decode import WORK_COLS, plan_paged_decode
+
+MLA_WORK_COLS = WORK_COLS + 2
+W_Q_START, W_QO_LEN = WORK_COLS, WORK_COLS + 1
+TILE_M = 16  # query rows per CTA: the M of one mma.m16n8k16 tile
+HEAD_DIM_CKV = 512
+HEAD_DIM_KPE = 64
+DTYPES = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class MlaProblem:
+    """What an MLA caller fixes at ``plan()`` (the problem half of an MLA kernel's config and key).
+
+    ``dtype`` ``"bfloat16"`` / ``"float16"`` (q_nope, q_pe, the caches and o); ``head_dim_ckv`` 512 and
+    ``head_dim_kpe`` 64 (DeepSeek's, the only ones served); ``page_size`` 1..64; ``causal`` the bottom-right
+    mask of multi-token rows; ``arch`` the compile target.  Batch, heads, lengths, pages, strides and
+    ``sm_scale`` are run-time arguments (:class:`MlaArgs`).
+
+    Raises TypeError for a non-int / non-bool field, ValueError for a dtype or page size out of range,
+    NotImplementedError for other head dims (naming the ones served).
+    """
+
+    dtype: str
+    page_size: int
+    head_dim_ckv: int = HEAD_DIM_CKV
+    head_dim_kpe: int = HEAD_DIM_KPE
+    causal: bool = False
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        for name in ("page_size", "head_dim_ckv", "head_dim_kpe"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+        if (self.head_dim_ckv, self.head_dim_kpe) != (HEAD_DIM_CKV, HEAD_DIM_KPE):
+            raise NotImplementedError(
+                f"head_dim_ckv={self.head_dim_ckv}, head_dim_kpe={self.head_dim_kpe} is not supported; MLA serves "
+                f"head_dim_ckv={HEAD_DIM_CKV} with head_dim_kpe={HEAD_DIM_KPE} (DeepSeek V2/V3/R1)")
+        if not 1 <= self.page_size <= 64:
+            raise ValueError(f"page_size must be in [1, 64], got {self.page_size}")
+
+
+class MlaArgs(NamedTuple):
+    """One MLA launch's tensors and scalars (the MLA kernel's ``launch`` orders them).
+
+    q_nope ``[tokens, H, 512]`` and q_pe ``[tokens, H, 64]`` (last dim contiguous, 16-byte aligned strides);
+    ckv ``[pages, page_size, 512]`` and kpe ``[pages, page_size, 64]`` (same); ``indices`` int32 flat page
+    ids; ``work`` int32 ``[W, MLA_WORK_COLS]`` (:func:`plan_mla`); ``out`` ``[tokens, H, 512]`` contiguous
+    (written); ``lse`` fp32 ``[tokens, H]`` base 2 contiguous (written); ``part_o`` fp32 ``[P, R, 512]`` and
+    ``part_lse`` fp32 ``[P, R]`` split-KV partials (``R >= max qo_len x H``); ``counters`` int32, one per
+    (request, row tile), left at 0; ``sm_scale`` the softmax scale; ``num_row_tiles`` the grid's x extent
+    (:attr:`MlaWorkPlan.row_tiles`).
+    """
+
+    q_nope: Any
+    q_pe: Any
+    ckv: Any
+    kpe: Any
+    indices: Any
+    work: Any
+    out: Any
+    lse: Any
+    part_o: Any
+    part_lse: Any
+    counters: Any
+    sm_scale: float
+    num_row_tiles: int
+
+
+@dataclass(frozen=True)
+class MlaWorkPlan:
+    """Result of :func:`plan_mla`: ``work`` CPU int32 ``[num_rows, MLA_WORK_COLS]`` (rows past ``num_work``
+    are padding), ``num_partials`` fp32 partial rows split-KV needs, ``row_tiles`` the grid's x extent
+    (16-row tiles of the longest request), ``rows`` = max qo_len x num_heads (``part_o``'s second dim)."""
+
+    work: torch.Tensor
+    num_work: int
+    num_partials: int
+    split_tokens: int
+    row_tiles: int
+    rows: int
+
+
+def row_tiles(max_qo_len: int, num_heads: int) -> int:
+    """16-row tiles of ``max_qo_len x num_heads`` packed query rows."""
+    return max(1, -(-max_qo_len * num_heads // TILE_M))
+
+
+def plan_mla(
+    qo_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    page_offsets: torch.Tensor,
+    *,
+    num_heads: int,
+    page_size: int,
+    num_sms: int = 132,
+    ctas_per_sm: int = 1,
+    disable_split_kv: bool = False,
+    num_rows: int | None = None,
+    max_splits_per_request: int | None = None,
+    fixed_row_tiles: int | None = None,
+) -> MlaWorkPlan:
+    """Build the MLA work table: :func:`~cutedsl_attn.planning.decode.plan_paged_decode`'s split-KV items (the
+    row tiles play the kv heads' part: each tile of a request sees the same pieces) plus each item's
+    ``q_start`` and ``qo_len``.
+
+    Args:
+      qo_lens, kv_lens, q_starts, page_offsets: ``[B]`` (CPU, any int dtype): query rows, KV tokens, first
+        query row and first ``kv_indices`` entry of each request.
+      num_heads, page_size: the problem's.
+      num_sms, ctas_per_sm: CTAs one wave holds (the split heuristic fills it).
+      disable_split_kv: one work item per request.
+      num_rows: pad the table to this many rows (CUDA-graph mode); ValueError if the plan needs more.
+      max_splits_per_request: the kernel's merge limit (ValueError above it).
+      fixed_row_tiles: the grid's x extent (CUDA-graph mode keeps the first plan's); ValueError when the
+        batch's longest request needs more.
+    """
+    qo = qo_lens.to(torch.int64).cpu()
+    qs = q_starts.to(torch.int64).cpu()
+    max_q = int(qo.max()) if qo.numel() else 1
+    tiles = row_tiles(max_q, num_heads)
+    if fixed_row_tiles is not None:
+        if tiles > fixed_row_tiles:
+            raise ValueError(f"the plan needs {tiles} row tiles (qo_len {max_q} x {num_heads} heads) but the "
+                             f"CUDA-graph plan was captured with {fixed_row_tiles}")
+        tiles = fixed_row_tiles
+    wp = plan_paged_decode(kv_lens, page_offsets, num_kv_heads=tiles, page_size=page_size, num_sms=num_sms,
+                           ctas_per_sm=ctas_per_sm, disable_split_kv=disable_split_kv, num_rows=num_rows,
+                           max_splits_per_request=max_splits_per_request)
+    b = wp.work[:, 0].to(torch.int64)
+    real = b >= 0
+    bi = b.clamp(min=0)
+    extra = torch.zeros((wp.work.shape[0], 2), dtype=torch.int32)
+    if qo.numel():
+        extra[:, 0] = torch.where(real, qs[bi], torch.zeros_like(bi)).to(torch.int32)
+        extra[:, 1] = torch.where(real, qo[bi], torch.zeros_like(bi)).to(torch.int32)
+    work = torch.cat([wp.work, extra], dim=1).contiguous()
+    return MlaWorkPlan(work=work, num_work=wp.num_work, num_partials=wp.num_partials, split_tokens=wp.split_tokens,
+                       row_tiles=tiles, rows=tiles * TILE_M)

@@ -1,0 +1,135 @@
+"""MLA decode benchmark (absorbed form, bf16, page 64): cutedsl_attn's ``BatchMLAPagedAttentionWrapper`` and, when
+installed, FlashInfer's fa3 / fa2 MLA in the same process.
+
+Method: bench_decode.py's timer (L2 flushed by a 512 MiB memset before every call, the GPU sleeping while the
+host queues the call so host launch time is excluded, CUDA events, median of 20).  FLOPs and bytes as
+FlashMLA's ``benchmark/bench_flash_mla.py`` counts them: FLOPs = 2 * s_q * sum(s_k) * h_q * (d + d_v), bytes =
+2 * (sum(s_k) * h_kv * d + b * s_q * h_q * (d + d_v)) with d = 576, d_v = 512, h_kv = 1.
+
+Rows: (a) 128 heads, B 64 and 132, kv 4096 and 8192, qo_len 1 (compute-bound on the H200); (c) 16 heads (TP8),
+B 128, kv 8192 (memory-bound), against the read ceiling of the same run.
+
+Usage:  python perf/bench_mla.py [--out DIR] [--quick]
+Prints a Markdown table (the last thing printed) and writes JSON to DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import read_ceiling, timed  # noqa: E402
+
+DEV = torch.device("cuda")
+DT = torch.bfloat16
+DC, DR, PS = 512, 64, 64
+SM_SCALE = 1.0 / math.sqrt(128 + 64)
+ROWS = [("a", 128, 64, 4096), ("a", 128, 64, 8192), ("a", 128, 132, 4096), ("a", 128, 132, 8192),
+        ("c", 16, 128, 8192)]
+
+
+def make(B, L, H, gen):
+    npg = -(-L // PS)
+    total = B * npg
+    ckv = torch.randn((total, PS, DC), dtype=DT, device=DEV)
+    kpe = torch.randn((total, PS, DR), dtype=DT, device=DEV)
+    q_nope = torch.randn((B, H, DC), dtype=DT, device=DEV)
+    q_pe = torch.randn((B, H, DR), dtype=DT, device=DEV)
+    qo_indptr = torch.arange(B + 1, dtype=torch.int32, device=DEV)
+    kv_indptr = torch.arange(B + 1, dtype=torch.int32, device=DEV) * npg
+    kv_indices = torch.randperm(total, generator=gen).to(torch.int32).to(DEV)
+    kv_lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
+    return q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens
+
+
+def flops_bytes(B, L, H, s_q=1):
+    d, dv = DC + DR, DC
+    flops = 2 * s_q * B * L * H * (d + dv)
+    nbytes = 2 * (B * L * 1 * d + B * s_q * H * (d + dv))
+    return flops, nbytes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", default="", help="extra tiles of our kernel, ';'-separated "
+                    "CUTEDSL_ATTN_MLA_TUNE values, e.g. 'tile_n=16,num_stages=4;tile_n=32,num_stages=3'")
+    args = ap.parse_args()
+    from cutedsl_attn.api.mla import BatchMLAPagedAttentionWrapper
+
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001
+        flashinfer = None
+        print("flashinfer unavailable:", e)
+    gen = torch.Generator().manual_seed(0)
+    rd, cp = read_ceiling()
+    print(f"read ceiling {rd:.3f} TB/s, copy {cp:.3f} TB/s")
+    ws = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
+    results = []
+    for (tag, H, B, L) in ROWS[:2] if args.quick else ROWS:
+        q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens = make(B, L, H, gen)
+        fl, nb = flops_bytes(B, L, H)
+        row = dict(row=tag, heads=H, batch=B, kv_len=L, page=PS)
+        w = BatchMLAPagedAttentionWrapper(ws)
+        w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, H, DC, DR, PS, False, SM_SCALE, DT, DT)
+        out = torch.empty((B, H, DC), dtype=DT, device=DEV)
+        t = timed(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out))
+        row.update(ours_us=t * 1e6, ours_tflops=fl / t / 1e12, ours_tbs=nb / t / 1e12,
+                   ours_split_tokens=w._plan["split_tokens"], ours_work=w._plan["num_work"])
+        ref_o = out.clone()
+        for var in [v for v in args.variants.split(";") if v]:
+            os.environ["CUTEDSL_ATTN_MLA_TUNE"] = var
+            try:
+                wv = BatchMLAPagedAttentionWrapper(ws)
+                wv.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, H, DC, DR, PS, False, SM_SCALE, DT, DT)
+            finally:
+                os.environ.pop("CUTEDSL_ATTN_MLA_TUNE")
+            ov = wv.run(q_nope, q_pe, ckv, kpe)
+            row[f"v[{var}]_relerr"] = ((ov.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
+            tv = timed(lambda: wv.run(q_nope, q_pe, ckv, kpe, out=ov))
+            row[f"v[{var}]_us"] = tv * 1e6
+            row[f"v[{var}]_tflops"] = fl / tv / 1e12
+        if flashinfer is not None:
+            for be in ("fa3", "fa2"):
+                try:
+                    fw = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=be)
+                    fw.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, H, DC, DR, PS, False, SM_SCALE, DT, DT)
+                    fo = fw.run(q_nope, q_pe, ckv, kpe)
+                    row[f"fi_{be}_relerr"] = ((fo.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
+                    tf = timed(lambda: fw.run(q_nope, q_pe, ckv, kpe, out=fo))
+                    row[f"fi_{be}_us"] = tf * 1e6
+                    row[f"fi_{be}_tflops"] = fl / tf / 1e12
+                    row[f"fi_{be}_tbs"] = nb / tf / 1e12
+                except Exception as e:  # noqa: BLE001
+                    row[f"fi_{be}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        row["read_ceiling_tbs"] = rd
+        results.append(row)
+        print(row, flush=True)
+        del q_nope, q_pe, ckv, kpe
+        torch.cuda.empty_cache()
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_mla.json"), "w") as f:
+        json.dump(dict(read_ceiling_tbs=rd, copy_tbs=cp, rows=results), f, indent=1)
+    cols = ["row", "heads", "batch", "kv_len", "ours_us", "ours_tflops", "ours_tbs", "fi_fa3_us", "fi_fa3_tflops",
+            "fi_fa2_us", "fi_fa2_tflops"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in results:
+        cells = []
+        for c in cols:
+            v = r.get(c, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""CPU tests of MLA: the float64 oracle against an independent loop, the wrapper's signature (FlashInfer's
+seed) and its input validation, the planner, and the kernel's PTX / resources for sm_90a and sm_100a."""
+
+import glob
+import inspect
+import math
+
+import pytest
+import torch
+
+from cutedsl_attn import ref
+from cutedsl_attn.api import mla as api
+from cutedsl_attn.planning.mla import MLA_WORK_COLS, W_QO_LEN, W_Q_START, MlaProblem, plan_mla
+from cutedsl_attn.portable import mla_decode as md
+
+DC, DR = 512, 64
+
+
+def loop_mla(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens, sm_scale, causal):
+    """Row by row, key by key, in float64: an independent statement of the absorbed MLA."""
+    T, H, _ = q_nope.shape
+    PS = ckv.shape[1]
+    o = torch.zeros(T, H, DC, dtype=torch.float64)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float64)
+    for b in range(len(kv_lens)):
+        q0, q1 = int(qo_indptr[b]), int(qo_indptr[b + 1])
+        L = int(kv_lens[b])
+        pages = kv_indices[int(kv_indptr[b]): int(kv_indptr[b + 1])].tolist()
+        n_q = q1 - q0
+        for i in range(n_q):
+            for h in range(H):
+                logits, vals = [], []
+                for j in range(L):
+                    if causal and j > i + L - n_q:
+                        continue
+                    page, slot = pages[j // PS], j % PS
+                    c = ckv[page, slot].double()
+                    s = (q_nope[q0 + i, h].double() @ c + q_pe[q0 + i, h].double() @ kpe[page, slot].double())
+                    logits.append(s.item() * sm_scale)
+                    vals.append(c)
+                if not logits:
+                    continue
+                mx = max(logits)
+                w = [math.exp(x - mx) for x in logits]
+                tot = sum(w)
+                o[q0 + i, h] = sum(wi * v for wi, v in zip(w, vals)) / tot
+                lse[q0 + i, h] = (mx + math.log(tot)) / math.log(2.0)
+    return o, lse
+
+
+def make_case(qo_lens, kv_lens, H, PS, *, gen, nan_slots=True, dtype=torch.float32):
+    B = len(kv_lens)
+    npages = [-(-L // PS) for L in kv_lens]
+    total = sum(npages) + 3
+    perm = torch.randperm(total, generator=gen)
+    kv_indptr = torch.tensor([0] + list(torch.tensor(npages).cumsum(0).tolist()), dtype=torch.int32)
+    kv_indices = perm[: int(kv_indptr[-1])].to(torch.int32)
+    qo_indptr = torch.tensor([0] + list(torch.tensor(qo_lens).cumsum(0).tolist()), dtype=torch.int32)
+    T = int(qo_indptr[-1])
+    q_nope = torch.randn(T, H, DC, generator=gen).to(dtype)
+    q_pe = torch.randn(T, H, DR, generator=gen).to(dtype)
+    ckv = torch.randn(total, PS, DC, generator=gen).to(dtype) / 8
+    kpe = torch.randn(total, PS, DR, generator=gen).to(dtype) / 8
+    if nan_slots:  # every slot no request owns
+        used = torch.zeros(total, PS, dtype=torch.bool)
+        for b in range(B):
+            for j in range(kv_lens[b]):
+                used[int(kv_indices[int(kv_indptr[b]) + j // PS]), j % PS] = True
+        ckv[~used] = float("nan")
+        kpe[~used] = float("nan")
+    return q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, torch.tensor(kv_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("qo_lens,kv_lens,H,PS,causal", [
+    ([1, 1, 1], [5, 0, 17], 3, 1, False),
+    ([1, 1], [16, 33], 2, 16, False),
+    ([3, 2, 1], [7, 2, 9], 2, 4, True),
+    ([2, 4], [5, 3], 1, 3, True),  # request 1: its first query row sees no key (O = 0, LSE = -inf)
+    ([2, 0, 1], [6, 4, 0], 2, 2, False),
+])
+def test_oracle_matches_loop(qo_lens, kv_lens, H, PS, causal):
+    gen = torch.Generator().manual_seed(sum(kv_lens) + H)
+    case = make_case(qo_lens, kv_lens, H, PS, gen=gen)
+    sm_scale = 1.0 / math.sqrt(128 + 64)
+    o, lse = ref.mla_paged_attention(*case, sm_scale=sm_scale, causal=causal)
+    o2, lse2 = loop_mla(*case, sm_scale, causal)
+    assert torch.isfinite(o).all()
+    torch.testing.assert_close(o, o2, rtol=1e-10, atol=1e-12)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse2))
+    fin = torch.isfinite(lse2)
+    torch.testing.assert_close(lse[fin], lse2[fin], rtol=1e-10, atol=1e-12)
+    # rows that see nothing: O = 0, LSE = -inf
+    assert (o[torch.isinf(lse)] == 0).all()
+
+
+def test_oracle_causal_decode_row_equals_noncausal():
+    gen = torch.Generator().manual_seed(3)
+    case = make_case([1, 1], [9, 4], 4, 2, gen=gen)
+    a = ref.mla_paged_attention(*case, sm_scale=0.1, causal=True)
+    b = ref.mla_paged_attention(*case, sm_scale=0.1, causal=False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_oracle_errors():
+    gen = torch.Generator().manual_seed(0)
+    q_nope, q_pe, ckv, kpe, qo, kvp, idx, lens = make_case([1], [4], 2, 2, gen=gen)
+    with pytest.raises(ValueError, match="kv_len_arr"):
+        ref.mla_paged_attention(q_nope, q_pe, ckv, kpe, qo, kvp, idx, lens + 1, sm_scale=1.0)
+    with pytest.raises(ValueError, match="kpe_cache"):
+        ref.mla_paged_attention(q_nope, q_pe, ckv, kpe[:, :1], qo, kvp, idx, lens, sm_scale=1.0)
+    with pytest.raises(TypeError, match="kv_indices"):
+        ref.mla_paged_attention(q_nope, q_pe, ckv, kpe, qo, kvp, idx.float(), lens, sm_scale=1.0)
+
+
+# ---------------------------------------------------------------------------------------------- the wrapper
+def _params(fn):
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values() if p.name != "self"]
+
+
+def test_signature_matches_seed():
+    E = inspect.Parameter.empty
+    assert _params(api.BatchMLAPagedAttentionWrapper.__init__) == [
+        ("float_workspace_buffer", E), ("use_cuda_graph", False), ("qo_indptr", None), ("kv_indptr", None),
+        ("kv_indices", None), ("kv_len_arr", None), ("backend", "auto")]
+    assert _params(api.BatchMLAPagedAttentionWrapper.plan) == [
+        ("qo_indptr", E), ("kv_indptr", E), ("kv_indices", E), ("kv_len_arr", E), ("num_heads", E),
+        ("head_dim_ckv", E), ("head_dim_kpe", E), ("page_size", E), ("causal", E), ("sm_scale", E),
+        ("q_data_type", E), ("kv_data_type", E), ("use_profiler", False)]
+    assert _params(api.BatchMLAPagedAttentionWrapper.run) == [
+        ("q_nope", E), ("q_pe", E), ("ckv_cache", E), ("kpe_cache", E), ("out", None), ("lse", None),
+        ("return_lse", False), ("profiler_buffer", None), ("kv_len", None), ("page_table", None),
+        ("return_lse_base_on_e", False)]
+
+
+@pytest.fixture
+def cross(monkeypatch):
+    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
+
+
+def _plan_args(B=3, L=5, PS=2, H=8):
+    npg = -(-L // PS)
+    return dict(qo_indptr=torch.arange(B + 1, dtype=torch.int32),
+                kv_indptr=torch.arange(B + 1, dtype=torch.int32) * npg,
+                kv_indices=torch.arange(B * npg, dtype=torch.int32),
+                kv_len_arr=torch.full((B,), L, dtype=torch.int32), num_heads=H, head_dim_ckv=DC, head_dim_kpe=DR,
+                page_size=PS, causal=False, sm_scale=0.1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+
+
+def _wrapper(**kw):
+    return api.BatchMLAPagedAttentionWrapper(torch.empty(1 << 24, dtype=torch.int8), **kw)
+
+
+def test_backends():
+    _wrapper(backend="cute")
+    for name in ("fa2", "fa3", "cutlass", "trtllm-gen", "xqa"):
+        with pytest.raises(NotImplementedError, match="'auto', 'cute'"):
+            _wrapper(backend=name)
+    with pytest.raises(ValueError, match="backend"):
+        _wrapper(backend="nope")
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(head_dim_ckv=128), NotImplementedError, "head_dim_ckv=512 with head_dim_kpe=64"),
+    (dict(head_dim_kpe=32), NotImplementedError, "head_dim_ckv=512 with head_dim_kpe=64"),
+    (dict(page_size=128), NotImplementedError, "page sizes 1..64"),
+    (dict(q_data_type=torch.float16), NotImplementedError, "one dtype"),
+    (dict(q_data_type=torch.float32, kv_data_type=torch.float32), NotImplementedError, "bfloat16"),
+    (dict(kv_len_arr=torch.tensor([5, 7, 5], dtype=torch.int32)), ValueError, "kv_len_arr\\[1\\] = 7 disagrees"),
+    (dict(kv_len_arr=torch.tensor([5, 2, 5], dtype=torch.int32)), ValueError, "kv_len_arr\\[1\\] = 2 disagrees"),
+    (dict(kv_len_arr=torch.tensor([5, 5], dtype=torch.int32)), ValueError, "qo_indptr"),
+    (dict(kv_indices=torch.arange(5, dtype=torch.int32)), ValueError, "kv_indices"),
+    (dict(kv_indptr=torch.tensor([0, 3, 2, 9], dtype=torch.int32)), ValueError, "non-decreasing"),
+    (dict(qo_indptr=torch.arange(4, dtype=torch.int64)), ValueError, "qo_indptr must be int32"),
+    (dict(num_heads=0), ValueError, "num_heads"),
+    (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
+    (dict(causal=1), TypeError, "causal"),
+    (dict(use_profiler=True), NotImplementedError, "use_profiler"),
+])
+def test_plan_validation(cross, change, exc, match):
+    args = _plan_args()
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        _wrapper().plan(**args)
+
+
+def test_run_validation(cross):
+    w = _wrapper()
+    B, L, PS, H = 3, 5, 2, 8
+    with pytest.raises(RuntimeError, match="plan"):
+        w.run(None, None, None, None)
+    w.plan(**_plan_args(B, L, PS, H))
+    bf = torch.bfloat16
+    qn, qp = torch.zeros(B, H, DC, dtype=bf), torch.zeros(B, H, DR, dtype=bf)
+    ckv, kpe = torch.zeros(9, PS, DC, dtype=bf), torch.zeros(9, PS, DR, dtype=bf)
+    with pytest.raises(ValueError, match="q_nope must have shape"):
+        w.run(qn[:, :4], qp, ckv, kpe)
+    with pytest.raises(ValueError, match="dtype of q_pe"):
+        w.run(qn, qp.half(), ckv, kpe)
+    with pytest.raises(ValueError, match="ckv_cache must be"):
+        w.run(qn, qp, ckv.view(18, 1, DC), kpe)
+    with pytest.raises(ValueError, match="same number of pages"):
+        w.run(qn, qp, ckv, kpe[:8])
+    with pytest.raises(ValueError, match="page id 8"):
+        w.run(qn, qp, ckv[:8], kpe[:8])
+    with pytest.raises(ValueError, match="contiguous last"):
+        w.run(qn, qp, torch.zeros(9, PS, 2 * DC, dtype=bf)[..., ::2], kpe)
+    with pytest.raises(NotImplementedError, match="profiler_buffer"):
+        w.run(qn, qp, ckv, kpe, profiler_buffer=torch.zeros(1))
+    with pytest.raises(ValueError, match="out must have shape"):
+        w.run(qn, qp, ckv, kpe, out=torch.zeros(B, H, DR, dtype=bf))
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        w.run(qn, qp, ckv, kpe)
+
+
+def test_cuda_graph_buffers_required():
+    with pytest.raises(ValueError, match="kv_len_arr"):
+        _wrapper(use_cuda_graph=True)
+    B = 2
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(ValueError, match="qo_indptr must have 3 entries"):
+        _wrapper(use_cuda_graph=True, qo_indptr=torch.zeros(B, **i32), kv_indptr=torch.zeros(B + 1, **i32),
+                 kv_indices=torch.zeros(8, **i32), kv_len_arr=torch.zeros(B, **i32))
+
+
+def test_cuda_graph_plan_keeps_buffers(cross):
+    B, L, PS, H = 3, 5, 2, 8
+    i32 = dict(dtype=torch.int32)
+    bufs = dict(qo_indptr=torch.zeros(B + 1, **i32), kv_indptr=torch.zeros(B + 1, **i32),
+                kv_indices=torch.zeros(64, **i32), kv_len_arr=torch.zeros(B, **i32))
+    w = _wrapper(use_cuda_graph=True, **bufs)
+    w.plan(**_plan_args(B, L, PS, H))
+    work0 = w._plan["work"].data_ptr()
+    assert torch.equal(bufs["kv_len_arr"], torch.full((B,), L, **i32))
+    assert w._plan["indices"].data_ptr() == bufs["kv_indices"].data_ptr()
+    w.plan(**_plan_args(B, 7, PS, H))
+    assert w._plan["work"].data_ptr() == work0
+    assert torch.equal(bufs["kv_len_arr"], torch.full((B,), 7, **i32))
+    with pytest.raises(ValueError, match="batch size should be fixed"):
+        w.plan(**_plan_args(B + 1, L, PS, H))
+    with pytest.raises(ValueError, match="num_heads"):
+        w.plan(**_plan_args(B, L, PS, 16))
+    with pytest.raises(ValueError, match="sm_scale"):
+        w.plan(**dict(_plan_args(B, L, PS, H), sm_scale=0.2))
+
+
+# ---------------------------------------------------------------------------------------------- planning
+def test_plan_mla_columns_and_splits():
+    qo = torch.tensor([1, 1, 1])
+    kv = torch.tensor([4096, 0, 10])
+    qs = torch.tensor([0, 1, 2])
+    po = torch.tensor([0, 4096, 4096])
+    wp = plan_mla(qo, kv, qs, po, num_heads=128, page_size=1, num_sms=132, ctas_per_sm=1)
+    assert wp.work.shape[1] == MLA_WORK_COLS and wp.row_tiles == 8 and wp.rows == 128
+    rows = wp.work[: wp.num_work]
+    assert rows[:, 0].tolist().count(0) > 1  # the long request is split (3 requests cannot fill 132 SMs)
+    for r in rows.tolist():
+        assert r[W_Q_START] == qs[r[0]] and r[W_QO_LEN] == 1
+    for b, L in enumerate(kv.tolist()):  # each request's pieces cover [0, kv_len) exactly
+        pieces = sorted((r[1], r[2]) for r in rows.tolist() if r[0] == b)
+        assert pieces[0][0] == 0 and pieces[-1][1] == L
+        assert all(a[1] == c[0] for a, c in zip(pieces, pieces[1:]))
+    one = plan_mla(qo, kv, qs, po, num_heads=16, page_size=1, disable_split_kv=True)
+    assert one.num_work == 3 and one.num_partials == 0 and one.row_tiles == 1
+
+
+def test_plan_mla_multirow_tiles_and_padding():
+    wp = plan_mla(torch.tensor([2, 3]), torch.tensor([8, 9]), torch.tensor([0, 2]), torch.tensor([0, 8]),
+                  num_heads=16, page_size=4, num_rows=40, disable_split_kv=True)
+    assert wp.row_tiles == 3 and wp.rows == 48  # 3 query tokens x 16 heads
+    assert wp.work.shape == (40, MLA_WORK_COLS) and (wp.work[wp.num_work:, 0] == -1).all()
+    with pytest.raises(ValueError, match="row tiles"):
+        plan_mla(torch.tensor([4]), torch.tensor([8]), torch.tensor([0]), torch.tensor([0]), num_heads=16,
+                 page_size=4, fixed_row_tiles=3)
+
+
+def test_problem_and_tiles_errors():
+    with pytest.raises(NotImplementedError, match="head_dim_ckv=512"):
+        MlaProblem("bfloat16", 1, head_dim_ckv=256)
+    with pytest.raises(ValueError, match="page_size"):
+        MlaProblem("bfloat16", 65)
+    with pytest.raises(ValueError, match="dtype"):
+        MlaProblem("float32", 1)
+    with pytest.raises(ValueError, match="tile_n"):
+        md.Tiles(tile_n=64)
+    with pytest.raises(ValueError, match="num_warps"):
+        md.Tiles(num_warps=8)
+    with pytest.raises(ValueError, match="shared memory"):
+        md.Config(MlaProblem("bfloat16", 1), md.Tiles(tile_n=32, num_stages=6))
+    assert md.unsupported_reason(MlaProblem("bfloat16", 1, arch="sm_80")) is not None
+
+
+# ---------------------------------------------------------------------------------------------- PTX
+@pytest.mark.parametrize("arch,dtype,page_size,causal,tiles", [
+    ("sm_90a", "bfloat16", 1, False, md.Tiles()),
+    ("sm_100a", "bfloat16", 64, False, md.Tiles()),
+    ("sm_90a", "float16", 16, True, md.Tiles(tile_n=16, num_stages=4)),
+])
+def test_ptx_and_resources(tmp_path, arch, dtype, page_size, causal, tiles):
+    from cutedsl_attn.inspect import cubin_resources
+
+    cfg = md.Config(MlaProblem(dtype, page_size, causal=causal, arch=arch), tiles)
+    md.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
+    ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
+    cubin = open(glob.glob(str(tmp_path / "*.cubin"))[0], "rb").read()
+    ab = "bf16" if dtype == "bfloat16" else "f16"
+    # S: 9 k16 steps x tile_n/8 n8 tiles; P V: tile_n/16 k16 steps x 16 n8 tiles of the warp's 128 columns
+    n_mma = 9 * (tiles.tile_n // 8) + (tiles.tile_n // 16) * 16
+    assert ptx.count(f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32") == n_mma
+    assert "cp.async.cg.shared.global" in ptx and "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+    assert ".local" not in ptx and "wgmma" not in ptx and "tcgen05" not in ptx
+    assert "mul.wide.s32" in ptx or "mul.lo.s64" in ptx  # 64-bit page offsets
+    res = cubin_resources(cubin)
+    assert res["stack_bytes"] == 0, res
+    assert res["registers"] <= 255, res
+
+
+def test_tuning_hook(monkeypatch):
+    from cutedsl_attn import dispatch as d
+
+    pb = MlaProblem("bfloat16", 16)
+    assert d.mla_choice(pb)[1].tiles == md.default_tiles(pb, num_sms=132)
+    monkeypatch.setenv(d.MLA_TUNE_ENV, "tile_n=16,num_stages=4")
+    assert d.mla_choice(pb)[1].tiles == md.Tiles(tile_n=16, num_stages=4)
+    monkeypatch.setenv(d.MLA_TUNE_ENV, "tile_n=64")
+    with pytest.raises(ValueError, match="CUTEDSL_ATTN_MLA_TUNE"):
+        d.mla_choice(pb)
+    monkeypatch.setenv(d.MLA_TUNE_ENV, "warps")
+    with pytest.raises(ValueError, match="key=value"):
+        d.mla_choice(pb)
+
+
+def test_custom_op_registered_with_its_mutations():
+    # under torch.compile the MLA launch is cutedsl_attn::mla_decode_portable; the schema names what it writes
+    from cutedsl_attn import dispatch  # noqa: F401  (registers the op)
+
+    schema = torch.ops.cutedsl_attn.mla_decode_portable.default._schema
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert written == {"out", "lse", "part_o", "part_lse", "counters"}
