@@ -5,7 +5,7 @@ holding a single SDPA forward node; there is no other fallback behind it.  This 
 graph construction, the graph cache, the cuDNN handle and the plan-time device metadata; the
 FlashInfer-shaped argument handling lives in :mod:`cutedsl_attn.api.cudnn`.
 
-Graph layout (the cuDNN conventions, summarised in ``gdn_cudnn.md`` section 4.4 and read from
+Graph layout (the cuDNN conventions, read from
 cudnn-frontend 1.32's ``_pygraph.py`` / ``node/sdpa_support_surface.h`` and its
 ``52_sdpa_with_paged_caches`` sample):
 

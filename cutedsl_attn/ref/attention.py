@@ -178,7 +178,7 @@ def attention(
 
     Source of the conventions: FlashInfer 0.7.2 ``variants.cuh`` / ``prefill.cuh`` /
     ``decode.cuh`` and the sink reference ``tests/test_helpers/sink_attention_reference.py``
-    (see ``flashinfer_api.md`` section 1.4/1.5).  Let ``i`` index query rows
+    (FlashInfer's conventions).  Let ``i`` index query rows
     (``0..qo_len-1``), ``j`` keys (``0..kv_len-1``) and ``i_abs = i + kv_len - qo_len``.
 
     1. ROPE_LLAMA: q row ``i`` is rotated at position ``i_abs``, key ``j`` at ``j``
@@ -496,7 +496,7 @@ def paged_decode(
 
     One query token per request at absolute position ``kv_len_b - 1`` (FlashInfer decode
     convention, also used for RoPE/ALiBi).  Page table is FlashInfer CSR
-    (``flashinfer_api.md`` section 1.2): ``kv_indptr[B+1]`` in pages, ``kv_indices``
+    (FlashInfer's page-table convention): ``kv_indptr[B+1]`` in pages, ``kv_indices``
     physical page ids, ``kv_last_page_len[B]`` in ``[1, page_size]`` (``0`` for a 0-page
     request); ``kv_len_b = (npages_b - 1) * page_size + kv_last_page_len[b]``.  A request
     with 0 pages yields ``o = 0`` and ``lse = -inf`` (``sink * log2 e`` with a sink).

@@ -53,7 +53,7 @@ def block_tables_to_csr(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Convert a dense block table (trtllm/xqa/cuDNN style) to FlashInfer CSR.
 
-    Convention (``flashinfer_api.md`` section 1.2): request ``b`` uses the first
+    Convention (FlashInfer's page table): request ``b`` uses the first
     ``npages_b = ceil(seq_lens[b] / page_size)`` entries of ``block_tables[b]`` (the tail
     is ignored); CSR ``indptr`` counts pages, ``last_page_len[b] =
     seq_lens[b] - (npages_b - 1) * page_size`` in ``[1, page_size]``, and ``0`` for an
@@ -116,7 +116,7 @@ def csr_to_block_tables(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Convert a FlashInfer CSR page table to a dense block table plus seq_lens.
 
-    Inverse of :func:`block_tables_to_csr` (``flashinfer_api.md`` section 1.2):
+    Inverse of :func:`block_tables_to_csr` (FlashInfer's page-table convention):
     ``seq_lens[b] = max(npages_b - 1, 0) * page_size + last_page_len[b]``
     (``flashinfer.page.get_seq_lens``) and row ``b`` of the table lists request ``b``'s
     pages in order.  The table has ``max_b npages_b`` columns (possibly 0); unused tail
@@ -241,7 +241,7 @@ def paged_kv_to_contiguous(
     """Gather each request's K/V out of a paged cache into contiguous NHD tensors.
 
     Token ``t`` of request ``b`` lives at page ``kv_indices[kv_indptr[b] + t // page_size]``,
-    slot ``t % page_size`` (``flashinfer_api.md`` section 1.2).  Cache forms as in
+    slot ``t % page_size`` (FlashInfer's page-table convention).  Cache forms as in
     :func:`paged_decode`.  ``k_scale`` / ``v_scale`` (None: leave that cache as it is) dequantise
     the gathered K / V to float64 (:func:`dequantize_kv_cache`): an fp8 cache as its values.
 
