@@ -68,6 +68,7 @@ CASES = (
     Case("decode_paged_fp8", "paged decode, fp8 e4m3 cache", "_decode_paged_fp8"),
     Case("gdn_prefill", "gated delta rule (recurrent)", "_gdn_prefill"),
     Case("kda_prefill", "KDA (recurrent, per-channel decay)", "_kda_prefill"),
+    Case("mla_decode", "MLA decode (portable)", "_mla_decode"),
 )
 
 
@@ -261,6 +262,23 @@ def _kda_prefill():
     g = -torch.rand(1, T, H, HEAD_DIM, device=_dev()) * 0.1
     beta = torch.rand(1, T, H, device=_dev())
     return ca.recurrent_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=_indptr((64, 128)))
+
+
+def _mla_decode():
+    # 2 requests of 1 query over 100 / 300 latent tokens, 16 heads, page 16, pages shuffled
+    import torch
+
+    import cutedsl_attn as ca
+
+    lens, H, ps = (100, 300), 16, 16
+    npages = [(n + ps - 1) // ps for n in lens]
+    total = sum(npages)
+    ckv, kpe = _randn(total, ps, 512), _randn(total, ps, 64)
+    w = ca.BatchMLAPagedAttentionWrapper(_workspace())
+    w.plan(_indptr((1, 1)), _indptr(npages), torch.randperm(total, device=_dev()).to(torch.int32),
+           torch.tensor(lens, dtype=torch.int32, device=_dev()), H, 512, 64, ps, False, 1.0 / (192 ** 0.5),
+           torch.bfloat16, torch.bfloat16)
+    return w.run(_randn(2, H, 512), _randn(2, H, 64), ckv, kpe, return_lse=True)
 
 
 def _is_missing_dependency(exc: BaseException) -> bool:
