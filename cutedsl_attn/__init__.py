@@ -30,6 +30,7 @@ from .api.decode import (
 )
 from .api.delta_family import chunk_gated_delta_product, chunk_gated_delta_rule2, recurrent_kda
 from .api.mla import BatchMLAPagedAttentionWrapper
+from .api.mla_trtllm import trtllm_batch_decode_with_kv_cache_mla, xqa_mla
 from .api.gdn import chunk_gated_delta_rule, gated_delta_rule_decode, gated_delta_rule_decode_pretranspose
 from .api.prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
@@ -50,6 +51,8 @@ __all__ = [
     "cudnn_batch_prefill_with_kv_cache",
     "cudnn_batch_decode_with_kv_cache",
     "BatchMLAPagedAttentionWrapper",
+    "trtllm_batch_decode_with_kv_cache_mla",
+    "xqa_mla",
     "chunk_gated_delta_rule",
     "gated_delta_rule_decode",
     "gated_delta_rule_decode_pretranspose",

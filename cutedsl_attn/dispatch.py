@@ -6,9 +6,10 @@
 (``PrefillArgs`` / ``DecodeArgs`` of ``cutedsl_attn.planning``) and call :meth:`KernelChoice.launch`.
 
 Decode runs the portable SM80-class kernel (``cutedsl_attn.portable.paged_decode``) on every arch.
-Prefill on SM90 runs the TMA + wgmma kernel (``cutedsl_attn.sm90.prefill``) where it applies and the
-portable kernel (``cutedsl_attn.portable.prefill``) elsewhere.  ``backend="cudnn"`` (prefill wrappers)
-runs cuDNN frontend graphs instead (:func:`prefill_backend`).
+Prefill on SM90 runs the TMA + wgmma kernel (``cutedsl_attn.sm90.prefill``) where it applies, on SM100 / SM103
+the tcgen05 kernel (``cutedsl_attn.sm100.prefill``) where it applies and has passed its first-use self-check
+(``cutedsl_attn.selfcheck``), and the portable kernel (``cutedsl_attn.portable.prefill``) elsewhere.
+``backend="cudnn"`` (prefill wrappers) runs cuDNN frontend graphs instead (:func:`prefill_backend`).
 
 Every kernel launch is a torch custom op ``cutedsl_attn::<NAME>`` (:data:`KERNEL_MODULES`' keys), with
 a fake implementation: ``torch.compile`` traces through it; eager calls go straight to the kernel
@@ -24,7 +25,9 @@ import os
 
 import torch
 
-from .compile import config_key, get_compiled, hash_callable, target_arch
+from . import selfcheck as _selfcheck
+from .compile import config_key, device_arch, get_compiled, hash_callable, target_arch
+from .compile import selfcheck as _verdicts
 from .planning.decode import DecodeArgs, DecodeProblem, max_items, occupancy, plan_paged_decode
 from .planning.gdn import GdnArgs, GdnProblem
 from .planning.mla import MlaArgs, MlaProblem
@@ -34,6 +37,7 @@ from .portable import mla_decode as _mla_portable
 from .portable import paged_decode as _paged_decode
 from .portable import prefill as _prefill_portable
 from .sm90 import prefill as _prefill_sm90
+from .sm100 import prefill as _prefill_sm100
 
 __all__ = [
     "KERNEL_MODULES",
@@ -62,6 +66,7 @@ __all__ = [
 KERNEL_MODULES = {
     "prefill_sm90": _prefill_sm90,
     "prefill_portable": _prefill_portable,
+    "prefill_sm100": _prefill_sm100,
     "paged_decode": _paged_decode,
     "gdn_recurrent": _rec,
     "mla_decode_portable": _mla_portable,
@@ -365,6 +370,7 @@ _OPS = {
     # the persistent SM90 kernel claims tiles with an atomic counter in the work table (left at 0 after a launch)
     "prefill_sm90": _prefill_op("prefill_sm90", ("out", "lse", "work")),
     "prefill_portable": _prefill_op("prefill_portable", ("out", "lse")),
+    "prefill_sm100": _prefill_op("prefill_sm100", ("out", "lse")),
     "paged_decode": _paged_decode_op,
 }
 
@@ -384,14 +390,58 @@ def prefill_backend(backend: str) -> str:
     return "cute"
 
 
-def decode_backend(backend: str) -> str:
-    """``"cute"`` for ``"auto"`` / ``"cute"``; NotImplementedError for FlashInfer's other names, ValueError else."""
-    if backend not in DECODE_BACKENDS:
+#: Where ``backend="auto"`` of the decode wrapper takes cuDNN's one-row decode graph: only where its kernel measured
+#: faster than ours and the batch is long enough for that to outweigh its host path, about 8x ours per call
+#: (perf/RESULTS.md, "Decode" and "cuDNN backend"; measured on SM90 at head_dim 128 only).
+#: ``unserved``: plan features cuDNN's decode graph does not serve or that were not measured on it.
+DECODE_AUTO_CUDNN = dict(min_batch=64, min_max_kv_len=4096, min_kv_bytes=1 << 30, head_dims=(128,),
+                         archs=("sm_90a",), unserved=("rope", "alibi", "soft_cap", "fp8_kv", "sinks", "window"))
+
+
+def decode_backend(backend: str, *, batch_size: int | None = None, max_kv_len: int = 0, kv_bytes: int = 0,
+                   head_dim: int = 0, q_len_per_req: int = 1, features=(), keep_split_controls: bool = False,
+                   cuda_graph: bool = False, caller_block_table: bool = False, cudnn_importable: bool | None = None,
+                   arch: str | None = None) -> str:
+    """The decode wrapper's backend: ``"cute"`` (this package's decode kernels) or ``"cudnn"`` (cuDNN's graph).
+
+    Without ``batch_size`` (the constructor): the name is checked and mapped, ``"auto"`` / ``"cute"`` -> ``"cute"``,
+    ``"cudnn"`` -> ``"cudnn"``.  With ``batch_size`` (a plan), the rule, written only here:
+
+    * ``keep_split_controls`` (the plan passed ``fixed_split_size`` or ``disable_split_kv``, batch-invariance
+      controls cuDNN has no equivalent of): ``"cute"`` for every name, as FlashInfer keeps fa2 for them.
+    * ``"cute"`` -> ``"cute"``; ``"cudnn"`` -> ``"cudnn"`` (the wrapper refuses what cuDNN does not serve).
+    * ``"auto"`` -> ``"cudnn"`` only when every condition of :data:`DECODE_AUTO_CUDNN` holds: one query row per
+      request (cuDNN's multi-row graph reads K/V slots past a request's length, never taken implicitly), none of
+      ``features`` in its ``unserved``, the cuDNN frontend importable, the compile target in
+      ``archs``, ``head_dim`` in ``head_dims``, ``batch_size >= min_batch``, ``max_kv_len >= min_max_kv_len``,
+      ``kv_bytes`` (the K/V bytes the batch reads) ``>= min_kv_bytes``, and outside CUDA-graph mode or with a
+      caller-owned block table (a table built from CSR cannot grow once captured).  Otherwise ``"cute"``.
+
+    ``cudnn_importable`` None: tried (``import cudnn``).  ``arch`` None: the compile target.
+
+    Raises NotImplementedError for FlashInfer's other backend names, ValueError for an unknown name.
+    """
+    if backend != "cudnn" and backend not in DECODE_BACKENDS:
         if backend in _FLASHINFER_DECODE_BACKENDS:
             raise NotImplementedError(
-                f"backend={backend!r} is not available in cutedsl_attn; supported: {DECODE_BACKENDS}")
-        raise ValueError(f"unknown backend {backend!r}; supported: {DECODE_BACKENDS}")
-    return "cute"
+                f"backend={backend!r} is not available in cutedsl_attn; supported: {DECODE_BACKENDS + ('cudnn',)}")
+        raise ValueError(f"unknown backend {backend!r}; supported: {DECODE_BACKENDS + ('cudnn',)}")
+    if batch_size is None:
+        return "cudnn" if backend == "cudnn" else "cute"
+    if keep_split_controls or backend == "cute":
+        return "cute"
+    if backend == "cudnn":
+        return "cudnn"
+    r = DECODE_AUTO_CUDNN
+    if (q_len_per_req != 1 or set(features) & set(r["unserved"]) or (cuda_graph and not caller_block_table)
+            or head_dim not in r["head_dims"] or batch_size < r["min_batch"] or max_kv_len < r["min_max_kv_len"]
+            or kv_bytes < r["min_kv_bytes"] or (arch or target_arch()) not in r["archs"]):
+        return "cute"
+    if cudnn_importable is None:
+        from .cudnn.prefill import cudnn_available  # noqa: PLC0415 -- the optional frontend, tried only here
+
+        cudnn_importable = cudnn_available()
+    return "cudnn" if cudnn_importable else "cute"
 
 
 # ----------------------------------------------------------------------------- prefill
@@ -413,26 +463,30 @@ def prefill_problem(*, dtype, head_dim_qk: int, head_dim_vo: int, group_size: in
 def prefill_choice(problem: PrefillProblem, *, positive_scale: bool = True, kernel: str = "auto") -> KernelChoice:
     """The prefill kernel and tiles for ``problem``.
 
-    ``kernel``: ``"auto"`` (the choice below), ``"portable"`` (always the portable kernel) or ``"sm90"`` (the
-    SM90 kernel wherever it applies, whatever ``CUTEDSL_ATTN_PREFILL_KERNEL`` says; the portable kernel where
-    it does not -- callers check ``.name``).  ``positive_scale=False`` (a planned ``sm_scale <= 0``) keeps
-    the portable kernel: the SM90 kernel folds the softmax scale into the exponent after the row max of the
-    raw logits, which needs a positive scale.
+    ``kernel``: ``"auto"`` (the choice below), ``"portable"`` (always the portable kernel), ``"sm90"`` /
+    ``"sm100"`` (that kernel wherever it applies, unchecked, whatever ``CUTEDSL_ATTN_PREFILL_KERNEL`` says; the
+    portable kernel where it does not -- callers check ``.name``).  ``positive_scale=False`` (a planned
+    ``sm_scale <= 0``) keeps the portable kernel: the SM90 and SM100 kernels fold the softmax scale into the
+    exponent after the row max of the raw logits, which needs a positive scale.
 
-    On SM90 the TMA + wgmma kernel serves every problem its ``unsupported_reason`` accepts; everything else,
-    and every other arch, runs the portable kernel.  ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the
-    portable kernel (benchmarks compare both).  ``CUTEDSL_ATTN_PREFILL_TUNE`` (``"key=value,..."``, tuning
+    On SM90 the TMA + wgmma kernel serves every problem its ``unsupported_reason`` accepts.  On SM100 / SM103
+    the tcgen05 kernel serves the problems it accepts once it passes the first-use self-check on this GPU
+    (:func:`cutedsl_attn.selfcheck.admit_prefill`, for the configuration and its sinks twin: ``run()`` with
+    sinks launches that on the same work table); it is never chosen without a GPU of the problem's arch
+    unless the check is off (``CUTEDSL_ATTN_SELFCHECK=0``) or the configuration is verified.  Everything
+    else runs the portable kernel.  ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the portable kernel
+    (benchmarks compare both).  ``CUTEDSL_ATTN_PREFILL_TUNE`` (``"key=value,..."``, tuning
     experiments) overrides the SM90 kernel's default tiles for every SM90 problem of the process
     (``override_tiles`` of the kernel module).
 
-    Raises ValueError for ``kernel`` outside the three names, for ``CUTEDSL_ATTN_PREFILL_KERNEL`` other than
+    Raises ValueError for ``kernel`` outside the four names, for ``CUTEDSL_ATTN_PREFILL_KERNEL`` other than
     ``auto`` / ``portable``, for a ``CUTEDSL_ATTN_PREFILL_TUNE`` item that is not ``key=value`` with a key in
     the SM90 kernel's ``TUNING_FIELDS`` (whichever kernel is picked) or a value / combination it refuses
     (naming the variable); NotImplementedError when no kernel serves the problem.
     """
-    if kernel not in ("auto", "portable", "sm90"):
-        raise ValueError(f"kernel must be 'auto', 'portable' or 'sm90', got {kernel!r}")
-    env = (os.environ.get(PREFILL_KERNEL_ENV), os.environ.get(PREFILL_TUNE_ENV))
+    if kernel not in ("auto", "portable", "sm90", "sm100"):
+        raise ValueError(f"kernel must be 'auto', 'portable', 'sm90' or 'sm100', got {kernel!r}")
+    env = tuple(os.environ.get(v) for v in (PREFILL_KERNEL_ENV, PREFILL_TUNE_ENV, _verdicts.SELFCHECK_ENV))
     memo = None if problem.score_mod is not None else ("prefill", problem, positive_scale, kernel, env, num_sms())
     c = _CHOICES.get(memo) if memo is not None else None  # a score_mod's key is re-derived at every plan
     if c is None:
@@ -459,7 +513,11 @@ def _prefill_choice(problem: PrefillProblem, positive_scale: bool, kernel: str) 
     items = _parse_tune(PREFILL_TUNE_ENV, tune, _prefill_sm90.TUNING_FIELDS) if tune.strip() else {}
     if kernel == "auto" and env_kernel == "portable":
         kernel = "portable"
-    if kernel != "portable" and positive_scale and _prefill_sm90.unsupported_reason(problem) is None:
+    if kernel in ("auto", "sm100") and positive_scale and _prefill_sm100.unsupported_reason(problem) is None:
+        c = KernelChoice(_prefill_sm100, problem, _prefill_sm100.default_tiles(problem, num_sms=num_sms()))
+        if kernel == "sm100" or _first_use_passed(c):
+            return c
+    if kernel in ("auto", "sm90") and positive_scale and _prefill_sm90.unsupported_reason(problem) is None:
         m = _prefill_sm90
         tiles = m.default_tiles(problem, num_sms=num_sms())
         if items:
@@ -470,11 +528,25 @@ def _prefill_choice(problem: PrefillProblem, positive_scale: bool, kernel: str) 
             if items:
                 raise ValueError(f"{e} (with {PREFILL_TUNE_ENV}={tune!r})") from None
             raise
+    return _portable_choice(problem)
+
+
+def _portable_choice(problem: PrefillProblem) -> KernelChoice:
     m = _prefill_portable
     reason = m.unsupported_reason(problem)
     if reason is not None:
         raise NotImplementedError(reason)
     return KernelChoice(m, problem, m.default_tiles(problem, num_sms=num_sms()))
+
+
+def _first_use_passed(choice: KernelChoice) -> bool:
+    """The SM100 choice and its sinks twin pass the first-use self-check (checked here only on a GPU of the
+    problem's arch, outside CUDA-graph capture; elsewhere only a known verdict admits it)."""
+    if not _verdicts.enabled():
+        return True
+    here = device_arch() == choice.problem.arch and not torch.cuda.is_current_stream_capturing()
+    return all(_selfcheck.admit_prefill(c, _portable_choice(c.problem) if here else None)
+               for c in (choice, choice.with_sinks()))
 
 
 # ----------------------------------------------------------------------------- decode
@@ -670,16 +742,16 @@ def _mla_launch_direct(module, cfg, args: MlaArgs) -> None:
                                                                              "counters"))
 def _mla_op(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, indices: torch.Tensor,
             work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
-            counters: torch.Tensor, sm_scale: float, num_row_tiles: int, key: str) -> None:
+            counters: torch.Tensor, sm_scale: float, num_row_tiles: int, output_scale: float, key: str) -> None:
     problem = MlaProblem(**{n: ast.literal_eval(v) for n, v in (kv.split("=", 1) for kv in key.split(";"))})
     _mla_launch_direct(*mla_choice(problem, device_index=q_nope.device.index),
                        MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale,
-                               num_row_tiles))
+                               num_row_tiles, output_scale))
 
 
 @_mla_op.register_fake
 def _(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, num_row_tiles,
-      key) -> None:
+      output_scale, key) -> None:
     return None
 
 

@@ -336,3 +336,27 @@ def test_custom_op_registered_with_its_mutations():
     schema = torch.ops.cutedsl_attn.mla_decode_portable.default._schema
     written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
     assert written == {"out", "lse", "part_o", "part_lse", "counters"}
+
+
+def test_launch_traces_as_the_custom_op(monkeypatch):
+    # under torch.compile(fullgraph=True) the launch is the custom op (its fake for tracing), run for real after
+    from cutedsl_attn import dispatch as d
+    from cutedsl_attn.planning.mla import MlaArgs
+
+    seen = []
+    monkeypatch.setattr(d, "_mla_launch_direct", lambda module, cfg, args: (seen.append(args.output_scale),
+                                                                             args.out.fill_(1.0)))
+    pb = MlaProblem("bfloat16", 16)
+    module, cfg = d.mla_choice(pb)
+    t = lambda *s: torch.zeros(*s)  # noqa: E731
+
+    def f(out):
+        args = MlaArgs(t(2, 16, 512), t(2, 16, 64), t(4, 16, 512), t(4, 16, 64), torch.zeros(4, dtype=torch.int32),
+                       torch.zeros(2, 8, dtype=torch.int32), out, t(2, 16), t(1, 16, 512), t(1, 16),
+                       torch.zeros(2, dtype=torch.int32), 0.1, 1, 0.5)
+        d.mla_launch(module, cfg, args)
+        return out * 2
+
+    torch._dynamo.reset()
+    r = torch.compile(f, backend="aot_eager", fullgraph=True)(torch.zeros(2, 16, 512))
+    assert seen == [0.5] and torch.equal(r, torch.full((2, 16, 512), 2.0))

@@ -307,7 +307,7 @@ class BatchMLAPagedAttentionWrapper:
         if dev.type != "cuda":
             raise ValueError(f"q_nope, q_pe, the caches and the workspace must be CUDA tensors to launch, got {dev}")
         args = MlaArgs(q_nope, q_pe, ckv_cache, kpe_cache, p["indices"], p["work"], out, lse, p["part_o"],
-                       p["part_lse"], self._counters, p["sm_scale"], p["row_tiles"])
+                       p["part_lse"], self._counters, p["sm_scale"], p["row_tiles"], output_scale=1.0)
         if T and p["num_work"]:
             with torch.cuda.device(dev):
                 mla_launch(p["module"], p["cfg"], args)

@@ -76,7 +76,8 @@ class MlaArgs(NamedTuple):
     (written); ``lse`` fp32 ``[tokens, H]`` base 2 contiguous (written); ``part_o`` fp32 ``[P, R, 512]`` and
     ``part_lse`` fp32 ``[P, R]`` split-KV partials (``R >= max qo_len x H``); ``counters`` int32, one per
     (request, row tile), left at 0; ``sm_scale`` the softmax scale; ``num_row_tiles`` the grid's x extent
-    (:attr:`MlaWorkPlan.row_tiles`).
+    (:attr:`MlaWorkPlan.row_tiles`); ``output_scale`` multiplies O in fp32 before the 16-bit rounding
+    (FlashInfer's ``v_scale / o_scale``, trtllm's ``bmm2_scale``).
     """
 
     q_nope: Any
@@ -92,6 +93,7 @@ class MlaArgs(NamedTuple):
     counters: Any
     sm_scale: float
     num_row_tiles: int
+    output_scale: float = 1.0
 
 
 @dataclass(frozen=True)

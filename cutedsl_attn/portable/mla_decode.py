@@ -26,6 +26,8 @@ Work decomposition (planned on the host by :func:`cutedsl_attn.planning.mla.plan
 
 Conventions (FlashInfer's MLA): logits ``sm_scale * (q_nope . ckv + q_pe . kpe)``, LSE base 2, causal
 bottom-right (query token ``i`` sees keys ``j <= i + kv_len - qo_len``), empty rows give O = 0 and LSE = -inf.
+O is multiplied by ``output_scale`` (``v_scale / o_scale``, trtllm's ``bmm2_scale``) in fp32 before the 16-bit
+rounding, in the epilogue or the split-KV merge.
 Page offsets are 64-bit products (``page_id * page_stride`` may pass 2^32).
 """
 
@@ -201,8 +203,8 @@ class MlaDecodeKernel:
     @cute.jit
     def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mIdx: cute.Tensor,
                  mWork: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mPO: cute.Tensor, mPLSE: cute.Tensor,
-                 mCnt: cute.Tensor, sm_scale: Float32, num_row_tiles: Int32, stream):
-        self.kernel(mQn, mQp, mCkv, mKpe, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, sm_scale).launch(
+                 mCnt: cute.Tensor, sm_scale: Float32, output_scale: Float32, num_row_tiles: Int32, stream):
+        self.kernel(mQn, mQp, mCkv, mKpe, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, sm_scale, output_scale).launch(
             grid=(num_row_tiles, mWork.shape[0], 1),
             block=(self.NT, 1, 1),
             smem=self.cfg.smem_bytes,
@@ -210,7 +212,8 @@ class MlaDecodeKernel:
         )
 
     @cute.kernel
-    def kernel(self, mQn, mQp, mCkv, mKpe, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, sm_scale: Float32):
+    def kernel(self, mQn, mQp, mCkv, mKpe, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, sm_scale: Float32,
+               output_scale: Float32):
         """Device entry: one CTA per (16-row tile, work item); see the module docstring."""
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
@@ -245,10 +248,10 @@ class MlaDecodeKernel:
                                t0, t1, kv_len, qo_len, page_off, sm_scale * LOG2E, tidx, lane, warp)
                 part = part0 + mWork[wi, W_SPLIT_IDX]
                 self._epilogue(mO, mLSE, mPO, mPLSE, acc, row_m, row_l, q_start, row0, rows, H, part,
-                               n_splits == 1, lane, warp)
+                               n_splits == 1, output_scale, lane, warp)
                 if n_splits > 1:
                     self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, sFlag, sKV, b, tile, n_tiles, q_start, row0,
-                                       rows, H, part0, n_splits, tidx)
+                                       rows, H, part0, n_splits, output_scale, tidx)
 
     # ------------------------------------------------------------------ main loop
     @cute.jit
@@ -392,9 +395,10 @@ class MlaDecodeKernel:
 
     # ------------------------------------------------------------------ epilogue and merge
     @cute.jit
-    def _epilogue(self, mO, mLSE, mPO, mPLSE, acc, row_m, row_l, q_start, row0, rows, H, part, final, lane, warp):
-        """This warp's 128 columns of O / l (16-bit, or the fp32 partial of a split item) and, from warp 0, the
-        rows' base-2 LSE."""
+    def _epilogue(self, mO, mLSE, mPO, mPLSE, acc, row_m, row_l, q_start, row0, rows, H, part, final, output_scale,
+                  lane, warp):
+        """This warp's 128 columns of O / l x ``output_scale`` (16-bit, or the unscaled fp32 partial of a split
+        item) and, from warp 0, the rows' base-2 LSE."""
         dt = self.dtype
         g = lane // 4
         t = lane % 4
@@ -404,6 +408,8 @@ class MlaDecodeKernel:
             if pr < rows:
                 l = row_l[h]
                 inv = Float32(cutlass.select_(l > Float32(0.0), ptx.rcp(l), Float32(0.0)))
+                # the output scale multiplies in fp32 before rounding; a split item's partials stay unscaled
+                inv = inv * Float32(cutlass.select_(final, output_scale, Float32(1.0)))
                 lse = Float32(cutlass.select_(l > Float32(0.0), row_m[h] + ptx.lg2(l), Float32(NEG_INF)))
                 tok = q_start + pr // H
                 hh = pr % H
@@ -426,9 +432,9 @@ class MlaDecodeKernel:
 
     @cute.jit
     def _merge_splits(self, mO, mLSE, mPO, mPLSE, mCnt, sFlag, sBuf, b, tile, n_tiles, q_start, row0, rows, H,
-                      part0, n_splits, tidx):
+                      part0, n_splits, output_scale, tidx):
         """Split-KV: the last CTA of (request, row tile) to finish merges every piece's partial and writes O
-        and the LSE."""
+        (x ``output_scale``, folded into the fp32 merge weights) and the LSE."""
         NT = self.NT
         dt = self.dtype
         ptx.fence_gpu()
@@ -455,7 +461,7 @@ class MlaDecodeKernel:
                     tot = Float32(0.0)
                     for p in cutlass.range(n_splits, unroll=1):
                         tot = tot + ptx.ex2(ptx.ld_shared_f32(sBuf + (p * TILE_M + tidx) * 4) - m_use)
-                    inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0)))
+                    inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0))) * output_scale
                     for p in cutlass.range(n_splits, unroll=1):
                         a = sBuf + (p * TILE_M + tidx) * 4
                         ptx.st_shared_f32(a, ptx.ex2(ptx.ld_shared_f32(a) - m_use) * inv)
@@ -526,7 +532,7 @@ def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = 
     from cutlass.cute.runtime import make_fake_stream
 
     opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
-    return cute.compile(MlaDecodeKernel(cfg), *fake_tensors(cfg), Float32(1.0), Int32(1),
+    return cute.compile(MlaDecodeKernel(cfg), *fake_tensors(cfg), Float32(1.0), Float32(1.0), Int32(1),
                         make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
 
 
@@ -535,5 +541,7 @@ def launch(fn, cfg: Config, args: MlaArgs) -> None:
     ``args.work.shape[0]`` CTAs; the only code that knows its argument order.  ``args``: an
     :class:`~cutedsl_attn.planning.mla.MlaArgs`; ``counters`` must read 0 (the kernel leaves them so).  The
     tvm-ffi entry raises ValueError for a tensor of the wrong dtype, rank or alignment."""
-    (q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, num_row_tiles) = args
-    fn(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, num_row_tiles)
+    (q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, num_row_tiles,
+     output_scale) = args
+    fn(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, output_scale,
+       num_row_tiles)
