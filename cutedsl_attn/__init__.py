@@ -39,6 +39,8 @@ from .api.prefill import (
     single_prefill_with_kv_cache_return_lse,
 )
 from .api.quantization import packbits, segment_packbits
+from .api.trtllm import trtllm_batch_context_with_kv_cache, trtllm_batch_decode_with_kv_cache
+from .xqa import xqa  # noqa: E402  (the name then refers to the function, as flashinfer.xqa does)
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
@@ -68,4 +70,7 @@ __all__ = [
     "merge_state",
     "merge_state_in_place",
     "merge_states",
+    "trtllm_batch_decode_with_kv_cache",
+    "trtllm_batch_context_with_kv_cache",
+    "xqa",
 ]

@@ -1,0 +1,13 @@
+"""``flashinfer.prefill``'s path: the prefill entry points of this package under the module FlashInfer users import."""
+
+from .api.prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
+)
+from .api.trtllm import trtllm_batch_context_with_kv_cache
+
+__all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
+           "single_prefill_with_kv_cache", "single_prefill_with_kv_cache_return_lse",
+           "trtllm_batch_context_with_kv_cache"]
