@@ -9,6 +9,9 @@ Subcommands::
     demo [--cpu] [...]
          run the demo (cutedsl_attn._demo: Llama-3-8B-shaped decode step + real-model check on a
          GPU; cross-compile + instruction summary without one)
+    selfcheck [--only TEXT] [--arch sm_100a]
+         run every kernel of this GPU against the float64 oracle on a short matrix (pass/fail table with
+         timings; exit 1 on a failure); without a GPU, say so and cross-compile the matrix for --arch
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sinks", action="store_true", help="compile the attention-sink variant")
     p.add_argument("--num-warps", type=int, default=None, help="warps per CTA (default: dispatch's choice)")
     p.add_argument("--num-stages", type=int, default=None, help="cp.async ring depth (default: dispatch's choice)")
-    p.add_argument("--kernel", default=None, choices=["auto", "portable", "sm90"],
+    p.add_argument("--kernel", default=None, choices=["auto", "portable", "sm90", "sm100"],
                    help="prefill: auto (default; SM90 TMA+wgmma kernel on sm_90a where it applies), portable or sm90")
     p.add_argument("--summary", action="store_true",
                    help="print an instruction summary instead of the full text (ptx only)")
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m cutedsl_attn",
         description="cutedsl_attn tools: inspect compiled kernels (ptx, sass) and run the demo.",
     )
-    sub = ap.add_subparsers(dest="command", metavar="{ptx,sass,demo}")
+    sub = ap.add_subparsers(dest="command", metavar="{ptx,sass,demo,selfcheck}")
     sub.required = True
     p = sub.add_parser("ptx", help="print the PTX of a kernel config (cross-compiles; no GPU needed)",
                        description="Print the PTX of a kernel config compiled for --arch (no GPU needed).")
@@ -63,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kernel_args(s)
     sub.add_parser("demo", help="run the demo (GPU: Llama-3-8B decode step + real-model check; "
                                 "no GPU: cross-compile and summarise the PTX)", add_help=False)
+    sub.add_parser("selfcheck", help="run every kernel of this GPU against the oracle (pass/fail table with "
+                                     "timings; no GPU: cross-compile the matrix)", add_help=False)
     return ap
 
 
@@ -106,6 +111,10 @@ def main(argv=None) -> int:
         from ._demo import demo
 
         return int(demo.main(argv[1:]) or 0)
+    if argv and argv[0] == "selfcheck":  # its own parser, as demo's
+        from . import selfcheck_cli
+
+        return selfcheck_cli.main(argv[1:])
     args = ap.parse_args(argv)
     from . import inspect as ci
 

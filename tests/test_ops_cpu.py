@@ -81,7 +81,7 @@ def test_prefill_choice_names_and_keys():
     assert prefill_choice(kernel="portable").name == "prefill_portable"
     assert dispatch.prefill_choice(c.problem, positive_scale=False).name == "prefill_portable"
     with pytest.raises(ValueError, match="kernel must be"):
-        prefill_choice(kernel="sm100")
+        prefill_choice(kernel="sm80")
     with pytest.raises(TypeError):
         dispatch.kernel_module(object())
 

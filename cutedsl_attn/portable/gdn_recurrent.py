@@ -50,7 +50,7 @@ from ..planning.gdn import (
     FLAG_HAS_BETA, FLAG_HAS_G, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE,
     GdnArgs, GdnProblem,
 )
-from ._tuning import override_int_fields
+from ..compile.tiles import override_int_fields
 
 NAME = "gdn_recurrent"
 L2NORM_EPS = 1e-6

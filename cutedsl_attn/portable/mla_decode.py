@@ -47,7 +47,7 @@ from ..planning.decode import (
     W_BATCH, W_KV_LEN, W_NUM_SPLITS, W_PAGE_OFF, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START,
 )
 from ..planning.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MLA_WORK_COLS, TILE_M, W_Q_START, W_QO_LEN, MlaArgs, MlaProblem
-from ._tuning import check_int_fields, override_int_fields
+from ..compile.tiles import check_int_fields, override_int_fields
 
 NAME = "mla_decode_portable"
 

@@ -70,7 +70,7 @@ from ..planning.decode import (
     CHUNK, W_BATCH, W_KV_LEN, W_NUM_SPLITS, W_PAGE_OFF, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START, WORK_COLS,
     DecodeArgs, DecodeProblem,
 )
-from ._tuning import check_int_fields, override_int_fields
+from ..compile.tiles import check_int_fields, override_int_fields
 from .decode_merge import DecodeMerge
 
 NAME = "paged_decode"

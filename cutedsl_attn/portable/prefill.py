@@ -61,7 +61,7 @@ from ..compile.fake import prefill_tensors, vector_f32
 from ..planning.prefill import (
     W_BATCH, W_KV_LEN, W_KV_START, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0, WORK_COLS, PrefillArgs, PrefillProblem,
 )
-from ._tuning import check_int_fields, override_int_fields
+from ..compile.tiles import check_int_fields, override_int_fields
 
 NAME = "prefill_portable"
 

@@ -10,13 +10,18 @@ Modules: ``config`` (dataclasses, TMEM plan, warp roles), ``kernel`` (the device
 
 from __future__ import annotations
 
+import dataclasses
+
 from ...planning.prefill import PrefillArgs, PrefillProblem
+from ...compile.tiles import override_int_fields
 from .config import Config, Tiles, tmem_alloc_cols, tmem_plan, tmem_plan_reason, unsupported_reason
 
 NAME = "prefill_sm100"
 
-__all__ = ["NAME", "Tiles", "Config", "unsupported_reason", "default_tiles", "compile", "launch", "tmem_plan",
-           "tmem_plan_reason", "tmem_alloc_cols"]
+__all__ = ["NAME", "Tiles", "Config", "TUNING_FIELDS", "unsupported_reason", "default_tiles", "override_tiles",
+           "compile", "launch", "tmem_plan", "tmem_plan_reason", "tmem_alloc_cols"]
+
+TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))  # the keys override_tiles takes
 
 
 def default_tiles(problem: PrefillProblem, *, num_sms: int) -> Tiles:
@@ -29,6 +34,13 @@ def default_tiles(problem: PrefillProblem, *, num_sms: int) -> Tiles:
     ``problem`` must be one the kernel serves (:func:`unsupported_reason` is None).
     """
     return Tiles(tile_n=128, kv_stages=3 if problem.head_dim_qk <= 64 else 2, rescale_threshold=8)
+
+
+def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
+    """``tiles`` with the fields named in ``items`` (field name -> decimal text, a tuning hook's parsed items)
+    replaced; ValueError naming the key for an unknown field or a non-integer value (``Config`` then checks the
+    combination)."""
+    return override_int_fields(tiles, items)
 
 
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):

@@ -1,4 +1,4 @@
-"""Host helpers of the portable kernels' ``Tiles`` dataclasses: field type checks and the tuning-hook override."""
+"""Host helpers of every kernel's ``Tiles`` dataclass: int field checks and the tuning-hook override (imports nothing)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,168 @@
+"""The first-use self-check of a prefill kernel on the GPU in hand: a small problem of the candidate's configuration
+through the candidate and through the portable kernel, both compared with the float64 oracle.
+
+``dispatch`` routes a problem to a kernel that was never run on its hardware (the SM100 / SM103 tcgen05 kernel)
+only after :func:`admit_prefill` says yes; the verdict store, the warning and the ``CUTEDSL_ATTN_SELFCHECK``
+switch are :mod:`cutedsl_attn.compile.selfcheck`.  The candidate and the reference are arguments (anything
+with ``name``, ``cfg``, ``problem``, ``tile_m`` and ``launch(PrefillArgs)``, as ``dispatch.KernelChoice``), so
+the logic is exercised on any GPU with another kernel standing in for the candidate.
+
+The problem: two kv heads, four requests (query / KV lengths 37/300, 150/90, 0/50, 5/0: several KV blocks
+with a tail, causal rows that see no key, an empty request, a request with no KV), spare K/V rows past the
+batch and both outputs poisoned with NaN, an output scale of 0.75, random sinks when the configuration has
+them.  Tolerance: the GPU tests' relative Frobenius error of O (bf16 1e-2, fp16 4e-3), LSE within 2e-2 with
+the -inf pattern of rows that see no key, and those rows' O exactly 0.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import ref
+from .compile import selfcheck as _verdicts
+from .compile.selfcheck import Verdict
+from .planning.prefill import PrefillArgs, plan_prefill
+
+__all__ = ["LSE_TOL", "TOL", "admit_prefill", "check_prefill", "compare"]
+
+#: relative Frobenius error of O against the float64 oracle, by dtype name
+TOL = {"bfloat16": 1e-2, "float16": 4e-3}
+#: largest absolute error of a finite LSE (base 2)
+LSE_TOL = 2e-2
+
+_QO_LENS = (37, 150, 0, 5)
+_KV_LENS = (300, 90, 50, 0)
+_NUM_KV_HEADS = 2
+_SPARE_ROWS = 16
+_OUTPUT_SCALE = 0.75
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compare(out, lse, o_ref, lse_ref, tol: float) -> tuple[float | None, str | None]:
+    """``(relative error of O or None, None or the first rule broken)`` of a kernel's ``out`` ``[T, Hq, D]`` /
+    ``lse`` ``[T, Hq]`` against the oracle's: no NaN (an unwritten value), O within ``tol``, LSE's -inf
+    pattern equal and finite values within :data:`LSE_TOL`, rows with no visible key exactly 0."""
+    out, lse = out.detach().double().cpu(), lse.detach().double().cpu()
+    o_ref, lse_ref = o_ref.detach().double().cpu(), lse_ref.detach().double().cpu()
+    if torch.isnan(out).any() or torch.isnan(lse).any():
+        return None, "NaN in the output or LSE (an unwritten value)"
+    err = ((out - o_ref).norm() / o_ref.norm().clamp_min(1e-30)).item()
+    if not err <= tol:
+        return err, f"output rel err {err:.3g} > {tol:g}"
+    fin = torch.isfinite(lse_ref)
+    if not torch.equal(torch.isfinite(lse), fin) or (lse[~fin] != float("-inf")).any():
+        return err, "the LSE's -inf pattern (rows with no visible key) differs"
+    if fin.any():
+        d = (lse[fin] - lse_ref[fin]).abs().max().item()
+        if not d < LSE_TOL:
+            return err, f"LSE abs err {d:.3g} >= {LSE_TOL:g}"
+    if (~fin).any() and (out[~fin] != 0).any():
+        return err, "rows with no visible key are not 0"
+    return err, None
+
+
+def _median_call_us(fn, reps: int = 10) -> float:
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return sorted(ts)[reps // 2]
+
+
+def _indptr(lens) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _refusal(problem) -> str | None:
+    p = problem
+    for flag, what in ((p.page_size > 0, "paged K/V"), (p.use_custom_mask, "custom masks"),
+                       (p.use_window, "sliding windows"), (p.use_soft_cap, "soft caps"),
+                       (p.score_mod is not None, "score_mod"), (p.pos_encoding_mode != "NONE", "RoPE / ALiBi")):
+        if flag:
+            return (f"the prefill self-check builds ragged problems with causal / sinks only; {what} is not "
+                    "among them")
+    if p.dtype not in TOL:
+        return f"the prefill self-check covers bfloat16 / float16, got {p.dtype!r}"
+    return None
+
+
+def check_prefill(candidate, reference, *, seed: int = 0, device=None, timings: dict | None = None) -> Verdict:
+    """Run the module docstring's problem through ``candidate`` and ``reference`` (kernel choices of one
+    ``problem``: ``.problem``, ``.tile_m``, ``.launch(PrefillArgs)``; ``reference`` is the portable kernel) on
+    ``device`` (default: the current CUDA device) and compare both with the float64 oracle.
+
+    Returns a :class:`~cutedsl_attn.compile.selfcheck.Verdict`: passed when the candidate meets every rule of
+    :func:`compare`; its ``detail`` also says when the reference missed too (the check's inputs or the
+    device are then suspect).  Raises NotImplementedError before any launch for a problem outside the
+    docstring's (paged, masks, windows, soft caps, score_mod, positional encodings); ValueError when the two
+    choices hold different problems; the candidate's own errors from its launch.  ``timings`` (a dict): also
+    gets ``candidate_us``, the median of 10 candidate calls on the problem (CUDA events around each call).
+    """
+    problem = candidate.problem
+    if reference.problem != problem:
+        raise ValueError(f"candidate and reference must serve one problem, got {problem!r} and {reference.problem!r}")
+    reason = _refusal(problem)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    t0 = time.perf_counter()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    tdt = _DTYPES[problem.dtype]
+    group, hkv = problem.group_size, _NUM_KV_HEADS
+    hq, dqk, dvo = hkv * group, problem.head_dim_qk, problem.head_dim_vo
+    qo_ip, kv_ip = _indptr(_QO_LENS), _indptr(_KV_LENS)
+    tq, tk = int(qo_ip[-1]), int(kv_ip[-1])
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tq, hq, dqk, generator=g).to(tdt)
+    k = torch.randn(tk + _SPARE_ROWS, hkv, dqk, generator=g).to(tdt)
+    v = torch.randn(tk + _SPARE_ROWS, hkv, dvo, generator=g).to(tdt)
+    sinks = (torch.randn(hq, generator=g) * 2).float() if problem.use_sinks else None
+    sm_scale = dqk ** -0.5
+    o_ref, lse_ref = ref.ragged_prefill(q, k[:tk], v[:tk], qo_ip, kv_ip, causal=problem.causal, sm_scale=sm_scale,
+                                        sinks=sinks)
+    o_ref = o_ref * _OUTPUT_SCALE
+    k[tk:], v[tk:] = float("nan"), float("nan")  # rows past the batch must never reach an output
+    q_d, k_d, v_d = q.to(dev), k.to(dev), v.to(dev)
+    dummy_f32 = torch.zeros(1, dtype=torch.float32, device=dev)
+    sinks_d = dummy_f32 if sinks is None else sinks.to(dev)
+    dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
+    dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=dev)
+
+    def args_for(choice):
+        work, _ = plan_prefill(_QO_LENS, _KV_LENS, qo_ip[:-1], kv_ip[:-1], group_size=group, tile_m=choice.tile_m,
+                               causal=problem.causal)
+        out = torch.full((tq, hq, dvo), float("nan"), dtype=tdt, device=dev)
+        lse = torch.full((tq, hq), float("nan"), dtype=torch.float32, device=dev)
+        return PrefillArgs(q_d, k_d, v_d, dummy_i32, work.to(dev), out, lse, dummy_u8, sinks_d, dummy_f32, sm_scale,
+                           0.0, -1, 1.0, 0.0, _OUTPUT_SCALE)
+
+    def run(choice, args):
+        choice.launch(args)
+        torch.cuda.synchronize(dev)
+        return compare(args.out, args.lse, o_ref, lse_ref, TOL[problem.dtype])
+
+    ref_err, ref_reason = run(reference, args_for(reference))
+    cand_args = args_for(candidate)
+    err, reason = run(candidate, cand_args)
+    if timings is not None:
+        timings["candidate_us"] = _median_call_us(lambda: candidate.launch(cand_args))
+    detail = "matches the oracle" if reason is None else reason
+    if ref_reason is not None:
+        detail += f" (the portable kernel also misses the oracle: {ref_reason})"
+    return Verdict(passed=reason is None, detail=detail, candidate_err=err, reference_err=ref_err,
+                   tolerance=TOL[problem.dtype], seconds=time.perf_counter() - t0,
+                   device=torch.cuda.get_device_name(dev))
+
+
+def admit_prefill(candidate, reference) -> bool:
+    """Whether ``candidate`` (a prefill kernel choice) may serve its configuration:
+    :func:`cutedsl_attn.compile.selfcheck.admitted` with :func:`check_prefill` against ``reference`` (the
+    portable kernel's choice of the same problem) as the check; ``reference`` None: no device to check on (a
+    known verdict only)."""
+    check = None if reference is None else (lambda: check_prefill(candidate, reference))
+    return _verdicts.admitted(candidate.name, candidate.cfg, check)

@@ -1,0 +1,305 @@
+"""``python -m cutedsl_attn selfcheck``: every kernel of this GPU against the float64 oracle on a short matrix.
+
+With a GPU: prefill (each prefill kernel of the arch: SM90 on ``sm_90a``, the tcgen05 kernel on ``sm_100a`` /
+``sm_103a`` run directly, without its first-use check, and the portable kernel everywhere; through
+:func:`cutedsl_attn.selfcheck.check_prefill`), paged decode, the gated delta rule and MLA (through the public
+API), each case compared with the oracle; a table of pass / FAIL with the relative error of O, the first
+call's seconds (the compile or the disk-cache load included) and the median time of a call (CUDA events
+around the call: kernel and host launch cost).  The SM100 rows run last, so a device fault there cannot hide
+the other results.  Exit status 1 when any case fails or raises, else 0.
+
+Without a GPU nothing can run: the command says so, cross-compiles the prefill and decode kernels of the
+matrix for ``--arch`` (default ``sm_100a``) and exits 0 when every build succeeds (1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+
+import torch
+
+__all__ = ["Row", "format_table", "gpu_matrix", "cross_compile_matrix", "main"]
+
+BF16, FP16 = torch.bfloat16, torch.float16
+_O_TOL = {BF16: 1e-2, FP16: 4e-3}
+_LSE_TOL = 2e-2
+
+# prefill: (label, dtype, head_dim, group_size, causal, use_sinks)
+PREFILL_CASES = (("bf16 d128 G4 causal", BF16, 128, 4, True, False),
+                 ("fp16 d64 G1", FP16, 64, 1, False, False),
+                 ("bf16 d128 G8 causal sinks", BF16, 128, 8, True, True))
+# decode: (label, dtype, head_dim, group_size, page_size, kv lengths)
+DECODE_CASES = (("bf16 d128 G4 page16", BF16, 128, 4, 16, (1, 77, 1000, 4097)),
+                ("fp16 d64 G8 page1", FP16, 64, 8, 1, (3, 300, 64)))
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the table: ``status`` is ``pass``, ``FAIL``, ``error``, ``built`` (cross-compiled) or
+    ``skip``; ``err``: relative error of O; ``first_s``: seconds of the first call (compile or load included);
+    ``call_us``: median microseconds of a call; ``note``: why it failed or was skipped."""
+
+    op: str
+    kernel: str
+    case: str
+    status: str
+    err: float | None = None
+    first_s: float | None = None
+    call_us: float | None = None
+    note: str = ""
+
+
+def format_table(rows) -> str:
+    """The rows as an aligned text table."""
+    head = ("op", "kernel", "case", "result", "O rel err", "first call s", "us / call", "note")
+    cells = [head] + [(r.op, r.kernel, r.case, r.status, "" if r.err is None else f"{r.err:.2e}",
+                       "" if r.first_s is None else f"{r.first_s:.2f}",
+                       "" if r.call_us is None else f"{r.call_us:.1f}", r.note) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head) - 1)]
+    return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(len(widths))) + "  " + c[-1] for c in cells)
+
+
+def _call_us(fn, reps: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(ts)
+
+
+def _rel(x, y) -> float:
+    x, y = x.detach().double().cpu(), y.detach().double().cpu()
+    if not torch.isfinite(x).all():
+        return float("nan")
+    return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
+
+
+def _verdict(err: float, tol: float, extra: str | None = None) -> tuple[str, str]:
+    if extra:
+        return "FAIL", extra
+    if not err <= tol:
+        return "FAIL", f"O rel err > {tol:g}" if err == err else "non-finite output"
+    return "pass", ""
+
+
+def _prefill_kernels(arch: str) -> tuple[str, ...]:
+    return {"sm_90a": ("portable", "sm90"), "sm_100a": ("portable", "sm100"),
+            "sm_103a": ("portable", "sm100")}.get(arch, ("portable",))
+
+
+def _prefill_rows(arch: str, kernel: str):
+    from . import dispatch
+    from .selfcheck import check_prefill
+
+    for label, dtype, d, group, causal, sinks in PREFILL_CASES:
+        p = dispatch.prefill_problem(dtype=dtype, head_dim_qk=d, head_dim_vo=d, group_size=group, causal=causal,
+                                     use_sinks=sinks, arch=arch)
+        choice = dispatch.prefill_choice(p, kernel=kernel)
+        if choice.name != f"prefill_{kernel}":
+            yield Row("prefill", f"prefill_{kernel}", label, "skip", note=f"served by {choice.name}")
+            continue
+        t0 = time.perf_counter()
+        choice.fn  # noqa: B018 - the compile (or disk-cache load), timed apart from the check
+        first = time.perf_counter() - t0
+        timings: dict = {}
+        v = check_prefill(choice, dispatch.prefill_choice(p, kernel="portable"), timings=timings)
+        yield Row("prefill", choice.name, label, "pass" if v.passed else "FAIL", v.candidate_err, first,
+                  timings.get("candidate_us"), "" if v.passed else v.detail)
+
+
+def _decode_rows():
+    import cutedsl_attn as ca
+
+    from . import ref
+
+    dev = torch.device("cuda")
+    for label, dtype, d, group, ps, lens in DECODE_CASES:
+        g = torch.Generator().manual_seed(0)
+        hkv = 2
+        npages = [-(-n // ps) for n in lens]
+        pool = sum(npages) + 3
+        indptr = torch.tensor([0] + torch.tensor(npages).cumsum(0).tolist(), dtype=torch.int32)
+        indices = torch.randperm(pool, generator=g)[: sum(npages)].to(torch.int32)
+        last = torch.tensor([n - (m - 1) * ps for n, m in zip(lens, npages)], dtype=torch.int32)
+        cache = torch.randn(pool, 2, ps, hkv, d, generator=g).to(dtype)
+        q = torch.randn(len(lens), hkv * group, d, generator=g).to(dtype)
+        w = ca.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=dev), "NHD")
+        w.plan(indptr.to(dev), indices.to(dev), last.to(dev), hkv * group, hkv, d, ps, q_data_type=dtype)
+        q_d, cache_d = q.to(dev), cache.to(dev)
+        t0 = time.perf_counter()
+        out, lse = w.run(q_d, cache_d, return_lse=True)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        o_ref, lse_ref = ref.paged_decode(q, cache[:, 0], cache[:, 1], indptr, indices, last, kv_layout="NHD")
+        err = _rel(out, o_ref)
+        d_lse = (lse.double().cpu() - lse_ref.double()).abs().max().item()
+        status, note = _verdict(err, _O_TOL[dtype], None if d_lse < _LSE_TOL else f"LSE abs err {d_lse:.2e}")
+        yield Row("decode", "paged_decode", label, status, err, first, _call_us(lambda: w.run(q_d, cache_d)), note)
+
+
+def _gdn_rows():
+    import cutedsl_attn as ca
+
+    from . import ref
+
+    dev = torch.device("cuda")
+    lens, hq, hk, hv, kd, vd = (1, 63, 300), 4, 4, 8, 128, 128
+    g = torch.Generator().manual_seed(0)
+    T = sum(lens)
+    k = torch.randn(T, hk, kd, generator=g)
+    kw = dict(q=torch.randn(T, hq, kd, generator=g).to(BF16), k=(k / k.norm(dim=-1, keepdim=True)).to(BF16),
+              v=torch.randn(T, hv, vd, generator=g).to(BF16), g=torch.rand(T, hv, generator=g) * 0.5 + 0.5,
+              beta=torch.rand(T, hv, generator=g),
+              cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32),
+              initial_state=torch.randn(len(lens), hv, vd, kd, generator=g) * 0.1)
+    kw_d = {n: t.to(dev) for n, t in kw.items()}
+    t0 = time.perf_counter()
+    o, s = ca.chunk_gated_delta_rule(**kw_d, output_final_state=True)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    o_ref, s_ref = ref.chunk_gated_delta_rule(**kw, output_final_state=True)
+    err, s_err = _rel(o, o_ref), _rel(s, s_ref)
+    status, note = _verdict(err, 1e-2, None if s_err < 1e-3 else f"state rel err {s_err:.2e}")
+    yield Row("gdn", "gdn_recurrent", "bf16 K=V=128 GVA 4/4/8", status, err, first,
+              _call_us(lambda: ca.chunk_gated_delta_rule(**kw_d, output_final_state=True)), note)
+
+
+def _mla_rows():
+    from . import ref
+    from .api.mla import BatchMLAPagedAttentionWrapper
+
+    dev = torch.device("cuda")
+    H, dc, dr, ps, kv_lens = 16, 512, 64, 16, (1, 100, 2000)
+    g = torch.Generator().manual_seed(0)
+    npages = [-(-n // ps) for n in kv_lens]
+    pool = sum(npages) + 3
+    kv_indptr = torch.tensor([0] + torch.tensor(npages).cumsum(0).tolist(), dtype=torch.int32)
+    kv_indices = torch.randperm(pool, generator=g)[: sum(npages)].to(torch.int32)
+    qo_indptr = torch.arange(len(kv_lens) + 1, dtype=torch.int32)
+    kv_len = torch.tensor(kv_lens, dtype=torch.int32)
+    q_nope, q_pe = (torch.randn(len(kv_lens), H, n, generator=g).to(BF16) for n in (dc, dr))
+    ckv, kpe = (torch.randn(pool, ps, n, generator=g).to(BF16) for n in (dc, dr))
+    sm_scale = 1.0 / (128 + 64) ** 0.5
+    w = BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.int8, device=dev))
+    w.plan(qo_indptr.to(dev), kv_indptr.to(dev), kv_indices.to(dev), kv_len.to(dev), H, dc, dr, ps, False, sm_scale,
+           BF16, BF16)
+    args_d = [t.to(dev) for t in (q_nope, q_pe, ckv, kpe)]
+    t0 = time.perf_counter()
+    o, lse = w.run(*args_d, return_lse=True)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    o_ref, lse_ref = ref.mla_paged_attention(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len,
+                                             sm_scale=sm_scale, causal=False)
+    err = _rel(o, o_ref)
+    d_lse = (lse.double().cpu() - lse_ref.double()).abs().max().item()
+    status, note = _verdict(err, 1e-2, None if d_lse < _LSE_TOL else f"LSE abs err {d_lse:.2e}")
+    yield Row("mla", "mla_decode_portable", "bf16 H16 page16 decode", status, err, first,
+              _call_us(lambda: w.run(*args_d)), note)
+
+
+def _guarded(op: str, kernel: str, rows):
+    """The rows of one generator; an exception becomes an ``error`` row (the remaining cases of it are lost)."""
+    try:
+        yield from rows
+    except Exception as e:  # noqa: BLE001 - the table reports every failure and goes on
+        yield Row(op, kernel, "-", "error", note=f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def gpu_matrix(only: str = ""):
+    """Yields the :class:`Row` of every case on the current GPU (``only``: rows whose op or kernel contain it)."""
+    from .compile import device_arch
+
+    arch = device_arch()
+    kernels = _prefill_kernels(arch)
+    groups = [("prefill", f"prefill_{k}", lambda k=k: _prefill_rows(arch, k)) for k in kernels if k != "sm100"]
+    groups += [("decode", "paged_decode", _decode_rows), ("gdn", "gdn_recurrent", _gdn_rows),
+               ("mla", "mla_decode_portable", _mla_rows)]
+    groups += [("prefill", "prefill_sm100", lambda: _prefill_rows(arch, "sm100")) for k in kernels if k == "sm100"]
+    for op, kernel, make in groups:
+        if only and only not in op and only not in kernel:
+            continue
+        yield from _guarded(op, kernel, make())
+
+
+def cross_compile_matrix(arch: str, only: str = ""):
+    """Yields a ``built`` / ``error`` :class:`Row` per prefill and decode configuration of the matrix, compiled
+    for ``arch`` on this machine (no GPU needed)."""
+    from . import dispatch
+
+    for kernel in _prefill_kernels(arch):
+        for label, dtype, d, group, causal, sinks in PREFILL_CASES:
+            name = f"prefill_{kernel}"
+            if only and only not in "prefill" and only not in name:
+                continue
+            p = dispatch.prefill_problem(dtype=dtype, head_dim_qk=d, head_dim_vo=d, group_size=group,
+                                         causal=causal, use_sinks=sinks, arch=arch)
+            yield _build("prefill", name, label, lambda p=p, k=kernel: dispatch.prefill_choice(p, kernel=k))
+    for label, dtype, d, group, ps, _ in DECODE_CASES:
+        if only and only not in "decode" and only not in "paged_decode":
+            continue
+        p = dispatch.decode_problem(dtype=dtype, head_dim=d, page_size=ps, group_size=group, arch=arch)
+        yield _build("decode", "paged_decode", label, lambda p=p: dispatch.decode_choice(p))
+
+
+def _build(op, kernel, label, choose) -> Row:
+    t0 = time.perf_counter()
+    try:
+        choice = choose()
+        if choice.name != kernel:
+            return Row(op, kernel, label, "skip", note=f"served by {choice.name}")
+        choice.fn  # noqa: B018 - compiles (or loads from the disk cache)
+    except Exception as e:  # noqa: BLE001
+        return Row(op, kernel, label, "error", note=f"{type(e).__name__}: {str(e)[:200]}")
+    return Row(op, kernel, label, "built", first_s=time.perf_counter() - t0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m cutedsl_attn selfcheck",
+        description="Run every kernel of this GPU against the float64 oracle on a short matrix and print a "
+                    "pass/fail table with timings.  Without a GPU: say so, cross-compile the prefill and decode "
+                    "kernels of the matrix for --arch and exit 0 when every build succeeds.")
+    ap.add_argument("--arch", default="sm_100a",
+                    help="without a GPU: the architecture to cross-compile for (default sm_100a); ignored with one")
+    ap.add_argument("--only", default="", help="only the rows whose op or kernel name contains this text")
+    return ap
+
+
+def main(argv=None) -> int:
+    """Entry point of ``python -m cutedsl_attn selfcheck``; returns the exit status (0: every case passed or
+    built; 1: a case failed or raised; 2: bad arguments)."""
+    args = build_parser().parse_args(argv)
+    from .compile import device_arch, normalize_arch
+
+    dev = device_arch()
+    rows = []
+    if dev is None:
+        try:
+            arch = normalize_arch(args.arch)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"no CUDA GPU here: no kernel can run; cross-compiling the matrix's prefill and decode kernels for "
+              f"{arch} instead (nothing is compared with the oracle)", flush=True)
+        source = cross_compile_matrix(arch, args.only)
+    else:
+        print(f"{torch.cuda.get_device_name()} ({dev}): every kernel of this GPU against the float64 oracle",
+              flush=True)
+        source = gpu_matrix(args.only)
+    for row in source:
+        rows.append(row)
+        print(f"  {row.op} {row.kernel} {row.case}: {row.status}", file=sys.stderr, flush=True)
+    print(format_table(rows))
+    bad = [r for r in rows if r.status in ("FAIL", "error")]
+    print(f"{len(rows) - len(bad)} of {len(rows)} rows ok" + (f"; {len(bad)} failed" if bad else ""))
+    return 1 if bad else 0
