@@ -40,6 +40,8 @@ from .api.prefill import (
 )
 from .api.quantization import packbits, segment_packbits
 from .api.trtllm import trtllm_batch_context_with_kv_cache, trtllm_batch_decode_with_kv_cache
+from . import attention  # noqa: E402  (flashinfer.attention.prims_ts's path)
+from .attention.prims_ts import BatchDecodePagedTSWrapper
 from .xqa import xqa  # noqa: E402  (the name then refers to the function, as flashinfer.xqa does)
 
 __all__ = [
@@ -73,4 +75,5 @@ __all__ = [
     "trtllm_batch_decode_with_kv_cache",
     "trtllm_batch_context_with_kv_cache",
     "xqa",
+    "BatchDecodePagedTSWrapper",
 ]

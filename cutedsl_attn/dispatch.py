@@ -395,7 +395,8 @@ def prefill_backend(backend: str) -> str:
 #: (perf/RESULTS.md, "Decode" and "cuDNN backend"; measured on SM90 at head_dim 128 only).
 #: ``unserved``: plan features cuDNN's decode graph does not serve or that were not measured on it.
 DECODE_AUTO_CUDNN = dict(min_batch=64, min_max_kv_len=4096, min_kv_bytes=1 << 30, head_dims=(128,),
-                         archs=("sm_90a",), unserved=("rope", "alibi", "soft_cap", "fp8_kv", "sinks", "window"))
+                         archs=("sm_90a",),
+                         unserved=("rope", "alibi", "soft_cap", "fp8_kv", "sinks", "window", "empty_request"))
 
 
 def decode_backend(backend: str, *, batch_size: int | None = None, max_kv_len: int = 0, kv_bytes: int = 0,
@@ -435,7 +436,14 @@ def decode_backend(backend: str, *, batch_size: int | None = None, max_kv_len: i
     r = DECODE_AUTO_CUDNN
     if (q_len_per_req != 1 or set(features) & set(r["unserved"]) or (cuda_graph and not caller_block_table)
             or head_dim not in r["head_dims"] or batch_size < r["min_batch"] or max_kv_len < r["min_max_kv_len"]
-            or kv_bytes < r["min_kv_bytes"] or (arch or target_arch()) not in r["archs"]):
+            or kv_bytes < r["min_kv_bytes"]):
+        return "cute"
+    if arch is None:
+        try:
+            arch = target_arch()
+        except (RuntimeError, NotImplementedError):  # no GPU and no CUTEDSL_ATTN_ARCH: nothing measured
+            return "cute"
+    if arch not in r["archs"]:
         return "cute"
     if cudnn_importable is None:
         from .cudnn.prefill import cudnn_available  # noqa: PLC0415 -- the optional frontend, tried only here

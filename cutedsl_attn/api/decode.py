@@ -35,6 +35,7 @@ from ._common import (
     return_lse_method,
     run_scale,
 )
+from . import _decode_cudnn
 from ._graph import FixedBuffers, pinned_if_capturing, staged_host_copies, to_device
 from ._pagetable import from_block_tables, from_csr
 from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper  # q_len_per_req > 1 plans through it
@@ -93,8 +94,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         cores (``mma.sync``) with the query heads of a group packed into MMA rows.
       paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer:
         int32 CUDA buffers (CUDA-graph mode): ``[B+1]``, ``[max_pages]``, ``[B]``.
-      backend: ``"auto"`` or ``"cute"`` (both the CuTe DSL kernel).  FlashInfer's
-        other backend names raise ``NotImplementedError``.
+      backend: ``"cute"`` (the CuTe DSL kernel), ``"cudnn"`` (cuDNN's paged decode graph, as
+        ``cudnn_batch_decode_with_kv_cache``: CSR or block tables, ``q_len_per_req >= 1``, windows, return_lse;
+        no RoPE, ALiBi, soft cap, fp8 KV or ``v_scale``; needs cudnn-frontend; with ``q_len_per_req > 1`` cuDNN
+        reads K/V slots past a request's length up to the next 128 keys, which must hold finite values) or
+        ``"auto"``: the CuTe DSL kernel, or cuDNN where ``dispatch.decode_backend`` measured it faster (one row
+        per request, large batch and long KV, no sinks / window / soft cap / RoPE / ALiBi / fp8; in CUDA-graph
+        mode only with ``block_tables``; a call with sinks or ``v_scale``, or a capture before the cuDNN graph
+        was built, runs the CuTe DSL kernel planned beside it).  ``fixed_split_size`` / ``disable_split_kv``
+        keep the CuTe DSL kernel for every name.  cuDNN graphs are cached by shape: compatible re-plans keep
+        them; build one with an eager ``run()`` before capturing.  FlashInfer's other backend names raise
+        ``NotImplementedError``.
       jit_args: not supported (``NotImplementedError``); extend kernels through
         their Python config instead.
 
@@ -117,6 +127,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
     ) -> None:
         check_kv_layout(kv_layout)
         dispatch.decode_backend(backend)
+        self._frozen_backend = None  # CUDA-graph mode: the backend of the first plan (a capture keeps it)
         if jit_args is not None:
             raise NotImplementedError("jit_args is not supported; kernels are extended through their Python config")
         check_tensor("float_workspace_buffer", float_workspace_buffer)
@@ -235,7 +246,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
           TypeError, ValueError: malformed arguments (each message names the argument).
           NotImplementedError: fp8/mixed dtypes, head_dim, group > 16, window_right != 0, soft cap
             together with ALIBI (q_len_per_req > 1 runs the prefill kernel, which serves
-            ROPE_LLAMA and ALIBI too).
+            ROPE_LLAMA and ALIBI too); with backend="cudnn" (unless fixed_split_size / disable_split_kv
+            keep the CuTe DSL kernel): RoPE, ALiBi, a soft cap, an fp8 cache, or no cudnn-frontend.
         """
         if args:
             if len(args) > len(_PLAN_POSITIONAL):
@@ -311,6 +323,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 f"mismatches the batch size set during initialization {self._fixed_batch_size}"
             )
 
+        backend = _decode_cudnn.resolve(self, kv_lens, num_kv_heads, head_dim, q_dt, kv_dt, pos_encoding_mode, cap,
+                                        window_left, q_len_per_req, fixed_split_size is not None or disable_split_kv,
+                                        use_table)
+        cudnn_kw = dict(use_table=use_table, flat=flat, page_offsets=page_offsets, kv_lens=kv_lens,
+                        page_size=page_size, q_len=q_len_per_req, window_left=window_left, non_blocking=non_blocking,
+                        sm_scale=float(sm_scale) if sm_scale is not None else 1.0 / math.sqrt(head_dim))
+        if backend == "cudnn" and self._backend == "cudnn":
+            if kv_lens.numel() and int(kv_lens.min()) < q_len_per_req:
+                raise ValueError(f"every kv_len must be >= q_len_per_req ({q_len_per_req})")
+            self._multirow = None
+            self._plan = dict(cudnn=_decode_cudnn.plan(self, explicit=True, **cudnn_kw), B=B, q_len=q_len_per_req,
+                              num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              page_size=page_size, dtype=q_dt, kv_dtype=kv_dt, window_left=window_left)
+            return
         if q_len_per_req > 1:
             if kv_dt != q_dt:
                 raise NotImplementedError(f"kv_data_type={kv_dt} with q_len_per_req > 1 is not supported (those rows "
@@ -372,6 +398,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             lse_scratch=self._lse_scratch,
             choice=choice, cfg=choice.cfg, kv_lens=wp.kv_lens, num_work=wp.num_work, split_tokens=wp.split_tokens,
         )
+        if backend == "cudnn":  # "auto" chose cuDNN; the CuTe DSL plan above serves what it hands back
+            self._plan["cudnn"] = _decode_cudnn.plan(self, explicit=False, **cudnn_kw)
 
     begin_forward = plan
 
@@ -492,6 +520,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
           q_len_per_req: deprecated at run() (as FlashInfer); if given it must equal the planned value.
           enable_pdl, skip_softmax_threshold_scale_factor, kv_cache_sf: not supported
             (``NotImplementedError`` unless None/False).
+          On cuDNN (``backend="cudnn"``): ``v_scale`` other than 1 raises ``NotImplementedError`` (its graph has
+          no output scale), as does a sink at one row per request where the loaded cuDNN declines it; a call whose
+          graph is not built yet cannot be captured (``RuntimeError``: run it once eagerly first).
 
         Returns:
           ``out`` ``[B, Hq, D]``, or ``(out, lse)`` when ``return_lse``.
@@ -515,6 +546,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise ValueError(f"q_len_per_req={q_len_per_req} does not match the planned value {p.get('q_len', 1)}")
         if window_left is not None and window_left != p["window_left"]:
             raise ValueError(f"window_left={window_left} at run() differs from plan() ({p['window_left']})")
+        if p.get("cudnn") is not None:
+            shape = (p["B"] * p.get("q_len", 1), p["num_qo_heads"], p["head_dim"])
+            check_tensor("q", q, shape=shape, dtype=p["dtype"], device=self.device)
+            r = _decode_cudnn.run(self, p["cudnn"], q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale,
+                                  v_scale=v_scale, out=out, lse=lse, return_lse=return_lse, sinks=sinks)
+            if r is not _decode_cudnn.DECLINED:
+                return r
         if p.get("multirow"):
             shape = (p["B"] * p["q_len"], p["num_qo_heads"], p["head_dim"])
             if not isinstance(q, torch.Tensor) or q.shape != shape:
@@ -612,112 +650,4 @@ class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWra
         )
 
 
-def single_decode_with_kv_cache(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_layout: str = "NHD",
-    pos_encoding_mode: str = "NONE",
-    use_tensor_cores: bool = False,
-    q_scale: float | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    window_left: int = -1,
-    logits_soft_cap: float | None = None,
-    sm_scale: float | None = None,
-    rope_scale: float | None = None,
-    rope_theta: float | None = None,
-    return_lse: bool = False,
-):
-    """Decode one query token against a contiguous KV (FlashInfer's ``single_decode_with_kv_cache``).
-
-    Args:
-      q: ``[num_qo_heads, head_dim]`` fp16/bf16.
-      k, v: ``[kv_len, num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len, head_dim]``
-        (HND), same dtype as q, last dim contiguous.
-      Other arguments as :meth:`BatchDecodeWithPagedKVCacheWrapper.plan` / ``run``.
-
-    Returns:
-      o ``[num_qo_heads, head_dim]`` in q's dtype, or ``(o, lse[num_qo_heads])`` (base-2 LSE).
-
-    The KV is served as a paged cache of page size 1 over the contiguous rows (no copy), by a wrapper made,
-    planned and dropped on every call (no device state outlives the call).  Under ``torch.compile`` the call
-    is the custom op ``cutedsl_attn::single_decode``.
-
-    Raises:
-      KeyError: ``kv_layout`` not NHD/HND (as FlashInfer).  TypeError / ValueError: a non-tensor or wrongly
-      shaped q / k / v, k and v shapes differing, q's head_dim not k's; the checks of
-      :meth:`BatchDecodeWithPagedKVCacheWrapper.plan` / ``run`` (head dims, head counts, scales, window).
-      NotImplementedError: q / k / v dtypes differing, or what the wrapper does not serve.
-    """
-    check_kv_layout(kv_layout)
-    if torch.compiler.is_compiling():  # plan() is host work: the whole call is one custom op in the graph
-        o, lse = _single_decode_op(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, _opt_float(q_scale),
-                                   _opt_float(k_scale), _opt_float(v_scale), window_left,
-                                   _opt_float(logits_soft_cap), _opt_float(sm_scale), _opt_float(rope_scale),
-                                   _opt_float(rope_theta))
-        return (o, lse) if return_lse else o
-    o, lse = _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
-                            window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
-    return (o, lse) if return_lse else o
-
-
-def _opt_float(x):
-    """A scale argument as the custom op's ``float?`` (None stays None; other types are checked eagerly)."""
-    return None if x is None else float(x)
-
-
-def _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
-                   logits_soft_cap, sm_scale, rope_scale, rope_theta):
-    """The eager body of :func:`single_decode_with_kv_cache`: ``(o [Hq, D], lse [Hq])``."""
-    check_tensor("q", q, ndim=2)
-    check_tensor("k", k, ndim=3)
-    check_tensor("v", v, ndim=3)
-    if kv_layout == "HND":
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    kv_len, hkv, d = k.shape
-    hq = q.shape[0]
-    if q.shape[1] != d:
-        raise ValueError(f"q head_dim {q.shape[1]} != k head_dim {d}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise NotImplementedError(f"q/k/v dtypes must match (got {q.dtype}, {k.dtype}, {v.dtype})")
-    dev = q.device
-    # a wrapper, workspace and page ids per call, dropped after it: no device tensor outlives the call (a
-    # CUDA-graph pool, e.g. of torch.compile's reduce-overhead mode, must hold only the outputs)
-    ws = torch.empty(_single_workspace_bytes(kv_len, hq, d), dtype=torch.uint8, device=dev)
-    wrapper = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-    indptr = torch.tensor([0, kv_len], dtype=torch.int32)
-    last = torch.tensor([1 if kv_len > 0 else 0], dtype=torch.int32)
-    with staged_host_copies():  # the same call may be captured next (CUDA graphs)
-        wrapper.plan(
-            indptr, torch.arange(max(kv_len, 1), dtype=torch.int32, device=dev), last, hq, hkv, d, 1,
-            pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-            q_data_type=q.dtype, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-        )
-    o, lse = wrapper.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), q_scale=q_scale, k_scale=k_scale,
-                         v_scale=v_scale, return_lse=True)
-    return o[0], lse[0]
-
-
-def _single_workspace_bytes(kv_len: int, hq: int, d: int) -> int:
-    """Split-KV partials for one request: at most one piece per 16 tokens (``CHUNK``), 128 pieces."""
-    pieces = min(128, max(1, -(-kv_len // 16)))
-    return pieces * hq * (d + 1) * 4 + 512
-
-
-@torch.library.custom_op("cutedsl_attn::single_decode", mutates_args=())
-def _single_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str, pos_encoding_mode: str,
-                      use_tensor_cores: bool, q_scale: float | None, k_scale: float | None, v_scale: float | None,
-                      window_left: int, logits_soft_cap: float | None, sm_scale: float | None,
-                      rope_scale: float | None, rope_theta: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    o, lse = _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
-                            window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
-    return o, lse
-
-
-@_single_decode_op.register_fake
-def _(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
-      logits_soft_cap, sm_scale, rope_scale, rope_theta):
-    return torch.empty_like(q), q.new_empty((q.shape[0],), dtype=torch.float32)
+from .single_decode import single_decode_with_kv_cache  # noqa: E402,F401  (FlashInfer's module)

@@ -1,0 +1,124 @@
+"""FlashInfer's ``single_decode_with_kv_cache``: one query token against a contiguous KV, served by the paged decode
+wrapper over a page-size-1 view (a wrapper made, planned and dropped per call; the custom op
+``cutedsl_attn::single_decode`` under ``torch.compile``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._common import check_kv_layout, check_tensor
+from ._graph import staged_host_copies
+from .decode import BatchDecodeWithPagedKVCacheWrapper
+
+__all__ = ["single_decode_with_kv_cache"]
+
+
+def single_decode_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_tensor_cores: bool = False,
+    q_scale: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    sm_scale: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    return_lse: bool = False,
+):
+    """Decode one query token against a contiguous KV (FlashInfer's ``single_decode_with_kv_cache``).
+
+    Args:
+      q: ``[num_qo_heads, head_dim]`` fp16/bf16.
+      k, v: ``[kv_len, num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, kv_len, head_dim]``
+        (HND), same dtype as q, last dim contiguous.
+      Other arguments as :meth:`BatchDecodeWithPagedKVCacheWrapper.plan` / ``run``.
+
+    Returns:
+      o ``[num_qo_heads, head_dim]`` in q's dtype, or ``(o, lse[num_qo_heads])`` (base-2 LSE).
+
+    The KV is served as a paged cache of page size 1 over the contiguous rows (no copy), by a wrapper made,
+    planned and dropped on every call (no device state outlives the call).  Under ``torch.compile`` the call
+    is the custom op ``cutedsl_attn::single_decode``.
+
+    Raises:
+      KeyError: ``kv_layout`` not NHD/HND (as FlashInfer).  TypeError / ValueError: a non-tensor or wrongly
+      shaped q / k / v, k and v shapes differing, q's head_dim not k's; the checks of
+      :meth:`BatchDecodeWithPagedKVCacheWrapper.plan` / ``run`` (head dims, head counts, scales, window).
+      NotImplementedError: q / k / v dtypes differing, or what the wrapper does not serve.
+    """
+    check_kv_layout(kv_layout)
+    if torch.compiler.is_compiling():  # plan() is host work: the whole call is one custom op in the graph
+        o, lse = _single_decode_op(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, _opt_float(q_scale),
+                                   _opt_float(k_scale), _opt_float(v_scale), window_left,
+                                   _opt_float(logits_soft_cap), _opt_float(sm_scale), _opt_float(rope_scale),
+                                   _opt_float(rope_theta))
+        return (o, lse) if return_lse else o
+    o, lse = _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
+                            window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+    return (o, lse) if return_lse else o
+
+
+def _opt_float(x):
+    """A scale argument as the custom op's ``float?`` (None stays None; other types are checked eagerly)."""
+    return None if x is None else float(x)
+
+
+def _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
+                   logits_soft_cap, sm_scale, rope_scale, rope_theta):
+    """The eager body of :func:`single_decode_with_kv_cache`: ``(o [Hq, D], lse [Hq])``."""
+    check_tensor("q", q, ndim=2)
+    check_tensor("k", k, ndim=3)
+    check_tensor("v", v, ndim=3)
+    if kv_layout == "HND":
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    kv_len, hkv, d = k.shape
+    hq = q.shape[0]
+    if q.shape[1] != d:
+        raise ValueError(f"q head_dim {q.shape[1]} != k head_dim {d}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise NotImplementedError(f"q/k/v dtypes must match (got {q.dtype}, {k.dtype}, {v.dtype})")
+    dev = q.device
+    # a wrapper, workspace and page ids per call, dropped after it: no device tensor outlives the call (a
+    # CUDA-graph pool, e.g. of torch.compile's reduce-overhead mode, must hold only the outputs)
+    ws = torch.empty(_single_workspace_bytes(kv_len, hq, d), dtype=torch.uint8, device=dev)
+    wrapper = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    indptr = torch.tensor([0, kv_len], dtype=torch.int32)
+    last = torch.tensor([1 if kv_len > 0 else 0], dtype=torch.int32)
+    with staged_host_copies():  # the same call may be captured next (CUDA graphs)
+        wrapper.plan(
+            indptr, torch.arange(max(kv_len, 1), dtype=torch.int32, device=dev), last, hq, hkv, d, 1,
+            pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
+            q_data_type=q.dtype, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+        )
+    o, lse = wrapper.run(q.unsqueeze(0), (k.unsqueeze(1), v.unsqueeze(1)), q_scale=q_scale, k_scale=k_scale,
+                         v_scale=v_scale, return_lse=True)
+    return o[0], lse[0]
+
+
+def _single_workspace_bytes(kv_len: int, hq: int, d: int) -> int:
+    """Split-KV partials for one request: at most one piece per 16 tokens (``CHUNK``), 128 pieces."""
+    pieces = min(128, max(1, -(-kv_len // 16)))
+    return pieces * hq * (d + 1) * 4 + 512
+
+
+@torch.library.custom_op("cutedsl_attn::single_decode", mutates_args=())
+def _single_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str, pos_encoding_mode: str,
+                      use_tensor_cores: bool, q_scale: float | None, k_scale: float | None, v_scale: float | None,
+                      window_left: int, logits_soft_cap: float | None, sm_scale: float | None,
+                      rope_scale: float | None, rope_theta: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale,
+                            window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta)
+    return o, lse
+
+
+@_single_decode_op.register_fake
+def _(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_scale, k_scale, v_scale, window_left,
+      logits_soft_cap, sm_scale, rope_scale, rope_theta):
+    return torch.empty_like(q), q.new_empty((q.shape[0],), dtype=torch.float32)
