@@ -1,4 +1,4 @@
-"""GPU timing used by the benchmarks and the demo (the method of ../shared/reference/h200_anchors.md).
+"""GPU timing used by the benchmarks and the demo (L2 flushed, host launch excluded, median of the calls).
 
 Before every timed call the L2 is flushed (a 512 MiB memset) and the GPU sleeps so
 that the host has queued the call before it starts: CUDA events around the call then

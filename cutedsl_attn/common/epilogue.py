@@ -82,7 +82,7 @@ def staged_offset(r, c):
     rows (:func:`stage_rows`): one 2 KiB box of 16 rows x 64 columns per 64 columns, 128-byte rows,
     chunks XOR-swizzled by ``r % 8`` -- the K-major 128-byte-swizzled layout that a TMA box of 16 x 64 reads
     (staging base 1 KiB aligned), conflict-free for ``stmatrix`` and 16-byte loads (plain ints or DSL
-    integers; ``tests/test_epilogue_cpu.py`` replays it)."""
+    integers, so the layout can be replayed on the host)."""
     return (c // 8) * 2048 + r * 128 + (((c % 8) ^ (r % 8)) * 16)
 
 

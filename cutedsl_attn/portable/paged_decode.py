@@ -211,7 +211,7 @@ class Config:
 
 def default_tiles(problem: DecodeProblem, *, num_sms: int, split: bool = False) -> Tiles:
     """The default tiles for ``problem``; ``split``: the plan splits requests (split-KV).  ``num_sms`` is unused
-    (the planner fills the GPU by splitting).  Measured on the H200 (perf/RESULTS.md, "Decode"):
+    (the planner fills the GPU by splitting).  Measured on the H200:
 
     ==============================  ==========================================================================
     head_dim 256                    2 stages: 3 would need about 212 KB of shared memory per CTA

@@ -184,7 +184,7 @@ class Config:
 
 def default_tiles(problem: PrefillProblem, *, num_sms: int) -> Tiles:
     """The default tiles for ``problem`` (``num_sms``: unused, the grid is one CTA per tile).  Measured on the
-    H200 (perf/RESULTS.md, "Prefill: portable kernel"):
+    H200:
 
     ==============  ==========================================================================
     every problem   4 warps x 64 keys, 2 stages: the measured tiles; 8 warps and 32 keys build, unmeasured

@@ -176,9 +176,8 @@ def attention(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference softmax attention for ONE request (FlashInfer FA2 semantics).
 
-    Source of the conventions: FlashInfer 0.7.2 ``variants.cuh`` / ``prefill.cuh`` /
-    ``decode.cuh`` and the sink reference ``tests/test_helpers/sink_attention_reference.py``
-    (FlashInfer's conventions).  Let ``i`` index query rows
+    Source of the conventions: FlashInfer 0.7.2's attention variants, prefill and decode kernels and its
+    sink-attention reference.  Let ``i`` index query rows
     (``0..qo_len-1``), ``j`` keys (``0..kv_len-1``) and ``i_abs = i + kv_len - qo_len``.
 
     1. ROPE_LLAMA: q row ``i`` is rotated at position ``i_abs``, key ``j`` at ``j``

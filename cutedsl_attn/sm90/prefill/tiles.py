@@ -1,7 +1,6 @@
-"""The measured default tiles of the SM90 prefill kernel: a decision table, one line of reason per row.
+"""The measured default tiles of the SM90 prefill kernel: a decision table, one line of reason per row."""
 
-The measurements behind each row are in perf/RESULTS.md, topic "Prefill: SM90 kernel".
-"""
+# the measurements behind each row: perf/RESULTS.md, topic "Prefill: SM90 kernel"
 
 from __future__ import annotations
 
