@@ -48,6 +48,7 @@ __all__ = [
     "decode_choice",
     "decode_problem",
     "decode_schedule",
+    "gdn_arch",
     "gdn_choice",
     "gdn_launch",
     "mla_choice",
@@ -390,10 +391,10 @@ def prefill_backend(backend: str) -> str:
     return "cute"
 
 
-#: Where ``backend="auto"`` of the decode wrapper takes cuDNN's one-row decode graph: only where its kernel measured
-#: faster than ours and the batch is long enough for that to outweigh its host path, about 8x ours per call
-#: (perf/RESULTS.md, "Decode" and "cuDNN backend"; measured on SM90 at head_dim 128 only).
-#: ``unserved``: plan features cuDNN's decode graph does not serve or that were not measured on it.
+# Where backend="auto" of the decode wrapper takes cuDNN's one-row decode graph: only where its kernel measured
+# faster than ours and the batch is long enough for that to outweigh its host path, about 8x ours per call
+# (perf/RESULTS.md, "Decode" and "cuDNN backend"; measured on SM90 at head_dim 128 only).
+# unserved: plan features cuDNN's decode graph does not serve or that were not measured on it.
 DECODE_AUTO_CUDNN = dict(min_batch=64, min_max_kv_len=4096, min_kv_bytes=1 << 30, head_dims=(128,),
                          archs=("sm_90a",),
                          unserved=("rope", "alibi", "soft_cap", "fp8_kv", "sinks", "window", "empty_request"))
@@ -698,6 +699,11 @@ def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None =
         _gdn_recurrent_op(*args, _gdn_problem_key(problem))
         return
     _gdn_launch_direct(*gdn_choice(problem, device_index=device_index), args)
+
+
+def gdn_arch(device=None) -> str:
+    """The compile target of a GDN-family problem on ``device`` (``CUTEDSL_ATTN_ARCH`` or the device's)."""
+    return target_arch(device)
 
 
 # ----------------------------------------------------------------------------- MLA

@@ -342,7 +342,10 @@ def test_state_aliasing_errors():
 
 
 @pytest.mark.parametrize("over,exc,pattern", [
-    (dict(backend="cute-dsl"), ValueError, "backend"),
+    (dict(backend="cute-dsl"), NotImplementedError, r"backend='cute-dsl' is not served.*served: 'auto', 'cute'"),
+    (dict(backend="cake"), NotImplementedError, r"backend='cake' is not served.*'cudnn'"),
+    (dict(backend="small-bh"), NotImplementedError, "backend='small-bh'"),
+    (dict(backend="triton"), ValueError, "backend must be 'auto', 'cute' or 'cudnn'"),
     (dict(num_spec_tokens=2), NotImplementedError, "num_spec_tokens"),
     (dict(state_checkpoints=torch.zeros(1)), NotImplementedError, "state_checkpoints"),
     (dict(checkpoint_every_n_tokens=64), NotImplementedError, "checkpoint_every_n_tokens"),
@@ -350,7 +353,10 @@ def test_state_aliasing_errors():
     (dict(use_gate_in_kernel=True, A_log=torch.zeros(4)), ValueError, "A_log and dt_bias"),
     (dict(lower_bound=1.0), ValueError, "lower_bound"),
     (dict(disable_state_update=True, output_final_state=True), ValueError, "disable_state_update"),
-    (dict(initial_state_source=torch.zeros(3, 4, 64, 64)), ValueError, "together"),
+    (dict(initial_state_source=torch.zeros(3, 4, 64, 64)), ValueError,
+     "initial_state_source needs initial_state_indices"),
+    (dict(initial_state_indices=torch.tensor([0, 1, 2])), ValueError,
+     "initial_state_indices needs initial_state_source"),
     (dict(v=torch.randn(3, 1, 3, 64).bfloat16()), ValueError, "multiple of H"),
     (dict(g=torch.rand(3, 1, 4, 64).bfloat16()), ValueError, "natural-log decay"),
     (dict(beta=torch.rand(3, 1, 2).bfloat16()), ValueError, r"beta must be \[3, 4\]"),
@@ -392,6 +398,103 @@ def test_kda_source_pool_overlap_and_cudnn_checks():
     with pytest.raises(NotImplementedError, match="use_cp=True"):
         gapi.chunk_gated_delta_rule(**{k: v for k, v in gdn2_in().items() if k not in ("g", "beta", "w")},
                                     backend="cudnn", use_cp=True)
+
+
+@pytest.mark.parametrize("fn,flag", [
+    ("gdn2", "output_final_state"), ("gdn2", "use_qk_l2norm_in_kernel"),
+    ("gdp", "output_final_state"), ("gdp", "use_qk_l2norm_in_kernel"),
+    ("kda", "output_final_state"), ("kda", "use_qk_l2norm_in_kernel"), ("kda", "use_gate_in_kernel"),
+    ("kda", "beta_is_logit"), ("kda", "disable_state_update"),
+])
+@pytest.mark.parametrize("backend", ["auto", "cudnn"])
+def test_family_non_bool_flags_are_refused(fn, flag, backend):
+    f, kw = {"gdn2": (api.chunk_gated_delta_rule2, gdn2_in()), "gdp": (api.chunk_gated_delta_product, gdp_in()),
+             "kda": (api.recurrent_kda, kda_in())}[fn]
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        f(**kw, **{flag: "no"}, backend=backend)
+
+
+@pytest.mark.parametrize("name,flags", [
+    ("cudnn_chunk_gated_delta_rule", ("output_final_state", "use_qk_l2norm_in_kernel", "batch_invariant")),
+    ("cudnn_chunk_gated_delta_rule2", ("output_final_state", "use_qk_l2norm_in_kernel", "batch_invariant")),
+    ("cudnn_chunk_gated_delta_product", ("output_final_state", "use_qk_l2norm_in_kernel", "batch_invariant")),
+    ("cudnn_recurrent_kda", ("output_final_state", "use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                             "beta_is_logit", "batch_invariant")),
+])
+def test_cudnn_non_bool_flags_are_refused(name, flags):
+    from cutedsl_attn.api import cudnn_linear as cl
+    kw = {"cudnn_chunk_gated_delta_rule": {k: v for k, v in gdn2_in().items() if k not in ("g", "beta", "w")},
+          "cudnn_chunk_gated_delta_rule2": gdn2_in(), "cudnn_chunk_gated_delta_product": gdp_in(),
+          "cudnn_recurrent_kda": {**kda_in(B=1, T=4), "cu_seqlens": torch.tensor([0, 4])}}[name]
+    for flag in flags:
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            getattr(cl, name)(**kw, **{flag: 1})
+
+
+def test_family_outputs_overlapping_inputs_are_refused():
+    from cutedsl_attn.api import cudnn_linear as cl
+    kw = gdn2_in()  # output [8, 4, 64] has v's shape
+    st = torch.zeros(2, 4, 64, 64)
+    w_in_st = st.view(-1)[:8 * 4 * 64].view(8, 4, 64)
+    for backend in ("cute", "cudnn"):
+        with pytest.raises(ValueError, match="chunk_gated_delta_rule2: output must not overlap v"):
+            api.chunk_gated_delta_rule2(**kw, output=kw["v"], backend=backend)
+        with pytest.raises(ValueError, match="output_state must not overlap w"):
+            api.chunk_gated_delta_rule2(**{**kw, "w": w_in_st}, output_state=st, backend=backend)
+    with pytest.raises(ValueError, match="cudnn_chunk_gated_delta_rule2: output must not overlap v"):
+        cl.cudnn_chunk_gated_delta_rule2(**kw, output=kw["v"])
+    with pytest.raises(ValueError, match="cudnn_chunk_gated_delta_rule: output must not overlap initial_state"):
+        cl.cudnn_chunk_gated_delta_rule(**{k: v for k, v in kw.items() if k not in ("g", "beta", "w")},
+                                        initial_state=st, output=st.view(-1).view(torch.bfloat16)[:2048].view(
+                                            8, 4, 64))
+    kp = gdp_in()  # output [6, 4, 64]; v [12, 4, 64]
+    with pytest.raises(ValueError, match="chunk_gated_delta_product: output must not overlap v"):
+        api.chunk_gated_delta_product(**kp, output=kp["v"][6:])
+    with pytest.raises(ValueError, match="cudnn_chunk_gated_delta_product: output must not overlap k"):
+        cl.cudnn_chunk_gated_delta_product(**{**kp, "k": kp["v"][:, :2]}, output=kp["v"][:6])
+    with pytest.raises(ValueError, match=CUDA_ONLY):  # a separate buffer is fine
+        api.chunk_gated_delta_product(**kp, output=torch.empty(6, 4, 64, dtype=torch.bfloat16))
+
+
+def test_kda_outputs_overlapping_inputs_are_refused():
+    from cutedsl_attn.api import cudnn_linear as cl
+    kq = kda_in()
+    st = torch.zeros(3, 4, 64, 64)
+    g_in_st = st.view(-1).view(torch.bfloat16)[:3 * 4 * 64].view(3, 1, 4, 64)
+    for backend in ("cute", "cudnn"):
+        with pytest.raises(ValueError, match="recurrent_kda: output must not overlap v"):
+            api.recurrent_kda(**kq, output=kq["v"], backend=backend)
+    with pytest.raises(ValueError, match="initial_state must not overlap g"):  # the state is written in place
+        api.recurrent_kda(**{**kq, "g": g_in_st}, initial_state=st)
+    with pytest.raises(ValueError, match=CUDA_ONLY):  # disable_state_update: the state is only read
+        api.recurrent_kda(**{**kq, "g": g_in_st}, initial_state=st, disable_state_update=True)
+    with pytest.raises(ValueError, match="output must not overlap initial_state"):
+        api.recurrent_kda(**kq, initial_state=st, output=st.view(-1).view(torch.bfloat16)[:3 * 4 * 64].view(
+            3, 1, 4, 64))
+    kc = {**kda_in(B=1, T=4), "cu_seqlens": torch.tensor([0, 4])}
+    with pytest.raises(ValueError, match="cudnn_recurrent_kda: output must not overlap v"):
+        cl.cudnn_recurrent_kda(**kc, output=kc["v"])
+    st1 = torch.zeros(1, 4, 64, 64)
+    with pytest.raises(ValueError, match="cudnn_recurrent_kda: initial_state must not overlap q"):
+        cl.cudnn_recurrent_kda(**{**kc, "q": st1.view(-1).view(torch.bfloat16)[:4 * 2 * 64].view(1, 4, 2, 64)},
+                               initial_state=st1)
+
+
+def test_kda_gate_parameters_without_the_in_kernel_gate_are_unused():
+    """FlashInfer's A_log / dt_bias / lower_bound parametrise only the in-kernel gate: without it they are
+    documented as unused (still type-checked), and the call proceeds."""
+    assert "are not used" in api.recurrent_kda.__doc__
+    with pytest.raises(ValueError, match=CUDA_ONLY):
+        api.recurrent_kda(**kda_in(), A_log=torch.zeros(4), dt_bias=torch.zeros(4 * 64), lower_bound=-5.0)
+    with pytest.raises(ValueError, match="lower_bound"):
+        api.recurrent_kda(**kda_in(), lower_bound=2.0)
+
+
+@pytest.mark.parametrize("fn", ["gdn2", "gdp"])
+def test_family_unknown_backend_is_a_value_error(fn):
+    f, kw = (api.chunk_gated_delta_rule2, gdn2_in()) if fn == "gdn2" else (api.chunk_gated_delta_product, gdp_in())
+    with pytest.raises(ValueError, match="backend must be 'auto', 'cute' or 'cudnn'"):
+        f(**kw, backend="flashinfer")  # FlashInfer serves these only through cuDNN: no other name exists
 
 
 # ---------------------------------------------------------------------------- cuDNN signatures (the seeds)
@@ -486,7 +589,7 @@ def emulate_launch(problem, args, device_index=None):
 def emulated(monkeypatch):
     monkeypatch.setattr(api, "gdn_launch", emulate_launch)
     monkeypatch.setattr(gapi, "_require_cuda", lambda device: None)
-    monkeypatch.setattr(gapi, "target_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(gapi, "gdn_arch", lambda device=None: "sm_90a")
 
 
 def test_api_plumbing_gdn2(emulated):

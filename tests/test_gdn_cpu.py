@@ -336,6 +336,98 @@ def test_decode_validation():
                                                  A_log, a, dt_bias, b)
 
 
+@pytest.mark.parametrize("flag", ["output_final_state", "use_qk_l2norm_in_kernel"])
+@pytest.mark.parametrize("value", ["no", 1, None])
+@pytest.mark.parametrize("backend", ["auto", "cudnn"])
+def test_non_bool_flags_are_refused(flag, value, backend):
+    with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+        call(**{flag: value}, backend=backend)
+
+
+def test_decode_non_bool_flag_is_refused():
+    B, H, K = 2, 2, 64
+    q, k, v = (torch.randn(B, 1, H, K).bfloat16() for _ in range(3))
+    A_log, dt_bias, a, b = torch.zeros(H), torch.zeros(H), torch.randn(B, 1, H), torch.randn(B, 1, H)
+    for fn in (api.gated_delta_rule_decode_pretranspose, api.gated_delta_rule_decode):
+        with pytest.raises(TypeError, match="use_qk_l2norm must be a bool"):
+            fn(q, k, v, torch.zeros(B, H, K, K), A_log, a, dt_bias, b, use_qk_l2norm="no")
+
+
+def test_outputs_overlapping_inputs_are_refused():
+    kw = inputs(hv=2)  # HO = Hq, V = K: output has q's shape
+    for name in ("q", "k", "v"):
+        with pytest.raises(ValueError, match=f"output must not overlap {name}"):
+            api.chunk_gated_delta_rule(**kw, output=kw[name])
+    buf = torch.zeros(8 * 2 * 64 + 8 * 2 * 64, dtype=torch.bfloat16)
+    q_in_buf = buf[:8 * 2 * 64].view(8, 2, 64)
+    with pytest.raises(ValueError, match="output must not overlap q"):  # a view into q's storage, offset
+        api.chunk_gated_delta_rule(**{**kw, "q": q_in_buf}, output=buf[64:64 + 8 * 2 * 64].view(8, 2, 64))
+    with pytest.raises(ValueError, match=CUDA_ONLY):  # disjoint halves of one buffer are fine
+        api.chunk_gated_delta_rule(**{**kw, "q": q_in_buf}, output=buf[8 * 2 * 64:].view(8, 2, 64))
+    st = torch.zeros(2, 2, 64, 64)
+    with pytest.raises(ValueError, match="output_state must not overlap k"):  # k viewed from the state's bytes
+        api.chunk_gated_delta_rule(**{**kw, "k": st.view(-1).view(torch.bfloat16)[:8 * 2 * 64].view(8, 2, 64)},
+                                   output_state=st)
+    with pytest.raises(ValueError, match="output_state must not overlap g"):
+        api.chunk_gated_delta_rule(**{**kw, "g": st.view(-1)[:16].view(8, 2).fill_(0.5)}, output_state=st)
+    with pytest.raises(ValueError, match="output must not overlap initial_state"):
+        api.chunk_gated_delta_rule(**kw, initial_state=st, output=st.view(-1).view(torch.bfloat16)[:1024].view(
+            8, 2, 64))
+    with pytest.raises(ValueError, match="output must not overlap q"):  # the cuDNN route checks it too
+        api.chunk_gated_delta_rule(**kw, output=kw["q"], backend="cudnn")
+
+
+def test_decode_outputs_overlapping_inputs_are_refused():
+    B, H, K = 2, 2, 64
+    q, k, v = (torch.randn(B, 1, H, K).bfloat16() for _ in range(3))
+    A_log, dt_bias, a, b = torch.zeros(H), torch.zeros(H), torch.randn(B, 1, H), torch.randn(B, 1, H)
+    st = torch.zeros(B, H, K, K)
+    for fn in (api.gated_delta_rule_decode_pretranspose, api.gated_delta_rule_decode):
+        with pytest.raises(ValueError, match="output must not overlap q"):
+            fn(q, k, v, st, A_log, a, dt_bias, b, output=q)
+        with pytest.raises(ValueError, match="state must not overlap v"):
+            fn(q, k, st.view(-1).view(torch.bfloat16)[:B * H * K].view(B, 1, H, K), st, A_log, a, dt_bias, b)
+    pool = torch.zeros(4, H, K, K)
+    with pytest.raises(ValueError, match="output must not overlap initial_state"):
+        api.gated_delta_rule_decode_pretranspose(q, k, v, None, A_log, a, dt_bias, b, initial_state=pool,
+                                                 initial_state_indices=torch.tensor([0, 1]),
+                                                 output=pool.view(-1).view(torch.bfloat16)[:B * H * K].view(
+                                                     B, 1, H, K))
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "cake_gdn"])
+def test_flashinfer_only_backends_are_not_served(backend):
+    with pytest.raises(NotImplementedError, match=f"backend='{backend}' is not served.*'auto', 'cute'.*'cudnn'"):
+        call(backend=backend)
+
+
+def test_signature_is_flashinfers_with_keyword_only_gate_domain():
+    import inspect
+    params = inspect.signature(api.chunk_gated_delta_rule).parameters
+    assert list(params)[:20] == [
+        "q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state", "cu_seqlens",
+        "use_qk_l2norm_in_kernel", "output", "output_state", "state_checkpoints", "checkpoint_cu_starts",
+        "checkpoint_every_n_tokens", "use_cp", "state_indices", "_cp_chunk_len", "backend", "max_seqlen"]
+    assert params["gate_domain"].kind is inspect.Parameter.KEYWORD_ONLY
+    kw = inputs()
+    args = [kw[n] for n in ("q", "k", "v", "g", "beta")] + [None, None, False, kw["cu_seqlens"]] + [None] * 11
+    with pytest.raises(TypeError):  # a 21st positional (gate_domain) is refused
+        api.chunk_gated_delta_rule(*args, "log")
+
+
+def test_use_cp_accepts_only_auto_true_false():
+    for bad in (0, "", None):
+        with pytest.raises(ValueError, match="use_cp"):
+            call(use_cp=bad)
+
+
+def test_api_layer_does_not_import_compile():
+    import pathlib
+    for mod in ("gdn.py", "delta_family.py", "cudnn_linear.py"):
+        text = (pathlib.Path(api.__file__).parent / mod).read_text()
+        assert not re.search(r"from \.\.compile\b|import cutedsl_attn\.compile", text), mod
+
+
 def test_decode_gates_formula():
     A_log = torch.tensor([0.3, -0.2])
     dt_bias = torch.tensor([0.1, 0.5])
@@ -452,7 +544,7 @@ def emulate_launch(problem, args, device_index=None):
 def emulated(monkeypatch):
     monkeypatch.setattr(api, "gdn_launch", emulate_launch)
     monkeypatch.setattr(api, "_require_cuda", lambda device: None)
-    monkeypatch.setattr(api, "target_arch", lambda device=None: "sm_90a")
+    monkeypatch.setattr(api, "gdn_arch", lambda device=None: "sm_90a")
 
 
 def bf(lens, hq, hk, hv, K=64, V=64, seed=0, pool=0):

@@ -21,7 +21,7 @@ import warnings
 import torch
 
 from ..cudnn import linear_attention as la
-from .gdn import _on, _overlap, _require_cuda, _tensor
+from .gdn import _check_bool, _no_alias, _on, _overlaps, _require_cuda, _tensor
 
 __all__ = ["cudnn_chunk_gated_delta_product", "cudnn_chunk_gated_delta_rule", "cudnn_chunk_gated_delta_rule2",
            "cudnn_recurrent_kda"]
@@ -82,9 +82,20 @@ def _states(op, initial_state, output_state, n_seq, ho, V, K, device):
         if t.dtype not in _STATE:
             raise ValueError(f"{op}: {name} must be float32 or bfloat16, got {t.dtype}")
         _on(name, t, device)
-    if initial_state is not None and output_state is not None and _overlap(initial_state, output_state):
+    if initial_state is not None and output_state is not None and _overlaps(initial_state, output_state):
         raise ValueError(f"{op}: output_state must not alias initial_state (cuDNN splits a sequence across CTAs: "
                          "the CTA reading the incoming state would race the one writing the outgoing state)")
+
+
+def _flags(op, output_final_state, use_qk_l2norm_in_kernel, batch_invariant):
+    _check_bool(op, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                batch_invariant=batch_invariant)
+
+
+def _writes(op, output, output_state, initial_state, reads, state_name="output_state"):
+    """ValueError naming both when ``output`` / the state written overlaps an input the graph reads."""
+    _no_alias(op, [("output", output), (state_name, output_state)], reads)
+    _no_alias(op, [("output", output)], [("initial_state", initial_state), (state_name, output_state)])
 
 
 def _output(op, output, shape, dtype, device):
@@ -154,15 +165,18 @@ def cudnn_chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial
         ``output``, or ``(output, final_state)`` with ``output_final_state``.
 
     Raises:
-        TypeError / ValueError: a bad argument (before the frontend is touched).
+        TypeError / ValueError: a bad argument (before the frontend is touched): a flag that is not a bool
+            (TypeError), ``output`` / ``output_state`` overlapping q, k, v, g, beta or (``output``) the states.
         ImportError / RuntimeError: cudnn-frontend missing or older than 1.29.
         NotImplementedError: cuDNN's engines decline the graph (SM90: always; the message says what serves it).
     """
     op = "cudnn_chunk_gated_delta_rule"
+    _flags(op, output_final_state, use_qk_l2norm_in_kernel, batch_invariant)
     dev, T, ho, K, V, n_seq = _prefill(op, q, k, v, cu_seqlens)
     g = _gate(op, "g", g, (T, ho), _GATE, dev)
     beta = _gate(op, "beta", beta, (T, ho), (torch.float32, q.dtype), dev)
     _states(op, initial_state, output_state, n_seq, ho, V, K, dev)
+    _writes(op, output, output_state, initial_state, [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)])
     output = _output(op, output, (T, ho, V), q.dtype, dev)
     _require_cuda(dev)
     g = torch.ones(T, ho, dtype=q.dtype, device=dev) if g is None else g
@@ -185,11 +199,14 @@ def cudnn_chunk_gated_delta_rule2(q, k, v, g=None, beta=None, w=None, scale=None
     Returns / Raises: as :func:`cudnn_chunk_gated_delta_rule`.
     """
     op = "cudnn_chunk_gated_delta_rule2"
+    _flags(op, output_final_state, use_qk_l2norm_in_kernel, batch_invariant)
     dev, T, ho, K, V, n_seq = _prefill(op, q, k, v, cu_seqlens)
     g = _gate(op, "g", g, (T, ho, K), _GATE, dev)
     beta = _gate(op, "beta", beta, (T, ho, K), _GATE, dev)
     w = _gate(op, "w", w, (T, ho, V), _GATE, dev)
     _states(op, initial_state, output_state, n_seq, ho, V, K, dev)
+    _writes(op, output, output_state, initial_state,
+            [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("w", w)])
     output = _output(op, output, (T, ho, V), q.dtype, dev)
     _require_cuda(dev)
     g = torch.zeros(T, ho, K, dtype=q.dtype, device=dev) if g is None else g
@@ -213,6 +230,7 @@ def cudnn_chunk_gated_delta_product(q, k, v, g=None, beta=None, num_householder=
     Returns / Raises: as :func:`cudnn_chunk_gated_delta_rule`.
     """
     op = "cudnn_chunk_gated_delta_product"
+    _flags(op, output_final_state, use_qk_l2norm_in_kernel, batch_invariant)
     if isinstance(num_householder, bool) or not isinstance(num_householder, int) or num_householder < 1:
         raise ValueError(f"{op}: num_householder must be an int >= 1, got {num_householder!r}")
     n_h = num_householder
@@ -220,6 +238,7 @@ def cudnn_chunk_gated_delta_product(q, k, v, g=None, beta=None, num_householder=
     g = _gate(op, "g", g, (T, ho), _GATE, dev)
     beta = _gate(op, "beta", beta, (T * n_h, ho), (torch.float32, q.dtype), dev)
     _states(op, initial_state, output_state, n_seq, ho, V, K, dev)
+    _writes(op, output, output_state, initial_state, [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)])
     output = _output(op, output, (T, ho, V), q.dtype, dev)
     _require_cuda(dev)
     g = torch.ones(T, ho, dtype=q.dtype, device=dev) if g is None else g
@@ -258,13 +277,16 @@ def cudnn_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
         ``(output, final_state or None)``, output in v's shape.
 
     Raises:
-        TypeError / ValueError: bad arguments (``use_gate_in_kernel`` without both ``A_log`` and ``dt_bias``,
+        TypeError / ValueError: bad arguments (a flag that is not a bool, an output or the state written
+            overlapping an input, ``use_gate_in_kernel`` without both ``A_log`` and ``dt_bias``,
             a bound >= 0, shapes, dtypes, aliasing states, missing ``cu_seqlens``).
         NotImplementedError: ``HV < H`` (cuDNN carries the state at ``max(H, HV)``, FlashInfer at HV), or cuDNN
             declines the graph.
         ImportError / RuntimeError: cudnn-frontend missing or older than 1.29.
     """
     op = "cudnn_recurrent_kda"
+    _check_bool(op, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit, batch_invariant=batch_invariant)
     _tensor("q", q)
     if q.dtype not in _IO:
         raise ValueError(f"{op}: q must be bfloat16 or float16, got {q.dtype}")
@@ -308,6 +330,10 @@ def cudnn_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
         _on("dt_bias", dt_bias, dev)
     n_seq = _cu(op, cu_seqlens, dev)
     _states(op, initial_state, output_state, n_seq, hv, V, K, dev)
+    # initial_state is advanced in place without output_state: then it is written too
+    _writes(op, output, output_state if output_state is not None else initial_state, initial_state,
+            [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)],
+            state_name="output_state" if output_state is not None else "initial_state")
     if output is not None:
         _output(op, output, out_shape, q.dtype, dev)
     _require_cuda(dev)

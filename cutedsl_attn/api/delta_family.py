@@ -39,9 +39,12 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ---------------------------------------------------------------------------- shared checks
-def _backend(op, backend):
-    if backend not in _BACKENDS:
-        raise ValueError(f"{op}: backend must be 'auto', 'cute' or 'cudnn', got {backend!r}")
+#: FlashInfer's KDA backends other than "auto" / "cudnn" (not served: NotImplementedError, not "unknown")
+_KDA_FLASHINFER_ONLY = ("cute-dsl", "cute-dsl-persistent", "tirx", "ptx", "cake", "small-bh")
+
+
+def _backend(op, backend, flashinfer_only=()):
+    _g._check_backend(op, backend, flashinfer_only)
 
 
 def _inputs(op, q, k, v, n_h=1):
@@ -140,12 +143,15 @@ def chunk_gated_delta_rule2(q, k, v, g=None, beta=None, w=None, scale=None, init
         ``output`` ``[T, HO, V]`` (``[1, T, HO, V]`` for 4-D q), or ``(output, final_state)``.
 
     Raises:
-        TypeError: a tensor argument that is not a tensor.
+        TypeError: a tensor argument that is not a tensor; ``output_final_state`` / ``use_qk_l2norm_in_kernel``
+            not a bool.
         ValueError: bad shapes, dtypes, devices, layouts, heads, ``cu_seqlens`` (missing, not monotone), ``g``
-            above 0 or NaN, overlapping states, a bad ``backend``.
+            above 0 or NaN, overlapping states, ``output`` / ``output_state`` overlapping an input (q, k, v, g,
+            beta, w; for ``output`` also the states), a bad ``backend``.
         NotImplementedError: ``backend="cute"`` with head dims other than 64 / 128; cuDNN declining the graph.
     """
     op = "chunk_gated_delta_rule2"
+    _g._check_bool(op, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     _backend(op, backend)
     if cu_seqlens is None:
         raise ValueError(f"{op}: cu_seqlens is required (packed varlen)")
@@ -154,6 +160,9 @@ def chunk_gated_delta_rule2(q, k, v, g=None, beta=None, w=None, scale=None, init
     g3 = _fgate(op, "g", g, (T, ho, K), nd, dev)
     b3 = _fgate(op, "beta", beta, (T, ho, K), nd, dev)
     w3 = _fgate(op, "w", w, (T, ho, V), nd, dev)
+    _g._no_alias(op, [("output", output), ("output_state", output_state)],
+                 [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("w", w)])
+    _g._no_alias(op, [("output", output)], [("initial_state", initial_state), ("output_state", output_state)])
     if backend == "cudnn" or (backend == "auto" and _cudnn_serves_family(dev, K, V)):
         from .cudnn_linear import cudnn_chunk_gated_delta_rule2
         o3 = None if output is None else (output[0] if output.dim() == 4 else output)
@@ -219,6 +228,7 @@ def chunk_gated_delta_product(q, k, v, g=None, beta=None, num_householder=1, sca
             128; cuDNN declining the graph.
     """
     op = "chunk_gated_delta_product"
+    _g._check_bool(op, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     _backend(op, backend)
     n_h = num_householder
     if isinstance(n_h, bool) or not isinstance(n_h, int) or n_h < 1:
@@ -229,6 +239,9 @@ def chunk_gated_delta_product(q, k, v, g=None, beta=None, num_householder=1, sca
     dev = q3.device
     g3 = _fgate(op, "g", g, (T, ho), nd, dev)
     b3 = _fgate(op, "beta", beta, (T * n_h, ho), nd, dev, (torch.float32, q.dtype))
+    _g._no_alias(op, [("output", output), ("output_state", output_state)],
+                 [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)])
+    _g._no_alias(op, [("output", output)], [("initial_state", initial_state), ("output_state", output_state)])
     if backend == "cudnn" or (backend == "auto" and _cudnn_serves_family(dev, K, V)):
         from .cudnn_linear import cudnn_chunk_gated_delta_product
         o3 = None if output is None else (output[0] if output.dim() == 4 else output)
@@ -301,7 +314,9 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
         beta: ``[..., HV]`` post-sigmoid, or logits with ``beta_is_logit``; float.
         A_log, dt_bias: ``[HV]`` and ``[HV * K]`` / ``[HV, K]`` float, both required with
             ``use_gate_in_kernel``: ``g <- -exp(A_log) softplus(g + dt_bias)``, or with ``lower_bound = L < 0``
-            the safe gate ``L sigmoid(exp(A_log) (g + dt_bias))``.
+            the safe gate ``L sigmoid(exp(A_log) (g + dt_bias))``.  Without ``use_gate_in_kernel``, ``A_log``,
+            ``dt_bias`` and ``lower_bound`` are not used (as in FlashInfer, where they parametrise only the
+            in-kernel gate); ``lower_bound`` is still checked.
         scale: query scale; None = ``1 / sqrt(K)``.
         initial_state: ``[N, HV, V, K]`` float32 / bfloat16 (a pool ``[P, HV, V, K]`` with
             ``ssm_state_indices``), advanced to the final state in place unless ``disable_state_update``;
@@ -313,10 +328,12 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
         initial_state_source, initial_state_indices: a read-only pool of initial_state's dtype and its row per
             sequence, read instead of ``initial_state`` (which still receives the final state); given together,
             with ``initial_state``.
-        output: buffer of v's shape and q's dtype, contiguous.
+        output: buffer of v's shape and q's dtype, contiguous; must not overlap q, k, v, g, beta or the states
+            (nor may a state that is written overlap q, k, v, g, beta).
         disable_state_update: write no state (``output_final_state`` must be False).
         backend: ``"auto"`` / ``"cute"`` (this package's kernel) or ``"cudnn"`` (:func:`cudnn_recurrent_kda`:
-            no pools, no ``disable_state_update``).
+            no pools, no ``disable_state_update``); FlashInfer's other names (``"cute-dsl"``, ``"cake"``, ...)
+            are not served (NotImplementedError).
         num_spec_tokens, num_accepted_tokens, seq_order, prefill_workspace, state_checkpoints,
             checkpoint_cu_starts, checkpoint_every_n_tokens, checkpoint_state_indices, correction_cache,
             kg_cache: not served.
@@ -325,15 +342,21 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
         ``(output, final_state or None)``; output in v's shape.
 
     Raises:
-        TypeError / ValueError: bad shapes, dtypes, devices, layouts, heads (``HV`` not a multiple of ``H``),
+        TypeError: a flag (``output_final_state``, ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``,
+            ``beta_is_logit``, ``disable_state_update``) that is not a bool; a tensor argument not a tensor.
+        ValueError: an output overlapping an input; bad shapes, dtypes, devices, layouts, heads (``HV`` not a
+            multiple of ``H``),
             gate parameters, ``lower_bound`` >= 0, ``g`` above 0 without the in-kernel gate, ``cu_seqlens``,
             duplicate or out-of-range pool rows, overlapping pools, ``output_final_state`` with
             ``disable_state_update``, a bad ``backend``.
         NotImplementedError: the arguments listed as not served, ``backend="cudnn"`` with pools or
-            ``disable_state_update``, head dims other than 64 / 128.
+            ``disable_state_update``, head dims other than 64 / 128, FlashInfer's other backend names.
     """
     op = "recurrent_kda"
-    _backend(op, backend)
+    _g._check_bool(op, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel, beta_is_logit=beta_is_logit,
+                   disable_state_update=disable_state_update)
+    _backend(op, backend, _KDA_FLASHINFER_ONLY)
     given = dict(num_spec_tokens=num_spec_tokens, num_accepted_tokens=num_accepted_tokens, seq_order=seq_order,
                  prefill_workspace=prefill_workspace, state_checkpoints=state_checkpoints,
                  checkpoint_cu_starts=checkpoint_cu_starts, checkpoint_state_indices=checkpoint_state_indices,
@@ -359,7 +382,9 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
     if disable_state_update and output_final_state:
         raise ValueError(f"{op}: output_final_state=True is incompatible with disable_state_update=True")
     if (initial_state_source is None) != (initial_state_indices is None):
-        raise ValueError(f"{op}: initial_state_source and initial_state_indices are given together")
+        given_one, missing = (("initial_state_source", "initial_state_indices") if initial_state_indices is None
+                              else ("initial_state_indices", "initial_state_source"))
+        raise ValueError(f"{op}: {given_one} needs {missing} (the two must be given together or not at all)")
     _g._tensor("q", q)
     if q.dim() not in (3, 4):
         raise ValueError(f"{op}: q must be [B, T, H, K] or [T, H, K], got {tuple(q.shape)}")
@@ -369,6 +394,10 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
         raise ValueError(f"{op}: q must be bfloat16 or float16, got {q.dtype}")
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta)):
         _g._tensor(name, t)
+    reads = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state_source", initial_state_source)]
+    _g._no_alias(op, [("output", output)] + ([] if disable_state_update else [("initial_state", initial_state)]),
+                 reads)
+    _g._no_alias(op, [("output", output)], [("initial_state", initial_state)])
     B = q.shape[0] if q.dim() == 4 else 1
     Tb = q.shape[1] if q.dim() == 4 else q.shape[0]
     if q.dim() == 4 and cu_seqlens is None:
@@ -419,7 +448,7 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
         if initial_state_source.dtype != st.dtype:
             raise ValueError(f"{op}: initial_state_source must have initial_state's dtype {st.dtype}, got "
                              f"{initial_state_source.dtype}")
-        if _g._overlap(initial_state_source, st):
+        if _g._overlaps(initial_state_source, st):
             raise ValueError(f"{op}: initial_state_source must not overlap initial_state (a row written by one "
                              "sequence could be read by another)")
         _g._index_tensor("initial_state_indices", initial_state_indices, n_seq, dev)

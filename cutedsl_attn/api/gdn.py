@@ -22,8 +22,8 @@ from ..planning.gdn import (
     FLAG_HAS_BETA, FLAG_HAS_G, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE,
     HEAD_DIMS, MAX_SEQS, GdnArgs, GdnProblem,
 )
-from ..compile import target_arch
-from ..dispatch import gdn_launch
+from ..dispatch import gdn_arch, gdn_launch
+from ._common import check_bool
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode", "gated_delta_rule_decode_pretranspose"]
 
@@ -92,11 +92,51 @@ def _state(name, t, ho, dv, dk, device, k_major=False):
     return t
 
 
-def _overlap(a, b) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
+def _check_bool(op, **flags) -> None:
+    """TypeError naming the flag unless each value is a bool (a string such as 'no' would read as True)."""
+    for name, value in flags.items():
+        check_bool(f"{op}: {name}", value)
+
+
+def _check_backend(op, backend, flashinfer_only=()) -> None:
+    """``backend`` in ``"auto"``, ``"cute"``, ``"cudnn"``; ``flashinfer_only``: FlashInfer's other names for the op."""
+    if backend in flashinfer_only:
+        raise NotImplementedError(f"{op}: FlashInfer's backend={backend!r} is not served here; served: 'auto', "
+                                  "'cute' (this package's CuTe DSL kernel), 'cudnn'")
+    if backend not in ("auto", "cute", "cudnn"):
+        raise ValueError(f"{op}: backend must be 'auto', 'cute' or 'cudnn', got {backend!r}")
+
+
+def _span(t):
+    """``[lo, hi)``: the bytes a strided tensor can touch."""
+    lo = hi = t.data_ptr()
+    for n, st in zip(t.shape, t.stride()):
+        if st >= 0:
+            hi += (n - 1) * st * t.element_size()
+        else:
+            lo += (n - 1) * st * t.element_size()
+    return lo, hi + t.element_size()
+
+
+def _overlaps(a, b) -> bool:
+    """Whether two tensors' memory ranges overlap (conservative for interleaved strided views)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _no_alias(op, written, read) -> None:
+    """ValueError naming both when a tensor the kernel writes overlaps one it reads (CTAs race on it: each reads
+    all of q_t / k_t while others write their V slices); ``written`` / ``read``: ``(name, tensor or None)``."""
+    for wn, w in written:
+        if w is None:
+            continue
+        _tensor(wn, w)
+        for rn, r in read:
+            if isinstance(r, torch.Tensor) and _overlaps(w, r):
+                raise ValueError(f"{op}: {wn} must not overlap {rn} (the kernel reads {rn} while writing {wn}: "
+                                 "a race, the result would be silently wrong); pass a separate buffer")
 
 
 def _index_tensor(name, t, n, device):
@@ -146,14 +186,14 @@ def _problem(q, K, V, state_dtype, gate_domain, use_l2norm, decode=False, state_
     """The :class:`GdnProblem`; ``family``: its delta-rule-family fields (``gate_per_channel``, ...)."""
     return GdnProblem(dtype=_IO_DTYPES[q.dtype], head_dim_k=K, head_dim_v=V, state_dtype=state_dtype,
                       gate_domain=gate_domain, use_qk_l2norm=bool(use_l2norm), decode=decode,
-                      state_k_major=state_k_major, arch=target_arch(q.device), **family)
+                      state_k_major=state_k_major, arch=gdn_arch(q.device), **family)
 
 
 # ---------------------------------------------------------------------------- prefill
 def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, output=None, output_state=None,
                            state_checkpoints=None, checkpoint_cu_starts=None, checkpoint_every_n_tokens=0,
-                           use_cp="auto", state_indices=None, _cp_chunk_len=None, backend="auto", max_seqlen=None,
+                           use_cp="auto", state_indices=None, _cp_chunk_len=None, backend="auto", max_seqlen=None, *,
                            gate_domain="linear"):
     """Gated delta rule prefill over packed variable-length sequences (FlashInfer 0.7.2 / 0.7.4 signature).
 
@@ -184,21 +224,30 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
         backend: ``"auto"`` or ``"cute"`` (the CuTe DSL kernel), or ``"cudnn"`` (never chosen implicitly):
             :func:`cutedsl_attn.api.cudnn_linear.cudnn_chunk_gated_delta_rule`, which refuses state checkpoints,
             ``state_indices``, ``use_cp=True`` and ``_cp_chunk_len`` (NotImplementedError, before any call).
+            FlashInfer's ``"flashinfer"`` and ``"cake_gdn"`` are not served (NotImplementedError).
         max_seqlen: None or an int in ``[ceil(T / N), T]`` (unused by the recurrent kernel).
-        gate_domain: ``"linear"`` (FlashInfer) or ``"log"`` (fla).
+        gate_domain: keyword-only, ``"linear"`` (FlashInfer) or ``"log"`` (fla).
+
+    ``output`` and ``output_state`` must not overlap q, k, v, g, beta (nor ``output`` the states): the kernel
+    reads those while writing these.
 
     Returns:
         ``output`` ``[T, HO, V]`` (``[1, T, HO, V]`` for 4-D q), or ``(output, final_state)``.
 
     Raises:
-        TypeError: a tensor argument that is not a tensor.
+        TypeError: a tensor argument that is not a tensor; ``output_final_state`` /
+            ``use_qk_l2norm_in_kernel`` not a bool.
         ValueError: bad shapes, dtypes, devices, layouts, head counts, ``cu_seqlens`` (missing with more than
             one sequence, not monotone), alpha outside [0, 1] with ``gate_domain="linear"``, overlapping
-            states, duplicate or out-of-range ``state_indices``, ``output_final_state`` with ``state_indices``
-            but no ``output_state``, bad ``backend`` / ``use_cp`` / ``gate_domain`` / ``max_seqlen``.
+            states, ``output`` / ``output_state`` overlapping an input, duplicate or out-of-range
+            ``state_indices``, ``output_final_state`` with ``state_indices`` but no ``output_state``, bad
+            ``backend`` / ``use_cp`` / ``gate_domain`` / ``max_seqlen``.
         NotImplementedError: head dims other than 64 / 128, ``use_cp=True``, state
-            checkpoints, ``_cp_chunk_len``.
+            checkpoints, ``_cp_chunk_len``, ``backend="flashinfer"`` / ``"cake_gdn"``.
     """
+    op = "chunk_gated_delta_rule"
+    _check_bool(op, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    _check_backend(op, backend, ("flashinfer", "cake_gdn"))
     if backend == "cudnn":
         return _cudnn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                               use_qk_l2norm_in_kernel, output, output_state, state_checkpoints, checkpoint_cu_starts,
@@ -225,7 +274,7 @@ def _cudnn_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, c
         raise NotImplementedError(f"chunk_gated_delta_rule: backend='cudnn' does not take {', '.join(lacks)} "
                                   "(cuDNN's GDN entry point has no state checkpoints, indexed state pools or "
                                   "context parallel)")
-    if use_cp not in ("auto", False):
+    if not (use_cp is False or use_cp == "auto"):  # 0 / "" would pass an equality test for False
         raise ValueError(f"use_cp must be 'auto', True or False, got {use_cp!r}")
     if gate_domain not in ("linear", "log"):
         raise ValueError(f"gate_domain must be 'linear' or 'log', got {gate_domain!r}")
@@ -249,12 +298,13 @@ def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu
                   state_indices, _cp_chunk_len, backend, max_seqlen, gate_domain):
     """Every check, the allocations and the launch arguments of :func:`chunk_gated_delta_rule`:
     ``(problem, args, result)`` (``args`` None: nothing to launch)."""
-    if backend not in ("auto", "cute"):
-        raise ValueError(f"backend must be 'auto', 'cute' or 'cudnn', got {backend!r}")
+    _check_backend("chunk_gated_delta_rule", backend, ("flashinfer", "cake_gdn"))
+    if backend == "cudnn":
+        raise ValueError("chunk_gated_delta_rule plans backend='auto' / 'cute' here; 'cudnn' has its own route")
     if use_cp is True:
         raise NotImplementedError("chunk_gated_delta_rule: use_cp=True (context parallel) is not served yet; "
                                   "served: use_cp='auto' or False")
-    if use_cp not in ("auto", False):
+    if not (use_cp is False or use_cp == "auto"):  # 0 / "" would pass an equality test for False
         raise ValueError(f"use_cp must be 'auto', True or False, got {use_cp!r}")
     if state_checkpoints is not None or checkpoint_cu_starts is not None or checkpoint_every_n_tokens:
         raise NotImplementedError("chunk_gated_delta_rule: state checkpoints (state_checkpoints, "
@@ -299,6 +349,9 @@ def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     scale = _scale_arg(scale, K)
     h0, ht, write_state, state_dt = _states_arg(initial_state, output_state, output_final_state, state_indices,
                                                 n_seq, ho, V, K, dev)
+    _no_alias("chunk_gated_delta_rule", [("output", output), ("output_state", output_state)],
+              [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)])
+    _no_alias("chunk_gated_delta_rule", [("output", output)], [("initial_state", h0), ("output_state", output_state)])
     o3, output = _output_arg(output, nd, T, ho, V, q.dtype, dev)
 
     checks = []
@@ -365,7 +418,7 @@ def _states_arg(initial_state, output_state, output_final_state, state_indices, 
         if ht.dtype != h0.dtype:
             raise ValueError(f"output_state must have initial_state's dtype {h0.dtype}, got {ht.dtype}")
         in_place = ht is h0 and state_indices is not None
-        if _overlap(h0, ht) and not in_place:
+        if _overlaps(h0, ht) and not in_place:
             raise ValueError("output_state must not alias initial_state (only the very same tensor with "
                              "state_indices, an in-place pool update, may)")
     write_state = ht is not None or bool(output_final_state)
@@ -481,8 +534,9 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, s
         ``(output, state)`` (the pool when ``initial_state`` is given).
 
     Raises:
-        TypeError / ValueError / NotImplementedError as :func:`chunk_gated_delta_rule`; ValueError when both or
-        neither of ``state`` and ``initial_state`` are given.
+        TypeError / ValueError / NotImplementedError as :func:`chunk_gated_delta_rule`; TypeError when
+        ``use_qk_l2norm`` is not a bool; ValueError when both or neither of ``state`` and ``initial_state`` are
+        given, or ``output`` / the state overlaps q, k, v (or ``output`` the state).
     """
     return _decode(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                    initial_state_indices, output_state_indices, k_major=False)
@@ -490,6 +544,7 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, s
 
 def _decode(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
             initial_state_indices, output_state_indices, *, k_major):
+    _check_bool("gated delta rule decode", use_qk_l2norm=use_qk_l2norm)
     _tensor("q", q)
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got {tuple(q.shape)}")
@@ -514,6 +569,10 @@ def _decode(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, 
     else:
         output = torch.empty(B, T, ho, V, device=q.device, dtype=q.dtype)
         out_flat = output.view(B * T, ho, V)
+    inputs = [("q", q), ("k", k), ("v", v)]
+    st_name, st_t = ("state", state) if state is not None else ("initial_state", initial_state)
+    _no_alias("gated delta rule decode", [("output", output), (st_name, st_t)], inputs)
+    _no_alias("gated delta rule decode", [("output", output)], [(st_name, st_t)])
     cu = _cu_steps(B, T, q.device)
     flat = [x.reshape(B * T, x.shape[2], x.shape[3]) for x in (q, k, v)]
     if state is not None:
