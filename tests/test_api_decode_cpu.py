@@ -377,10 +377,89 @@ def test_plan_indices_on_other_device_are_copied(rec):
     assert w._plan["indices"].device.type == "meta"
 
 
-def test_plan_csr_and_block_tables_together_rejected():
+def test_plan_csr_with_agreeing_block_tables_or_seq_lens_accepted(rec):
+    # as FlashInfer: block_tables / seq_lens beside the CSR table are optional overrides that must agree
     p = problem()
     bt, sl = ref.csr_to_block_tables(p["indptr"], p["indices"], p["last"], p["ps"])
-    _plan_raises(ValueError, "not both", p, block_tables=bt.to(torch.int32), seq_lens=sl.to(torch.int32))
+    bt, sl = bt.to(torch.int32), sl.to(torch.int32)
+    w, _ = planned(p, block_tables=bt, seq_lens=sl)
+    assert torch.equal(w._plan["indices"], bt.reshape(-1))  # block_tables serves the launch
+    w.run(p["q"], p["cache"])
+    w2, _ = planned(p, seq_lens=sl)
+    assert torch.equal(w2._plan["indices"], p["indices"])  # CSR serves; seq_lens agrees
+    w2.run(p["q"], p["cache"])
+    assert len(rec.calls) == 2
+    assert torch.equal(torch.as_tensor(w._plan["kv_lens"]), torch.as_tensor(w2._plan["kv_lens"]))
+    assert torch.as_tensor(w._plan["kv_lens"]).tolist() == p["lens"]
+
+
+def test_plan_csr_with_disagreeing_seq_lens_rejected():
+    p = problem()
+    bt, sl = ref.csr_to_block_tables(p["indptr"], p["indices"], p["last"], p["ps"])
+    bt, sl = bt.to(torch.int32), sl.to(torch.int32)
+    bad = sl.clone()
+    bad[0] += 1  # still within its 3 pages: only the CSR lengths disagree
+    _plan_raises(ValueError, r"seq_lens .*indptr/last_page_len", p, block_tables=bt, seq_lens=bad)
+    _plan_raises(ValueError, r"seq_lens .*indptr/last_page_len", p, seq_lens=bad)
+    short = p["last"][:-1]
+    _plan_raises(ValueError, "last_page_len", p, block_tables=bt, seq_lens=sl, args=_replace(p, last=short))
+
+
+def test_plan_indptr_and_last_page_len_lengths_disagree():
+    p = problem()
+    args = _replace(p, indptr=torch.tensor([0, 2, 3], dtype=torch.int32), last=torch.tensor([5], dtype=torch.int32))
+    w, _ = _plan_raises(ValueError, r"lengths of indptr \(3\) and last_page_len \(1\) disagree", p, args)
+
+
+def test_plan_page_less_request_needs_last_page_len_zero():
+    p = problem()
+    args = _replace(p, indptr=torch.tensor([0, 0, 3], dtype=torch.int32),
+                    last=torch.tensor([5, 16], dtype=torch.int32))
+    _plan_raises(ValueError, r"last_page_len\[0\] = 5 .*must be 0 for a request with no page", p, args)
+
+
+def test_run_empty_batch_launches_nothing(rec):
+    p = problem()
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+    w.plan(torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+           p["hq"], p["hkv"], p["d"], p["ps"], q_data_type=p["dtype"])
+    o, lse = w.run(p["q"][:0], p["cache"], return_lse=True)
+    assert o.shape == (0, p["hq"], p["d"]) and lse.shape == (0, p["hq"])
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("name,value", [("use_tensor_cores", "no"), ("use_cuda_graph", 0)])
+def test_ctor_bool_options_must_be_bool(name, value):
+    with pytest.raises(TypeError, match=name):
+        ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", **{name: value})
+
+
+@pytest.mark.parametrize("name,value", [("disable_split_kv", "yes"), ("non_blocking", 1), ("is_causal", "False")])
+def test_plan_bool_options_must_be_bool(name, value):
+    _plan_raises(TypeError, name, **{name: value})
+
+
+@pytest.mark.parametrize("name,value", [("return_lse", "no"), ("enable_pdl", 0)])
+def test_run_bool_options_must_be_bool(rec, name, value):
+    w, p = planned()
+    with pytest.raises(TypeError, match=name):
+        w.run(p["q"], p["cache"], **{name: value})
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("name,value", [("use_tensor_cores", "no"), ("return_lse", 1)])
+def test_single_bool_options_must_be_bool(rec, name, value):
+    q, k, v = _single()
+    with pytest.raises(TypeError, match=name):
+        ca.single_decode_with_kv_cache(q, k, v, **{name: value})
+    assert rec.calls == []
+
+
+def test_single_fp8_kv_says_what_is_served(rec):
+    q, k, v = _single()
+    with pytest.raises(NotImplementedError, match="fp16/bf16.*BatchDecodeWithPagedKVCacheWrapper.*kv_data_type"):
+        ca.single_decode_with_kv_cache(q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))
+    assert rec.calls == []
 
 
 @pytest.mark.parametrize("kw,exc,match", [

@@ -1695,3 +1695,80 @@ def test_dispatch_choice_is_the_launch_seam(rec):
     w2.run(p["q"], p["k"], p["v"])
     assert [rec.named(i)[0].name for i in range(2)] == ["prefill_sm90", "prefill_portable"]
     assert rec.positional[-1] == 16 and rec.positional[0] in (12, 13)  # SM90: + output_scale once converted
+
+
+@pytest.mark.parametrize("score_mod", [lambda s: s, lambda s, b, h, q_idx: s, lambda s, b, h, q_idx, kv_idx, x: s])
+def test_score_mod_signature_checked_at_plan(rec, score_mod):
+    """A score_mod that cannot take (score, batch_idx, head_idx, q_idx, kv_idx) fails in plan(), naming it."""
+    match = r"score_mod must accept 5 positional arguments \(score, batch_idx, head_idx, q_idx, kv_idx\)"
+    _ragged_plan_raises(TypeError, match, score_mod=score_mod)
+    _paged_plan_raises(TypeError, match, score_mod=score_mod)
+    assert rec.calls == []
+
+
+def test_score_mod_signature_with_defaults_or_varargs_accepted(rec):
+    w, p = planned_ragged(score_mod=lambda s, b, h, q_idx, kv_idx, c=2.0: s)
+    w.run(p["q"], p["k"], p["v"])
+    w, p = planned_ragged(score_mod=lambda s, *idx: s)
+    w.run(p["q"], p["k"], p["v"])
+    assert len(rec.calls) == 2
+
+
+# ============================================================================= bool arguments are bools
+@pytest.mark.parametrize("cls", WRAPPERS)
+@pytest.mark.parametrize("name,value", [("use_cuda_graph", "False"), ("variant_owns_mask", 0)])
+def test_ctor_bool_options_must_be_bool(cls, name, value):
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        cls(ws(), "NHD", **{name: value})
+
+
+@pytest.mark.parametrize("which", BOTH_PLANS)
+@pytest.mark.parametrize("name,value", [("causal", "False"), ("causal", 1), ("use_fp16_qk_reduction", "no"),
+                                        ("disable_split_kv", "yes"), ("non_blocking", 0)])
+def test_plan_bool_options_must_be_bool(rec, which, name, value):
+    """A string or int is never taken as a truthy bool (e.g. causal="False" planning a causal mask)."""
+    _plan_raises_either(which, TypeError, f"{name} must be a bool", **{name: value})
+    assert rec.cfgs == []
+
+
+@pytest.mark.parametrize("cls", WRAPPERS)
+@pytest.mark.parametrize("name,value", [("return_lse", "no"), ("enable_pdl", "False")])
+def test_run_bool_options_must_be_bool(rec, cls, name, value):
+    w, p = planned_ragged() if cls is Ragged else planned_paged()
+    _run_raises(TypeError, f"{name} must be a bool", rec, w, p, **{name: value})
+
+
+def test_forward_causal_must_be_bool(rec):
+    w, p = planned_ragged()
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="causal must be a bool"):
+        w.forward(p["q"], p["k"], p["v"], causal="True")
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("name,value", [("causal", "False"), ("use_fp16_qk_reduction", 0), ("return_lse", "no")])
+def test_single_prefill_bool_options_must_be_bool(rec, name, value):
+    q, k = torch.randn(7, 8, 64).to(BF16), torch.randn(9, 2, 64).to(BF16)
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        ca.single_prefill_with_kv_cache(q, k, k.clone(), **{name: value})
+    assert rec.calls == []
+
+
+def test_paged_csr_lengths_disagree_names_batch_source():
+    p = paged_problem()
+    ip = torch.cat([p["kv_indptr"], p["kv_indptr"][-1:]])
+    _paged_plan_raises(ValueError, r"paged_kv_indptr must have B\+1 = \d+ entries \(B = len\(qo_indptr\) - 1\)", p,
+                       _replace_paged(p, kv_indptr=ip))
+
+
+def test_plan_page_less_request_needs_last_page_len_zero():
+    p = paged_problem(qo=(3, 2), kv=(0, 5))
+    last = p["last"].clone()
+    last[0] = 5
+    _paged_plan_raises(ValueError, r"paged_kv_last_page_len\[0\] = 5 .*must be 0 for a request with no page", p,
+                       _replace_paged(p, last=last))
+
+
+@pytest.mark.parametrize("name,value", [("use_fp16_softmax", 0), ("uses_spcompress", "False")])
+def test_paged_run_optional_bools_must_be_bool(rec, name, value):
+    w, p = planned_paged()
+    _run_raises(TypeError, f"{name} must be a bool", rec, w, p, **{name: value})

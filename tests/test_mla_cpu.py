@@ -212,6 +212,39 @@ def test_run_validation(cross):
         w.run(qn, qp, ckv, kpe)
 
 
+def test_empty_batch_launches_nothing(cross, monkeypatch):
+    calls = []
+    monkeypatch.setattr(api, "mla_launch", lambda *a: calls.append(a))
+    w = _wrapper()
+    args = _plan_args()
+    args.update(qo_indptr=torch.zeros(1, dtype=torch.int32), kv_indptr=torch.zeros(1, dtype=torch.int32),
+                kv_indices=torch.zeros(0, dtype=torch.int32), kv_len_arr=torch.zeros(0, dtype=torch.int32))
+    w.plan(**args)
+    bf = torch.bfloat16
+    qn, qp = torch.zeros(0, 8, DC, dtype=bf), torch.zeros(0, 8, DR, dtype=bf)
+    out, lse = w.run(qn, qp, torch.zeros(4, 2, DC, dtype=bf), torch.zeros(4, 2, DR, dtype=bf), return_lse=True)
+    assert out.shape == (0, 8, DC) and lse.shape == (0, 8) and calls == []
+
+
+@pytest.mark.parametrize("name,value", [("return_lse", "no"), ("return_lse_base_on_e", 1)])
+def test_run_bool_options_must_be_bool(cross, name, value):
+    w = _wrapper()
+    w.plan(**_plan_args())
+    bf = torch.bfloat16
+    with pytest.raises(TypeError, match=f"{name} must be a bool"):
+        w.run(torch.zeros(3, 8, DC, dtype=bf), torch.zeros(3, 8, DR, dtype=bf), torch.zeros(9, 2, DC, dtype=bf),
+              torch.zeros(9, 2, DR, dtype=bf), **{name: value})
+
+
+def test_bool_options_must_be_bool(cross):
+    with pytest.raises(TypeError, match="use_cuda_graph must be a bool"):
+        _wrapper(use_cuda_graph="False")
+    args = _plan_args()
+    for name, value in (("causal", "False"), ("use_profiler", 0)):
+        with pytest.raises(TypeError, match=f"{name} must be a bool"):
+            _wrapper().plan(**{**args, name: value})
+
+
 def test_cuda_graph_buffers_required():
     with pytest.raises(ValueError, match="kv_len_arr"):
         _wrapper(use_cuda_graph=True)

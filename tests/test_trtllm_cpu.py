@@ -537,3 +537,27 @@ def test_capture_refused(rec, monkeypatch, entry):
         else:
             trtllm_batch_context_with_kv_cache(**ctx_case())
     assert rec.calls == []
+
+
+# ----------------------------------------------------------------------------- bool arguments are bools
+@pytest.mark.parametrize("kw", [dict(return_lse="no"), dict(enable_pdl="False"), dict(uses_shared_paged_kv_idx=1),
+                                dict(enable_block_sparse_attention=0)])
+def test_trtllm_decode_bool_options_must_be_bool(rec, kw):
+    with pytest.raises(TypeError, match=f"{next(iter(kw))} must be a bool"):
+        decode(**kw)
+    assert rec.calls == []
+
+
+@pytest.mark.parametrize("kw", [dict(causal="False"), dict(return_lse=0), dict(enable_pdl="no"),
+                                dict(uses_shared_paged_kv_idx="yes"), dict(use_fp16_softmax=0),
+                                dict(uses_spcompress="False")])
+def test_context_bool_options_must_be_bool(rec, kw):
+    with pytest.raises(TypeError, match=f"{next(iter(kw))} must be a bool"):
+        trtllm_batch_context_with_kv_cache(**ctx_case(), **kw)
+    assert rec.calls == []
+
+
+def test_xqa_enable_pdl_must_be_bool(rec):
+    with pytest.raises(TypeError, match="enable_pdl must be a bool"):
+        xqa(**xqa_case(), enable_pdl="False")
+    assert rec.calls == []

@@ -79,6 +79,19 @@ def check_int(name: str, value, minimum: int | None = None) -> int:
     return value
 
 
+def check_bool(name: str, value) -> bool:
+    """A Python ``bool`` argument (FlashInfer documents these as ``bool``): ``TypeError`` naming ``name`` for any
+    other type, so that a string such as ``"False"`` or an int is never taken as truthy."""
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r} of type {type(value).__name__}")
+    return value
+
+
+def check_optional_bool(name: str, value) -> bool | None:
+    """None or a Python ``bool`` (an option whose None means "the default"): ``TypeError`` otherwise."""
+    return None if value is None else check_bool(name, value)
+
+
 def check_float(name: str, value, *, positive: bool) -> float | None:
     """A finite real argument or None (Python/numpy float or int, or a 0-d tensor)."""
     import math
@@ -174,28 +187,41 @@ def indptr_host(name: str, t, *, length: int | None = None) -> torch.Tensor:
 
 
 def csr_kv_lens(indptr, last_page_len, B: int, page_size: int, *,
-                names=("paged_kv_indptr", "paged_kv_last_page_len")):
+                names=("paged_kv_indptr", "paged_kv_last_page_len"), batch_name: str | None = None):
     """``(indptr on the host, kv_lens)`` of a CSR page table after validating ``indptr`` (``[B+1]`` int32,
-    non-decreasing, from 0) and ``last_page_len`` (``[B]`` int32, in ``[1, page_size]``, 0 only for a
-    request without pages); ``kv_len_b = (npages_b - 1) * page_size + last_page_len_b``.  ``names``: the
-    two arguments' names in the caller's API (FlashInfer's prefill names by default)."""
+    non-decreasing, from 0) and ``last_page_len`` (``[B]`` int32, in ``[1, page_size]`` for a request with
+    pages, 0 for a request without); ``kv_len_b = (npages_b - 1) * page_size + last_page_len_b``.  ``names``:
+    the two arguments' names in the caller's API (FlashInfer's prefill names by default); ``batch_name``:
+    where ``B`` comes from (None: ``len(last_page_len)``, so a length mismatch names both arrays)."""
     from ..planning.decode import kv_lens_from_csr
 
     ip_name, lpl_name = names
-    ip_h = indptr_host(ip_name, indptr, length=B + 1)
+    check_tensor(ip_name, indptr, ndim=1)
     check_tensor(lpl_name, last_page_len, ndim=1)
+    if batch_name is None and indptr.shape[0] != last_page_len.shape[0] + 1:
+        raise ValueError(f"the lengths of {ip_name} ({indptr.shape[0]}) and {lpl_name} ({last_page_len.shape[0]}) "
+                         f"disagree: {ip_name} must have len({lpl_name}) + 1 entries (one request per "
+                         f"{lpl_name} entry)")
+    if batch_name is not None and indptr.shape[0] != B + 1:
+        raise ValueError(f"{ip_name} must have B+1 = {B + 1} entries (B = {batch_name}), got {indptr.shape[0]}")
+    ip_h = indptr_host(ip_name, indptr, length=B + 1)
     if last_page_len.dtype != torch.int32:
         raise ValueError(f"{lpl_name} must be int32, got {last_page_len.dtype}")
     if last_page_len.shape[0] != B:
-        raise ValueError(f"{lpl_name} must have B = {B} entries, got {last_page_len.shape[0]}")
+        where = "" if batch_name is None else f" (B = {batch_name})"
+        raise ValueError(f"{lpl_name} must have B = {B} entries{where}, got {last_page_len.shape[0]}")
     lpl_h = last_page_len.to("cpu", torch.int64)
     npages = ip_h[1:] - ip_h[:-1]
-    bad = (((npages > 0) & ((lpl_h < 1) | (lpl_h > page_size)))
-           | ((npages == 0) & ((lpl_h < 0) | (lpl_h > page_size))))
+    empty = (npages == 0) & (lpl_h != 0)
+    if empty.any():  # it would read as kv_len 0 while its last_page_len claims tokens
+        b = int(empty.nonzero()[0])
+        raise ValueError(f"{lpl_name}[{b}] = {int(lpl_h[b])} but request {b} has no page ({ip_name}[{b}] == "
+                         f"{ip_name}[{b + 1}]): {lpl_name} must be 0 for a request with no page")
+    bad = (npages > 0) & ((lpl_h < 1) | (lpl_h > page_size))
     if bad.any():
         b = int(bad.nonzero()[0])
         raise ValueError(f"{lpl_name}[{b}] = {int(lpl_h[b])} is outside [1, page_size={page_size}] "
-                         "(0 allowed only for a request with no page)")
+                         "(0 only for a request with no page)")
     return ip_h, kv_lens_from_csr(ip_h, lpl_h, page_size)
 
 

@@ -44,13 +44,15 @@ def from_block_tables(block_tables, seq_lens, page_size: int, device, non_blocki
 
 
 def from_csr(indptr, indices, last_page_len, page_size: int, device, non_blocking: bool, *,
-             batch_size: int | None = None, names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")):
+             batch_size: int | None = None, batch_name: str = "len(qo_indptr) - 1",
+             names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")):
     """``(indptr_host, kv_lens, page_offsets, flat)`` of a CSR page table: int64 host offsets ``[B+1]``, lengths
     and page-list offsets ``[B]``, and ``indices`` on ``device`` (copied there when elsewhere, as FlashInfer).
 
-    ``batch_size`` None: ``len(last_page_len)``.  ``names``: the three arguments' names in the caller's API.
+    ``batch_size`` None: ``len(last_page_len)`` (else ``batch_name`` says where it comes from).  ``names``: the
+    three arguments' names in the caller's API.
     Raises TypeError / ValueError naming the argument (dtype int32, 1-D, offsets from 0 and non-decreasing,
-    ``last_page_len`` in ``[1, page_size]``, ``indptr[-1] <= len(indices)``)."""
+    ``last_page_len`` in ``[1, page_size]`` (0 for a request with no page), ``indptr[-1] <= len(indices)``)."""
     ip_name, idx_name, lpl_name = names
     for n, t in ((ip_name, indptr), (idx_name, indices), (lpl_name, last_page_len)):
         check_tensor(n, t, ndim=1)
@@ -58,7 +60,8 @@ def from_csr(indptr, indices, last_page_len, page_size: int, device, non_blockin
             raise ValueError(f"{n} must be int32, got {t.dtype}")
     indices = to_device(indices, device, non_blocking)
     B = last_page_len.shape[0] if batch_size is None else batch_size
-    ip_h, kv_lens = csr_kv_lens(indptr, last_page_len, B, page_size, names=(ip_name, lpl_name))
+    ip_h, kv_lens = csr_kv_lens(indptr, last_page_len, B, page_size, names=(ip_name, lpl_name),
+                                batch_name=None if batch_size is None else batch_name)
     if int(ip_h[-1]) > indices.shape[0]:
         raise ValueError(f"{ip_name}[-1] ({int(ip_h[-1])}) exceeds len({idx_name}) ({indices.shape[0]})")
     return ip_h, kv_lens, ip_h[:-1], indices

@@ -18,6 +18,7 @@ from ..planning.alibi import get_alibi_slopes
 from ..planning.prefill import PrefillArgs, max_tiles, plan_prefill
 from ._common import (
     canonical_dtype,
+    check_bool,
     check_float,
     check_heads,
     check_int,
@@ -25,6 +26,7 @@ from ._common import (
     check_lse_options,
     check_pos_encoding_mode,
     check_sm_scale,
+    check_optional_bool,
     check_tensor,
     check_window_left,
     run_scale,
@@ -108,8 +110,28 @@ def _check_score_mod(score_mod, backend) -> None:
         dispatch.callable_key(score_mod)  # its compile key: a callable without a stable one fails here, not in run()
     except TypeError as e:
         raise TypeError(f"score_mod: {e}") from None
+    _check_score_mod_signature(score_mod)
     if backend == "cudnn":
         raise NotImplementedError("score_mod is not supported with backend='cudnn' (use 'auto' or 'cute')")
+
+
+_SCORE_MOD_ARGS = "(score, batch_idx, head_idx, q_idx, kv_idx)"
+
+
+def _check_score_mod_signature(score_mod) -> None:
+    """``TypeError`` unless ``score_mod`` can be called with the five positional arguments
+    ``(score, batch_idx, head_idx, q_idx, kv_idx)`` (checked at plan time, not at the first compile)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(score_mod)
+    except (TypeError, ValueError):  # a builtin without a signature: left to the compile
+        return
+    try:
+        sig.bind(*range(5))
+    except TypeError as e:
+        raise TypeError(f"score_mod must accept 5 positional arguments {_SCORE_MOD_ARGS}, got a callable with "
+                        f"signature {sig} ({e})") from None
 
 
 def _check_score_mod_options(score_mod, cap, pos_encoding_mode) -> None:
@@ -140,8 +162,9 @@ def _check_split_options(fixed_split_size) -> None:
             raise ValueError(f"fixed_split_size must be a positive number of pages, got {fixed_split_size!r}")
 
 
-def _check_lengths_hint(name: str, t, expect: torch.Tensor) -> None:
-    """``seq_lens``-style hints (cuDNN-only arguments in FlashInfer): must agree with the offsets."""
+def _check_lengths_hint(name: str, t, expect: torch.Tensor, against: str = "the index arrays") -> None:
+    """``seq_lens``-style hints (cuDNN-only arguments in FlashInfer): must agree with the offsets (``against``
+    names the arrays they come from)."""
     if t is None:
         return
     check_tensor(name, t)
@@ -149,7 +172,7 @@ def _check_lengths_hint(name: str, t, expect: torch.Tensor) -> None:
         raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
     h = t.to("cpu", torch.int64).reshape(-1)
     if h.shape != expect.shape or not torch.equal(h, expect):
-        raise ValueError(f"{name} ({h.tolist()}) disagrees with the lengths given by the index arrays "
+        raise ValueError(f"{name} ({h.tolist()}) disagrees with the lengths given by {against} "
                          f"({expect.tolist()})")
 
 
@@ -171,6 +194,8 @@ class _BatchPrefillBase:
     def _init_common(self, float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, jit_kwargs,
                      variant_owns_mask) -> None:
         check_kv_layout(kv_layout)
+        check_bool("use_cuda_graph", use_cuda_graph)
+        check_bool("variant_owns_mask", variant_owns_mask)
         self._cudnn = dispatch.prefill_backend(backend) == "cudnn"
         if self._cudnn:  # cuDNN frontend graphs: cutedsl_attn/api/cudnn.py
             from .cudnn import check_wrapper_init
@@ -239,6 +264,9 @@ class _BatchPrefillBase:
         ``graph_copies``: ``[(dst_buffer, src_tensor), ...]`` of the caller-visible CUDA-graph
         buffers, written only after every check has passed (a rejected plan leaves them intact).
         """
+        check_bool("causal", causal)
+        check_bool("use_fp16_qk_reduction", use_fp16_qk_reduction)
+        check_bool("non_blocking", non_blocking)
         _check_score_mod(score_mod, "cudnn" if self._cudnn else "cute")
         if self._cudnn:  # cuDNN frontend graphs (cutedsl_attn/api/cudnn.py)
             from .cudnn import plan_wrapper
@@ -400,6 +428,8 @@ class _BatchPrefillBase:
         """The deprecated ``forward`` API: its options replace the planned ones (FlashInfer semantics)."""
         warnings.warn("forward()/forward_return_lse() are deprecated (as in FlashInfer); use run()/run_return_lse()",
                       DeprecationWarning, stacklevel=3)
+        check_bool("causal", causal)
+        check_bool("use_fp16_qk_reduction", use_fp16_qk_reduction)
         p = self._plan
         if p is None:
             raise RuntimeError("plan() must be called before forward()")
@@ -430,6 +460,8 @@ class _BatchPrefillBase:
                 sinks, enable_pdl, kv_cache_sf):
         """Cheap checks of the rest against the plan (q and k/v are checked by the caller), then one kernel
         launch (no host synchronisation)."""
+        check_bool("return_lse", return_lse)
+        check_optional_bool("enable_pdl", enable_pdl)
         if self._cudnn:  # cuDNN frontend graphs: cutedsl_attn/api/cudnn.py
             from .cudnn import run_wrapper
             return run_wrapper(self, q, k, v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, o_scale=o_scale,

@@ -23,14 +23,17 @@ from ..planning.alibi import get_alibi_slopes
 from ..planning.decode import DecodeArgs
 from ._common import (
     canonical_dtype,
+    check_bool,
     check_head_dim,
     check_heads,
     check_kv_layout,
     check_pos_encoding_mode,
     check_float,
     check_int,
+    check_optional_bool,
     check_tensor,
     check_window_left,
+    csr_kv_lens,
     paged_kv_views,
     return_lse_method,
     run_scale,
@@ -38,6 +41,7 @@ from ._common import (
 from . import _decode_cudnn
 from ._graph import FixedBuffers, pinned_if_capturing, staged_host_copies, to_device
 from ._pagetable import from_block_tables, from_csr
+from ._prefill_base import _check_lengths_hint
 from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper  # q_len_per_req > 1 plans through it
 
 # the kernel arguments (DecodeArgs fields) in the names of FlashInfer's decode wrapper
@@ -126,6 +130,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         jit_args=None,
     ) -> None:
         check_kv_layout(kv_layout)
+        check_bool("use_cuda_graph", use_cuda_graph)
+        check_bool("use_tensor_cores", use_tensor_cores)
         dispatch.decode_backend(backend)
         self._frozen_backend = None  # CUDA-graph mode: the backend of the first plan (a capture keeps it)
         if jit_args is not None:
@@ -231,7 +237,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
           rope_scale, rope_theta: RoPE parameters (defaults 1.0 and 1e4).
           block_tables, seq_lens: dense page table ``[B, max_pages]`` int32 and ``[B]`` lengths
             (tokens); used instead of the CSR arrays when given (then indptr/indices/last_page_len
-            may be None).
+            may be None; if ``indptr`` and ``last_page_len`` are given too, the KV lengths they
+            describe must equal ``seq_lens``: ``ValueError`` otherwise).  With the CSR arrays alone, a
+            given ``seq_lens`` must agree with them.
+          non_blocking, disable_split_kv, is_causal (None or a bool): Python bools (``TypeError``
+            otherwise, as every bool argument of this package).
           fixed_split_size: split every request into pieces of about this many pages (pieces are
             evened out within a request and rounded up to 16-token multiples; the split of a request
             does not depend on the rest of the batch).
@@ -264,6 +274,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
              disable_split_kv, q_len_per_req) = (vals[n] for n in _PLAN_POSITIONAL)
 
         check_pos_encoding_mode(pos_encoding_mode)
+        check_bool("non_blocking", non_blocking)
+        check_bool("disable_split_kv", disable_split_kv)
+        check_optional_bool("is_causal", is_causal)
         num_qo_heads = check_int("num_qo_heads", num_qo_heads, 1)
         num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
         head_dim = check_int("head_dim", head_dim, 1)
@@ -299,19 +312,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         q_dt, kv_dt, o_dt = _plan_dtypes(q_data_type, kv_data_type, o_data_type, data_type)
 
-        # --- page table: CSR or dense block table -> (kv_lens, page_offsets, flat indices)
-        if (block_tables is not None or seq_lens is not None) and indptr is not None:
-            raise ValueError(
-                "give the page table either as CSR (indptr/indices/last_page_len) or as block_tables/seq_lens, "
-                "not both (pass None for the unused form)"
-            )
-        use_table = block_tables is not None or seq_lens is not None
+        # --- page table: CSR or dense block table -> (kv_lens, page_offsets, flat indices); as the paged
+        # prefill wrapper, block_tables serves the launch when given, and a CSR form given beside it must agree
+        use_table = block_tables is not None or (seq_lens is not None and indptr is None)
         if use_table:
             kv_lens, page_offsets, flat = from_block_tables(block_tables, seq_lens, page_size, self.device,
                                                             non_blocking)
+            if indptr is not None or last_page_len is not None:
+                _, csr_lens = csr_kv_lens(indptr, last_page_len, kv_lens.shape[0], page_size,
+                                          names=("indptr", "last_page_len"), batch_name="len(seq_lens)")
+                if not torch.equal(csr_lens, kv_lens):
+                    raise ValueError(
+                        f"seq_lens {kv_lens.tolist()} (with block_tables) disagree with the KV lengths of the CSR "
+                        f"page table (indptr/last_page_len: {csr_lens.tolist()}); pass one form, or both "
+                        "describing the same batch")
         else:
             _, kv_lens, page_offsets, flat = from_csr(indptr, indices, last_page_len, page_size, self.device,
                                                       non_blocking, names=("indptr", "indices", "last_page_len"))
+            _check_lengths_hint("seq_lens", seq_lens, kv_lens, "the CSR page table (indptr/last_page_len)")
             if self._use_cuda_graph and flat.shape[0] > self._indices_buf.shape[0]:
                 raise ValueError(
                     f"indices ({flat.shape[0]}) does not fit paged_kv_indices_buffer ({self._indices_buf.shape[0]})"
@@ -536,7 +554,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise RuntimeError("plan() must be called before run()")
         if args:
             raise TypeError("run() takes no extra positional arguments (custom-kernel args are not supported)")
-        if enable_pdl:
+        check_bool("return_lse", return_lse)
+        if check_optional_bool("enable_pdl", enable_pdl):
             raise NotImplementedError("enable_pdl=True is not supported (no programmatic dependent launch yet)")
         if skip_softmax_threshold_scale_factor is not None:
             raise NotImplementedError("skip_softmax_threshold_scale_factor is not supported")
@@ -586,6 +605,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_scale is not None or k_scale is not None or v_scale is not None:
             sm_scale *= run_scale("q_scale", q_scale) * run_scale("k_scale", k_scale)
             output_scale = run_scale("v_scale", v_scale)
+        if B == 0:  # an empty batch: nothing to launch (a zero-size grid is not launchable)
+            return (out, lse) if return_lse else out
         if self.device.index is not None and self.device.index != torch.cuda.current_device():
             with torch.cuda.device(self.device):
                 return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,

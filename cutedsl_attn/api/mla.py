@@ -19,7 +19,7 @@ from ..common.constants import LN2 as _LN2
 from ..dispatch import mla_choice, mla_launch, mla_limits, mla_problem, num_sms
 from ..planning.decode import max_items
 from ..planning.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MlaArgs, plan_mla
-from ._common import canonical_dtype, check_int, check_last_dim_contiguous, check_tensor, indptr_host
+from ._common import canonical_dtype, check_bool, check_int, check_last_dim_contiguous, check_tensor, indptr_host
 from ._graph import FixedBuffers, check_graph_buffer
 
 _BACKENDS = ("auto", "cute")
@@ -72,6 +72,7 @@ class BatchMLAPagedAttentionWrapper:
                  kv_indices: torch.Tensor | None = None, kv_len_arr: torch.Tensor | None = None,
                  backend: str = "auto") -> None:
         self._backend = _check_backend(backend)
+        check_bool("use_cuda_graph", use_cuda_graph)
         check_tensor("float_workspace_buffer", float_workspace_buffer)
         if float_workspace_buffer.data_ptr() % 16:
             raise ValueError("float_workspace_buffer must be 16-byte aligned")
@@ -122,7 +123,7 @@ class BatchMLAPagedAttentionWrapper:
           TypeError / ValueError: malformed arguments (the message names the argument and rule).
           NotImplementedError: head dims, dtypes, page sizes or features not served (the message says what is).
         """
-        if use_profiler:
+        if check_bool("use_profiler", use_profiler):
             raise NotImplementedError("use_profiler=True is not supported (no in-kernel profiler)")
         num_heads = check_int("num_heads", num_heads, 1)
         head_dim_ckv = check_int("head_dim_ckv", head_dim_ckv, 1)
@@ -135,8 +136,7 @@ class BatchMLAPagedAttentionWrapper:
         if page_size > MAX_PAGE_SIZE:
             raise NotImplementedError(f"page_size={page_size} is not supported; MLA serves page sizes "
                                       f"1..{MAX_PAGE_SIZE}")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {causal!r}")
+        check_bool("causal", causal)
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
             raise ValueError(f"sm_scale must be a finite float, got {sm_scale!r}")
         q_dt = _check_dtype("q_data_type", q_data_type)
@@ -268,6 +268,8 @@ class BatchMLAPagedAttentionWrapper:
         p = self._plan
         if p is None:
             raise RuntimeError("plan() must be called before run()")
+        check_bool("return_lse", return_lse)
+        check_bool("return_lse_base_on_e", return_lse_base_on_e)
         if profiler_buffer is not None:
             raise NotImplementedError("profiler_buffer is not supported (no in-kernel profiler)")
         if kv_len is not None or page_table is not None:
@@ -304,11 +306,12 @@ class BatchMLAPagedAttentionWrapper:
             check_tensor("lse", lse, shape=(T, H), dtype=torch.float32, device=dev)
             if not lse.is_contiguous():
                 raise ValueError("lse must be contiguous")
-        if dev.type != "cuda":
-            raise ValueError(f"q_nope, q_pe, the caches and the workspace must be CUDA tensors to launch, got {dev}")
-        args = MlaArgs(q_nope, q_pe, ckv_cache, kpe_cache, p["indices"], p["work"], out, lse, p["part_o"],
-                       p["part_lse"], self._counters, p["sm_scale"], p["row_tiles"], output_scale=1.0)
-        if T and p["num_work"]:
+        if T and p["num_work"]:  # an empty batch launches nothing (a zero-size grid is not launchable)
+            if dev.type != "cuda":
+                raise ValueError(f"q_nope, q_pe, the caches and the workspace must be CUDA tensors to launch, "
+                                 f"got {dev}")
+            args = MlaArgs(q_nope, q_pe, ckv_cache, kpe_cache, p["indices"], p["work"], out, lse, p["part_o"],
+                           p["part_lse"], self._counters, p["sm_scale"], p["row_tiles"], output_scale=1.0)
             with torch.cuda.device(dev):
                 mla_launch(p["module"], p["cfg"], args)
         if return_lse_base_on_e and visible_lse:

@@ -22,7 +22,7 @@ import torch
 from ..common.constants import LN2 as _LN2
 from ..dispatch import mla_choice, mla_launch, mla_limits, mla_problem, num_sms
 from ..planning.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MlaArgs, plan_mla
-from ._common import check_int, check_last_dim_contiguous, check_tensor
+from ._common import check_bool, check_int, check_last_dim_contiguous, check_optional_bool, check_tensor
 from ._pagetable import from_block_tables
 
 __all__ = ["trtllm_batch_decode_with_kv_cache_mla", "xqa_mla"]
@@ -278,6 +278,11 @@ def trtllm_batch_decode_with_kv_cache_mla(
       sizes, backends or options (the message says what is served).  All raised before any launch.
     """
     _check_backend(backend)
+    for n, x in (("is_var_seq", is_var_seq), ("uses_shared_paged_kv_idx", uses_shared_paged_kv_idx),
+                 ("return_lse", return_lse), ("enable_dcp", enable_dcp)):
+        check_bool(n, x)
+    check_optional_bool("enable_pdl", enable_pdl)
+    check_optional_bool("use_fp16_softmax", use_fp16_softmax)
     _not_served(sparse_mla_top_k=(sparse_mla_top_k, 0), sinks=(sinks, None),
                 skip_softmax_threshold_scale_factor=(skip_softmax_threshold_scale_factor, None),
                 uses_shared_paged_kv_idx=(uses_shared_paged_kv_idx, True), cute_dsl_impl=(cute_dsl_impl, "auto"),
@@ -289,8 +294,6 @@ def trtllm_batch_decode_with_kv_cache_mla(
         raise NotImplementedError(f"use_fp16_softmax={use_fp16_softmax!r} is not supported (softmax is fp32)")
     if return_lse_base not in (None, "base2", "basee"):
         raise ValueError(f"return_lse_base must be None, 'base2' or 'basee', got {return_lse_base!r}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     module, cfg, args, out, lse, num_work = _prepare(
         query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, block_tables,
         seq_lens, max_seq_len, out, bmm1_scale, bmm2_scale, lse, return_lse, multi_ctas_kv_counter_buffer)

@@ -45,7 +45,8 @@ import math
 import torch
 
 from .. import dispatch
-from ._common import canonical_dtype, check_int, check_kv_layout, check_tensor, indptr_host, return_lse_method, run_scale
+from ._common import (canonical_dtype, check_bool, check_int, check_kv_layout, check_tensor, indptr_host,
+                      return_lse_method, run_scale)
 from ._graph import check_graph_buffer, staged_host_copies
 from ._prefill_base import (
     _BatchPrefillBase,
@@ -236,6 +237,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
           NotImplementedError: the unsupported options above, head dims, group > 16, ALIBI with a soft cap,
             ``score_mod`` with a soft cap, ALIBI or the cuDNN backend.
         """
+        check_bool("non_blocking", non_blocking)
+        check_bool("disable_split_kv", disable_split_kv)
         qo_h = indptr_host("qo_indptr", qo_indptr)
         B = qo_h.shape[0] - 1
         kv_h = indptr_host("kv_indptr", kv_indptr, length=B + 1)
@@ -439,6 +442,8 @@ def single_prefill_with_kv_cache(
     is the custom op ``cutedsl_attn::single_prefill`` (not with a ``score_mod``: ``NotImplementedError``).
     """
     check_kv_layout(kv_layout)
+    for n, x in (("causal", causal), ("use_fp16_qk_reduction", use_fp16_qk_reduction), ("return_lse", return_lse)):
+        check_bool(n, x)
     if backend == "cudnn":
         raise NotImplementedError("single_prefill_with_kv_cache: backend='cudnn' is served by the batch prefill "
                                   f"wrappers (cuDNN frontend graphs), not here; supported here: {dispatch.PREFILL_BACKENDS}")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_int, csr_kv_lens, indptr_host, paged_kv_views, return_lse_method
+from ._common import (check_bool, check_int, check_optional_bool, csr_kv_lens, indptr_host, paged_kv_views,
+                      return_lse_method)
 from ._graph import check_graph_buffer
 from ._pagetable import from_block_tables, from_csr
 from ._prefill_base import (
@@ -162,6 +163,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
           KeyError: unknown ``pos_encoding_mode``.
           NotImplementedError: as the ragged wrapper's ``plan``.
         """
+        check_bool("non_blocking", non_blocking)
+        check_bool("disable_split_kv", disable_split_kv)
         qo_h = indptr_host("qo_indptr", qo_indptr)
         B = qo_h.shape[0] - 1
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -175,7 +178,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                                             non_blocking, batch_size=B)
             if paged_kv_indptr is not None and paged_kv_last_page_len is not None:
                 # both forms given: block_tables/seq_lens serve the launch; the CSR form must not disagree
-                _, csr_lens = csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B, page_size)
+                _, csr_lens = csr_kv_lens(paged_kv_indptr, paged_kv_last_page_len, B, page_size,
+                                         batch_name="len(qo_indptr) - 1")
                 if not torch.equal(csr_lens, kv_lens):
                     raise ValueError(
                         f"seq_lens {kv_lens.tolist()} disagree with the KV lengths of the CSR page table "
@@ -279,9 +283,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             raise TypeError("run() takes no extra positional arguments (custom-kernel args are not supported)")
         if skip_softmax_threshold_scale_factor is not None:
             raise NotImplementedError("skip_softmax_threshold_scale_factor is not supported")
-        if use_fp16_softmax:
+        if check_optional_bool("use_fp16_softmax", use_fp16_softmax):
             raise NotImplementedError("use_fp16_softmax=True (trtllm-gen only) is not supported")
-        if uses_spcompress:
+        if check_optional_bool("uses_spcompress", uses_spcompress):
             raise NotImplementedError("uses_spcompress=True (trtllm-gen only) is not supported")
         if window_left is not None and window_left != p["window_left"]:
             raise ValueError(f"window_left={window_left} at run() differs from plan() ({p['window_left']})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_kv_layout, check_tensor
+from ._common import check_bool, check_kv_layout, check_tensor
 from ._graph import staged_host_copies
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 
@@ -49,9 +49,13 @@ def single_decode_with_kv_cache(
       KeyError: ``kv_layout`` not NHD/HND (as FlashInfer).  TypeError / ValueError: a non-tensor or wrongly
       shaped q / k / v, k and v shapes differing, q's head_dim not k's; the checks of
       :meth:`BatchDecodeWithPagedKVCacheWrapper.plan` / ``run`` (head dims, head counts, scales, window).
-      NotImplementedError: q / k / v dtypes differing, or what the wrapper does not serve.
+      NotImplementedError: q / k / v dtypes differing (fp16/bf16 of one dtype are served; an fp8 KV cache is
+      served by :class:`BatchDecodeWithPagedKVCacheWrapper` with ``kv_data_type``), or what the wrapper does not
+      serve.
     """
     check_kv_layout(kv_layout)
+    check_bool("use_tensor_cores", use_tensor_cores)
+    check_bool("return_lse", return_lse)
     if torch.compiler.is_compiling():  # plan() is host work: the whole call is one custom op in the graph
         o, lse = _single_decode_op(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, _opt_float(q_scale),
                                    _opt_float(k_scale), _opt_float(v_scale), window_left,
@@ -83,7 +87,10 @@ def _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_sc
     if q.shape[1] != d:
         raise ValueError(f"q head_dim {q.shape[1]} != k head_dim {d}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise NotImplementedError(f"q/k/v dtypes must match (got {q.dtype}, {k.dtype}, {v.dtype})")
+        raise NotImplementedError(
+            f"q/k/v dtypes must match (got {q.dtype}, {k.dtype}, {v.dtype}): single_decode_with_kv_cache serves "
+            "fp16/bf16 q, k and v of one dtype; an fp8 KV cache is served by BatchDecodeWithPagedKVCacheWrapper "
+            "(plan with kv_data_type)")
     dev = q.device
     # a wrapper, workspace and page ids per call, dropped after it: no device tensor outlives the call (a
     # CUDA-graph pool, e.g. of torch.compile's reduce-overhead mode, must hold only the outputs)

@@ -36,7 +36,7 @@ import numbers
 
 import torch
 
-from ._common import canonical_dtype, check_int, check_kv_layout, check_tensor
+from ._common import canonical_dtype, check_bool, check_int, check_kv_layout, check_optional_bool, check_tensor
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper
 
@@ -110,6 +110,12 @@ def _check_query(name: str, q, *, ndim: int) -> None:
     if q.dtype not in _16BIT:
         raise NotImplementedError(f"{name} dtype {q.dtype} is not supported; supported: torch.float16, "
                                   "torch.bfloat16")
+
+
+def _check_bools(**flags) -> None:
+    """``TypeError`` naming the first of ``flags`` (name -> value) that is not a Python bool."""
+    for name, value in flags.items():
+        check_bool(name, value)
 
 
 def _check_kv_dtype(k, q_dtype, *, fp8_ok: bool, where: str) -> None:
@@ -267,6 +273,9 @@ def trtllm_batch_decode_with_kv_cache(
         ``request_order_plan``, fp8 KV with several rows per request, other dtypes.
     """
     _not_capturing("trtllm_batch_decode_with_kv_cache")
+    _check_bools(uses_shared_paged_kv_idx=uses_shared_paged_kv_idx, return_lse=return_lse,
+                 enable_block_sparse_attention=enable_block_sparse_attention)
+    check_optional_bool("enable_pdl", enable_pdl)
     if backend not in TRTLLM_DECODE_BACKENDS:
         raise KeyError(f"Backend {backend} not supported; supported: {TRTLLM_DECODE_BACKENDS}")
     check_kv_layout(kv_layout)
@@ -368,6 +377,7 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
         ``enable_pdl=True``, fp8 output, fp8 KV or a sliding window with ``q_seq_len > 1``, other dtypes.
     """
     _not_capturing("xqa")
+    check_optional_bool("enable_pdl", enable_pdl)
     check_kv_layout(kv_layout)
     _unserved(**{"q_cu_seq_lens (ragged speculative decoding)": q_cu_seq_lens is not None,
                  "k_sf_cache / v_sf_cache (NVFP4 KV cache)": k_sf_cache is not None or v_sf_cache is not None,
@@ -471,6 +481,10 @@ def trtllm_batch_context_with_kv_cache(
         skip-softmax, separate K/V page tables, ``use_fp16_softmax``, ``uses_spcompress``, an fp8 KV cache.
     """
     _not_capturing("trtllm_batch_context_with_kv_cache")
+    _check_bools(uses_shared_paged_kv_idx=uses_shared_paged_kv_idx, causal=causal, return_lse=return_lse)
+    for n, x in (("enable_pdl", enable_pdl), ("use_fp16_softmax", use_fp16_softmax),
+                 ("uses_spcompress", uses_spcompress)):
+        check_optional_bool(n, x)
     if backend not in TRTLLM_CONTEXT_BACKENDS:
         raise ValueError(f"backend must be one of {TRTLLM_CONTEXT_BACKENDS}, got {backend!r}")
     check_kv_layout(kv_layout)
@@ -481,8 +495,6 @@ def trtllm_batch_context_with_kv_cache(
         "uses_shared_paged_kv_idx=False (separate K/V page tables)": uses_shared_paged_kv_idx is False,
         "use_fp16_softmax=True": bool(use_fp16_softmax), "uses_spcompress=True": bool(uses_spcompress),
     })
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
     if not causal and window_left is not None and not isinstance(window_left, bool) and window_left >= 0:
         raise NotImplementedError("window_left >= 0 with causal=False is not supported")
     _check_query("query", query, ndim=3)
