@@ -833,7 +833,7 @@ def test_frontend_accepts_the_graphs_on_a_simulated_hopper(monkeypatch):
 def test_custom_op_under_torch_compile(monkeypatch):
     """Under torch.compile the launch is ``cutedsl_attn::gdn_recurrent`` (traced with its fake, run for real):
     same results as eager, the in-place state (one tensor as initial and output state) included."""
-    from cutedsl_attn import dispatch as d
+    from cutedsl_attn.dispatch import gdn as d
     from cutedsl_attn.planning import gdn as pg
     launches = []
     monkeypatch.setattr(d, "_gdn_launch_direct", lambda module, cfg, args: (launches.append(cfg.problem),

@@ -373,7 +373,7 @@ def test_custom_op_registered_with_its_mutations():
 
 def test_launch_traces_as_the_custom_op(monkeypatch):
     # under torch.compile(fullgraph=True) the launch is the custom op (its fake for tracing), run for real after
-    from cutedsl_attn import dispatch as d
+    from cutedsl_attn.dispatch import mla as d
     from cutedsl_attn.planning.mla import MlaArgs
 
     seen = []

@@ -18,26 +18,23 @@ module's ``launch`` (no dispatcher cost).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
 import os
 
 import torch
 
-from . import selfcheck as _selfcheck
-from .compile import config_key, device_arch, get_compiled, hash_callable, target_arch
-from .compile import selfcheck as _verdicts
-from .planning.decode import DecodeArgs, DecodeProblem, max_items, occupancy, plan_paged_decode
-from .planning.gdn import GdnArgs, GdnProblem
-from .planning.mla import MlaArgs, MlaProblem
-from .planning.prefill import PrefillArgs, PrefillProblem
-from .portable import gdn_recurrent as _rec
-from .portable import mla_decode as _mla_portable
-from .portable import paged_decode as _paged_decode
-from .portable import prefill as _prefill_portable
-from .sm90 import prefill as _prefill_sm90
-from .sm100 import prefill as _prefill_sm100
+from .. import selfcheck as _selfcheck
+from ..compile import config_key, device_arch, get_compiled, hash_callable, target_arch
+from ..compile import selfcheck as _verdicts
+from ..planning.decode import DecodeArgs, DecodeProblem, max_items, occupancy, plan_paged_decode
+from ..planning.prefill import PrefillArgs, PrefillProblem
+from ..portable import gdn_recurrent as _rec
+from ..portable import mla_decode as _mla_portable
+from ..portable import paged_decode as _paged_decode
+from ..portable import prefill as _prefill_portable
+from ..sm90 import prefill as _prefill_sm90
+from ..sm100 import prefill as _prefill_sm100
 
 __all__ = [
     "KERNEL_MODULES",
@@ -77,7 +74,6 @@ PREFILL_KERNEL_ENV = "CUTEDSL_ATTN_PREFILL_KERNEL"
 PREFILL_TUNE_ENV = "CUTEDSL_ATTN_PREFILL_TUNE"
 DECODE_TUNE_ENV = "CUTEDSL_ATTN_DECODE_TUNE"
 DECODE_MIN_WAVES_ENV = "CUTEDSL_ATTN_DECODE_MIN_WAVES"
-MLA_TUNE_ENV = "CUTEDSL_ATTN_MLA_TUNE"
 
 _TORCH_TO_NAME = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _is_compiling = torch.compiler.is_compiling
@@ -447,7 +443,7 @@ def decode_backend(backend: str, *, batch_size: int | None = None, max_kv_len: i
     if arch not in r["archs"]:
         return "cute"
     if cudnn_importable is None:
-        from .cudnn.prefill import cudnn_available  # noqa: PLC0415 -- the optional frontend, tried only here
+        from ..cudnn.prefill import cudnn_available  # noqa: PLC0415 -- the optional frontend, tried only here
 
         cudnn_importable = cudnn_available()
     return "cudnn" if cudnn_importable else "cute"
@@ -643,136 +639,7 @@ def decode_schedule(problem: DecodeProblem, kv_lens, page_offsets, *, num_kv_hea
     return choice, wp
 
 
-# ----------------------------------------------------------------------------- gated delta rule family
-# One kernel module serves GDN, GDN-2, Gated DeltaProduct and KDA on every arch today: the token-serial recurrent
-# kernel (its variants chosen by GdnProblem fields), the right algorithm for the decode step and the stand-in for
-# prefill until the chunked kernels exist.  Under torch.compile the launch is the custom op
-# cutedsl_attn::gdn_recurrent; eager calls launch directly.
-_GDN_FIELDS = tuple(f.name for f in dataclasses.fields(GdnProblem))
-
-
-def gdn_choice(problem: GdnProblem, *, device_index: int | None = None):
-    """``(kernel module, config)`` serving ``problem``.
-
-    Raises NotImplementedError naming what is served when no kernel serves the problem.
-    """
-    reason = _rec.unsupported_reason(problem)
-    if reason is not None:
-        raise NotImplementedError(f"gated delta rule: {reason}")
-    return _rec, _rec.Config(problem, _rec.default_tiles(problem, num_sms=num_sms(device_index)))
-
-
-def _gdn_launch_direct(module, cfg, args: GdnArgs) -> None:
-    fn = get_compiled(module.NAME, cfg, module.compile)
-    module.launch(fn, cfg, args)
-
-
-# the state pool may be both initial_state and output_state (an in-place update): both are declared mutated
-@torch.library.custom_op("cutedsl_attn::gdn_recurrent", mutates_args=("initial_state", "output_state", "output"))
-def _gdn_recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      cu_seqlens: torch.Tensor, initial_state: torch.Tensor, initial_state_indices: torch.Tensor,
-                      output_state: torch.Tensor, output_state_indices: torch.Tensor, output: torch.Tensor,
-                      scale: float, q_group: int, k_group: int, v_group: int, flags: int, key: str) -> None:
-    module, cfg = gdn_choice(_gdn_problem_of(key), device_index=q.device.index)
-    _gdn_launch_direct(module, cfg, GdnArgs(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices, output_state,
-                             output_state_indices, output, scale, q_group, k_group, v_group, flags))
-
-
-@_gdn_recurrent_op.register_fake
-def _(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices, output_state, output_state_indices,
-      output, scale, q_group, k_group, v_group, flags, key) -> None:
-    return None
-
-
-def _gdn_problem_key(problem: GdnProblem) -> str:
-    """The problem as the custom op's string argument (built from constants: traceable without side effects)."""
-    return ";".join(f"{name}={getattr(problem, name)!r}" for name in _GDN_FIELDS)
-
-
-def _gdn_problem_of(key: str) -> GdnProblem:
-    return GdnProblem(**{name: ast.literal_eval(val) for name, val in (kv.split("=", 1) for kv in key.split(";"))})
-
-
-def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None = None) -> None:
-    """Compile (cached in memory and on disk) the chosen kernel and launch it on the current stream."""
-    if torch.compiler.is_compiling():
-        _gdn_recurrent_op(*args, _gdn_problem_key(problem))
-        return
-    _gdn_launch_direct(*gdn_choice(problem, device_index=device_index), args)
-
-
-def gdn_arch(device=None) -> str:
-    """The compile target of a GDN-family problem on ``device`` (``CUTEDSL_ATTN_ARCH`` or the device's)."""
-    return target_arch(device)
-
-
-# ----------------------------------------------------------------------------- MLA
-# One kernel serves every MLA problem on every arch today: the portable decode kernel (query heads x qo_len rows
-# packed into 16-row mma.sync tiles; multi-token rows bottom-right causal).  Under torch.compile the launch is
-# the custom op cutedsl_attn::mla_decode_portable.
-_MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
-
-
-def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512, head_dim_kpe: int = 64,
-                device_index: int | None = None) -> MlaProblem:
-    """The :class:`~cutedsl_attn.planning.mla.MlaProblem` of a plan on the target arch (``CUTEDSL_ATTN_ARCH`` or
-    the device's); raises MlaProblem's errors."""
-    dev = torch.device("cuda", device_index) if device_index is not None and torch.cuda.is_available() else None
-    return MlaProblem(dtype=_dtype_name(dtype), page_size=page_size, head_dim_ckv=head_dim_ckv,
-                      head_dim_kpe=head_dim_kpe, causal=bool(causal), arch=target_arch(dev))
-
-
-def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
-    """``(kernel module, config)`` serving ``problem``; ``CUTEDSL_ATTN_MLA_TUNE`` (``"key=value,..."`` over the
-    kernel's ``Tiles`` fields, tuning experiments) overrides the default tiles.
-
-    Raises NotImplementedError naming what is served when no kernel serves the problem; ValueError naming the
-    variable for a malformed item or a refused combination."""
-    m = _mla_portable
-    reason = m.unsupported_reason(problem)
-    if reason is not None:
-        raise NotImplementedError(f"MLA: {reason}")
-    tiles = m.default_tiles(problem, num_sms=num_sms(device_index))
-    tune = os.environ.get(MLA_TUNE_ENV, "").strip()
-    if tune:
-        tiles = _override(m, MLA_TUNE_ENV, tune, tiles, _parse_tune(MLA_TUNE_ENV, tune, m.TUNING_FIELDS))
-    try:
-        return m, m.Config(problem, tiles)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{e} (with {MLA_TUNE_ENV}={tune!r})" if tune else str(e)) from None
-
-
-def mla_limits(module, cfg) -> dict:
-    """What the MLA planner needs of a choice: ``max_splits_per_request`` and ``ctas_per_sm``."""
-    return {"max_splits_per_request": cfg.max_splits_per_request,
-            "ctas_per_sm": max(1, (228 * 1024) // (cfg.smem_bytes + 1024))}
-
-
-def _mla_launch_direct(module, cfg, args: MlaArgs) -> None:
-    module.launch(get_compiled(module.NAME, cfg, module.compile), cfg, args)
-
-
-@torch.library.custom_op("cutedsl_attn::mla_decode_portable", mutates_args=("out", "lse", "part_o", "part_lse",
-                                                                             "counters"))
-def _mla_op(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, indices: torch.Tensor,
-            work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
-            counters: torch.Tensor, sm_scale: float, num_row_tiles: int, output_scale: float, key: str) -> None:
-    problem = MlaProblem(**{n: ast.literal_eval(v) for n, v in (kv.split("=", 1) for kv in key.split(";"))})
-    _mla_launch_direct(*mla_choice(problem, device_index=q_nope.device.index),
-                       MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale,
-                               num_row_tiles, output_scale))
-
-
-@_mla_op.register_fake
-def _(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, num_row_tiles,
-      output_scale, key) -> None:
-    return None
-
-
-def mla_launch(module, cfg, args: MlaArgs) -> None:
-    """Compile (cached in memory and on disk) the chosen MLA kernel and launch it on the current stream."""
-    if torch.compiler.is_compiling():
-        _mla_op(*args, ";".join(f"{n}={getattr(cfg.problem, n)!r}" for n in _MLA_FIELDS))
-        return
-    _mla_launch_direct(module, cfg, args)
+# the delta-rule family and MLA: their own modules, re-exported here (dispatch stays the one place a kernel is chosen)
+from .gdn import gdn_arch, gdn_choice, gdn_launch  # noqa: E402
+from .mla import MLA_TUNE_ENV, mla_choice, mla_launch, mla_limits, mla_problem  # noqa: E402
 

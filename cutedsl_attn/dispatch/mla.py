@@ -1,0 +1,87 @@
+"""Kernel choice and launch of MLA (part of :mod:`cutedsl_attn.dispatch`, which re-exports its public names).
+
+One kernel serves every MLA problem on every arch today: the portable decode kernel (query heads x qo_len rows
+packed into 16-row mma.sync tiles; multi-token rows bottom-right causal).  Under torch.compile the launch is
+the custom op cutedsl_attn::mla_decode_portable.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+
+import torch
+
+from ..compile import get_compiled, target_arch
+from ..planning.mla import MlaArgs, MlaProblem
+from ..portable import mla_decode as _mla_portable
+from . import _dtype_name, _override, _parse_tune, num_sms
+
+MLA_TUNE_ENV = "CUTEDSL_ATTN_MLA_TUNE"  # "key=value,..." over the MLA kernel's Tiles fields: tuning experiments
+
+_MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
+
+
+def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512, head_dim_kpe: int = 64,
+                device_index: int | None = None) -> MlaProblem:
+    """The :class:`~cutedsl_attn.planning.mla.MlaProblem` of a plan on the target arch (``CUTEDSL_ATTN_ARCH`` or
+    the device's); raises MlaProblem's errors."""
+    dev = torch.device("cuda", device_index) if device_index is not None and torch.cuda.is_available() else None
+    return MlaProblem(dtype=_dtype_name(dtype), page_size=page_size, head_dim_ckv=head_dim_ckv,
+                      head_dim_kpe=head_dim_kpe, causal=bool(causal), arch=target_arch(dev))
+
+
+def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
+    """``(kernel module, config)`` serving ``problem``; ``CUTEDSL_ATTN_MLA_TUNE`` (``"key=value,..."`` over the
+    kernel's ``Tiles`` fields, tuning experiments) overrides the default tiles.
+
+    Raises NotImplementedError naming what is served when no kernel serves the problem; ValueError naming the
+    variable for a malformed item or a refused combination."""
+    m = _mla_portable
+    reason = m.unsupported_reason(problem)
+    if reason is not None:
+        raise NotImplementedError(f"MLA: {reason}")
+    tiles = m.default_tiles(problem, num_sms=num_sms(device_index))
+    tune = os.environ.get(MLA_TUNE_ENV, "").strip()
+    if tune:
+        tiles = _override(m, MLA_TUNE_ENV, tune, tiles, _parse_tune(MLA_TUNE_ENV, tune, m.TUNING_FIELDS))
+    try:
+        return m, m.Config(problem, tiles)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{e} (with {MLA_TUNE_ENV}={tune!r})" if tune else str(e)) from None
+
+
+def mla_limits(module, cfg) -> dict:
+    """What the MLA planner needs of a choice: ``max_splits_per_request`` and ``ctas_per_sm``."""
+    return {"max_splits_per_request": cfg.max_splits_per_request,
+            "ctas_per_sm": max(1, (228 * 1024) // (cfg.smem_bytes + 1024))}
+
+
+def _mla_launch_direct(module, cfg, args: MlaArgs) -> None:
+    module.launch(get_compiled(module.NAME, cfg, module.compile), cfg, args)
+
+
+@torch.library.custom_op("cutedsl_attn::mla_decode_portable", mutates_args=("out", "lse", "part_o", "part_lse",
+                                                                             "counters"))
+def _mla_op(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, indices: torch.Tensor,
+            work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
+            counters: torch.Tensor, sm_scale: float, num_row_tiles: int, output_scale: float, key: str) -> None:
+    problem = MlaProblem(**{n: ast.literal_eval(v) for n, v in (kv.split("=", 1) for kv in key.split(";"))})
+    _mla_launch_direct(*mla_choice(problem, device_index=q_nope.device.index),
+                       MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale,
+                               num_row_tiles, output_scale))
+
+
+@_mla_op.register_fake
+def _(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, num_row_tiles,
+      output_scale, key) -> None:
+    return None
+
+
+def mla_launch(module, cfg, args: MlaArgs) -> None:
+    """Compile (cached in memory and on disk) the chosen MLA kernel and launch it on the current stream."""
+    if torch.compiler.is_compiling():
+        _mla_op(*args, ";".join(f"{n}={getattr(cfg.problem, n)!r}" for n in _MLA_FIELDS))
+        return
+    _mla_launch_direct(module, cfg, args)
