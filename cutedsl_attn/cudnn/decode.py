@@ -34,15 +34,13 @@ helpers are shared with :mod:`cutedsl_attn.cudnn.prefill`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
-import threading
 from typing import Optional
 
 import torch
 
-from .prefill import GRAPH_CACHE_SIZE, LOG2E, _cudnn_dtype, _handle, _next_pow2, cudnn_available, require_cudnn
+from .prefill import LOG2E, GraphCache, _cudnn_dtype, _handle, _next_pow2, cudnn_available, require_cudnn
 
 __all__ = [
     "LOG2E",
@@ -240,23 +238,19 @@ class DecodeGraph:
         self.workspace_size = int(workspace_size)
 
 
-_GRAPH_CACHE: "collections.OrderedDict[DecodeGraphKey, DecodeGraph]" = collections.OrderedDict()
-_CACHE_LOCK = threading.Lock()
-_stats = {"builds": 0, "hits": 0}
+_GRAPHS = GraphCache()
 # constant seq_len_q tensors, never evicted: a captured CUDA graph keeps reading them
 _SEQ_LEN_Q: dict = {}
 
 
 def graph_cache_info() -> dict:
     """``{"builds": ..., "hits": ..., "size": ...}`` since import (or the last :func:`clear_graph_cache`)."""
-    return dict(_stats, size=len(_GRAPH_CACHE))
+    return _GRAPHS.info()
 
 
 def clear_graph_cache() -> None:
     """Drop every cached decode graph and reset the counters (the seq_len_q constants stay)."""
-    with _CACHE_LOCK:
-        _GRAPH_CACHE.clear()
-        _stats.update(builds=0, hits=0)
+    _GRAPHS.clear()
 
 
 def seq_len_q_tensor(device: torch.device, batch: int, q_len_per_req: int) -> torch.Tensor:
@@ -330,23 +324,7 @@ def get_graph(key: DecodeGraphKey, *, build: bool = True) -> Optional[DecodeGrap
       ImportError: cudnn-frontend missing.  NotImplementedError: no cuDNN engine serves the graph
       (:func:`decline_message`; ``cudnnGraphNotSupportedError`` chained).
     """
-    g = _GRAPH_CACHE.get(key)
-    if g is not None:
-        _stats["hits"] += 1
-        return g
-    if not build:
-        return None
-    with _CACHE_LOCK:  # builds are serialised; a racing builder may have won
-        g = _GRAPH_CACHE.get(key)
-        if g is None:
-            g = _build(key)
-            _stats["builds"] += 1
-            _GRAPH_CACHE[key] = g
-            while len(_GRAPH_CACHE) > GRAPH_CACHE_SIZE:
-                _GRAPH_CACHE.popitem(last=False)
-        else:
-            _stats["hits"] += 1
-    return g
+    return _GRAPHS.get(key, _build if build else None)
 
 
 def bind_map(key: DecodeGraphKey, *, q, k, v, out, stats, seq_len_q, seq_len_kv, block_table, sinks) -> dict:

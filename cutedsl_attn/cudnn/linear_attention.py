@@ -16,16 +16,14 @@ Bottom layer: imports nothing from ``cutedsl_attn`` above ``cudnn/``.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
-import threading
 from typing import Optional
 
 import torch
 
 from .decode import versions
-from .prefill import GRAPH_CACHE_SIZE, _cudnn_dtype, _handle, require_cudnn
+from .prefill import GraphCache, _cudnn_dtype, _handle, require_cudnn
 
 __all__ = ["FAMILIES", "MIN_FRONTEND", "LinearGraphKey", "clear_graph_cache", "decline_message", "get_graph",
            "graph_cache_info", "graph_key", "layout", "require_linear_attention", "run_graph"]
@@ -166,21 +164,18 @@ class LinearGraph:
     workspace_size: int
 
 
-_GRAPH_CACHE: "collections.OrderedDict[LinearGraphKey, LinearGraph]" = collections.OrderedDict()
-_CACHE_LOCK = threading.Lock()
-_stats = {"builds": 0, "hits": 0}
+_GRAPHS = GraphCache()
 _WORKSPACES: dict = {}
 
 
 def graph_cache_info() -> dict:
     """``{"size", "builds", "hits"}`` of the process-wide graph cache."""
-    return {"size": len(_GRAPH_CACHE), **_stats}
+    return _GRAPHS.info()
 
 
 def clear_graph_cache() -> None:
-    with _CACHE_LOCK:
-        _GRAPH_CACHE.clear()
-        _stats.update(builds=0, hits=0)
+    """Drop every cached graph and reset the counters."""
+    _GRAPHS.clear()
 
 
 def _build(key: LinearGraphKey) -> LinearGraph:
@@ -234,21 +229,7 @@ def get_graph(key: LinearGraphKey) -> LinearGraph:
         NotImplementedError: no cuDNN engine serves the graph (:func:`decline_message`; the frontend's
             ``cudnnGraphNotSupportedError`` chained).
     """
-    lg = _GRAPH_CACHE.get(key)
-    if lg is not None:
-        _stats["hits"] += 1
-        return lg
-    with _CACHE_LOCK:
-        lg = _GRAPH_CACHE.get(key)
-        if lg is None:
-            lg = _build(key)
-            _stats["builds"] += 1
-            _GRAPH_CACHE[key] = lg
-            while len(_GRAPH_CACHE) > GRAPH_CACHE_SIZE:
-                _GRAPH_CACHE.popitem(last=False)
-        else:
-            _stats["hits"] += 1
-    return lg
+    return _GRAPHS.get(key, _build)
 
 
 def _workspace(device: torch.device, size: int) -> torch.Tensor:

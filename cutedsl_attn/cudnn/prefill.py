@@ -276,21 +276,57 @@ class PrefillGraph:
         self.workspace_size = int(workspace_size)
 
 
-_GRAPH_CACHE: "collections.OrderedDict[PrefillGraphKey, PrefillGraph]" = collections.OrderedDict()
-_CACHE_LOCK = threading.Lock()
-_stats = {"builds": 0, "hits": 0}
+class GraphCache:
+    """A process-wide LRU of built cuDNN graphs (at most :data:`GRAPH_CACHE_SIZE`), shared by every graph builder
+    of this package: a hit is a dict lookup, builds are serialised under a lock (a racing builder's graph wins)."""
+
+    def __init__(self):
+        self._graphs: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._stats = {"builds": 0, "hits": 0}
+
+    def get(self, key, build):
+        """The graph for ``key``: cached, else ``build(key)`` (None as ``build``: None on a miss)."""
+        g = self._graphs.get(key)
+        if g is not None:
+            self._stats["hits"] += 1
+            return g
+        if build is None:
+            return None
+        with self._lock:
+            g = self._graphs.get(key)
+            if g is None:
+                g = build(key)
+                self._stats["builds"] += 1
+                self._graphs[key] = g
+                while len(self._graphs) > GRAPH_CACHE_SIZE:
+                    self._graphs.popitem(last=False)
+            else:
+                self._stats["hits"] += 1
+        return g
+
+    def info(self) -> dict:
+        """``{"builds": ..., "hits": ..., "size": ...}`` since import (or the last :meth:`clear`)."""
+        return dict(self._stats, size=len(self._graphs))
+
+    def clear(self) -> None:
+        """Drop every cached graph and reset the counters."""
+        with self._lock:
+            self._graphs.clear()
+            self._stats.update(builds=0, hits=0)
+
+
+_GRAPHS = GraphCache()
 
 
 def graph_cache_info() -> dict:
     """``{"builds": ..., "hits": ..., "size": ...}`` since import (or the last :func:`clear_graph_cache`)."""
-    return dict(_stats, size=len(_GRAPH_CACHE))
+    return _GRAPHS.info()
 
 
 def clear_graph_cache() -> None:
     """Drop every cached graph and reset the counters."""
-    with _CACHE_LOCK:
-        _GRAPH_CACHE.clear()
-        _stats.update(builds=0, hits=0)
+    _GRAPHS.clear()
 
 
 def _cudnn_dtype(cudnn, dt: torch.dtype):
@@ -383,21 +419,7 @@ def get_graph(key: PrefillGraphKey) -> PrefillGraph:
       ImportError: cudnn-frontend missing.  NotImplementedError: no cuDNN engine serves the graph
       (``cudnnGraphNotSupportedError`` chained).
     """
-    g = _GRAPH_CACHE.get(key)
-    if g is not None:
-        _stats["hits"] += 1
-        return g
-    with _CACHE_LOCK:  # builds are serialised; a racing builder may have won
-        g = _GRAPH_CACHE.get(key)
-        if g is None:
-            g = _build(key)
-            _stats["builds"] += 1
-            _GRAPH_CACHE[key] = g
-            while len(_GRAPH_CACHE) > GRAPH_CACHE_SIZE:
-                _GRAPH_CACHE.popitem(last=False)
-        else:
-            _stats["hits"] += 1
-    return g
+    return _GRAPHS.get(key, _build)
 
 
 def run_graph(key: PrefillGraphKey, *, q, k, v, out, stats, seq_len_q, seq_len_kv, q_offsets, o_offsets,
