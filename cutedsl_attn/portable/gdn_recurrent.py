@@ -43,6 +43,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from ..common.dtypes import element_type
 from ..common import ptx
 from ..common.constants import LOG2E
 from ..compile.arch import compile_options
@@ -272,7 +273,7 @@ class GdnRecurrentKernel:
     def __init__(self, cfg: Config):
         p, t = cfg.problem, cfg.tiles
         self.cfg = cfg
-        self.io = cutlass.BFloat16 if p.dtype == "bfloat16" else cutlass.Float16
+        self.io = element_type(p.dtype)
         self.bf16_state = p.state_dtype == "bfloat16"
         self.k_major = p.state_k_major
         self.K, self.V = p.head_dim_k, p.head_dim_v
@@ -637,7 +638,7 @@ def _fake_args(cfg: Config) -> tuple:
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
     p = cfg.problem
-    io = cutlass.BFloat16 if p.dtype == "bfloat16" else cutlass.Float16
+    io = element_type(p.dtype)
     sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
 
     def sym():

@@ -62,6 +62,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from ..common.dtypes import element_type
 from ..common import ptx
 from ..common import softmax as sm
 from ..common.constants import LOG2E, NEG_INF
@@ -148,7 +149,7 @@ class Config:
     @property
     def cutlass_dtype(self):
         """The CuTe DSL element type of q and o (and of k and v for a 16-bit cache)."""
-        return cutlass.BFloat16 if self.problem.dtype == "bfloat16" else cutlass.Float16
+        return element_type(self.problem.dtype)
 
     @property
     def kv_cutlass_dtype(self):

@@ -53,6 +53,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..common.dtypes import element_type
 from ..common import epilogue, masks, paging, ptx
 from ..common import softmax as sm
 from ..common.constants import LOG2E, NEG_INF
@@ -135,7 +136,7 @@ class Config:
     @property
     def cutlass_dtype(self):
         """The CuTe DSL element type of q, k, v and o."""
-        return cutlass.BFloat16 if self.problem.dtype == "bfloat16" else cutlass.Float16
+        return element_type(self.problem.dtype)
 
     @property
     def head_dim_qk(self) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import cutlass
 
+from ...common.dtypes import element_type
 from ...planning.prefill import PrefillProblem
 
 ARCHS = ("sm_100a", "sm_103a")
@@ -238,7 +238,7 @@ class Config:
     @property
     def cutlass_dtype(self):
         """The CuTe DSL element type of q, k, v and o."""
-        return cutlass.BFloat16 if self.problem.dtype == "bfloat16" else cutlass.Float16
+        return element_type(self.problem.dtype)
 
     @property
     def tile_m(self) -> int:

@@ -11,8 +11,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
-import cutlass
 
+from ...common.dtypes import element_type
 from ...planning.prefill import PrefillProblem
 
 SMEM_LIMIT = 227 * 1024
@@ -186,7 +186,7 @@ class Config:
     @property
     def cutlass_dtype(self):
         """The CuTe DSL element type of q, k, v and o."""
-        return cutlass.BFloat16 if self.problem.dtype == "bfloat16" else cutlass.Float16
+        return element_type(self.problem.dtype)
 
     @property
     def tile_m(self) -> int:
