@@ -531,12 +531,29 @@ class GdnRecurrentKernel:
         KL, R = self.KL, self.R
         a = cur[at + 2 * KL + R]
         b = cur[at + 2 * KL + R + 1]
+        rk, rq, kq_n = self._reduce(st, cur, at, red, scale, [cur[at + KL + j] for j in range(KL)],
+                                    [cur[at + j] for j in range(KL)])
+        ak = a * rk
+        for r in cutlass.range_constexpr(R):
+            u = b * (cur[at + 2 * KL + r] - ak * red[r])  # beta (v - alpha H k)
+            red[r] = rq * (a * red[R + r] + u * kq_n)  # scale H_t q
+            uk = u * rk
+            for j in cutlass.range_constexpr(KL):
+                st[r * KL + j] = a * st[r * KL + j] + uk * cur[at + KL + j]
+
+    @cute.jit
+    def _reduce(self, st, cur, at: cutlass.Constexpr, red, scale, xk, xq):
+        """The token's reductions, summed over the group's lanes by one butterfly: ``red[r] = H x_k`` and
+        ``red[R + r] = H x_q`` of the R rows (``xk`` / ``xq``: the lane's KL channels the state multiplies), then
+        k.q, and (with l2norm) |k|^2 and |q|^2.  Returns ``(rk, rq, kq_n)``: k's normaliser, q's times ``scale``,
+        and the normalised k.q."""
+        KL, R = self.KL, self.R
         for r in cutlass.range_constexpr(R):
             pk = Float32(0.0)
             pq = Float32(0.0)
             for j in cutlass.range_constexpr(KL):
-                pk = pk + st[r * KL + j] * cur[at + KL + j]
-                pq = pq + st[r * KL + j] * cur[at + j]
+                pk = pk + st[r * KL + j] * xk[j]
+                pq = pq + st[r * KL + j] * xq[j]
             red[r] = pk
             red[R + r] = pq
         kq = Float32(0.0)
@@ -558,14 +575,7 @@ class GdnRecurrentKernel:
         if const_expr(self.l2norm):
             rk = _rsqrt(red[2 * R + 1] + Float32(L2NORM_EPS))
             rq = scale * _rsqrt(red[2 * R + 2] + Float32(L2NORM_EPS))
-        kq_n = red[2 * R] * rk
-        ak = a * rk
-        for r in cutlass.range_constexpr(R):
-            u = b * (cur[at + 2 * KL + r] - ak * red[r])  # beta (v - alpha H k)
-            red[r] = rq * (a * red[R + r] + u * kq_n)  # scale H_t q
-            uk = u * rk
-            for j in cutlass.range_constexpr(KL):
-                st[r * KL + j] = a * st[r * KL + j] + uk * cur[at + KL + j]
+        return rk, rq, red[2 * R] * rk
 
     @cute.jit
     def _step_channel(self, st, cur, at: cutlass.Constexpr, red, scale):
@@ -578,34 +588,7 @@ class GdnRecurrentKernel:
         ak = [cur[ga + j] * cur[at + KL + j] for j in range(KL)]
         if const_expr(self.erase):
             ak = [ak[j] * cur[gb + j] for j in range(KL)]  # H' (b * k)
-        for r in cutlass.range_constexpr(R):
-            pk = Float32(0.0)
-            pq = Float32(0.0)
-            for j in cutlass.range_constexpr(KL):
-                pk = pk + st[r * KL + j] * ak[j]
-                pq = pq + st[r * KL + j] * aq[j]
-            red[r] = pk
-            red[R + r] = pq
-        kq = Float32(0.0)
-        kk = Float32(0.0)
-        qq = Float32(0.0)
-        for j in cutlass.range_constexpr(KL):
-            kq = kq + cur[at + j] * cur[at + KL + j]
-            kk = kk + cur[at + KL + j] * cur[at + KL + j]
-            qq = qq + cur[at + j] * cur[at + j]
-        red[2 * R] = kq
-        red[2 * R + 1] = kk
-        red[2 * R + 2] = qq
-        n_red = 2 * R + 3 if self.l2norm else 2 * R + 1
-        for s in cutlass.range_constexpr(self.L.bit_length() - 1):
-            for i in cutlass.range_constexpr(n_red):
-                red[i] = red[i] + cute.arch.shuffle_sync_bfly(red[i], offset=(self.L // 2) >> s)
-        rk = Float32(1.0)
-        rq = scale
-        if const_expr(self.l2norm):
-            rk = _rsqrt(red[2 * R + 1] + Float32(L2NORM_EPS))
-            rq = scale * _rsqrt(red[2 * R + 2] + Float32(L2NORM_EPS))
-        kq_n = red[2 * R] * rk
+        rk, rq, kq_n = self._reduce(st, cur, at, red, scale, ak, aq)
         for r in cutlass.range_constexpr(R):
             if const_expr(self.erase):
                 u = cur[gb + KL + r] * cur[at + 2 * KL + r] - rk * red[r]  # w v - H' (b * k)
