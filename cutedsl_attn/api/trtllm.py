@@ -36,7 +36,8 @@ import numbers
 
 import torch
 
-from ._common import canonical_dtype, check_bool, check_int, check_kv_layout, check_optional_bool, check_tensor
+from ._common import (canonical_dtype, check_bool, check_float, check_int, check_kv_layout, check_optional_bool,
+                      check_tensor)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper
 
@@ -59,12 +60,7 @@ def _scalar(name: str, x, *, positive: bool) -> float:
         x = x.item()
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a float or a one-element tensor, got {type(x).__name__}")
-    x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"{name} must be finite, got {x}")
-    if positive and x <= 0:
-        raise ValueError(f"{name} must be > 0, got {x}")
-    return x
+    return check_float(name, x, positive=positive)  # finite, and > 0 if positive
 
 
 def _not_capturing(name: str) -> None:
