@@ -34,14 +34,7 @@ BF16, FP16 = torch.bfloat16, torch.float16
 
 
 # ----------------------------------------------------------------------------- fixtures and helpers
-@pytest.fixture(autouse=True)
-def _arch(monkeypatch):
-    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
-
-
-@pytest.fixture
-def rec(monkeypatch):
-    return Recorder().install(monkeypatch)
+pytestmark = pytest.mark.usefixtures("cross_compile_sm90")  # tests/conftest.py
 
 
 def csr(lens, page_size, *, spare=3, seed=0):

@@ -38,14 +38,7 @@ Paged = ca.BatchPrefillWithPagedKVCacheWrapper
 
 
 # ----------------------------------------------------------------------------- fixtures and helpers
-@pytest.fixture(autouse=True)
-def _arch(monkeypatch):
-    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
-
-
-@pytest.fixture
-def rec(monkeypatch):
-    return Recorder().install(monkeypatch)
+pytestmark = pytest.mark.usefixtures("cross_compile_sm90")  # tests/conftest.py
 
 
 def ws(nbytes=1 << 20):

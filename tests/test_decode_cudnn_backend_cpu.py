@@ -22,21 +22,13 @@ from cutedsl_attn import dispatch, ref
 from cutedsl_attn.api import _decode_cudnn
 from cutedsl_attn.cudnn import decode as cd
 
-from _kernel_stubs import Recorder  # pytest puts tests/ on sys.path
 from test_cudnn_decode_cpu import Emulator, fake_cudnn  # noqa: F401 -- the stand-in cudnn module (a fixture)
 
 BF16, FP16 = torch.bfloat16, torch.float16
 GiB = 1 << 30
 
 
-@pytest.fixture(autouse=True)
-def _arch(monkeypatch):
-    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
-
-
-@pytest.fixture
-def rec(monkeypatch):
-    return Recorder().install(monkeypatch)
+pytestmark = pytest.mark.usefixtures("cross_compile_sm90")  # tests/conftest.py
 
 
 # ============================================================================= the rule

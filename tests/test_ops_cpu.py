@@ -18,20 +18,12 @@ from cutedsl_attn import dispatch
 from cutedsl_attn.planning.decode import DecodeArgs
 from cutedsl_attn.planning.prefill import PrefillArgs
 
-from _kernel_stubs import Recorder  # pytest puts tests/ on sys.path
 
 BF16 = torch.bfloat16
 OPS = ("prefill_sm90", "prefill_portable", "paged_decode")
 
 
-@pytest.fixture(autouse=True)
-def _arch(monkeypatch):
-    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
-
-
-@pytest.fixture
-def rec(monkeypatch):
-    return Recorder().install(monkeypatch)
+pytestmark = pytest.mark.usefixtures("cross_compile_sm90")  # tests/conftest.py
 
 
 def indptr(lens):

@@ -21,7 +21,6 @@ from cutedsl_attn.attention import prims_ts as ts
 from cutedsl_attn.planning import decode as pd
 from cutedsl_attn.planning import prefill as pp
 
-from _kernel_stubs import Recorder  # pytest puts tests/ on sys.path
 
 BF16, FP16 = torch.bfloat16, torch.float16
 E = inspect.Parameter.empty
@@ -43,14 +42,7 @@ SEED_RUN = ["self", "q", "paged_kv_cache", "seq_lens", "block_tables"]
 SEED_RUN_KW = dict(kv_scale_factors=None, qo_indptr=None, bmm1_scale=None, bmm2_scale=1.0, out=None, validate=True)
 
 
-@pytest.fixture(autouse=True)
-def _arch(monkeypatch):
-    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
-
-
-@pytest.fixture
-def rec(monkeypatch):
-    return Recorder().install(monkeypatch)
+pytestmark = pytest.mark.usefixtures("cross_compile_sm90")  # tests/conftest.py
 
 
 def test_one_shot_signature_matches_seed():

@@ -14,7 +14,6 @@ import torch
 from cutedsl_attn.api import trtllm
 from cutedsl_attn.api.trtllm import trtllm_batch_context_with_kv_cache, trtllm_batch_decode_with_kv_cache, xqa
 
-from _kernel_stubs import Recorder  # pytest puts tests/ on sys.path
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 P_ = inspect.Parameter
@@ -71,14 +70,7 @@ def test_public_names():
 
 
 # ----------------------------------------------------------------------------- fixtures
-@pytest.fixture(autouse=True)
-def _arch(monkeypatch):
-    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
-
-
-@pytest.fixture
-def rec(monkeypatch):
-    return Recorder().install(monkeypatch)
+pytestmark = pytest.mark.usefixtures("cross_compile_sm90")  # tests/conftest.py
 
 
 B, HQ, HKV, D, PS, PAGES = 3, 8, 2, 64, 16, 20
