@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64, const_expr
 
-from ..common import ptx
+from ..common import ptx, splitkv
 from ..common.constants import LOG2E, NEG_INF
 from ..planning.decode import W_BATCH, W_NUM_SPLITS, W_PART_BASE, W_SPLIT_IDX
 
@@ -108,14 +108,8 @@ class DecodeMerge:
         ``output_scale``."""
         D, G, NT = self.D, self.G, self.NT
         hq_total = mO.shape[1]
-        ptx.fence_gpu()
-        cute.arch.sync_threads()
-        cnt_addr = mCnt.iterator.toint() + (Int64(b) * num_kv_heads + kvh) * 4
-        if tidx == 0:
-            old = ptx.atomic_add_global_u32(cnt_addr, 1)
-            ptx.st_shared_f32(sFlag, Float32(cutlass.select_(old == n_splits - 1, Float32(1.0), Float32(0.0))))
-        cute.arch.sync_threads()
-        if ptx.ld_shared_f32(sFlag) > Float32(0.5):
+        is_last, cnt_addr = splitkv.last_to_arrive(mCnt, b, num_kv_heads, kvh, n_splits, sFlag, tidx)
+        if is_last:
             ptx.fence_gpu()
             plse_base = mPLSE.iterator.toint()
             po_base = mPO.iterator.toint()

@@ -40,7 +40,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common.dtypes import element_type
-from ..common import ptx
+from ..common import ptx, splitkv
 from ..common import softmax as sm
 from ..common.constants import LOG2E, NEG_INF
 from ..compile.arch import SUPPORTED_ARCHS, compile_options
@@ -438,14 +438,8 @@ class MlaDecodeKernel:
         (x ``output_scale``, folded into the fp32 merge weights) and the LSE."""
         NT = self.NT
         dt = self.dtype
-        ptx.fence_gpu()
-        cute.arch.sync_threads()
-        cnt_addr = mCnt.iterator.toint() + (Int64(b) * n_tiles + tile) * 4
-        if tidx == 0:
-            old = ptx.atomic_add_global_u32(cnt_addr, 1)
-            ptx.st_shared_f32(sFlag, Float32(cutlass.select_(old == n_splits - 1, Float32(1.0), Float32(0.0))))
-        cute.arch.sync_threads()
-        if ptx.ld_shared_f32(sFlag) > Float32(0.5):
+        is_last, cnt_addr = splitkv.last_to_arrive(mCnt, b, n_tiles, tile, n_splits, sFlag, tidx)
+        if is_last:
             ptx.fence_gpu()
             R = mPO.shape[1]
             plse_base = mPLSE.iterator.toint()
