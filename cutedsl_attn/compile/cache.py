@@ -25,7 +25,7 @@ Layers:
    ``compiled.export_to_c(object_file_path=..., function_name=...)`` to a
    temporary name and published with an atomic ``os.replace``. Compile and
    store run under an exclusive per-entry file lock (``filelock``, else
-   ``fcntl.flock``), so concurrent processes compile each kernel once.
+   ``fcntl.flock``; :mod:`.files`), so concurrent processes compile each kernel once.
    Loading uses ``cute.runtime.load_module(path, enable_tvm_ffi=True)``.
 
 Failures of the disk layer are never fatal: a corrupt entry (checksum mismatch,
@@ -56,7 +56,6 @@ import logging
 import os
 import platform
 import re
-import secrets
 import sys
 import threading
 import time
@@ -65,6 +64,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .arch import device_arch, normalize_arch, target_arch
+from .files import atomic_write_bytes, exclusive_lock, tmp_path
 from .keys import config_arch, config_key, hash_callable, memo_sig
 
 __all__ = [
@@ -232,29 +232,9 @@ def _make_entry(name: str, key: str, arch: str) -> _Entry:
     info = fp_dir / "fingerprint.json"
     if not info.exists():
         with contextlib.suppress(OSError):
-            _atomic_write_bytes(info, json.dumps(_fingerprint_components(arch), indent=1, sort_keys=True).encode())
+            atomic_write_bytes(info, json.dumps(_fingerprint_components(arch), indent=1, sort_keys=True).encode())
     stem = hashlib.sha256(key.encode()).hexdigest()[:32]
     return _Entry(name=name, key=key, arch=arch, dir=d, stem=stem)
-
-
-def _tmp_path(final: Path, suffix: str) -> Path:
-    return final.with_name(f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp{suffix}")
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = _tmp_path(path, path.suffix)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-# --------------------------------------------------------------------------
-# Locking
-# --------------------------------------------------------------------------
 
 
 def _lock_timeout() -> float:
@@ -262,57 +242,6 @@ def _lock_timeout() -> float:
         return float(os.environ.get(LOCK_TIMEOUT_ENV, "900"))
     except ValueError:
         return 900.0
-
-
-@contextlib.contextmanager
-def _exclusive_lock(path: Path, timeout: float):
-    """Yield True while holding an exclusive inter-process lock on ``path``,
-    False if it could not be taken within ``timeout`` (or at all)."""
-    try:
-        import filelock
-    except ImportError:  # pragma: no cover - filelock comes with torch
-        filelock = None
-    if filelock is not None:
-        lock = filelock.FileLock(str(path), timeout=timeout)
-        try:
-            lock.acquire()
-        except filelock.Timeout:
-            yield False
-            return
-        except OSError as e:
-            _warn_once("lock_error", f"cutedsl_attn compile cache: cannot lock {path}: {e}")
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            lock.release()
-        return
-    import fcntl  # pragma: no cover
-
-    try:  # pragma: no cover
-        fd = os.open(str(path), os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:  # pragma: no cover
-        _warn_once("lock_error", f"cutedsl_attn compile cache: cannot lock {path}: {e}")
-        yield False
-        return
-    try:  # pragma: no cover
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if timeout >= 0 and time.monotonic() > deadline:
-                    yield False
-                    return
-                time.sleep(0.05)
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:  # pragma: no cover
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------
@@ -501,8 +430,8 @@ def _store(e: _Entry, fn, stats: Dict[str, Any], compile_s: float) -> None:
         )
         return
     t0 = time.perf_counter()
-    tmp_obj = _tmp_path(e.obj, ".o")  # the exporter picks the format by extension
-    tmp_meta = _tmp_path(e.meta, ".json")
+    tmp_obj = tmp_path(e.obj, ".o")  # the exporter picks the format by extension
+    tmp_meta = tmp_path(e.meta, ".json")
     try:
         fn.export_to_c(object_file_path=str(tmp_obj), function_name=e.function_name)
         data = tmp_obj.read_bytes()
@@ -600,7 +529,7 @@ def _fill(name: str, key: str, arch: str, cfg, build):
     if status == _LOADED:
         return fn, module
 
-    with _exclusive_lock(e.lock, _lock_timeout()) as locked:
+    with exclusive_lock(e.lock, _lock_timeout(), _warn_once) as locked:
         if not locked:
             _warn_once(
                 "lock_timeout",

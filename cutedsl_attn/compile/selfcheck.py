@@ -27,7 +27,8 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
-from .cache import _atomic_write_bytes, _make_entry, _resolve_arch, disk_cache_enabled
+from .cache import _make_entry, _resolve_arch, disk_cache_enabled
+from .files import atomic_write_bytes
 from .keys import config_key
 
 __all__ = [
@@ -126,7 +127,7 @@ def write_verdict(name: str, cfg, verdict: Verdict) -> Optional[Path]:
         key, arch = _entry_key(cfg)
         record = {"format": _RECORD_FORMAT, "name": name, "key": key, "arch": arch, "created": time.time(),
                   "verdict": dataclasses.asdict(verdict)}
-        _atomic_write_bytes(path, json.dumps(record, indent=1, sort_keys=True).encode())
+        atomic_write_bytes(path, json.dumps(record, indent=1, sort_keys=True).encode())
         return path
     except OSError as e:
         log.warning("cutedsl_attn self-check: could not record the verdict of %s: %s", name, e)
