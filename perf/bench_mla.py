@@ -1,5 +1,6 @@
-"""MLA decode benchmark (absorbed form, bf16, page 64): cutedsl_attn's ``BatchMLAPagedAttentionWrapper`` and, when
-installed, FlashInfer's fa3 / fa2 MLA in the same process.
+"""MLA decode benchmark (absorbed form, page 64): cutedsl_attn's ``BatchMLAPagedAttentionWrapper`` (bf16) and, when
+installed, FlashInfer's fa3 / fa2 MLA in the same process; fp8 e4m3 rows through
+``trtllm_batch_decode_with_kv_cache_mla``.
 
 Method: bench_decode.py's timer (L2 flushed by a 512 MiB memset before every call, the GPU sleeping while the
 host queues the call so host launch time is excluded, CUDA events, median of 20).  FLOPs and bytes as
@@ -7,7 +8,11 @@ FlashMLA's ``benchmark/bench_flash_mla.py`` counts them: FLOPs = 2 * s_q * sum(s
 2 * (sum(s_k) * h_kv * d + b * s_q * h_q * (d + d_v)) with d = 576, d_v = 512, h_kv = 1.
 
 Rows: (a) 128 heads, B 64 and 132, kv 4096 and 8192, qo_len 1 (compute-bound on the H200); (c) 16 heads (TP8),
-B 128, kv 8192 (memory-bound), against the read ceiling of the same run.
+B 128, kv 8192 (memory-bound), against the read ceiling of the same run; (e) the rows of (a) and (c) with fp8
+e4m3 q and cache (bf16 O, FlashInfer's trtllm fp8 form) and (c) with a bf16 q over the fp8 cache.  The trtllm
+entry point plans on the host per call (it reads ``seq_lens``), so an fp8 row plans once and times the kernel
+launch of that plan with the same timer.  fp8 bytes count 1 per cached / fp8-query element and 2 per output
+element; FLOPs as above.
 
 Usage:  python perf/bench_mla.py [--out DIR] [--quick]
 Prints a Markdown table (the last thing printed) and writes JSON to DIR.
@@ -32,6 +37,9 @@ DC, DR, PS = 512, 64, 64
 SM_SCALE = 1.0 / math.sqrt(128 + 64)
 ROWS = [("a", 128, 64, 4096), ("a", 128, 64, 8192), ("a", 128, 132, 4096), ("a", 128, 132, 8192),
         ("c", 16, 128, 8192)]
+E4M3 = torch.float8_e4m3fn
+FP8_ROWS = [("e", 128, 64, 4096, E4M3), ("e", 128, 64, 8192, E4M3), ("e", 128, 132, 4096, E4M3),
+            ("e", 128, 132, 8192, E4M3), ("e", 16, 128, 8192, E4M3), ("e", 16, 128, 8192, DT)]
 
 
 def make(B, L, H, gen):
@@ -53,6 +61,40 @@ def flops_bytes(B, L, H, s_q=1):
     flops = 2 * s_q * B * L * H * (d + dv)
     nbytes = 2 * (B * L * 1 * d + B * s_q * H * (d + dv))
     return flops, nbytes
+
+
+def fp8_bytes(B, L, H, q_bytes, s_q=1):
+    """Bytes of an fp8-cache row: the cache once (1 byte an element), q at ``q_bytes``, O in bf16."""
+    d, dv = DC + DR, DC
+    return B * L * d + B * s_q * H * (d * q_bytes + dv * 2)
+
+
+def bench_fp8(H, B, L, q_dtype, gen, ws, timed_fn):
+    """One fp8-cache row through trtllm_batch_decode_with_kv_cache_mla: (plan-once launch seconds, relative error
+    of O against the bf16 wrapper on the same values)."""
+    from cutedsl_attn.api import mla_trtllm
+    from cutedsl_attn.api.mla import BatchMLAPagedAttentionWrapper
+    from cutedsl_attn.dispatch import mla_launch
+
+    npg = -(-L // PS)
+    total = B * npg
+    kv = (torch.randn((total, PS, DC + DR), device=DEV) / 2).to(E4M3)
+    query = torch.randn((B, 1, H, DC + DR), device=DEV).to(q_dtype)
+    bt = torch.randperm(total, generator=gen).to(torch.int32).view(B, npg).to(DEV)
+    seq_lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
+    out = torch.empty((B, 1, H, DC), dtype=torch.bfloat16, device=DEV)
+    module, cfg, args, _, _, n = mla_trtllm._prepare(query, kv, ws, 128, DC, DR, bt, seq_lens, L, out, SM_SCALE,
+                                                     1.0, None, False, None)
+    assert n > 0
+    t = timed_fn(lambda: mla_launch(module, cfg, args))
+    # the same values in bf16 through the wrapper (e4m3 is exact in bf16)
+    kv16, q16 = kv.to(DT), query.to(DT).view(B, H, DC + DR)
+    w = BatchMLAPagedAttentionWrapper(ws)
+    w.plan(torch.arange(B + 1, dtype=torch.int32, device=DEV), torch.arange(B + 1, dtype=torch.int32, device=DEV) * npg,
+           bt.view(-1), seq_lens, H, DC, DR, PS, False, SM_SCALE, DT, DT)
+    o16 = w.run(q16[..., :DC], q16[..., DC:], kv16[..., :DC], kv16[..., DC:])
+    err = ((out.view(B, H, DC).float() - o16.float()).norm() / o16.float().norm()).item()
+    return t, err
 
 
 def main():
@@ -77,7 +119,7 @@ def main():
     for (tag, H, B, L) in ROWS[:2] if args.quick else ROWS:
         q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens = make(B, L, H, gen)
         fl, nb = flops_bytes(B, L, H)
-        row = dict(row=tag, heads=H, batch=B, kv_len=L, page=PS)
+        row = dict(row=tag, heads=H, batch=B, kv_len=L, page=PS, q="bf16", kv="bf16")
         w = BatchMLAPagedAttentionWrapper(ws)
         w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, H, DC, DR, PS, False, SM_SCALE, DT, DT)
         out = torch.empty((B, H, DC), dtype=DT, device=DEV)
@@ -116,11 +158,25 @@ def main():
         del q_nope, q_pe, ckv, kpe
         torch.cuda.empty_cache()
 
+    bf16_us = {(r["heads"], r["batch"], r["kv_len"]): r["ours_us"] for r in results}
+    for (tag, H, B, L, q_dtype) in FP8_ROWS[:1] if args.quick else FP8_ROWS:
+        fl, _ = flops_bytes(B, L, H)
+        nb = fp8_bytes(B, L, H, 1 if q_dtype == E4M3 else 2)
+        t, err = bench_fp8(H, B, L, q_dtype, gen, ws, timed)
+        row = dict(row=tag, heads=H, batch=B, kv_len=L, page=PS, q="fp8" if q_dtype == E4M3 else "bf16", kv="fp8",
+                   ours_us=t * 1e6, ours_tflops=fl / t / 1e12, ours_tbs=nb / t / 1e12, fp8_vs_bf16_relerr=err,
+                   read_ceiling_tbs=rd)
+        if (H, B, L) in bf16_us:
+            row["bf16_over_fp8_time"] = bf16_us[(H, B, L)] / row["ours_us"]
+        results.append(row)
+        print(row, flush=True)
+        torch.cuda.empty_cache()
+
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_mla.json"), "w") as f:
         json.dump(dict(read_ceiling_tbs=rd, copy_tbs=cp, rows=results), f, indent=1)
-    cols = ["row", "heads", "batch", "kv_len", "ours_us", "ours_tflops", "ours_tbs", "fi_fa3_us", "fi_fa3_tflops",
-            "fi_fa2_us", "fi_fa2_tflops"]
+    cols = ["row", "heads", "batch", "kv_len", "q", "kv", "ours_us", "ours_tflops", "ours_tbs", "read_ceiling_tbs",
+            "bf16_over_fp8_time", "fp8_vs_bf16_relerr", "fi_fa3_us", "fi_fa3_tflops", "fi_fa2_us", "fi_fa2_tflops"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:

@@ -1,6 +1,7 @@
 """CPU tests of ``trtllm_batch_decode_with_kv_cache_mla`` / ``xqa_mla``: FlashInfer's signatures, named errors
 before any launch, and what reaches the kernel (strided views of the query and the combined cache, the fused
-scales in MlaArgs, the plan) with the launch stubbed; the MLA kernel's ``launch`` argument order."""
+scales in MlaArgs, the plan) with the launch stubbed; the MLA kernel's ``launch`` argument order.  fp8 caches
+and ``xqa_mla``'s scales and errors: tests/test_mla_fp8_cpu.py."""
 
 import inspect
 import re
@@ -152,9 +153,8 @@ def _bad(**change):
     (dict(query=torch.randn(2, 1, 16, D).bfloat16()), ValueError, "query.shape\\[0\\]"),
     (dict(query=torch.randn(3, 1, 16, D).half()), NotImplementedError, "one dtype"),
     (dict(query=torch.randn(3, 1, 16, D)), NotImplementedError, "float32"),
-    (dict(kv_cache=torch.randn(8, 32, D).to(torch.float8_e4m3fn)), NotImplementedError, "fp8"),
-    (dict(query=torch.randn(3, 1, 16, D).to(torch.float8_e4m3fn),
-          kv_cache=torch.randn(8, 32, D).to(torch.float8_e4m3fn)), NotImplementedError, "fp8"),
+    (dict(query=torch.randn(3, 1, 16, D).to(torch.float8_e4m3fn)), NotImplementedError, "fp8 query needs an fp8"),
+    (dict(kv_cache=torch.randn(8, 32, D).to(torch.float8_e5m2)), NotImplementedError, "float8_e5m2"),
     (dict(kv_cache=torch.randn(8, 32, 512).bfloat16()), ValueError, "kv_cache must be"),
     (dict(kv_cache=torch.randn(8, 2, 32, D).bfloat16()), ValueError, "4-D kv_cache"),
     (dict(kv_cache=torch.randn(8, 128, D).bfloat16()), NotImplementedError, "page_size=128"),
@@ -215,11 +215,6 @@ def test_empty_batch_launches_nothing(cross, launched):
     a.update(block_tables=torch.zeros(0, 3, dtype=torch.int32), max_seq_len=0)
     out = api.trtllm_batch_decode_with_kv_cache_mla(**a)
     assert out.shape == (0, 1, 16, 512) and launched == []
-
-
-def test_xqa_mla_names_fp8_mla():
-    with pytest.raises(NotImplementedError, match="fp8 MLA KV"):
-        api.xqa_mla(None, None, None, None, None, None, None, None, 64)
 
 
 def test_kernel_launch_passes_output_scale_in_order():

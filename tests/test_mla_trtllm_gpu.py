@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from cutedsl_attn import ref  # noqa: E402
-from cutedsl_attn.api.mla_trtllm import trtllm_batch_decode_with_kv_cache_mla, xqa_mla  # noqa: E402
+from cutedsl_attn.api.mla_trtllm import trtllm_batch_decode_with_kv_cache_mla  # noqa: E402
 
 DEV = torch.device("cuda")
 DC, DR = 512, 64
@@ -146,15 +146,3 @@ def test_default_out_and_lse_base_e():
                                                      bmm1_scale=BMM1, return_lse=True, return_lse_base="basee")
     assert lse_e.shape == (2, 16)
     assert (lse_e.double().cpu() - lse_ref * math.log(2.0)).abs().max().item() < TOL_LSE
-
-
-def test_fp8_named_before_launch():
-    query, kv, bt, sl = make([64], 1, 128, 64)
-    with pytest.raises(NotImplementedError, match="fp8"):
-        trtllm_batch_decode_with_kv_cache_mla(query, kv.to(torch.float8_e4m3fn), workspace(), 128, 512, 64, bt, sl,
-                                              64)
-    with pytest.raises(NotImplementedError, match="fp8 MLA KV"):
-        xqa_mla(query.to(torch.float8_e4m3fn).view(1, 1, 128, D), kv.view(-1, D).to(torch.float8_e4m3fn),
-                kv.view(-1, D).to(torch.float8_e4m3fn), bt, sl.view(1, 1),
-                torch.empty(1, 1, 128, DC, dtype=torch.bfloat16, device=DEV), workspace(),
-                torch.zeros(8, dtype=torch.int32, device=DEV), 64)

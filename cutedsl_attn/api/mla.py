@@ -41,6 +41,12 @@ def _check_dtype(name: str, value) -> torch.dtype:
     dt = canonical_dtype(name, value)
     if dt is None:
         raise TypeError(f"{name} must be given (a torch dtype)")
+    if dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        # FlashInfer's documented wrapper takes 16-bit q and caches (its run() has no q / k / v scales)
+        raise NotImplementedError(f"{name}={dt} is not supported by BatchMLAPagedAttentionWrapper (16-bit q and "
+                                  "caches only, as FlashInfer's documented wrapper); fp8 e4m3 MLA caches are served "
+                                  "by trtllm_batch_decode_with_kv_cache_mla (bmm1_scale / bmm2_scale carry the "
+                                  "scales) and xqa_mla")
     if dt not in (torch.float16, torch.bfloat16):
         raise NotImplementedError(f"{name}={dt} is not supported; MLA serves torch.bfloat16 and torch.float16 "
                                   "(q and the caches of one dtype)")
@@ -116,7 +122,8 @@ class BatchMLAPagedAttentionWrapper:
           num_heads: query heads (>= 1).  head_dim_ckv / head_dim_kpe: 512 / 64 (NotImplementedError otherwise).
           page_size: 1..64.  causal: bottom-right causal mask for multi-token rows.
           sm_scale: the softmax scale, taken as given (finite).
-          q_data_type, kv_data_type: torch.bfloat16 or torch.float16, equal.
+          q_data_type, kv_data_type: torch.bfloat16 or torch.float16, equal (fp8 raises NotImplementedError
+            naming the trtllm / xqa MLA entry points, which serve fp8 e4m3 caches).
           use_profiler: must be False (NotImplementedError).
 
         Raises:

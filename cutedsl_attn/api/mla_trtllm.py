@@ -4,9 +4,13 @@
 then ``q_pe`` in one row), one combined cache ``[pages, page_size, 576]`` (``ckv`` = first 512 columns, ``kpe``
 = last 64 of the same rows), a dense block table and ``seq_lens``, and fused scales: ``bmm1_scale`` multiplies
 the logits as given (``q_scale * k_scale * sm_scale``, no implicit ``1/sqrt(d)``), ``bmm2_scale`` multiplies
-O in fp32 before the 16-bit rounding.  Multi-token rows (``q_len > 1``) are bottom-right causal.  It runs the
-same portable CuTe DSL MLA kernel as ``BatchMLAPagedAttentionWrapper`` (on Hopper too, where FlashInfer routes
-it to an SM120-only XQA path); the query and cache are passed as strided views, never copied.
+O in fp32 before the 16-bit rounding.  Multi-token rows (``q_len > 1``) are bottom-right causal.  The cache is
+bf16 / fp16 (query of the same dtype) or fp8 e4m3 (query fp8 e4m3, O bf16, as FlashInfer's; or a 16-bit
+query, O in its dtype): fp8 values are widened exactly in the kernel and the per-tensor scales live only in
+``bmm1_scale`` / ``bmm2_scale``.  ``xqa_mla`` is the fp8 e4m3 form with ``q_scale`` / ``kv_scale``: logits
+``q_scale * kv_scale * (q . k)`` (no ``1/sqrt(d)``) and O times ``kv_scale``.  Both run the same portable CuTe
+DSL MLA kernel as ``BatchMLAPagedAttentionWrapper`` (on Hopper too, where FlashInfer routes them to SM100 /
+SM120-only kernels); the query and cache are passed as strided views, never copied.
 
 Each call plans on the host (it reads ``seq_lens`` and the used part of ``block_tables`` to the CPU), so it
 synchronises with the device and cannot be captured in a CUDA graph; capture
@@ -30,10 +34,11 @@ __all__ = ["trtllm_batch_decode_with_kv_cache_mla", "xqa_mla"]
 _BACKENDS = ("auto", "cute")
 _FLASHINFER_BACKENDS = ("trtllm-gen", "xqa", "cute-dsl", "sparse")
 _DTYPES = (torch.bfloat16, torch.float16)
-_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+_E4M3 = torch.float8_e4m3fn
 MAX_PAGE_SIZE = 64
-_SERVED = ("served: bf16 (or fp16) query and cache of one dtype, kv_lora_rank 512, qk_rope_head_dim 64, "
-           "page sizes 1..64")
+XQA_MLA_HEADS = 128
+_SERVED = ("served: bf16 (or fp16) query and cache of one dtype, a bf16 / fp16 query over an fp8 e4m3 cache, "
+           "or fp8 e4m3 query and cache (bf16 out); kv_lora_rank 512, qk_rope_head_dim 64, page sizes 1..64")
 
 
 def _check_backend(backend) -> None:
@@ -60,6 +65,22 @@ def _fused_scale(name: str, x) -> float:
     return float(x)
 
 
+def _out_dtype(q_dt: torch.dtype, kv_dt: torch.dtype) -> torch.dtype:
+    """O's dtype for a (query, cache) dtype pair; NotImplementedError naming what is served otherwise."""
+    for name, dt in (("query", q_dt), ("kv_cache", kv_dt)):
+        if dt not in _DTYPES + (_E4M3,):
+            raise NotImplementedError(f"{name} dtype {dt} is not supported; {_SERVED}")
+    if q_dt == _E4M3:
+        if kv_dt != _E4M3:
+            raise NotImplementedError(f"query {q_dt} with kv_cache {kv_dt} is not supported (an fp8 query needs "
+                                      f"an fp8 cache); {_SERVED}")
+        return torch.bfloat16
+    if kv_dt not in (q_dt, _E4M3):
+        raise NotImplementedError(f"query {q_dt} with kv_cache {kv_dt} is not supported (a 16-bit query needs a "
+                                  f"cache of one dtype, or fp8); {_SERVED}")
+    return q_dt
+
+
 def _not_served(**options) -> None:
     """NotImplementedError for the first option not at its served value (name -> (value, served value))."""
     for name, (value, ok) in options.items():
@@ -73,6 +94,17 @@ def _flat_view(name: str, t: torch.Tensor, shape) -> torch.Tensor:
     except RuntimeError:
         raise ValueError(f"{name} must have mergeable batch and q_len dims (viewable as {tuple(shape)} without a "
                          f"copy), got strides {t.stride()}") from None
+
+
+def _check_used_pages(name: str, table: torch.Tensor, kv_lens: torch.Tensor, page_size: int, num_pages: int):
+    """ValueError naming ``name`` when a page a request uses (its first ``ceil(len / page_size)`` columns) is
+    outside ``[0, num_pages)``; columns past them are never read."""
+    need = (kv_lens + page_size - 1) // page_size
+    used = table.to("cpu")[torch.arange(table.shape[1]).view(1, -1) < need.view(-1, 1)]
+    bad = used[(used < 0) | (used >= num_pages)]
+    if bad.numel():
+        raise ValueError(f"{name} holds page id {int(bad[0])} for a used page, outside the cache's "
+                         f"[0, {num_pages}) pages")
 
 
 def _prepare(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, block_tables,
@@ -91,15 +123,7 @@ def _prepare(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, 
     dev = query.device
     if kv_cache.device != dev:
         raise ValueError(f"kv_cache is on {kv_cache.device}, query on {dev}")
-    for name, t in (("query", query), ("kv_cache", kv_cache)):
-        if t.dtype in _FP8:
-            raise NotImplementedError(f"{name} dtype {t.dtype} (fp8 MLA) is not supported: the MLA kernel has no "
-                                      f"fp8 path yet; {_SERVED}")
-        if t.dtype not in _DTYPES:
-            raise NotImplementedError(f"{name} dtype {t.dtype} is not supported; {_SERVED}")
-    if query.dtype != kv_cache.dtype:
-        raise NotImplementedError(f"query {query.dtype} with kv_cache {kv_cache.dtype} is not supported; {_SERVED}")
-    dt = query.dtype
+    dt = _out_dtype(query.dtype, kv_cache.dtype)
     B, q_len, H, dq = query.shape
     if dq != d_qk:
         raise ValueError(f"query's last dim must be kv_lora_rank + qk_rope_head_dim = {d_qk}, got {dq}")
@@ -130,22 +154,15 @@ def _prepare(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, 
     if B and int(kv_lens.max()) > max_seq_len:
         b = int(kv_lens.argmax())
         raise ValueError(f"seq_lens[{b}] = {int(kv_lens[b])} exceeds max_seq_len = {max_seq_len}")
-    need = (kv_lens + page_size - 1) // page_size
-    used = block_tables.to("cpu")[torch.arange(block_tables.shape[1]).view(1, -1) < need.view(-1, 1)]
-    bad = used[(used < 0) | (used >= num_pages)]
-    if bad.numel():
-        raise ValueError(f"block_tables holds page id {int(bad[0])} for a used page, outside the cache's "
-                         f"[0, {num_pages}) pages")
+    _check_used_pages("block_tables", block_tables, kv_lens, page_size, num_pages)
 
     T = B * q_len
     q = _flat_view("query", query, (T, H, d_qk))
-    q_nope, q_pe = q[..., :HEAD_DIM_CKV], q[..., HEAD_DIM_CKV:]  # strided views: the kernel reads rows by stride
-    ckv, kpe = kv_cache[..., :HEAD_DIM_CKV], kv_cache[..., HEAD_DIM_CKV:]
     out_shape = (B, q_len, H, HEAD_DIM_CKV)
     if out is None:
         out = torch.empty(out_shape, dtype=dt, device=dev)
     else:
-        check_tensor("out", out, shape=out_shape, dtype=dt, device=dev)
+        check_tensor("out", out, shape=out_shape, dtype=dt, device=dev)  # q's dtype, bf16 for an fp8 query
         check_last_dim_contiguous("out", out)
     o = _flat_view("out", out, (T, H, HEAD_DIM_CKV))
     if lse is not None:
@@ -160,13 +177,27 @@ def _prepare(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, 
 
     if T == 0:
         return None, None, None, out, lse, 0
-    causal = q_len > 1
+    module, cfg, args, num_work = _plan_args(q, kv_cache, kv_lens, page_off, flat, q_len, o, lse_k, bmm1, bmm2,
+                                             workspace_buffer, multi_ctas_kv_counter_buffer)
+    return module, cfg, args, out, lse, num_work
+
+
+def _plan_args(q, kv_cache, kv_lens, page_off, flat, q_len, o, lse_k, bmm1, bmm2, workspace_buffer,
+               counter_buffer, sms=None):
+    """The kernel choice, plan and launch arguments of validated inputs: q ``[B * q_len, H, 576]``, kv_cache
+    ``[pages, page_size, 576]``, o ``[B * q_len, H, 512]``; ``sms`` the SM count the split heuristic fills
+    (None: the device's).  Returns ``(module, cfg, args, num_work)``; ValueError for a short workspace or
+    counter buffer."""
+    dev = q.device
+    B, H, page_size = kv_lens.shape[0], q.shape[1], kv_cache.shape[1]
+    q_nope, q_pe = q[..., :HEAD_DIM_CKV], q[..., HEAD_DIM_CKV:]  # strided views: the kernel reads rows by stride
+    ckv, kpe = kv_cache[..., :HEAD_DIM_CKV], kv_cache[..., HEAD_DIM_CKV:]
     dev_index = dev.index if dev.type == "cuda" else None
-    module, cfg = mla_choice(mla_problem(dtype=dt, page_size=page_size, causal=causal, device_index=dev_index),
-                             device_index=dev_index)
+    module, cfg = mla_choice(mla_problem(dtype=q.dtype, kv_dtype=kv_cache.dtype, page_size=page_size,
+                                         causal=q_len > 1, device_index=dev_index), device_index=dev_index)
     lim = mla_limits(module, cfg)
     wp = plan_mla(torch.full((B,), q_len, dtype=torch.int64), kv_lens, torch.arange(B, dtype=torch.int64) * q_len,
-                  page_off, num_heads=H, page_size=page_size, num_sms=num_sms(dev_index),
+                  page_off, num_heads=H, page_size=page_size, num_sms=num_sms(dev_index) if sms is None else sms,
                   ctas_per_sm=lim["ctas_per_sm"], max_splits_per_request=lim["max_splits_per_request"])
     n_part, R = max(1, wp.num_partials), wp.rows
     po_bytes = n_part * R * HEAD_DIM_CKV * 4
@@ -176,10 +207,10 @@ def _prepare(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, 
         raise ValueError(f"workspace_buffer holds {ws.numel()} bytes, this call needs {off + n_part * R * 4} "
                          "(split-KV partials)")
     n_cnt = max(1, B * wp.row_tiles)
-    if multi_ctas_kv_counter_buffer is None:
+    if counter_buffer is None:
         counters = torch.zeros(n_cnt, dtype=torch.int32, device=dev)
     else:
-        cb = multi_ctas_kv_counter_buffer
+        cb = counter_buffer
         check_tensor("multi_ctas_kv_counter_buffer", cb, device=dev)
         if not cb.is_contiguous() or cb.data_ptr() % 4 or cb.numel() * cb.element_size() < 4 * n_cnt:
             raise ValueError(f"multi_ctas_kv_counter_buffer must be contiguous, 4-byte aligned and hold at least "
@@ -190,7 +221,7 @@ def _prepare(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, 
     work = wp.work.to(dev, non_blocking=True) if dev.type == "cuda" else wp.work
     args = MlaArgs(q_nope, q_pe, ckv, kpe, flat, work, o, lse_k, part_o, part_lse, counters, bmm1, wp.row_tiles,
                    output_scale=bmm2)
-    return module, cfg, args, out, lse, wp.num_work
+    return module, cfg, args, wp.num_work
 
 
 def _launch(module, cfg, args: MlaArgs) -> None:
@@ -244,19 +275,22 @@ def trtllm_batch_decode_with_kv_cache_mla(
     CUDA-graph capturable (use ``BatchMLAPagedAttentionWrapper(use_cuda_graph=True)`` for graphs).
 
     Args:
-      query: ``[B, q_len, H, 576]`` bf16 (or fp16), ``q_nope`` then ``q_pe``; last dim contiguous, 16-byte
-        aligned strides, ``B`` and ``q_len`` mergeable without a copy.
-      kv_cache: ``[num_pages, page_size, 576]`` or ``[num_pages, 1, page_size, 576]``, query's dtype, ``ckv``
-        then ``kpe`` in each row; last dim contiguous, 16-byte aligned strides; page_size 1..64.
+      query: ``[B, q_len, H, 576]`` bf16, fp16 or fp8 e4m3, ``q_nope`` then ``q_pe``; last dim contiguous,
+        16-byte aligned strides, ``B`` and ``q_len`` mergeable without a copy.
+      kv_cache: ``[num_pages, page_size, 576]`` or ``[num_pages, 1, page_size, 576]``, ``ckv`` then ``kpe`` in
+        each row: query's dtype, or fp8 e4m3 (under any served query); last dim contiguous, 16-byte aligned
+        strides; page_size 1..64.
       workspace_buffer: a tensor on query's device, contiguous, 16-byte aligned: the fp32 split-KV partials.
       qk_nope_head_dim: >= 1, not used (the caller folds it into ``bmm1_scale``).
       kv_lora_rank, qk_rope_head_dim: 512 and 64 (NotImplementedError otherwise).
       block_tables: int32 ``[B, max_pages]``: request ``b``'s pages in order (a host table is copied).
       seq_lens: integer ``[B]`` KV lengths, ``<= max_seq_len`` and ``<= max_pages * page_size``.
       max_seq_len: int >= 0.
-      out: optional ``[B, q_len, H, 512]`` in query's dtype (written), last dim contiguous.
-      bmm1_scale: the logit multiplier, taken as given; bmm2_scale: multiplies O in fp32 before rounding.
-        Each a float or a one-element float32 tensor (read to the host).
+      out: optional ``[B, q_len, H, 512]`` in query's dtype (bf16 for an fp8 query; written), last dim
+        contiguous.
+      bmm1_scale: the logit multiplier, taken as given (fp8: ``q_scale * k_scale * sm_scale``); bmm2_scale:
+        multiplies O in fp32 before rounding (fp8: ``v_scale * o_scale``).  Each a float or a one-element
+        float32 tensor (read to the host).
       lse: optional float32 ``[B * q_len, H]`` or ``[B, q_len, H]`` contiguous, written.
       return_lse: also return the LSE (``lse``, or a new ``[B * q_len, H]`` tensor).
       return_lse_base: None or ``"base2"`` (base 2), ``"basee"`` (natural log).
@@ -274,8 +308,9 @@ def trtllm_batch_decode_with_kv_cache_mla(
 
     Raises:
       TypeError / ValueError: shapes, dtypes, devices, strides, page ids or lengths that disagree (the message
-      names the argument and rule).  NotImplementedError: fp8 query or cache, other head dims, dtypes, page
-      sizes, backends or options (the message says what is served).  All raised before any launch.
+      names the argument and rule).  NotImplementedError: other head dims, dtype pairs (fp8 e5m2, an fp8
+      query over a 16-bit cache, fp32), page sizes, backends or options (the message says what is served).
+      All raised before any launch.
     """
     _check_backend(backend)
     for n, x in (("is_var_seq", is_var_seq), ("uses_shared_paged_kv_idx", uses_shared_paged_kv_idx),
@@ -304,16 +339,109 @@ def trtllm_batch_decode_with_kv_cache_mla(
     return (out, lse) if return_lse else out
 
 
+def _xqa_cache(name: str, t, page_size: int, widths) -> torch.Tensor:
+    """``[pages, page_size, W]`` view of an xqa MLA cache given as ``[pages * page_size, W]``, ``[pages,
+    page_size, W]`` or ``[pages, page_size, 1, W]`` / ``[pages, 1, page_size, W]`` (one kv head)."""
+    check_tensor(name, t)
+    if t.shape[-1] not in widths:
+        raise ValueError(f"{name}'s last dim must be {' or '.join(map(str, widths))}, got {tuple(t.shape)}")
+    if t.dim() == 2:
+        if t.shape[0] % page_size:
+            raise ValueError(f"{name} [total_num_cache_heads, head_dim] must hold whole pages of {page_size} rows, "
+                             f"got {tuple(t.shape)}")
+        return _flat_view(name, t, (t.shape[0] // page_size, page_size, t.shape[1]))
+    if t.dim() == 4 and t.shape[2] == 1 and t.shape[1] == page_size:
+        return t[:, :, 0]
+    if t.dim() == 4 and t.shape[1] == 1 and t.shape[2] == page_size:
+        return t[:, 0]
+    if t.dim() == 3 and t.shape[1] == page_size:
+        return t
+    raise ValueError(f"{name} must be [pages * {page_size}, D], [pages, {page_size}, D] or [pages, {page_size}, "
+                     f"1, D] (page_size {page_size}, one kv head), got {tuple(t.shape)}")
+
+
 def xqa_mla(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, semaphores, page_size,
             q_scale=1.0, kv_scale=1.0, sm_count=None, enable_pdl=None) -> None:
-    """FlashInfer's XQA MLA decode (fp8 e4m3 q and caches, bf16 output, 128 heads): not served.
+    """FlashInfer's XQA MLA decode: fp8 e4m3 q and caches, bf16 output, 128 heads, one query token (absorbed
+    form, on the same kernel as ``trtllm_batch_decode_with_kv_cache_mla``).
 
-    FlashInfer's ``xqa_mla`` is fp8-only and this package has no fp8 MLA kernel yet.
+    ``s = q_scale * kv_scale * (q_nope . ckv_j + q_pe . kpe_j)`` (no implicit ``1/sqrt(d)``: the caller folds
+    the softmax scale into ``q_scale``), ``o = kv_scale * softmax(s) . ckv`` in fp32, rounded to bf16 once.  V
+    is the first 512 columns of the K rows (MLA's latent), so ``v_cache`` must be ``k_cache`` itself or a view
+    of its storage.  Plans on the host per call (reads ``seq_lens`` and ``page_table``): it synchronises and is
+    not CUDA-graph capturable.
+
+    Args:
+      q: ``[B, 1, 128, 576]`` torch.float8_e4m3fn (beam width 1), last dim contiguous, 16-byte aligned strides.
+      k_cache: torch.float8_e4m3fn ``[total_num_cache_heads, 576]`` (``pages * page_size`` rows), ``[pages,
+        page_size, 576]`` or ``[pages, page_size, 1, 576]``; last dim contiguous, 16-byte aligned strides.
+      v_cache: ``k_cache`` (or a view of the same rows, last dim 576 or 512).
+      page_table: int32 ``[B, pages_per_seq]``.  seq_lens: ``[B, 1]`` (or ``[B]``) uint32 / int32.
+      output: ``[B, 1, 128, 512]`` bf16, last dim contiguous; written.
+      workspace_buffer: a tensor on q's device, contiguous, 16-byte aligned: the fp32 split-KV partials.
+      semaphores: a tensor on q's device; not used (the split-KV counters are fresh per call).
+      page_size: 1..64 (FlashInfer's 128: NotImplementedError).
+      q_scale, kv_scale: floats or one-element float32 tensors (read to the host).
+      sm_count: SMs the split-KV heuristic fills (None: the device's); enable_pdl: accepted, no effect.
 
     Raises:
-      NotImplementedError: always, naming what is missing (fp8 MLA KV) and what is served instead.
+      TypeError / ValueError: dtypes, shapes, head count, devices, strides, page ids or lengths that disagree (the
+      message names the argument and rule).  NotImplementedError: beam width > 1, page size 128, a ``v_cache``
+      with storage of its own.  All raised before any launch.
     """
-    raise NotImplementedError(
-        "xqa_mla is not supported: it takes fp8 e4m3 q and caches and the MLA kernel has no fp8 path (fp8 MLA KV) "
-        "yet; bf16 MLA decode is served by trtllm_batch_decode_with_kv_cache_mla and "
-        "BatchMLAPagedAttentionWrapper")
+    check_tensor("q", q, ndim=4)
+    dev = q.device
+    page_size = check_int("page_size", page_size, 1)
+    if page_size > MAX_PAGE_SIZE:
+        raise NotImplementedError(f"page_size={page_size} is not supported; xqa_mla serves page sizes "
+                                  f"1..{MAX_PAGE_SIZE}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, device=dev)
+        if t.dtype != _E4M3:
+            raise ValueError(f"{name} must be torch.float8_e4m3fn (xqa_mla takes fp8 e4m3 q and caches; bf16 MLA "
+                             f"decode is trtllm_batch_decode_with_kv_cache_mla), got {t.dtype}")
+    d_qk = HEAD_DIM_CKV + HEAD_DIM_KPE
+    B, beam, H, dq = q.shape
+    if dq != d_qk:
+        raise ValueError(f"q's last dim must be {d_qk} (512 + 64), got {tuple(q.shape)}")
+    if beam != 1:
+        raise NotImplementedError(f"beam_width={beam} is not supported (only 1)")
+    if H != XQA_MLA_HEADS:
+        raise ValueError(f"xqa_mla needs exactly {XQA_MLA_HEADS} query heads, got {H}")
+    kv = _xqa_cache("k_cache", k_cache, page_size, (d_qk,))
+    vv = _xqa_cache("v_cache", v_cache, page_size, (d_qk, HEAD_DIM_CKV))
+    if vv.data_ptr() != kv.data_ptr() or vv.shape[:2] != kv.shape[:2] or vv.stride()[:2] != kv.stride()[:2]:
+        raise NotImplementedError("a v_cache with storage of its own is not supported: absorbed MLA reads V as the "
+                                  "first 512 columns of k_cache's rows; pass k_cache (or a view of it) as v_cache")
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("k_cache", kv)
+    check_tensor("output", output, shape=(B, 1, H, HEAD_DIM_CKV), dtype=torch.bfloat16, device=dev)
+    check_last_dim_contiguous("output", output)
+    check_tensor("semaphores", semaphores, device=dev)
+    check_tensor("workspace_buffer", workspace_buffer, device=dev)
+    if not workspace_buffer.is_contiguous() or workspace_buffer.data_ptr() % 16:
+        raise ValueError("workspace_buffer must be contiguous and 16-byte aligned")
+    q_sc = _fused_scale("q_scale", q_scale)
+    kv_sc = _fused_scale("kv_scale", kv_scale)
+    sms = None if sm_count is None else check_int("sm_count", sm_count, 1)
+    check_optional_bool("enable_pdl", enable_pdl)
+    check_tensor("seq_lens", seq_lens)
+    if seq_lens.dim() == 2 and seq_lens.shape[1] == 1:
+        seq_lens = seq_lens[:, 0]
+    if seq_lens.dtype == getattr(torch, "uint32", None):
+        seq_lens = seq_lens.to(torch.int64)
+    try:
+        kv_lens, page_off, flat = from_block_tables(page_table, seq_lens, page_size, dev, True, batch_size=B,
+                                                    batch_name="q.shape[0]")
+    except ValueError as e:  # the shared checks name trtllm's argument
+        raise ValueError(str(e).replace("block_tables", "page_table")) from None
+    _check_used_pages("page_table", page_table, kv_lens, page_size, kv.shape[0])
+    if B == 0:
+        return None
+    lse = torch.empty((B, H), dtype=torch.float32, device=dev)
+    module, cfg, args, num_work = _plan_args(_flat_view("q", q, (B, H, d_qk)), kv, kv_lens, page_off, flat, 1,
+                                             _flat_view("output", output, (B, H, HEAD_DIM_CKV)), lse, q_sc * kv_sc,
+                                             kv_sc, workspace_buffer, None, sms)
+    if num_work:
+        _launch(module, cfg, args)
+    return None

@@ -1,7 +1,7 @@
 """Kernel choice and launch of MLA (part of :mod:`cutedsl_attn.dispatch`, which re-exports its public names).
 
 One kernel serves every MLA problem on every arch today: the portable decode kernel (query heads x qo_len rows
-packed into 16-row mma.sync tiles; multi-token rows bottom-right causal).  Under torch.compile the launch is
+packed into 16-row mma.sync tiles; multi-token rows bottom-right causal; 16-bit or fp8 e4m3 caches).  Under torch.compile the launch is
 the custom op cutedsl_attn::mla_decode_portable.
 """
 
@@ -24,12 +24,14 @@ _MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
 
 
 def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512, head_dim_kpe: int = 64,
-                device_index: int | None = None) -> MlaProblem:
+                kv_dtype=None, device_index: int | None = None) -> MlaProblem:
     """The :class:`~cutedsl_attn.planning.mla.MlaProblem` of a plan on the target arch (``CUTEDSL_ATTN_ARCH`` or
-    the device's); raises MlaProblem's errors."""
+    the device's).  ``dtype`` q's torch dtype (bf16, fp16 or float8_e4m3fn); ``kv_dtype`` the caches' (None:
+    q's).  Raises MlaProblem's errors."""
     dev = torch.device("cuda", device_index) if device_index is not None and torch.cuda.is_available() else None
+    kv = "" if kv_dtype is None else _dtype_name(kv_dtype)
     return MlaProblem(dtype=_dtype_name(dtype), page_size=page_size, head_dim_ckv=head_dim_ckv,
-                      head_dim_kpe=head_dim_kpe, causal=bool(causal), arch=target_arch(dev))
+                      head_dim_kpe=head_dim_kpe, causal=bool(causal), arch=target_arch(dev), kv_dtype=kv)
 
 
 def mla_choice(problem: MlaProblem, *, device_index: int | None = None):

@@ -27,20 +27,25 @@ W_Q_START, W_QO_LEN = WORK_COLS, WORK_COLS + 1
 TILE_M = 16  # query rows per CTA: the M of one mma.m16n8k16 tile
 HEAD_DIM_CKV = 512
 HEAD_DIM_KPE = 64
-DTYPES = ("bfloat16", "float16")
+DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
+KV_DTYPES = ("", "float8_e4m3fn")  # "": the caches have q's dtype
 
 
 @dataclass(frozen=True)
 class MlaProblem:
     """What an MLA caller fixes at ``plan()`` (the problem half of an MLA kernel's config and key).
 
-    ``dtype`` ``"bfloat16"`` / ``"float16"`` (q_nope, q_pe, the caches and o); ``head_dim_ckv`` 512 and
-    ``head_dim_kpe`` 64 (DeepSeek's, the only ones served); ``page_size`` 1..64; ``causal`` the bottom-right
-    mask of multi-token rows; ``arch`` the compile target.  Batch, heads, lengths, pages, strides and
-    ``sm_scale`` are run-time arguments (:class:`MlaArgs`).
+    ``dtype`` q's element type: ``"bfloat16"`` / ``"float16"`` (o too) or ``"float8_e4m3fn"`` (o is bf16);
+    ``kv_dtype`` the caches' element type: ``""`` (the default) or ``dtype`` itself (normalised to ``""``) for
+    caches of q's dtype, ``"float8_e4m3fn"`` for fp8 caches under a 16-bit q.  fp8 data are plain e4m3 values:
+    per-tensor q / k / v scales are the caller's, folded into ``sm_scale`` and ``output_scale``
+    (:class:`MlaArgs`).  ``head_dim_ckv`` 512 and ``head_dim_kpe`` 64 (DeepSeek's, the only ones served);
+    ``page_size`` 1..64; ``causal`` the bottom-right mask of multi-token rows; ``arch`` the compile target.
+    Batch, heads, lengths, pages, strides and the scales are run-time arguments (:class:`MlaArgs`).
 
-    Raises TypeError for a non-int / non-bool field, ValueError for a dtype or page size out of range,
-    NotImplementedError for other head dims (naming the ones served).
+    Raises TypeError for a non-int / non-bool / non-str field, ValueError for a dtype or page size out of
+    range (an fp8 q over 16-bit caches included), NotImplementedError for other head dims (naming the ones
+    served) and for ``"float8_e5m2"``.
     """
 
     dtype: str
@@ -49,6 +54,7 @@ class MlaProblem:
     head_dim_kpe: int = HEAD_DIM_KPE
     causal: bool = False
     arch: str = "sm_90a"
+    kv_dtype: str = ""
 
     def __post_init__(self):
         for name in ("page_size", "head_dim_ckv", "head_dim_kpe"):
@@ -57,8 +63,19 @@ class MlaProblem:
                 raise TypeError(f"{name} must be an int, got {v!r}")
         if not isinstance(self.causal, bool):
             raise TypeError(f"causal must be a bool, got {self.causal!r}")
+        if not isinstance(self.kv_dtype, str):
+            raise TypeError(f"kv_dtype must be a str, got {self.kv_dtype!r}")
+        for name in ("dtype", "kv_dtype"):
+            if getattr(self, name) == "float8_e5m2":
+                raise NotImplementedError(f"{name} 'float8_e5m2' is not supported; fp8 MLA data must be "
+                                          "'float8_e4m3fn'")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'bfloat16' or 'float16', got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'bfloat16', 'float16' or 'float8_e4m3fn', got {self.dtype!r}")
+        if self.kv_dtype == self.dtype:
+            object.__setattr__(self, "kv_dtype", "")  # one spelling of caches of q's dtype: one compile key
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be '' (q's dtype), {self.dtype!r} or 'float8_e4m3fn', got "
+                             f"{self.kv_dtype!r}" + (" (an fp8 q needs fp8 caches)" if self.q_fp8 else ""))
         if (self.head_dim_ckv, self.head_dim_kpe) != (HEAD_DIM_CKV, HEAD_DIM_KPE):
             raise NotImplementedError(
                 f"head_dim_ckv={self.head_dim_ckv}, head_dim_kpe={self.head_dim_kpe} is not supported; MLA serves "
@@ -66,18 +83,36 @@ class MlaProblem:
         if not 1 <= self.page_size <= 64:
             raise ValueError(f"page_size must be in [1, 64], got {self.page_size}")
 
+    @property
+    def q_fp8(self) -> bool:
+        """Whether q is fp8 e4m3 (its caches are then fp8 too, o is bf16)."""
+        return self.dtype == "float8_e4m3fn"
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the ckv / kpe caches are fp8 e4m3 (1 byte per element)."""
+        return self.kv_dtype == "float8_e4m3fn" or self.q_fp8
+
+    @property
+    def out_dtype(self) -> str:
+        """o's element type: q's, bf16 for an fp8 q."""
+        return "bfloat16" if self.q_fp8 else self.dtype
+
 
 class MlaArgs(NamedTuple):
     """One MLA launch's tensors and scalars (the MLA kernel's ``launch`` orders them).
 
-    q_nope ``[tokens, H, 512]`` and q_pe ``[tokens, H, 64]`` (last dim contiguous, 16-byte aligned strides);
-    ckv ``[pages, page_size, 512]`` and kpe ``[pages, page_size, 64]`` (same); ``indices`` int32 flat page
-    ids; ``work`` int32 ``[W, MLA_WORK_COLS]`` (:func:`plan_mla`); ``out`` ``[tokens, H, 512]`` contiguous
-    (written); ``lse`` fp32 ``[tokens, H]`` base 2 contiguous (written); ``part_o`` fp32 ``[P, R, 512]`` and
+    q_nope ``[tokens, H, 512]`` and q_pe ``[tokens, H, 64]`` of the problem's ``dtype`` (last dim contiguous,
+    16-byte aligned strides); ckv ``[pages, page_size, 512]`` and kpe ``[pages, page_size, 64]`` (same; fp8
+    e4m3 for a problem with fp8 caches); ``indices`` int32 flat page ids; ``work`` int32 ``[W, MLA_WORK_COLS]``
+    (:func:`plan_mla`); ``out`` ``[tokens, H, 512]`` of the problem's ``out_dtype`` (last dim contiguous,
+    written); ``lse`` fp32 ``[tokens, H]`` base 2 contiguous (written); ``part_o`` fp32 ``[P, R, 512]`` and
     ``part_lse`` fp32 ``[P, R]`` split-KV partials (``R >= max qo_len x H``); ``counters`` int32, one per
     (request, row tile), left at 0; ``sm_scale`` the softmax scale; ``num_row_tiles`` the grid's x extent
     (:attr:`MlaWorkPlan.row_tiles`); ``output_scale`` multiplies O in fp32 before the 16-bit rounding
-    (FlashInfer's ``v_scale / o_scale``, trtllm's ``bmm2_scale``).
+    (FlashInfer's ``v_scale / o_scale``, trtllm's ``bmm2_scale``).  With fp8 data ``sm_scale`` carries the
+    q and k scales and ``output_scale`` the v scale: the kernel widens e4m3 exactly and applies no scale of
+    its own.
     """
 
     q_nope: Any

@@ -29,6 +29,14 @@ bottom-right (query token ``i`` sees keys ``j <= i + kv_len - qo_len``), empty r
 O is multiplied by ``output_scale`` (``v_scale / o_scale``, trtllm's ``bmm2_scale``) in fp32 before the 16-bit
 rounding, in the epilogue or the split-KV merge.
 Page offsets are 64-bit products (``page_id * page_stride`` may pass 2^32).
+
+fp8 e4m3 caches (``kv_dtype="float8_e4m3fn"``, and an fp8 q): rows land in the ring at 1 byte per element
+(``576 + 16`` bytes); before its partial S each warp widens its own 144 columns of the chunk to f16
+(``cvt.rn.f16x2.e4m3x2``, exact) into a double-buffered 16-bit tile, so the chunk barrier that publishes the
+partial S also publishes the whole widened tile to the P V step.  Both MMAs then run in f16: an fp8 q is
+widened in shared memory once per CTA, a bf16 q's A fragments are rounded to f16 in registers (exact for
+values in f16's normal range; beyond 65504 they overflow).  Scales stay the caller's (``sm_scale``,
+``output_scale``); softmax is fp32 as for 16-bit caches.
 """
 
 from __future__ import annotations
@@ -123,7 +131,21 @@ class Config:
 
     @property
     def cutlass_dtype(self):
-        return element_type(self.problem.dtype)
+        """o's 16-bit type (q's, bf16 for an fp8 q)."""
+        return element_type(self.problem.out_dtype)
+
+    @property
+    def q_cutlass_dtype(self):
+        return cutlass.Float8E4M3FN if self.problem.q_fp8 else self.cutlass_dtype
+
+    @property
+    def kv_cutlass_dtype(self):
+        return cutlass.Float8E4M3FN if self.problem.kv_fp8 else self.cutlass_dtype
+
+    @property
+    def mma_dtype(self):
+        """The 16-bit type both MMAs run in: f16 under fp8 caches (e4m3 widens exactly to f16), else q's."""
+        return cutlass.Float16 if self.problem.kv_fp8 else self.cutlass_dtype
 
     @property
     def num_threads(self) -> int:
@@ -135,12 +157,22 @@ class Config:
         return D_QK * 2 + 16  # 73 x 16 bytes: odd, so ldmatrix rows hit distinct banks
 
     @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one ring row: the 16-bit row, or ``576 + 16`` (37 x 16) for an fp8 cache."""
+        return D_QK + 16 if self.problem.kv_fp8 else self.row_bytes
+
+    @property
     def smem_q_bytes(self) -> int:
         return TILE_M * self.row_bytes
 
     @property
     def smem_kv_bytes(self) -> int:
-        return self.tiles.num_stages * self.tiles.tile_n * self.row_bytes
+        return self.tiles.num_stages * self.tiles.tile_n * self.kv_row_bytes
+
+    @property
+    def smem_widen_bytes(self) -> int:
+        """fp8 caches: two widened 16-bit chunks (the second holds an fp8 q's bytes before the main loop)."""
+        return 2 * self.tiles.tile_n * self.row_bytes if self.problem.kv_fp8 else 0
 
     @property
     def smem_s_bytes(self) -> int:
@@ -149,7 +181,7 @@ class Config:
 
     @property
     def smem_bytes(self) -> int:
-        return self.smem_q_bytes + self.smem_s_bytes + 128 + self.smem_kv_bytes
+        return self.smem_q_bytes + self.smem_s_bytes + 128 + self.smem_kv_bytes + self.smem_widen_bytes
 
     @property
     def max_splits_per_request(self) -> int:
@@ -161,9 +193,12 @@ def default_tiles(problem: MlaProblem, *, num_sms: int) -> Tiles:
     """The default tiles (``num_sms`` unused: the planner fills the GPU by splitting).  Not tuned yet:
 
     ==============================  ==========================================================================
-    every problem                   tile_n 32, 4 stages: up to 96 tokens in flight, one CTA per SM (185 KB)
+    16-bit caches                   tile_n 32, 4 stages: up to 96 tokens in flight, one CTA per SM (185 KB)
+    fp8 caches                      tile_n 32, 6 stages: 160 tokens in flight in half-size rows (218 KB)
     ==============================  ==========================================================================
     """
+    if problem.kv_fp8:
+        return Tiles(tile_n=32, num_stages=6)
     return Tiles(tile_n=32, num_stages=4)
 
 
@@ -179,6 +214,20 @@ def _st_shared_v4_f32(addr, a, b, c, d):
                          read_only_args=[Int32(addr), Float32(a), Float32(b), Float32(c), Float32(d)])
 
 
+def _st_shared_v4_b32(addr, a, b, c, d):
+    """16-byte store to a shared-window byte address (Int32, 16-byte aligned): ``st.shared.v4.b32``."""
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+                         read_only_args=[Int32(addr), Int32(a), Int32(b), Int32(c), Int32(d)])
+
+
+def _widen8(src, dst):
+    """8 e4m3 bytes at shared ``src`` (8-byte aligned) -> 8 f16 at ``dst`` (16-byte aligned); exact."""
+    w = ptx.ld_shared_v2_b32(src)
+    a = ptx.e4m3x4_to_f16x2(w[0])
+    b = ptx.e4m3x4_to_f16x2(w[1])
+    _st_shared_v4_b32(dst, a[0], a[1], b[0], b[1])
+
+
 def _ld_shared_v4_f32(addr):
     """16-byte fp32 load from a shared-window byte address (Int32, 16-byte aligned): 4 Float32."""
     return cute.arch.inline_ptx("ld.shared.v4.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
@@ -192,6 +241,11 @@ class MlaDecodeKernel:
         self.cfg = cfg
         self.problem = cfg.problem
         self.dtype = cfg.cutlass_dtype
+        self.mma_dt = cfg.mma_dtype
+        self.kv_fp8 = cfg.problem.kv_fp8
+        self.q_fp8 = cfg.problem.q_fp8
+        self.q_to_f16 = cfg.problem.kv_fp8 and cfg.problem.dtype == "bfloat16"
+        self.KRB = cfg.kv_row_bytes
         self.PS = cfg.problem.page_size
         self.TN = cfg.tiles.tile_n
         self.S = cfg.tiles.num_stages
@@ -246,7 +300,8 @@ class MlaDecodeKernel:
                 row_m = cute.make_rmem_tensor((2,), Float32)
                 row_l = cute.make_rmem_tensor((2,), Float32)
                 self._mainloop(mQn, mQp, mCkv, mKpe, mIdx, acc, row_m, row_l, sQ, sS, sKV, q_start, row0, rows, H,
-                               t0, t1, kv_len, qo_len, page_off, sm_scale * LOG2E, tidx, lane, warp)
+                               t0, t1, kv_len, qo_len, page_off, sm_scale * LOG2E, tidx, lane, warp,
+                               sKV + cfg.smem_kv_bytes)
                 part = part0 + mWork[wi, W_SPLIT_IDX]
                 self._epilogue(mO, mLSE, mPO, mPLSE, acc, row_m, row_l, q_start, row0, rows, H, part,
                                n_splits == 1, output_scale, lane, warp)
@@ -257,10 +312,11 @@ class MlaDecodeKernel:
     # ------------------------------------------------------------------ main loop
     @cute.jit
     def _mainloop(self, mQn, mQp, mCkv, mKpe, mIdx, acc, row_m, row_l, sQ, sS, sKV, q_start, row0, rows, H,
-                  t0, t1, kv_len, qo_len, page_off, sc, tidx, lane, warp):
-        """Q -> registers, then the chunks of ``[t0, t1)`` through the ring (module docstring)."""
+                  t0, t1, kv_len, qo_len, page_off, sc, tidx, lane, warp, sWid):
+        """Q -> registers, then the chunks of ``[t0, t1)`` through the ring (module docstring).  ``sWid``: the
+        two widened 16-bit chunks of an fp8 cache."""
         S, TN, RB, NS, KPW = self.S, self.TN, self.RB, self.NS, self.KPW
-        dt = self.dtype
+        dt = self.mma_dt
         g = lane // 4
         t = lane % 4
         m8 = lane // 8
@@ -276,27 +332,46 @@ class MlaDecodeKernel:
                 pr = cutlass.min(row0 + g + 8 * h, rows - 1)
                 lim[h] = cutlass.min(t1 - 1, kv_len - qo_len + pr // H)
 
-        self._load_q(mQn, mQp, sQ, q_start, row0, rows, H, tidx)
+        if const_expr(self.q_fp8):
+            self._load_q8(mQn, mQp, sWid + TN * RB, q_start, row0, rows, H, tidx)
+        else:
+            self._load_q(mQn, mQp, sQ, q_start, row0, rows, H, tidx)
         n_chunks = (t1 - t0 + TN - 1) // TN
         for s in cutlass.range_constexpr(S - 1):
             if s < n_chunks:
-                self._load_chunk(mCkv, mKpe, mIdx, sKV + s * TN * RB, t0 + s * TN, t1, page_off, tidx)
+                self._load_chunk(mCkv, mKpe, mIdx, sKV + s * TN * self.KRB, t0 + s * TN, t1, page_off, tidx)
             ptx.cp_async_commit()
         ptx.cp_async_wait(S - 2)  # Q and chunk 0 have landed
         cute.arch.sync_threads()
+        if const_expr(self.q_fp8):
+            # the 16 fp8 rows -> f16 rows of sQ: 72 pieces of 8 elements a row
+            for k in cutlass.range_constexpr(TILE_M * (D_QK // 8) // self.NT):
+                u = tidx + k * self.NT
+                _widen8(sWid + TN * RB + (u // (D_QK // 8)) * self.KRB + (u % (D_QK // 8)) * 8,
+                        sQ + (u // (D_QK // 8)) * RB + (u % (D_QK // 8)) * 16)
+            cute.arch.sync_threads()
 
         qf = cute.make_rmem_tensor((KPW * 4,), Int32)
         q_row = (m8 % 2) * 8 + lane % 8
         for j in cutlass.range_constexpr(KPW):
             qr = ptx.ldmatrix_x4(sQ + q_row * RB + ((warp * KPW + j) * 16 + (m8 // 2) * 8) * 2)
             for e in cutlass.range_constexpr(4):
-                qf[j * 4 + e] = qr[e]
+                if const_expr(self.q_to_f16):
+                    qf[j * 4 + e] = ptx.bf16x2_to_f16x2(qr[e])  # the MMAs run in f16 under an fp8 cache
+                else:
+                    qf[j * 4 + e] = qr[e]
 
         k_row = (m8 // 2) * 8 + lane % 8
         v_row = (m8 % 2) * 8 + lane % 8
         sacc = cute.make_rmem_tensor((NS,), Float32)
         for i in cutlass.range(n_chunks, unroll=1):
-            sK = sKV + (i % S) * TN * RB
+            if const_expr(self.kv_fp8):
+                # this warp's 144 columns of chunk i -> f16; the chunk barrier below publishes the rest for P V
+                sK = sWid + (i % 2) * TN * RB
+                self._widen_chunk(sKV + (i % S) * TN * self.KRB, sK, lane, warp)
+                cute.arch.sync_warp()
+            else:
+                sK = sKV + (i % S) * TN * RB
             # partial S over this warp's 144 dims
             for e in cutlass.range_constexpr(NS):
                 sacc[e] = Float32(0.0)
@@ -318,8 +393,8 @@ class MlaDecodeKernel:
             ptx.cp_async_wait(S - 3)  # chunk i + 1 has landed (this thread's copies)
             cute.arch.sync_threads()  # partial S of every warp and chunk i + 1 visible; chunk i - 1's stage free
             if i + S - 1 < n_chunks:
-                self._load_chunk(mCkv, mKpe, mIdx, sKV + ((i + S - 1) % S) * TN * RB, t0 + (i + S - 1) * TN, t1,
-                                 page_off, tidx)
+                self._load_chunk(mCkv, mKpe, mIdx, sKV + ((i + S - 1) % S) * TN * self.KRB, t0 + (i + S - 1) * TN,
+                                 t1, page_off, tidx)
             ptx.cp_async_commit()
             # full S, summed in warp order (the same bits in every warp), scaled to log2 units and masked
             start = t0 + i * TN
@@ -372,6 +447,49 @@ class MlaDecodeKernel:
         ptx.cp_async_commit()
 
     @cute.jit
+    def _load_q8(self, mQn, mQp, sQ8, q_start, row0, rows, H, tidx):
+        """cp.async the tile's 16 fp8 Q rows -> ``sQ8`` (``576 + 16``-byte rows, zero-filled past ``rows``): 8
+        threads per row, 4 q_nope pieces each, the 4 q_pe pieces on threads 0..3; one commit group."""
+        KRB = self.KRB
+        r = tidx // 8
+        c8 = tidx % 8
+        pr = row0 + r
+        pr_c = cutlass.min(pr, rows - 1)
+        tok = q_start + pr_c // H
+        h = pr_c % H
+        nbytes = cutlass.select_(pr < rows, 16, 0)
+        qn = mQn.iterator.toint() + (Int64(tok) * mQn.stride[0] + Int64(h) * mQn.stride[1])
+        qp = mQp.iterator.toint() + (Int64(tok) * mQp.stride[0] + Int64(h) * mQp.stride[1])
+        for j in cutlass.range_constexpr(HEAD_DIM_CKV // 128):
+            ptx.cp_async_16(sQ8 + r * KRB + (j * 8 + c8) * 16, qn + (j * 8 + c8) * 16, nbytes)
+        if c8 < HEAD_DIM_KPE // 16:
+            ptx.cp_async_16(sQ8 + r * KRB + (HEAD_DIM_CKV // 16 + c8) * 16, qp + c8 * 16, nbytes)
+        ptx.cp_async_commit()
+
+    @cute.jit
+    def _widen_chunk(self, src, dst, lane, warp):
+        """This warp's 144 columns of a ``tile_n``-row fp8 chunk at ``src`` -> f16 rows at ``dst``: with 32 rows
+        one row a lane in 16-byte pieces (row strides of 37 and 73 granules: conflict-free), with 16 two lanes a
+        row in 8-byte pieces; constant offsets from one per-lane base."""
+        cols = D_QK // self.NW
+        col0 = warp * cols
+        if const_expr(self.TN == 32):
+            s0 = src + lane * self.KRB + col0
+            d0 = dst + lane * self.RB + col0 * 2
+            for c in cutlass.range_constexpr(cols // 16):
+                w = ptx.ld_shared_v4_b32(s0 + c * 16)
+                a = ptx.e4m3x4_to_f16x2(w[0])
+                b = ptx.e4m3x4_to_f16x2(w[1])
+                _st_shared_v4_b32(d0 + c * 32, a[0], a[1], b[0], b[1])
+                a = ptx.e4m3x4_to_f16x2(w[2])
+                b = ptx.e4m3x4_to_f16x2(w[3])
+                _st_shared_v4_b32(d0 + c * 32 + 16, a[0], a[1], b[0], b[1])
+        else:
+            c0 = col0 + (lane // 16) * (cols // 2)
+            for c in cutlass.range_constexpr(cols // 16):
+                _widen8(src + (lane % 16) * self.KRB + c0 + c * 8, dst + (lane % 16) * self.RB + (c0 + c * 8) * 2)
+
+    @cute.jit
     def _load_chunk(self, mCkv, mKpe, mIdx, s_dst, start, t1, page_off, tidx):
         """cp.async one ``tile_n``-token chunk of ``[ckv | kpe]`` rows (rows past ``t1`` zero-filled): 8 threads
         per row, 16 rows per pass, one page-table read per thread and row."""
@@ -386,13 +504,23 @@ class MlaDecodeKernel:
             page = mIdx[page_off + tok_c // PS]
             slot = tok_c % PS
             nbytes = cutlass.select_(tok < t1, 16, 0)
-            # 64-bit: page * page_stride passes 2^32 for large caches
-            ckv = ckv_base + (Int64(page) * mCkv.stride[0] + Int64(slot) * mCkv.stride[1]) * 2
-            kpe = kpe_base + (Int64(page) * mKpe.stride[0] + Int64(slot) * mKpe.stride[1]) * 2
-            dst = s_dst + row * RB
-            for j in cutlass.range_constexpr(HEAD_DIM_CKV // 64):
-                ptx.cp_async_16(dst + (j * 8 + c8) * 16, ckv + (j * 8 + c8) * 16, nbytes)
-            ptx.cp_async_16(dst + (HEAD_DIM_CKV // 8 + c8) * 16, kpe + c8 * 16, nbytes)
+            if const_expr(self.kv_fp8):
+                # 1-byte elements: 4 ckv pieces per thread, the 4 kpe pieces on threads 0..3 of the row
+                ckv = ckv_base + (Int64(page) * mCkv.stride[0] + Int64(slot) * mCkv.stride[1])
+                kpe = kpe_base + (Int64(page) * mKpe.stride[0] + Int64(slot) * mKpe.stride[1])
+                dst = s_dst + row * self.KRB
+                for j in cutlass.range_constexpr(HEAD_DIM_CKV // 128):
+                    ptx.cp_async_16(dst + (j * 8 + c8) * 16, ckv + (j * 8 + c8) * 16, nbytes)
+                if c8 < HEAD_DIM_KPE // 16:
+                    ptx.cp_async_16(dst + (HEAD_DIM_CKV // 16 + c8) * 16, kpe + c8 * 16, nbytes)
+            else:
+                # 64-bit: page * page_stride passes 2^32 for large caches
+                ckv = ckv_base + (Int64(page) * mCkv.stride[0] + Int64(slot) * mCkv.stride[1]) * 2
+                kpe = kpe_base + (Int64(page) * mKpe.stride[0] + Int64(slot) * mKpe.stride[1]) * 2
+                dst = s_dst + row * RB
+                for j in cutlass.range_constexpr(HEAD_DIM_CKV // 64):
+                    ptx.cp_async_16(dst + (j * 8 + c8) * 16, ckv + (j * 8 + c8) * 16, nbytes)
+                ptx.cp_async_16(dst + (HEAD_DIM_CKV // 8 + c8) * 16, kpe + c8 * 16, nbytes)
 
     # ------------------------------------------------------------------ epilogue and merge
     @cute.jit
@@ -492,24 +620,26 @@ class MlaDecodeKernel:
 
 def fake_tensors(cfg: Config) -> tuple:
     """The symbolic tensors :func:`compile` builds against: every size dynamic but the head dims and the page
-    size; last dims contiguous, strides multiples of 8 elements (16 bytes)."""
+    size; last dims contiguous, strides multiples of 16 bytes (8 elements, 16 for fp8 q or caches)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
     dt = cfg.cutlass_dtype
+    q_dt, kv_dt = cfg.q_cutlass_dtype, cfg.kv_cutlass_dtype  # fp8 tensors reach tvm-ffi as DLPack float8_e4m3fn
+    qd, kvd = (16 if cfg.problem.q_fp8 else 8), (16 if cfg.problem.kv_fp8 else 8)  # 16-byte strides, in elements
     PS = cfg.problem.page_size
     Dc, Dr = HEAD_DIM_CKV, HEAD_DIM_KPE
 
     def sym():
         return cute.sym_int()
 
-    def s64():
-        return cute.sym_int64(divisibility=8)
+    def s64(div=8):
+        return cute.sym_int64(divisibility=div)
 
     T, H, P, NNZ, W, NP, R, NC = (sym() for _ in range(8))
-    qn = make_fake_tensor(dt, (T, H, Dc), (s64(), s64(), 1), assumed_align=16)
-    qp = make_fake_tensor(dt, (T, H, Dr), (s64(), s64(), 1), assumed_align=16)
-    ckv = make_fake_tensor(dt, (P, PS, Dc), (s64(), s64(), 1), assumed_align=16)
-    kpe = make_fake_tensor(dt, (P, PS, Dr), (s64(), s64(), 1), assumed_align=16)
+    qn = make_fake_tensor(q_dt, (T, H, Dc), (s64(qd), s64(qd), 1), assumed_align=16)
+    qp = make_fake_tensor(q_dt, (T, H, Dr), (s64(qd), s64(qd), 1), assumed_align=16)
+    ckv = make_fake_tensor(kv_dt, (P, PS, Dc), (s64(kvd), s64(kvd), 1), assumed_align=16)
+    kpe = make_fake_tensor(kv_dt, (P, PS, Dr), (s64(kvd), s64(kvd), 1), assumed_align=16)
     idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (W, MLA_WORK_COLS), stride_order=(1, 0), assumed_align=8)
     o = make_fake_tensor(dt, (T, H, Dc), (s64(), s64(), 1), assumed_align=16)

@@ -6,7 +6,9 @@ compressed KV itself), ``lse[i, h] = log2(sum_j exp(s_j))`` (base 2).  Causal is
 ``i`` of a request with ``qo_len`` queries and ``kv_len`` keys sees keys ``j <= i + kv_len - qo_len``.  A row
 that sees no key gives O = 0 and LSE = -inf.  Caches are paged: ``ckv_cache [pages, page_size, 512]``,
 ``kpe_cache [pages, page_size, 64]``; request ``b`` owns pages ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``
-and its first ``kv_len_arr[b]`` tokens.  Unused page slots are never read (NaN there stays out).
+and its first ``kv_len_arr[b]`` tokens.  Unused page slots are never read (NaN there stays out).  fp8 e4m3
+inputs are widened exactly (the dequantised values before any per-tensor scale: a caller's q / k / v scales go
+into ``sm_scale`` and a multiplier of O, as the kernels take them).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def mla_paged_attention(
     """MLA over a paged latent cache in float64 (any device; CPU is fine).
 
     Args:
-        q_nope: ``[tokens, H, Dc]`` float (Dc = head_dim_ckv, 512 for DeepSeek).
+        q_nope: ``[tokens, H, Dc]`` float, fp8 e4m3 included (Dc = head_dim_ckv, 512 for DeepSeek).
         q_pe: ``[tokens, H, Dr]`` float (Dr = head_dim_kpe, 64).
         ckv_cache: ``[pages, page_size, Dc]`` float.
         kpe_cache: ``[pages, page_size, Dr]`` float.
