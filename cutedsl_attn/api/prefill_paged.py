@@ -1,11 +1,13 @@
-"""FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (conventions: :mod:`cutedsl_attn.api.prefill`)."""
+"""FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (conventions: :mod:`cutedsl_attn.api.prefill`), and
+:class:`MultiRowDecodePrefillWrapper`, the same wrapper with fp8 e4m3 caches, on which the decode entry points plan
+their requests of several query rows."""
 
 from __future__ import annotations
 
 import torch
 
-from ._common import (check_bool, check_int, check_optional_bool, csr_kv_lens, indptr_host, paged_kv_views,
-                      return_lse_method)
+from ._common import (canonical_dtype, check_bool, check_int, check_optional_bool, csr_kv_lens, indptr_host,
+                      paged_kv_views, return_lse_method)
 from ._graph import check_graph_buffer
 from ._pagetable import from_block_tables, from_csr
 from ._prefill_base import (
@@ -51,6 +53,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
     _paged = True
     _k_names = ("k_cache", "v_cache")
     _arg_names = _PAGED_NAMES
+    #: K/V cache dtypes plan() takes besides the query's (none: fp8 prefill is not served on this public wrapper)
+    _fp8_kv_dtypes: tuple = ()
+    _kv_fp8 = None  # the planned fp8 cache dtype; None: the cache has the query's dtype
 
     def __init__(
         self,
@@ -202,6 +207,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                           (self._paged_kv_last_page_len_buf, paged_kv_last_page_len),
                           (self._paged_kv_indices_buf, flat)]
                 flat = self._paged_kv_indices_buf
+        kv_fp8 = self._planned_fp8_cache(kv_data_type)
         qo_lens = qo_h[1:] - qo_h[:-1]
         _check_lengths_hint("seq_lens_q", seq_lens_q, qo_lens)
         _check_max_hint("max_token_per_sequence", max_token_per_sequence, int(qo_lens.max()) if B else 0)
@@ -210,25 +216,48 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             u = check_int("uniform_q_len", uniform_q_len)
             if B and (qo_lens != u).any():
                 raise ValueError(f"uniform_q_len={u} but the requests have {qo_lens.tolist()} query rows")
-        self._plan_common(
-            qo_h=qo_h, kv_lens=kv_lens, kv_starts=page_offsets, total_kv=0, page_size=page_size, flat_indices=flat,
-            table=block_tables is not None,
-            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
-            pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
-            window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking,
-            graph_copies=copies, score_mod=score_mod,
-        )
+        prev, self._kv_fp8 = self._kv_fp8, kv_fp8  # read by _choose; kept only when the plan succeeds
+        try:
+            self._plan_common(
+                qo_h=qo_h, kv_lens=kv_lens, kv_starts=page_offsets, total_kv=0, page_size=page_size,
+                flat_indices=flat, table=block_tables is not None, num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, custom_mask=custom_mask,
+                packed_custom_mask=packed_custom_mask, causal=causal, pos_encoding_mode=pos_encoding_mode,
+                use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, window_left=window_left,
+                logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+                q_data_type=q_data_type, kv_data_type=None if kv_fp8 is not None else kv_data_type,
+                o_data_type=o_data_type, non_blocking=non_blocking, graph_copies=copies, score_mod=score_mod,
+            )
+        except BaseException:
+            self._kv_fp8 = prev
+            raise
 
     begin_forward = plan
+
+    def _planned_fp8_cache(self, kv_data_type):
+        """``kv_data_type`` when it is one of :attr:`_fp8_kv_dtypes` (an fp8 cache this wrapper serves), else None
+        (the shared checks then require the query's dtype).  NotImplementedError for one with ``backend="cudnn"``."""
+        if not self._fp8_kv_dtypes:
+            return None
+        dt = canonical_dtype("kv_data_type", kv_data_type)
+        if dt not in self._fp8_kv_dtypes:
+            return None
+        if self._cudnn:
+            raise NotImplementedError(f"kv_data_type={dt} is not supported with backend='cudnn'; backend='cute' "
+                                      "serves it")
+        return dt
+
+    def _choose(self, problem_kw, *options):
+        if self._kv_fp8 is not None:
+            problem_kw = dict(problem_kw, kv_dtype=self._kv_fp8)
+        return super()._choose(problem_kw, *options)
 
     def _split_cache(self, paged_kv_cache):
         """(k, v) NHD-ordered views of the cache, validated against the plan."""
         p = self._plan
         return paged_kv_views(paged_kv_cache, self._kv_layout, page_size=p["page_size"],
                               num_kv_heads=p["num_kv_heads"], head_dims=(p["head_dim_qk"], p["head_dim_vo"]),
-                              dtype=p["dtype"], device=self.device)
+                              dtype=self._kv_fp8 or p["dtype"], device=self.device)
 
     def run(
         self,
@@ -314,3 +343,18 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         self._override_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left, logits_soft_cap,
                                sm_scale, rope_scale, rope_theta)
         return self.run_return_lse(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale)
+
+
+class MultiRowDecodePrefillWrapper(BatchPrefillWithPagedKVCacheWrapper):
+    """:class:`BatchPrefillWithPagedKVCacheWrapper` that also plans ``kv_data_type=torch.float8_e4m3fn`` caches
+    under fp16/bf16 queries (the portable prefill kernel widens e4m3 in shared memory): the wrapper the decode
+    entry points' requests of several query rows plan on (``trtllm_batch_decode_with_kv_cache`` with
+    ``q_len_per_req > 1``, ``xqa`` with ``q_seq_len > 1``, prims_ts decode with ``seq_len_q > 1`` or packed rows).
+
+    Arguments, shapes and errors: the base class's.  An fp8 plan's ``run()`` takes e4m3 caches of the plan's
+    layout (strides multiples of 16 elements); per-tensor ``k_scale`` multiplies ``sm_scale`` and ``v_scale`` the
+    output (fp32, before the rounding), as for a 16-bit cache.  ``backend="cudnn"`` with an fp8 cache raises
+    NotImplementedError.
+    """
+
+    _fp8_kv_dtypes = (torch.float8_e4m3fn,)

@@ -8,8 +8,10 @@ Each call plans through a decode or paged-prefill wrapper made for it and droppe
 capturable in a CUDA graph; capture the wrappers' ``run()`` instead.
 
 Scales: every entry point reduces to the kernels' two scalars, the softmax scale ``sm_scale`` (the logit
-multiplier, ``s = sm_scale * q.k``) and ``output_scale`` (an fp32 factor on the normalised output, applied in the
-kernel's epilogue before the rounding to 16 bits):
+multiplier, ``s = sm_scale * q.k``, ``q.k`` on the cache's stored values: an fp8 cache is only widened) and
+``output_scale`` (an fp32 factor on the normalised output, applied in the kernel's epilogue before the rounding to
+16 bits).  The one table of this package's decode entry points, the same for one query row per request (the decode
+kernel) and several (the prefill kernel), for a 16-bit and an fp8 e4m3 cache:
 
     entry point                           sm_scale                           output_scale
     ------------------------------------  ---------------------------------  ------------------------------
@@ -17,9 +19,12 @@ kernel's epilogue before the rounding to 16 bits):
     trtllm_batch_context_with_kv_cache    bmm1_scale                         bmm2_scale
     xqa, cache of q's dtype               q_scale / sqrt(D)                  1
     xqa, float8_e4m3fn cache              q_scale * kv_scale / sqrt(D)       kv_scale
+    prims_ts (function and wrapper)       bmm1_scale (default 1/sqrt(D))     bmm2_scale
+    decode wrapper run()                  sm_scale * q_scale * k_scale       v_scale
 
 ``bmm1_scale`` is FlashInfer's fused ``q_scale * k_scale * sm_scale`` (default 1.0: no implicit ``1/sqrt(D)``),
-``bmm2_scale`` its ``v_scale / o_scale``; tensor scales (one element) are read on the host.
+``bmm2_scale`` its ``v_scale / o_scale`` (an fp8 cache's dequantisation scales are folded into them by the caller,
+as in FlashInfer); tensor scales (one element) are read on the host.
 ``o_scale`` (trtllm) and ``rcp_out_scale`` (xqa) scale an fp8 output, which is not served: ``o_scale`` must be
 1.0 (its value for a 16-bit output is already in ``bmm2_scale``); ``rcp_out_scale`` is ignored for a 16-bit
 output, as xqa does.
@@ -39,7 +44,7 @@ import torch
 from ._common import (canonical_dtype, check_bool, check_float, check_int, check_kv_layout, check_optional_bool,
                       check_tensor)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
-from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper
+from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper, MultiRowDecodePrefillWrapper
 
 __all__ = ["trtllm_batch_decode_with_kv_cache", "trtllm_batch_context_with_kv_cache", "xqa"]
 
@@ -114,15 +119,17 @@ def _check_bools(**flags) -> None:
         check_bool(name, value)
 
 
-def _check_kv_dtype(k, q_dtype, *, fp8_ok: bool, where: str) -> None:
+def _check_kv_dtype(k, q_dtype, *, fp8_unserved_in: str | None = None) -> None:
+    """The cache's dtype must be q's or torch.float8_e4m3fn (NotImplementedError for fp8 in the entry point
+    ``fp8_unserved_in`` names, for NVFP4; ValueError otherwise)."""
     if k.dtype == q_dtype:
         return
     if k.dtype == FP8:
-        if fp8_ok:
+        if fp8_unserved_in is None:
             return
-        raise NotImplementedError(f"a torch.float8_e4m3fn KV cache {where} is not supported (those rows run the "
-                                  "prefill kernel, which reads 16-bit caches); fp8 KV is served for one query row "
-                                  "per request")
+        raise NotImplementedError(f"a torch.float8_e4m3fn KV cache in {fp8_unserved_in} is not supported (served "
+                                  "there: the query's dtype); trtllm_batch_decode_with_kv_cache and xqa serve fp8 "
+                                  "KV caches")
     if k.dtype == torch.uint8:
         raise NotImplementedError("a uint8 (NVFP4) KV cache is not supported; served: the query's dtype and "
                                   "torch.float8_e4m3fn")
@@ -199,7 +206,8 @@ def _workspace(workspace_buffer, name: str = "workspace_buffer") -> torch.Tensor
 def _run_paged(q, k, v, *, kv_layout, block_tables, kv_lens, q_lens, page_size, sm_scale, output_scale, window_left,
                sinks, out, lse, return_lse, workspace, custom_mask=None):
     """Plan and run one batch on the decode kernel (one query row per request, no mask) or on the paged prefill
-    kernel (bottom-right causal rows, or a custom mask); ``q_lens``: host int32 ``[B]`` rows per request."""
+    kernel (bottom-right causal rows, or a custom mask); ``q_lens``: host int32 ``[B]`` rows per request.  Both
+    read a cache of q's dtype or torch.float8_e4m3fn."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[2] if kv_layout == "NHD" else k.shape[1]
     cache = (k, v)
@@ -210,7 +218,7 @@ def _run_paged(q, k, v, *, kv_layout, block_tables, kv_lens, q_lens, page_size, 
         return w.run(q, cache, v_scale=output_scale, out=out, lse=lse, return_lse=return_lse, sinks=sinks)
     qo_indptr = torch.zeros(q_lens.numel() + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.cumsum(q_lens, 0)
-    w = BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout, backend="cute")
+    w = MultiRowDecodePrefillWrapper(workspace, kv_layout, backend="cute")
     w.plan(qo_indptr, None, None, None, hq, hkv, d, page_size, custom_mask=custom_mask, causal=custom_mask is None,
            sm_scale=sm_scale, window_left=window_left, q_data_type=q.dtype, kv_data_type=k.dtype,
            block_tables=block_tables, seq_lens=kv_lens)
@@ -234,7 +242,7 @@ def trtllm_batch_decode_with_kv_cache(
         ragged ``[cum_seq_lens_q[-1], Hq, D]`` with ``cum_seq_lens_q`` / ``max_q_len`` and ``q_len_per_req=None``.
       kv_cache: ``(k_cache, v_cache)`` each ``[pages, Hkv, page_size, D]`` (HND) / ``[pages, page_size, Hkv, D]``
         (NHD), or one 5-D ``[pages, 1 or 2, ...]`` tensor (1: K and V share storage); any strides with a
-        contiguous last dim; q's dtype or torch.float8_e4m3fn (one row per request).
+        contiguous last dim; q's dtype or torch.float8_e4m3fn (strides multiples of 16 elements).
       workspace_buffer: uint8 on the device; holds the split-KV partials (``ValueError`` if too small).
       block_tables: int32 ``[B, max_pages]``; seq_lens: ``[B]`` KV lengths (int32 or uint32, any device).
       max_seq_len: >= every ``seq_lens`` (``ValueError`` otherwise).
@@ -266,7 +274,7 @@ def trtllm_batch_decode_with_kv_cache(
         (``kv_cache_sf``), ``o_scale != 1``, ``enable_pdl=True``, ``skip_softmax_threshold_scale_factor``,
         ``uses_shared_paged_kv_idx=False``, ``bmm1_scale_log2``, block-sparse attention, context-parallel decode
         (``cp_world``, ``causal_seqlens_kv_global``), ``bf16q_fp8kv_transform_mode``, ``request_order`` /
-        ``request_order_plan``, fp8 KV with several rows per request, other dtypes.
+        ``request_order_plan``, other dtypes.
     """
     _not_capturing("trtllm_batch_decode_with_kv_cache")
     _check_bools(uses_shared_paged_kv_idx=uses_shared_paged_kv_idx, return_lse=return_lse,
@@ -329,7 +337,7 @@ def trtllm_batch_decode_with_kv_cache(
         raise ValueError(f"every seq_lens must be >= its query rows; request {b} has {int(kv_lens[b])} keys for "
                          f"{int(q_lens[b])} rows")
     multirow = bool((q_lens != 1).any())
-    _check_kv_dtype(k, query.dtype, fp8_ok=not multirow, where="with several query rows per request")
+    _check_kv_dtype(k, query.dtype)
     _check_out_dtype(out_dtype, out, query.dtype)
     sinks = _check_sinks(sinks, hq, query.device)
     custom_mask = None
@@ -352,7 +360,7 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
     Args:
       q: ``[B, 1, Hq, D]`` or, for speculative decoding (``q_seq_len > 1``), ``[B, 1, q_seq_len, Hq, D]``; fp16/bf16.
       k_cache, v_cache: ``[pages, page_size, Hkv, D]`` (NHD, the default) or ``[pages, Hkv, page_size, D]`` (HND);
-        q's dtype or torch.float8_e4m3fn (one query row per request).
+        q's dtype or torch.float8_e4m3fn (also with ``q_seq_len > 1``).
       page_table: int32 ``[B, pages_per_seq]``; seq_lens: ``[B, 1]`` (uint32 or int32) KV lengths.
       output: like q (same shape and dtype), written in place.
       workspace_buffer: uint8 on the device (holds the split-KV partials); semaphores: accepted, unused.
@@ -370,7 +378,7 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
       TypeError / ValueError: malformed arguments (each message names it), before any launch.
       RuntimeError: called inside a CUDA-graph capture.  KeyError: bad ``kv_layout``.
       NotImplementedError: beam width > 1, ragged ``q_cu_seq_lens``, NVFP4 KV (``k_sf_cache`` / ``v_sf_cache``),
-        ``enable_pdl=True``, fp8 output, fp8 KV or a sliding window with ``q_seq_len > 1``, other dtypes.
+        ``enable_pdl=True``, fp8 output, a sliding window with ``q_seq_len > 1``, other dtypes.
     """
     _not_capturing("xqa")
     check_optional_bool("enable_pdl", enable_pdl)
@@ -406,7 +414,7 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
         raise ValueError(f"q head_dim {q.shape[-1]} != the caches' {d}")
     if hq % hkv:
         raise ValueError(f"the query heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
-    _check_kv_dtype(k, q.dtype, fp8_ok=q_seq_len == 1, where="with q_seq_len > 1")
+    _check_kv_dtype(k, q.dtype)
     fp8 = k.dtype == FP8
     check_tensor("page_table", page_table, ndim=2)
     if page_table.shape[0] != B:
@@ -516,7 +524,7 @@ def trtllm_batch_context_with_kv_cache(
         hint = check_int(name, hint, 0)
         if batch_size and int(lens.max()) > hint:
             raise ValueError(f"{name} ({hint}) is below the longest length ({int(lens.max())})")
-    _check_kv_dtype(k, query.dtype, fp8_ok=False, where="in trtllm_batch_context_with_kv_cache")
+    _check_kv_dtype(k, query.dtype, fp8_unserved_in="trtllm_batch_context_with_kv_cache")
     _check_out_dtype(out_dtype, out, query.dtype)
     sinks = _check_sinks(sinks, query.shape[1], query.device)
     qo_indptr = cq

@@ -14,10 +14,17 @@ D]``; ``block_tables [B, C]`` int32 whose rows are contiguous (the row stride ma
 of its request's keys; ``"causal"``: bottom-right causal (row ``i`` of ``q_len`` sees keys ``<= kv_len -
 q_len + i``), which needs ``q_len <= kv_len``.  ``window_left = w`` (causal only) keeps the diagonal key and
 the ``w`` keys before it.  ``bmm1_scale`` is the softmax scale (default ``1/sqrt(D)``); ``bmm2_scale``
-multiplies the output in fp32 before the rounding to the output dtype.
+multiplies the output in fp32 before the rounding to the output dtype (the scale table of
+:mod:`cutedsl_attn.api.trtllm`).
+
+Dtypes: fp16 -> fp16 and bf16 -> bf16 (q, K/V and the output of one dtype), and fp16 / bf16 queries over a
+``torch.float8_e4m3fn`` cache (output of q's dtype) in every query layout; an fp8 cache's per-tensor dequantisation
+scales are folded by the caller into ``bmm1_scale`` (``k_scale``) and ``bmm2_scale`` (``v_scale``), as in
+FlashInfer.
 
 Kernels: one query row per request runs this package's paged decode kernel (split-KV); more rows run the
-paged prefill kernel (query heads of a kv head packed into MMA rows, non-causal for the dense mask).
+paged prefill kernel (query heads of a kv head packed into MMA rows, non-causal for the dense mask); both read
+fp8 caches.
 FlashInfer serves these entry points on SM100 only; here they run wherever those kernels run.
 """
 
@@ -30,7 +37,7 @@ import torch
 
 from ..api._common import canonical_dtype, check_head_dim, check_heads, check_int, check_tensor, check_window_left
 from ..api.decode import BatchDecodeWithPagedKVCacheWrapper
-from ..api.prefill_paged import BatchPrefillWithPagedKVCacheWrapper
+from ..api.prefill_paged import MultiRowDecodePrefillWrapper
 from ..planning import decode as _pd
 from ..planning import prefill as _pp
 
@@ -38,7 +45,8 @@ __all__ = ["MASK_TYPES", "BatchDecodePagedTSWrapper", "batch_decode_with_paged_k
 
 MASK_TYPES = ("dense", "causal")
 _FP32_MAX = 3.4028234663852886e38
-_FP8 = tuple(d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d)
+_E4M3 = torch.float8_e4m3fn
+_16BIT = (torch.float16, torch.bfloat16)
 _MAX_KV_LEN = 2**31 - 1 - 255
 
 
@@ -173,14 +181,19 @@ def query_mode(seq_len_q, qo_indptr, max_seq_len_q):
     return True, max_seq_len_q  # None: derived from qo_indptr by the caller
 
 
+_SERVED_DTYPES = ("float16 -> float16 and bfloat16 -> bfloat16 (q, K/V and the output of one dtype), or a float16 / "
+                  "bfloat16 q over a float8_e4m3fn K/V cache (output of q's dtype)")
+
+
 def _check_dtypes(q_dt, kv_dt, o_dt) -> None:
+    """q and the output fp16 / bf16 and equal; K/V q's dtype or fp8 e4m3.  NotImplementedError otherwise."""
     for n, dt in (("q", q_dt), ("kv", kv_dt), ("out", o_dt)):
-        if dt in _FP8 or dt not in (torch.float16, torch.bfloat16):
-            raise NotImplementedError(f"{n} dtype {dt} is not supported by prims_ts decode here; supported: float16 "
-                                      "-> float16 and bfloat16 -> bfloat16 (one dtype for q, K/V and the output)")
-    if not (q_dt == kv_dt == o_dt):
+        if dt not in _16BIT and not (n == "kv" and dt == _E4M3):
+            raise NotImplementedError(f"{n} dtype {dt} is not supported by prims_ts decode here; supported: "
+                                      f"{_SERVED_DTYPES}")
+    if q_dt != o_dt or kv_dt not in (q_dt, _E4M3):
         raise NotImplementedError(f"mixed dtypes (q {q_dt}, kv {kv_dt}, out {o_dt}) are not supported; supported: "
-                                  "float16 -> float16 and bfloat16 -> bfloat16")
+                                  f"{_SERVED_DTYPES}")
 
 
 def _workspace_bytes(batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -240,7 +253,8 @@ class BatchDecodePagedTSWrapper:
             ``ceil(max_kv_len / page_size)`` columns.
           max_seq_len_q: query rows per request (packed: the capacity).  packed_query: ``run`` takes ``qo_indptr``.
           q_data_type, k_data_type, v_data_type, kv_data_type, o_data_type: float16 or bfloat16, all one dtype
-            (k/v/kv/o default to q's).
+            (k/v/kv/o default to q's), or K/V torch.float8_e4m3fn under a float16 / bfloat16 q (k, v and kv must
+            agree; the output has q's dtype).
           mask_type, window_left: see the module docstring (window only with ``"causal"``).
           seq_lens: int32 ``[batch_size]`` lengths owned by the plan (read on the host now), or None (``run`` binds
             them).
@@ -250,7 +264,8 @@ class BatchDecodePagedTSWrapper:
 
         Raises:
           TypeError / ValueError: malformed arguments, lengths above ``max_kv_len``, causal lengths shorter than the
-            query rows.  NotImplementedError: NHD, dtypes, head_dim, group size, a storage page size differing.
+            query rows.  NotImplementedError: NHD, dtypes (float8_e5m2, fp8 q or output, mixed 16-bit), head_dim,
+            group size, a storage page size differing.
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # tensors carry an index: compare like with like
@@ -302,14 +317,14 @@ class BatchDecodePagedTSWrapper:
             check_tensor("workspace_buffer", workspace_buffer, device=device)
         multirow = packed_query or sq > 1
         C = -(-max_kv // ps)
-        key = (device, B, Hq, Hkv, D, ps, C, q_dt, multirow, mask_type, wl, fixed, split_kv, self._graph,
+        key = (device, B, Hq, Hkv, D, ps, C, q_dt, kv_dt, multirow, mask_type, wl, fixed, split_kv, self._graph,
                None if workspace_buffer is None else workspace_buffer.data_ptr())
         if key != self._inner_key:
             self._inner = self._make_inner(device, B, Hq, Hkv, D, C, multirow, workspace_buffer)
             self._inner_key = key
         self._plan = dict(device=device, B=B, Hq=Hq, Hkv=Hkv, D=D, ps=ps, max_kv=max_kv, C=C, sq=sq,
                           packed=packed_query, multirow=multirow, mask_type=mask_type, window_left=wl, dtype=q_dt,
-                          fixed=fixed, lens=lens, split_kv=split_kv, qo_host=None)
+                          kv_dtype=kv_dt, fixed=fixed, lens=lens, split_kv=split_kv, qo_host=None)
         # packed rows are known at the first run; until then every request is planned with its capacity
         self._plan_inner(torch.arange(B + 1, dtype=torch.int64) * sq if multirow else None,
                          check_causal=not packed_query)
@@ -328,10 +343,10 @@ class BatchDecodePagedTSWrapper:
             workspace_buffer = self._workspace
         self._table = torch.zeros((B, C), **i32)  # the page table the kernels read, refreshed at every run
         if not self._graph:
-            cls = BatchPrefillWithPagedKVCacheWrapper if multirow else BatchDecodeWithPagedKVCacheWrapper
+            cls = MultiRowDecodePrefillWrapper if multirow else BatchDecodeWithPagedKVCacheWrapper
             return cls(workspace_buffer, "HND", backend="cute")
         if multirow:
-            return BatchPrefillWithPagedKVCacheWrapper(
+            return MultiRowDecodePrefillWrapper(
                 workspace_buffer, "HND", use_cuda_graph=True, qo_indptr_buf=torch.empty(B + 1, **i32),
                 paged_kv_indptr_buf=torch.empty(B + 1, **i32), paged_kv_indices_buf=torch.empty(B * C, **i32),
                 paged_kv_last_page_len_buf=torch.empty(B, **i32), backend="cute")
@@ -352,11 +367,13 @@ class BatchDecodePagedTSWrapper:
                                      f"{int(qo_host[b + 1] - qo_host[b])} > kv_len {int(p['lens'][b])}")
             self._inner.plan(qo_host.to(torch.int32).to(p["device"]), None, None, None, p["Hq"], p["Hkv"], p["D"],
                              p["ps"], causal=p["mask_type"] == "causal", sm_scale=1.0, window_left=p["window_left"],
-                             q_data_type=p["dtype"], block_tables=self._table, seq_lens=lens32)
+                             q_data_type=p["dtype"], kv_data_type=p["kv_dtype"], block_tables=self._table,
+                             seq_lens=lens32)
             p["qo_host"] = qo_host
         else:
             self._inner.plan(None, None, None, p["Hq"], p["Hkv"], p["D"], p["ps"], window_left=p["window_left"],
-                             q_data_type=p["dtype"], sm_scale=1.0, block_tables=self._table, seq_lens=lens32,
+                             q_data_type=p["dtype"], kv_data_type=p["kv_dtype"], sm_scale=1.0,
+                             block_tables=self._table, seq_lens=lens32,
                              disable_split_kv=not (p["fixed"] and p["split_kv"]))
         p["inner_table"] = self._inner._plan["indices"]  # the inner plan's flat page ids (a fixed-address buffer)
         p["inner_work"] = self._inner._plan["work"]
@@ -369,13 +386,15 @@ class BatchDecodePagedTSWrapper:
 
         Args:
           q: ``[B, Hq, D]`` (one row), ``[B, SQ, Hq, D]`` (fixed rows) or ``[total_q, Hq, D]`` (packed).
-          paged_kv_cache: HND combined ``[pages, 2, Hkv, page_size, D]`` or a ``(k, v)`` tuple.
+          paged_kv_cache: HND combined ``[pages, 2, Hkv, page_size, D]`` or a ``(k, v)`` tuple, of the planned K/V
+            dtype (fp8: strides multiples of 16 elements).
           seq_lens: None when the plan owns the lengths, else int32 ``[B]`` on the device (ValueError otherwise).
           block_tables: int32 ``[B, C]``, rows contiguous; ``C * page_size`` must cover the planned lengths (runtime
             lengths: ``max_kv_len``).
           kv_scale_factors: must be None (NVFP4 / fp8 scale factors are not served: NotImplementedError).
           qo_indptr: int32 ``[B + 1]``, required iff the plan is packed.
-          bmm1_scale, bmm2_scale: softmax scale (default ``1/sqrt(D)``) and output scale (fp32, before rounding).
+          bmm1_scale, bmm2_scale: softmax scale (default ``1/sqrt(D)``) and output scale (fp32, before rounding);
+            an fp8 cache's ``k_scale`` / ``v_scale`` folded in by the caller.
           out: optional output of the query's shape and the planned output dtype.
 
         Returns: the output (``out`` when given).
@@ -389,7 +408,8 @@ class BatchDecodePagedTSWrapper:
             raise RuntimeError("plan() must be called before run()")
         if kv_scale_factors is not None:
             raise NotImplementedError("kv_scale_factors (NVFP4 / fp8 KV scale factors) is not supported; "
-                                      "supported: float16 / bfloat16 caches")
+                                      "supported: float16 / bfloat16 and per-tensor float8_e4m3fn caches (fold "
+                                      "the scales into bmm1_scale / bmm2_scale)")
         if p["fixed"] and seq_lens is not None:
             raise ValueError("seq_lens was given to plan(), so run() must get seq_lens=None (the plan owns the lengths)")
         if not p["fixed"] and seq_lens is None:
@@ -401,8 +421,8 @@ class BatchDecodePagedTSWrapper:
         if (hkv, ps, d) != (p["Hkv"], p["ps"], D):
             raise ValueError(f"paged_kv_cache has (num_kv_heads, page_size, head_dim) = {(hkv, ps, d)}, planned "
                              f"{(p['Hkv'], p['ps'], D)}")
-        if kv_dt != p["dtype"]:
-            raise ValueError(f"paged_kv_cache dtype {kv_dt} differs from the planned {p['dtype']}")
+        if kv_dt != p["kv_dtype"]:
+            raise ValueError(f"paged_kv_cache dtype {kv_dt} differs from the planned K/V dtype {p['kv_dtype']}")
         check_tensor("q", q)
         if q.dtype != p["dtype"]:
             raise ValueError(f"q dtype {q.dtype} differs from the planned q_data_type {p['dtype']}")
@@ -501,7 +521,7 @@ def batch_decode_with_paged_kv_cache(
       q: ``[B, Hq, D]`` (``seq_len_q == 1``), token-major ``[B, SQ, Hq, D]`` (fixed ``seq_len_q = SQ > 1``), or
         packed ``[total_q, Hq, D]`` with ``qo_indptr``; float16 or bfloat16, last dim contiguous.
       paged_kv_cache: HND ``[pages, 2, Hkv, page_size, D]`` or a ``(k, v)`` tuple of ``[pages, Hkv, page_size, D]``
-        in q's dtype.
+        in q's dtype or torch.float8_e4m3fn (strides multiples of 16 elements).
       block_tables: int32 ``[B, C]`` page ids; rows contiguous, the row stride may exceed ``C``.
       seq_lens_kv: int32 ``[B]`` KV lengths on q's device, read on the host (a device synchronisation): this
         call is not CUDA-graph capturable -- plan a :class:`BatchDecodePagedTSWrapper` before capture instead.
@@ -513,7 +533,8 @@ def batch_decode_with_paged_kv_cache(
       mask_type: ``"dense"`` (default, every row sees all keys) or ``"causal"`` (bottom-right).
       window_left: left window (``-1`` disables); requires ``mask_type="causal"``.
       kv_layout: ``"HND"`` only.
-      bmm1_scale: softmax scale, default ``1/sqrt(D)``; bmm2_scale: output scale (fp32, before rounding).
+      bmm1_scale: softmax scale, default ``1/sqrt(D)``; bmm2_scale: output scale (fp32, before rounding); an fp8
+        cache's ``k_scale`` / ``v_scale`` folded in by the caller.
       out: optional output (q's shape, ``out_dtype``).  out_dtype: default ``out.dtype`` or q's dtype; it must
         equal q's dtype here.
       kv_scale_factors, page_size, split_kv, workspace_buffer, max_kv_len, validate: FlashInfer 0.7.4's extras:
@@ -523,15 +544,16 @@ def batch_decode_with_paged_kv_cache(
 
     Raises:
       TypeError / ValueError: malformed arguments (each named), a mask / window / length rule broken.
-      NotImplementedError: ``kv_layout="NHD"``, dtypes other than fp16 -> fp16 / bf16 -> bf16, head_dim, GQA group
-        above 16, ``kv_scale_factors``.
+      NotImplementedError: ``kv_layout="NHD"``, dtypes other than fp16 -> fp16 / bf16 -> bf16 (either over an
+        fp8 e4m3 cache), head_dim, GQA group above 16, ``kv_scale_factors``.
     """
     check_kv_layout(kv_layout)
     wl = check_mask(mask_type, window_left)
     check_tensor("q", q)
     if kv_scale_factors is not None:
         raise NotImplementedError("kv_scale_factors (NVFP4 / fp8 KV scale factors) is not supported; supported: "
-                                  "float16 / bfloat16 caches")
+                                  "float16 / bfloat16 and per-tensor float8_e4m3fn caches (fold the scales into "
+                                  "bmm1_scale / bmm2_scale)")
     packed, sq = query_mode(seq_len_q, qo_indptr, max_seq_len_q)
     _, _, hkv, ps, d, kv_dt = cache_geometry(paged_kv_cache)
     if page_size is not None and check_int("page_size", page_size, 1) != ps:
@@ -580,6 +602,7 @@ def batch_decode_with_paged_kv_cache(
     w = BatchDecodePagedTSWrapper(kv_layout)
     w._graph = False  # one call: no padded CUDA-graph grid, split-KV tiles as the decode wrapper plans them
     w.plan(dev, B, Hq, hkv, D, ps, max_kv, max_seq_len_q=sq, packed_query=packed, q_data_type=q.dtype,
-           mask_type=mask_type, window_left=wl, seq_lens=lens, workspace_buffer=workspace_buffer, split_kv=split_kv)
+           kv_data_type=kv_dt, mask_type=mask_type, window_left=wl, seq_lens=lens, workspace_buffer=workspace_buffer,
+           split_kv=split_kv)
     return w.run(q, paged_kv_cache, None, block_tables, qo_indptr=qo_indptr, bmm1_scale=bmm1_scale,
                  bmm2_scale=bmm2_scale, out=out)

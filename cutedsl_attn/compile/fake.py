@@ -15,33 +15,42 @@ from cutlass import Float32, Int32
 
 def prefill_tensors(cfg, work_cols: int) -> tuple:
     """``(q, k, v, indices, work, o, lse, mask, sinks)`` for a prefill problem (``cfg``: anything with the fields of
-    :class:`cutedsl_attn.planning.prefill.PrefillProblem` and a ``cutlass_dtype``).
+    :class:`cutedsl_attn.planning.prefill.PrefillProblem` and a ``cutlass_dtype``; a ``kv_cutlass_dtype``, where
+    present, types k and v, else they have q's).
 
     q ``[tokens, Hq, head_dim_qk]``; k/v ``[tokens, Hkv, D]`` (ragged) or
-    ``[pages, page_size, Hkv, D]`` (``cfg.page_size > 0``); indices int32 page ids; work
+    ``[pages, page_size, Hkv, D]`` (``cfg.page_size > 0``), strides in elements of 16-byte chunks (8 elements, 16
+    for an fp8 cache); indices int32 page ids; work
     ``[W, work_cols]`` int32 (:mod:`cutedsl_attn.planning.prefill`'s ``WORK_COLS``); o ``[tokens, Hq, head_dim_vo]``
     and lse ``[tokens, Hq]`` fp32, contiguous; mask uint8 packed bits; sinks fp32 ``[Hq]``.
     """
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
     dt = cfg.cutlass_dtype
+    kv_dt = getattr(cfg, "kv_cutlass_dtype", dt)
+    kv_div = 128 // kv_dt.width  # elements of a 16-byte chunk
 
     def sym():
         return cute.sym_int()
 
-    def s64():
-        return cute.sym_int64(divisibility=8)
+    def s64(div=8):
+        return cute.sym_int64(divisibility=div)
+
+    def kv64():
+        return s64(kv_div)
 
     TQ, Hq, Hkv, NNZ, W, NB = (sym() for _ in range(6))
     q = make_fake_tensor(dt, (TQ, Hq, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
     if cfg.page_size > 0:
         P = sym()
-        k = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_qk), (s64(), s64(), s64(), 1), assumed_align=16)
-        v = make_fake_tensor(dt, (P, cfg.page_size, Hkv, cfg.head_dim_vo), (s64(), s64(), s64(), 1), assumed_align=16)
+        k = make_fake_tensor(kv_dt, (P, cfg.page_size, Hkv, cfg.head_dim_qk), (kv64(), kv64(), kv64(), 1),
+                             assumed_align=16)
+        v = make_fake_tensor(kv_dt, (P, cfg.page_size, Hkv, cfg.head_dim_vo), (kv64(), kv64(), kv64(), 1),
+                             assumed_align=16)
     else:
         TK = sym()
-        k = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_qk), (s64(), s64(), 1), assumed_align=16)
-        v = make_fake_tensor(dt, (TK, Hkv, cfg.head_dim_vo), (s64(), s64(), 1), assumed_align=16)
+        k = make_fake_tensor(kv_dt, (TK, Hkv, cfg.head_dim_qk), (kv64(), kv64(), 1), assumed_align=16)
+        v = make_fake_tensor(kv_dt, (TK, Hkv, cfg.head_dim_vo), (kv64(), kv64(), 1), assumed_align=16)
     idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
     work = make_fake_compact_tensor(Int32, (W, work_cols), stride_order=(1, 0), assumed_align=16)
     o = make_fake_compact_tensor(dt, (TQ, Hq, cfg.head_dim_vo), stride_order=(2, 1, 0), assumed_align=16)

@@ -46,6 +46,7 @@ _INT32_MAX = 2**31 - 1
 
 
 DTYPES = ("bfloat16", "float16")
+KV_DTYPES = ("", "float8_e4m3fn")  # "": the K/V cache has the query's dtype
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 HEAD_DIMS_QK = (32, 64, 128, 192, 256)
 HEAD_DIMS_VO = (32, 64, 128, 256)
@@ -60,12 +61,17 @@ class PrefillProblem:
     Lengths, head counts, strides, ``sm_scale``, the soft-cap value, ``window_left``, the RoPE parameters and
     the output scale are run-time arguments (:class:`PrefillArgs`), so one compiled kernel serves them all.
 
-    ``dtype``: ``"bfloat16"`` or ``"float16"`` (q, k, v and o); ``page_size`` 0 means ragged K/V; ``causal`` is
+    ``dtype``: ``"bfloat16"`` or ``"float16"`` (q and o; k and v too unless ``kv_dtype`` says otherwise);
+    ``kv_dtype``: the K/V cache's element type, ``""`` (the default) or ``dtype`` itself (normalised to ``""``: one
+    compile key) for a 16-bit cache, ``"float8_e4m3fn"`` for an fp8 paged cache whose per-tensor ``k_scale`` /
+    ``v_scale`` the caller folds into ``sm_scale`` and ``output_scale`` (:class:`PrefillArgs`), as for
+    :class:`cutedsl_attn.planning.decode.DecodeProblem`; ``page_size`` 0 means ragged K/V; ``causal`` is
     FlashInfer's bottom-right alignment and is False whenever ``use_custom_mask`` (the mask replaces it);
     ``score_mod``: a Python callable traced into the logits (its source, closures and globals are part of the
     key); ``arch``: the compile target (``"sm_90a"``, ``"sm_100a"``, ``"sm_103a"``).
 
-    Raises TypeError for a non-int size, ValueError for a value outside the ranges above.
+    Raises TypeError for a non-int size or a non-str ``kv_dtype``, ValueError for a value outside the ranges above,
+    NotImplementedError for ``kv_dtype="float8_e5m2"`` and for an fp8 cache with ragged K/V (``page_size`` 0).
     """
 
     dtype: str
@@ -81,6 +87,7 @@ class PrefillProblem:
     pos_encoding_mode: str = "NONE"
     score_mod: Any = None
     arch: str = "sm_90a"
+    kv_dtype: str = ""
 
     def __post_init__(self):
         for name in ("head_dim_qk", "head_dim_vo", "group_size", "page_size"):
@@ -105,20 +112,40 @@ class PrefillProblem:
                                            or self.pos_encoding_mode == "ALIBI"):
             raise ValueError("score_mod must be a callable, and not combined with a soft cap or ALiBi (fold them "
                              "into the score_mod)")
+        if not isinstance(self.kv_dtype, str):
+            raise TypeError(f"kv_dtype must be a str, got {self.kv_dtype!r}")
+        if self.kv_dtype == self.dtype:
+            object.__setattr__(self, "kv_dtype", "")  # one spelling of a 16-bit cache: one compile key
+        if self.kv_dtype == "float8_e5m2":
+            raise NotImplementedError("kv_dtype 'float8_e5m2' is not supported; fp8 K/V caches must be "
+                                      "'float8_e4m3fn' (or the cache has the query's dtype: kv_dtype '')")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be '' (the query's dtype), {self.dtype!r} or 'float8_e4m3fn', "
+                             f"got {self.kv_dtype!r}")
+        if self.kv_fp8 and self.page_size == 0:
+            raise NotImplementedError("an fp8 (float8_e4m3fn) K/V cache is served paged (page_size >= 1) only, "
+                                      "not as ragged K/V")
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the K/V cache is fp8 e4m3 (1 byte per element)."""
+        return self.kv_dtype == "float8_e4m3fn"
 
 
 class PrefillArgs(NamedTuple):
     """One prefill launch's tensors and scalars, in the names of the API (each kernel's ``launch`` orders them).
 
     q ``[total_q, Hq, head_dim_qk]``; k / v ``[total_kv, Hkv, D]`` (ragged, NHD or an HND view) or
-    ``[pages, page_size, Hkv, D]`` (paged); ``indices`` int32 flat page ids (a 1-element dummy when ragged);
-    ``work`` int32 ``[W, WORK_COLS]`` from :func:`plan_prefill`; ``out`` ``[total_q, Hq, head_dim_vo]`` (16-bit,
+    ``[pages, page_size, Hkv, D]`` (paged), of q's dtype or, for a problem with ``kv_dtype="float8_e4m3fn"``,
+    torch.float8_e4m3fn (rows and strides 16-byte aligned); ``indices`` int32 flat page ids (a 1-element dummy
+    when ragged); ``work`` int32 ``[W, WORK_COLS]`` from :func:`plan_prefill`; ``out`` ``[total_q, Hq, head_dim_vo]`` (16-bit,
     written); ``lse`` fp32 ``[total_q, Hq]``, base 2 (written); ``mask`` uint8 packed custom-mask bits (dummy
     without one); ``sinks`` fp32 ``[Hq]`` (dummy without); ``alibi_slopes`` fp32 ``[Hq]`` (dummy without ALiBi).
-    ``sm_scale``: the logit scale (``sm_scale * q_scale * k_scale``); ``soft_cap``: 0 or the cap;
+    ``sm_scale``: the logit scale (``sm_scale * q_scale * k_scale``: an fp8 cache's ``k_scale`` is folded here, the
+    kernel only widens e4m3); ``soft_cap``: 0 or the cap;
     ``window_left``: -1 or the window; ``rope_rcp_scale`` / ``rope_log2_theta``: ``1 / rope_scale`` and
     ``log2(rope_theta)``; ``output_scale``: the factor applied to the normalised output in fp32 before it is
-    rounded to 16 bits (FlashInfer's ``v_scale / o_scale``).
+    rounded to 16 bits (FlashInfer's ``v_scale / o_scale``; an fp8 cache's ``v_scale`` is folded here).
     """
 
     q: Any

@@ -26,6 +26,15 @@ in the denominator and the LSE; LSE is base 2; rows with no visible key give O =
 LSE = -inf.  ``output_scale`` (FlashInfer's ``v_scale / o_scale``) multiplies the normalised O in fp32
 before the 16-bit rounding; the LSE does not include it.
 
+fp8 K/V (``PrefillProblem.kv_dtype="float8_e4m3fn"``, paged caches, 1 byte per element): the ``cp.async`` ring
+lands the e4m3 rows in a staging area (``D + 16`` bytes a row), and once a tile has landed all threads widen it
+in shared memory (``ld.shared.b32``, ``cvt.rn.f16x2.e4m3x2``, for bf16 q on through fp32 to bf16x2: e4m3 is
+exact in both) into one 16-bit K and one V tile of q's dtype, which the 16-bit main loop then reads unchanged
+(``ldmatrix``, ``mma.sync`` in q's dtype, RoPE in place).  Every warp of the CTA reads the whole K/V tile, so
+widening it once in shared memory costs a quarter (at 4 warps) of widening the fragments in each warp's
+registers, and the MMAs see exactly the values a 16-bit cache of the widened numbers gives.  ``k_scale`` and
+``v_scale`` are per-tensor: the caller folds them into ``sm_scale`` and ``output_scale``.
+
 Positional encodings (``PrefillProblem.pos_encoding_mode``; query token ``i`` of a request
 sits at position ``pos_i = i + kv_len - qo_len``, key ``j`` at ``j``):
 
@@ -96,8 +105,8 @@ TUNING_FIELDS = tuple(f.name for f in fields(Tiles))  # the keys override_tiles 
 def unsupported_reason(problem: PrefillProblem) -> str | None:
     """Why the portable kernel cannot serve ``problem``, or None.  Its ``cp.async`` / ``ldmatrix`` /
     ``mma.sync`` code serves every :class:`~cutedsl_attn.planning.prefill.PrefillProblem` (dtypes, head dims,
-    groups, paging, masks, positional encodings, ``score_mod``); it refuses only a target outside
-    ``compile.arch.SUPPORTED_ARCHS`` (``sm_90a``, ``sm_100a``, ``sm_103a``, spelled so).
+    groups, paging, masks, positional encodings, ``score_mod``, fp8 e4m3 paged caches); it refuses only a target
+    outside ``compile.arch.SUPPORTED_ARCHS`` (``sm_90a``, ``sm_100a``, ``sm_103a``, spelled so).
 
     Raises TypeError when ``problem`` is not a PrefillProblem.
     """
@@ -135,8 +144,13 @@ class Config:
 
     @property
     def cutlass_dtype(self):
-        """The CuTe DSL element type of q, k, v and o."""
+        """The CuTe DSL element type of q and o (and of k and v for a 16-bit cache): the MMAs' type."""
         return element_type(self.problem.dtype)
+
+    @property
+    def kv_cutlass_dtype(self):
+        """The CuTe DSL element type of k and v: ``Float8E4M3FN`` for an fp8 cache, else q's."""
+        return cutlass.Float8E4M3FN if self.problem.kv_fp8 else self.cutlass_dtype
 
     @property
     def head_dim_qk(self) -> int:
@@ -169,8 +183,20 @@ class Config:
         return self.problem.head_dim_vo * 2 + 16
 
     @property
+    def staging_row_bytes_qk(self) -> int:
+        """Bytes of one fp8 K row in the staging ring (16B pad: 16-byte aligned ``cp.async`` rows)."""
+        return self.problem.head_dim_qk + 16
+
+    @property
+    def staging_row_bytes_vo(self) -> int:
+        return self.problem.head_dim_vo + 16
+
+    @property
     def smem_bytes(self) -> int:
         t = self.tiles
+        if self.problem.kv_fp8:  # Q, one widened 16-bit K/V tile, the fp8 ring
+            return (self.tile_m * self.row_bytes_qk + t.tile_n * (self.row_bytes_qk + self.row_bytes_vo)
+                    + t.num_stages * t.tile_n * (self.staging_row_bytes_qk + self.staging_row_bytes_vo))
         return self.tile_m * self.row_bytes_qk + t.num_stages * t.tile_n * (self.row_bytes_qk + self.row_bytes_vo)
 
     @property
@@ -213,6 +239,10 @@ class PrefillKernel:
         self.PS = pb.page_size
         self.RQ, self.RV = cfg.row_bytes_qk, cfg.row_bytes_vo
         self.paged = pb.page_size > 0
+        self.kv_fp8 = pb.kv_fp8
+        self.SK, self.SV = cfg.staging_row_bytes_qk, cfg.staging_row_bytes_vo
+        # bytes of a K / V row of the cp.async ring: the fp8 staging rows, or the 16-bit rows the MMAs read
+        self.LK, self.LV = (self.SK, self.SV) if self.kv_fp8 else (self.RQ, self.RV)
         self.mask_causal = pb.causal and not pb.use_custom_mask
         self.rope = pb.pos_encoding_mode == "ROPE_LLAMA"
         self.alibi = pb.pos_encoding_mode == "ALIBI"
@@ -237,8 +267,8 @@ class PrefillKernel:
         Arguments (all but the scalars are ``cute.Tensor``):
 
         * ``mQ`` ``[total_q, Hq, Dqk]``; ``mK``/``mV`` ragged ``[total_kv, Hkv, D]`` or paged
-          ``[pages, page_size, Hkv, D]`` (any strides, last dim contiguous); ``mIdx`` int32 flat
-          page ids (paged only); ``mWork`` int32 ``[W, 8]`` work table
+          ``[pages, page_size, Hkv, D]`` (any strides, last dim contiguous; e4m3 for ``kv_fp8``); ``mIdx``
+          int32 flat page ids (paged only); ``mWork`` int32 ``[W, 8]`` work table
           (:mod:`cutedsl_attn.planning.prefill`); ``mO`` ``[total_q, Hq, Dvo]``; ``mLSE`` fp32
           ``[total_q, Hq]`` (base 2); ``mMask`` uint8 packed custom mask (``use_custom_mask``);
           ``mSinks`` fp32 ``[Hq]`` (``use_sinks``); ``mAlibi`` fp32 ``[Hq]`` ALiBi slopes in
@@ -258,7 +288,13 @@ class PrefillKernel:
         smem = cute.arch.get_dyn_smem(cutlass.Int8, alignment=128).toint()
         sQ = smem
         sK = sQ + TM * RQ
-        sV = sK + 2 * TN * RQ
+        if const_expr(self.kv_fp8):
+            sV = sK + TN * RQ  # one widened 16-bit K and V tile
+            ldK = sV + TN * self.RV  # the fp8 cp.async ring the tiles land in
+            ldV = ldK + 2 * TN * self.LK
+        else:
+            sV = sK + 2 * TN * RQ
+            ldK, ldV = sK, sV
 
         b = mWork[wi, W_BATCH]
         if b >= 0:
@@ -276,14 +312,14 @@ class PrefillKernel:
 
             self._issue_q(mQ, sQ, row0, qo_len, q_start, kvh, tidx)
             if n_blk > 0:
-                self._issue_kv(mK, mV, mIdx, sK, sV, blk_lo * TN, kv_len, kv_start, kvh, tidx)
+                self._issue_kv(mK, mV, mIdx, ldK, ldV, blk_lo * TN, kv_len, kv_start, kvh, tidx)
             ptx.cp_async_commit()
 
             acc = cute.make_rmem_tensor(((self.DV // 8) * 4,), Float32)
             row_m = cute.make_rmem_tensor((2,), Float32)
             row_l = cute.make_rmem_tensor((2,), Float32)
-            self._mainloop(mK, mV, mIdx, mMask, mAlibi, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len,
-                           kv_start, mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, rope_rcp_scale,
+            self._mainloop(mK, mV, mIdx, mMask, mAlibi, acc, row_m, row_l, sQ, sK, sV, ldK, ldV, row0, qo_len,
+                           kv_len, kv_start, mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, rope_rcp_scale,
                            rope_log2_theta, tidx, lane, warp, b)
             self._epilogue(mO, mLSE, mSinks, acc, row_m, row_l, row0, qo_len, q_start, kvh, lane, warp, output_scale)
 
@@ -305,29 +341,62 @@ class PrefillKernel:
 
     @cute.jit
     def _issue_kv(self, mK, mV, mIdx, sK, sV, tok0, kv_len, kv_start, kvh, tidx):
-        """cp.async one K tile and one V tile (tokens tok0..tok0+tile_n, zero-filled past kv_len)."""
-        self._issue_rows(mK, mIdx, sK, self.DQ, self.RQ, tok0, kv_len, kv_start, kvh, tidx)
-        self._issue_rows(mV, mIdx, sV, self.DV, self.RV, tok0, kv_len, kv_start, kvh, tidx)
+        """cp.async one K tile and one V tile (tokens tok0..tok0+tile_n, zero-filled past kv_len); fp8 rows land
+        in the staging ring (``sK`` / ``sV`` are its stage)."""
+        self._issue_rows(mK, mIdx, sK, self.DQ, self.LK, tok0, kv_len, kv_start, kvh, tidx)
+        self._issue_rows(mV, mIdx, sV, self.DV, self.LV, tok0, kv_len, kv_start, kvh, tidx)
 
     @cute.jit
     def _issue_rows(self, mX, mIdx, s_dst, D: cutlass.Constexpr, RB: cutlass.Constexpr, tok0, kv_len, kv_start,
                     kvh, tidx):
         NT, TN = self.NT, self.TN
-        cpr = D // 8
+        ept = 16 if self.kv_fp8 else 8  # elements per 16-byte chunk
+        cpr = D // ept
         base = mX.iterator.toint()
         for it in cutlass.range_constexpr((TN * cpr + NT - 1) // NT):
             idx = it * NT + tidx
             if idx < TN * cpr:
                 r = idx // cpr
                 col = idx % cpr
-                goff, valid = paging.kv_chunk_offset(mX, mIdx, tok0 + r, kv_len, kv_start, kvh, col,
-                                                     self.PS if self.paged else 0)
-                ptx.cp_async_16(s_dst + r * RB + col * 16, base + goff * 2, cutlass.select_(valid, 16, 0))
+                if const_expr(self.kv_fp8):
+                    # kv_chunk_offset counts 8-element chunks: chunk col of 16 e4m3 elements is its chunk 2 col
+                    goff, valid = paging.kv_chunk_offset(mX, mIdx, tok0 + r, kv_len, kv_start, kvh, col * 2,
+                                                         self.PS if self.paged else 0)
+                    ptx.cp_async_16(s_dst + r * RB + col * 16, base + goff, cutlass.select_(valid, 16, 0))
+                else:
+                    goff, valid = paging.kv_chunk_offset(mX, mIdx, tok0 + r, kv_len, kv_start, kvh, col,
+                                                         self.PS if self.paged else 0)
+                    ptx.cp_async_16(s_dst + r * RB + col * 16, base + goff * 2, cutlass.select_(valid, 16, 0))
+
+    @cute.jit
+    def _widen_rows(self, s_src, s_dst, D: cutlass.Constexpr, RS: cutlass.Constexpr, RB: cutlass.Constexpr,
+                    tidx):
+        """e4m3 rows of one staged tile (``RS`` bytes a row) -> 16-bit rows of q's dtype (``RB`` bytes a row), all
+        ``tile_n`` rows by all threads, 4 source bytes per thread and step (exact: e4m3 fits f16 and bf16)."""
+        NT, TN = self.NT, self.TN
+        wpr = D // 4  # 4-byte words of a staged row
+        # lanes 16..31 store their two words in the other order: each store of a warp then hits 32 distinct banks
+        # (rows of 64 elements or more)
+        swap = (tidx // 16) % 2
+        for it in cutlass.range_constexpr((TN * wpr + NT - 1) // NT):
+            idx = it * NT + tidx
+            if idx < TN * wpr:
+                r = idx // wpr
+                c = idx % wpr
+                lo, hi = ptx.e4m3x4_to_f16x2(ptx.ld_shared_b32(s_src + r * RS + c * 4))
+                if const_expr(self.dtype is cutlass.BFloat16):
+                    a0, a1 = ptx.unpack2(lo, cutlass.Float16)
+                    b0, b1 = ptx.unpack2(hi, cutlass.Float16)
+                    lo = ptx.pack2(a0, a1, cutlass.BFloat16)
+                    hi = ptx.pack2(b0, b1, cutlass.BFloat16)
+                dst = s_dst + r * RB + c * 8
+                ptx.st_shared_b32(dst + swap * 4, cutlass.select_(swap == 1, hi, lo))
+                ptx.st_shared_b32(dst + 4 - swap * 4, cutlass.select_(swap == 1, lo, hi))
 
     # ------------------------------------------------------------------ main loop
     @cute.jit
-    def _mainloop(self, mK, mV, mIdx, mMask, mAlibi, acc, row_m, row_l, sQ, sK, sV, row0, qo_len, kv_len,
-                  kv_start, mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, rope_rcp_scale,
+    def _mainloop(self, mK, mV, mIdx, mMask, mAlibi, acc, row_m, row_l, sQ, sK, sV, ldK, ldV, row0, qo_len,
+                  kv_len, kv_start, mask_off, kvh, blk_lo, n_blk, sc_in, sc_out, window_left, rope_rcp_scale,
                   rope_log2_theta, tidx, lane, warp, b):
         DQ, DV, G, TN, RQ, RV = self.DQ, self.DV, self.G, self.TN, self.RQ, self.RV
         g = lane // 4
@@ -373,13 +442,21 @@ class PrefillKernel:
             st = it % 2
             if it + 1 < n_blk:
                 nst = (it + 1) % 2
-                self._issue_kv(mK, mV, mIdx, sK + nst * TN * RQ, sV + nst * TN * RV, (blk_lo + it + 1) * TN,
-                               kv_len, kv_start, kvh, tidx)
+                self._issue_kv(mK, mV, mIdx, ldK + nst * TN * self.LK, ldV + nst * TN * self.LV,
+                               (blk_lo + it + 1) * TN, kv_len, kv_start, kvh, tidx)
             ptx.cp_async_commit()
             ptx.cp_async_wait(1)
             cute.arch.sync_threads()
-            sK_st = sK + st * TN * RQ
-            sV_st = sV + st * TN * RV
+            if const_expr(self.kv_fp8):
+                # the staged fp8 tile -> the one 16-bit K/V tile (free: the previous iteration ended on a barrier)
+                self._widen_rows(ldK + st * TN * self.LK, sK, DQ, self.LK, RQ, tidx)
+                self._widen_rows(ldV + st * TN * self.LV, sV, DV, self.LV, RV, tidx)
+                cute.arch.sync_threads()
+                sK_st = sK
+                sV_st = sV
+            else:
+                sK_st = sK + st * TN * RQ
+                sV_st = sV + st * TN * RV
             tok0 = (blk_lo + it) * TN
             if const_expr(self.rope):
                 # key row r of the tile is token tok0 + r (rows past kv_len are zero-filled: stay zero)

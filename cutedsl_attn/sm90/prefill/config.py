@@ -105,10 +105,13 @@ def unsupported_reason(problem: PrefillProblem) -> str | None:
 
     Serves bf16/fp16 with head_dim_qk 64/128/192/256 and head_dim_vo 64/128/256, ragged or paged K/V, causal,
     sliding window, soft cap, sinks, custom masks and a ``score_mod``, on ``sm_90a``; not positional encodings
-    (RoPE / ALiBi: the portable kernel) and not a ``group_size`` that does not divide 128.
+    (RoPE / ALiBi: the portable kernel), not fp8 K/V caches (the portable kernel) and not a ``group_size`` that
+    does not divide 128.
     """
     if not str(problem.arch).startswith("sm_90"):
         return f"the SM90 kernel builds for sm_90a only, got arch {problem.arch!r}"
+    if problem.kv_dtype:
+        return f"kv_dtype {problem.kv_dtype!r} (an fp8 K/V cache) is served by the portable kernel"
     if problem.head_dim_qk not in HEAD_DIMS_QK or problem.head_dim_vo not in HEAD_DIMS_VO:
         return (f"head_dim_qk must be 64/128/192/256 and head_dim_vo 64/128/256, got "
                 f"{problem.head_dim_qk}/{problem.head_dim_vo}")
