@@ -1,10 +1,11 @@
 """cuDNN paged decode (``cudnn_batch_decode_with_kv_cache``) vs our ``BatchDecodeWithPagedKVCacheWrapper``
-(default backend, the CuTe DSL decode kernel), same process, same problems.
+(``backend="cute"``, the CuTe DSL decode kernel), same process, same problems.
 
 Method and problems as perf/bench_decode.py (its helpers are imported): 32/8 heads, head_dim 128, bf16, one
 NHD pool ``[pages, 2, page_size, Hkv, D]`` with shuffled pages; cuDNN reads the same pool as its
 ``(pages, Hkv, page_size, D)`` transposed view through the dense block table.  Before every timed call the
-L2 is flushed and the GPU sleeps while the host queues the call (host launch cost excluded); median of
+L2 is flushed and the GPU sleeps ~1 ms (longer than cuDNN's host path) while the host queues the call (host
+launch cost excluded); median of
 ``--reps``.  With ``--rounds N`` both are also timed interleaved, N rounds of one call each (the order
 reversed every other round), and the ratio is the median of the paired per-round ratios.  Host time per
 call (no sync) is reported apart.
@@ -24,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import DEV, DT, HKV, HQ, D, _timer, host_time, make_problem, read_ceiling, timed  # noqa: E402
+from bench_decode import DEV, HKV, D, _long_timer, host_time, make_problem, planned, read_ceiling  # noqa: E402
 
 from cutedsl_attn.timing import paired_ratio  # noqa: E402
 
@@ -37,7 +38,6 @@ def main():
     ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds (0: skip the paired ratio)")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
-    import cutedsl_attn as ca
     from cutedsl_attn.api.cudnn_decode import cudnn_batch_decode_with_kv_cache
     from cutedsl_attn.cudnn import decode as cd
 
@@ -54,8 +54,7 @@ def main():
         npg = -(-L // ps)
         kv_bytes = 2 * B * L * HKV * D * 2
         row = dict(batch=B, kv_len=L, page=ps)
-        w = ca.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-        w.plan(indptr.to(DEV), indices, last.to(DEV), HQ, HKV, D, ps, q_data_type=DT)
+        w = planned(ws, indptr, indices, last, ps)  # backend="cute": "auto" may take cuDNN on these rows
         out = torch.empty_like(q)
         out_c = torch.empty_like(q)
         k_view, v_view = cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)  # (pages, Hkv, ps, D), no copy
@@ -76,16 +75,16 @@ def main():
             cudnn = None
         ours()
         torch.cuda.synchronize()
-        t = timed(ours, reps=args.reps)
+        t = _long_timer(ours, reps=args.reps)
         row.update(ours_us=t * 1e6, ours_tbs=kv_bytes / t / 1e12, ours_host_us=host_time(ours) * 1e6)
         if cudnn is not None:
             row["relerr_vs_ours"] = ((out_c.float() - out.float()).norm() / out.float().norm()).item()
-            tc = timed(cudnn, reps=args.reps)
+            tc = _long_timer(cudnn, reps=args.reps)
             row.update(cudnn_us=tc * 1e6, cudnn_tbs=kv_bytes / tc / 1e12, cudnn_host_us=host_time(cudnn) * 1e6,
                        cudnn_over_ours=tc / t)
             if args.rounds:
                 series = {k: [statistics.median(c) for c in v]
-                          for k, v in _timer.interleaved({"ours": ours, "cudnn": cudnn}, args.rounds).items()}
+                          for k, v in _long_timer.interleaved({"ours": ours, "cudnn": cudnn}, args.rounds).items()}
                 row["paired_cudnn_over_ours"] = paired_ratio(series["cudnn"], series["ours"])
                 row["paired_ours_us"] = statistics.median(series["ours"]) * 1e6
                 row["paired_cudnn_us"] = statistics.median(series["cudnn"]) * 1e6

@@ -448,13 +448,6 @@ def test_single_bool_options_must_be_bool(rec, name, value):
     assert rec.calls == []
 
 
-def test_single_fp8_kv_says_what_is_served(rec):
-    q, k, v = _single()
-    with pytest.raises(NotImplementedError, match="fp16/bf16.*BatchDecodeWithPagedKVCacheWrapper.*kv_data_type"):
-        ca.single_decode_with_kv_cache(q, k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn))
-    assert rec.calls == []
-
-
 @pytest.mark.parametrize("kw,exc,match", [
     (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
     (dict(sm_scale="0.1"), TypeError, "sm_scale"),
