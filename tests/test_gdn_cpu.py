@@ -468,8 +468,12 @@ def test_problem_and_config_rules():
     assert rec.default_tiles(GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, decode=True),
                              num_sms=132).prefetch == 1
     from cutedsl_attn.dispatch import gdn_choice
-    mod, cfg = gdn_choice(p)
-    assert mod is rec and cfg.problem == p and cfg.tiles == t
+    from cutedsl_attn.portable import gdn_chunked as chk
+    mod, cfg = gdn_choice(p)  # prefill of GDN: the chunked kernel
+    assert mod is chk and cfg.problem == p
+    pd = GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, decode=True)
+    mod, cfg = gdn_choice(pd)  # the decode step: the recurrent kernel
+    assert mod is rec and cfg.problem == pd and cfg.tiles == rec.default_tiles(pd, num_sms=132)
 
 
 # ---------------------------------------------------------------------------- PTX

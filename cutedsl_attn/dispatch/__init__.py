@@ -29,6 +29,7 @@ from ..compile import config_key, device_arch, get_compiled, hash_callable, targ
 from ..compile import selfcheck as _verdicts
 from ..planning.decode import DecodeArgs, DecodeProblem, max_items, occupancy, plan_paged_decode
 from ..planning.prefill import PrefillArgs, PrefillProblem
+from ..portable import gdn_chunked as _gdn_chunked
 from ..portable import gdn_recurrent as _rec
 from ..portable import mla_decode as _mla_portable
 from ..portable import paged_decode as _paged_decode
@@ -67,6 +68,7 @@ KERNEL_MODULES = {
     "prefill_sm100": _prefill_sm100,
     "paged_decode": _paged_decode,
     "gdn_recurrent": _rec,
+    "gdn_chunked": _gdn_chunked,
     "mla_decode_portable": _mla_portable,
 }
 
@@ -453,16 +455,17 @@ def decode_backend(backend: str, *, batch_size: int | None = None, max_kv_len: i
 def prefill_problem(*, dtype, head_dim_qk: int, head_dim_vo: int, group_size: int, page_size: int = 0,
                     causal: bool = False, use_window: bool = False, use_soft_cap: bool = False,
                     use_sinks: bool = False, use_custom_mask: bool = False, pos_encoding_mode: str = "NONE",
-                    score_mod=None, arch: str | None = None) -> PrefillProblem:
-    """The :class:`~cutedsl_attn.planning.prefill.PrefillProblem` of a plan (``dtype``: a torch dtype or a name;
-    ``arch`` None: the compile target, :func:`cutedsl_attn.compile.target_arch`).
+                    score_mod=None, arch: str | None = None, kv_dtype="") -> PrefillProblem:
+    """The :class:`~cutedsl_attn.planning.prefill.PrefillProblem` of a plan (``dtype`` / ``kv_dtype``: torch dtypes
+    or names, ``kv_dtype`` ``""``: the cache is ``dtype``; ``arch`` None: the compile target,
+    :func:`cutedsl_attn.compile.target_arch`).
 
-    Raises TypeError / ValueError as ``PrefillProblem``."""
+    Raises TypeError / ValueError / NotImplementedError as ``PrefillProblem``."""
     return PrefillProblem(
         dtype=_dtype_name(dtype), head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group_size,
         page_size=page_size, causal=causal, use_window=use_window, use_soft_cap=use_soft_cap, use_sinks=use_sinks,
         use_custom_mask=use_custom_mask, pos_encoding_mode=pos_encoding_mode, score_mod=score_mod,
-        arch=arch or target_arch())
+        arch=arch or target_arch(), kv_dtype=_dtype_name(kv_dtype))
 
 
 def prefill_choice(problem: PrefillProblem, *, positive_scale: bool = True, kernel: str = "auto") -> KernelChoice:
@@ -479,7 +482,8 @@ def prefill_choice(problem: PrefillProblem, *, positive_scale: bool = True, kern
     (:func:`cutedsl_attn.selfcheck.admit_prefill`, for the configuration and its sinks twin: ``run()`` with
     sinks launches that on the same work table); it is never chosen without a GPU of the problem's arch
     unless the check is off (``CUTEDSL_ATTN_SELFCHECK=0``) or the configuration is verified.  Everything
-    else runs the portable kernel.  ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the portable kernel
+    else runs the portable kernel, an fp8 K/V cache (``problem.kv_dtype``) on every arch (the SM90 and SM100
+    kernels read 16-bit K/V).  ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` forces the portable kernel
     (benchmarks compare both).  ``CUTEDSL_ATTN_PREFILL_TUNE`` (``"key=value,..."``, tuning
     experiments) overrides the SM90 kernel's default tiles for every SM90 problem of the process
     (``override_tiles`` of the kernel module).
@@ -518,7 +522,8 @@ def _prefill_choice(problem: PrefillProblem, positive_scale: bool, kernel: str) 
     items = _parse_tune(PREFILL_TUNE_ENV, tune, _prefill_sm90.TUNING_FIELDS) if tune.strip() else {}
     if kernel == "auto" and env_kernel == "portable":
         kernel = "portable"
-    if kernel in ("auto", "sm100") and positive_scale and _prefill_sm100.unsupported_reason(problem) is None:
+    if (kernel in ("auto", "sm100") and positive_scale and not problem.kv_fp8
+            and _prefill_sm100.unsupported_reason(problem) is None):
         c = KernelChoice(_prefill_sm100, problem, _prefill_sm100.default_tiles(problem, num_sms=num_sms()))
         if kernel == "sm100" or _first_use_passed(c):
             return c

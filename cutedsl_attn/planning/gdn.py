@@ -122,3 +122,33 @@ class GdnArgs(NamedTuple):
     k_group: int
     v_group: int
     flags: int
+
+
+CHUNK = 64  # tokens a chunk of the chunked kernels
+
+
+def plan_chunks(cu_seqlens, total_tokens: int, chunk: int = CHUNK):
+    """The chunk tables of a chunked GDN launch, built on ``cu_seqlens``' device without a host read-back (CUDA-graph
+    safe; the sizes come from shapes only).
+
+    ``cu_seqlens``: int32 ``[N + 1]`` (device), ``total_tokens`` = T.  Returns ``(chunks, chunk_offsets)``:
+    ``chunks`` int32 ``[T // chunk + N, 4]``, row ``c`` = (sequence, first token, tokens in the chunk, 0), the
+    rows past the real chunk count with 0 tokens (their CTAs exit); ``chunk_offsets`` int32 ``[N + 1]``: the
+    chunks of sequence ``n`` are rows ``chunk_offsets[n] .. chunk_offsets[n + 1]``, in token order.
+    ``T // chunk + N`` bounds ``sum ceil(len_n / chunk)`` for any split of T tokens into N sequences.
+    """
+    import torch
+
+    cu = cu_seqlens.to(torch.int64)
+    n = cu.shape[0] - 1
+    lens = cu[1:] - cu[:-1]
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=cu.device)
+    torch.cumsum((lens + chunk - 1) // chunk, 0, out=offsets[1:])
+    n_rows = total_tokens // chunk + n
+    cid = torch.arange(n_rows, dtype=torch.int64, device=cu.device)
+    seq = torch.searchsorted(offsets[1:], cid, right=True).clamp_(max=max(n - 1, 0))
+    tok0 = cu[seq] + (cid - offsets[seq]) * chunk
+    ntok = (cu[seq + 1] - tok0).clamp_(0, chunk)
+    ntok = torch.where(cid < offsets[n], ntok, torch.zeros_like(ntok))
+    chunks = torch.stack([seq, tok0, ntok, torch.zeros_like(ntok)], 1).to(torch.int32)
+    return chunks, offsets.to(torch.int32)

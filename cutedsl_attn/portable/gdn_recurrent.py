@@ -125,7 +125,7 @@ def unsupported_reason(problem: GdnProblem) -> str | None:
     return None
 
 
-def default_tiles(problem: GdnProblem, *, num_sms: int) -> Tiles:
+def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The default tiles.
 
     16 rows a CTA over 4 warps (4 rows a warp): enough CTAs to fill the SMs from ``N * HO >= 2 * num_sms / 8``
@@ -138,7 +138,7 @@ def default_tiles(problem: GdnProblem, *, num_sms: int) -> Tiles:
     Per-channel gates (GDN-2, KDA) prefill: 2 tokens prefetched (a token carries K / 16 more gate words a lane,
     twice that with erase gates: 4 tokens would not fit the registers).
     """
-    del num_sms  # the choice does not depend on the GPU size yet
+    del num_sms, chains  # the choice does not depend on the GPU size or the chain count yet
     if problem.decode:
         return Tiles(tile_v=16, num_warps=4, prefetch=1, lanes_per_row=32)
     if problem.gate_per_channel:

@@ -1,0 +1,836 @@
+"""Chunked gated delta rule (GDN) prefill kernel: the WY / UT-transform form on SM80-class instructions
+(``cp.async``, ``ldmatrix``, ``mma.sync``), so it runs on SM90 and SM100 alike.
+
+Per chunk of ``C = 64`` tokens of one sequence and output head (cumulative log2 decay ``G_r``,
+``gamma_r = 2^G_r``, ``Gamma_rs = 2^(G_r - G_s)``; ``k``, ``q`` l2-normalised when asked; V-major state
+``S [V, K]``)::
+
+    A   = strict_tril(diag(beta) K K^T . Gamma)           T = (I + A)^-1 (unit lower triangular)
+    W   = T diag(beta gamma) K       U = T diag(beta) V  Aqk = scale tril(Q K^T . Gamma)  (diagonal kept)
+    V'  = U - W S^T
+    O   = scale diag(gamma) Q S^T + Aqk V'
+    S  <- gamma_last S + V'^T diag(gamma_last / gamma) K
+
+One launch of :func:`compile`'s function runs two kernels on the stream:
+
+* **prep**, one CTA per (chunk, output head), every chunk at once: the ``K K^T`` and ``Q K^T`` products
+  (``mma.sync``, fp32 accumulation), the decay masks, ``T`` by forward substitution in fp32 (one thread a
+  column), then ``W``, ``U`` (``mma.sync`` with ``T`` rounded to the io dtype, as FlashInfer's SM100 kernel
+  stores it) and the per-token row factors ``scale * rq * gamma`` and ``rk * gamma_last / gamma`` (``rq``,
+  ``rk``: the l2 normalisers, 1 without l2norm) into scratch (``W``, ``U``, ``Aqk`` in the io dtype);
+* **main**, one CTA per (V-slice of ``tile_v`` rows, output head, sequence), walking the sequence's chunks in
+  order with the fp32 state slice in registers (the ``mma`` accumulator layout of the state update) and a
+  16-bit copy in shared memory for the ``W S^T`` and ``Q S^T`` products (state rounded to the io dtype for
+  the MMA, as fla and FlashInfer do); the next chunk's operands arrive by ``cp.async`` while the current one
+  is computed.
+
+A sequence of length 0 writes its initial state (zeros without one) as its final state.  Each main CTA reads
+its state slice before it writes it and no two CTAs share one, so an in-place pool update is race-free.
+Served: GDN with a scalar gate per token and head (linear alpha or log alpha), K and V in 64 / 128, a V-major
+fp32 / bf16 state; the rest of the family runs the recurrent kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from ..common import ptx
+from ..common.constants import LOG2E
+from ..common.dtypes import element_type
+from ..compile.arch import compile_options
+from ..compile.tiles import override_int_fields
+from ..planning.gdn import (
+    CHUNK, FLAG_HAS_BETA, FLAG_HAS_G, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES,
+    FLAG_WRITE_STATE, GdnArgs, GdnProblem, plan_chunks,
+)
+
+NAME = "gdn_chunked"
+L2NORM_EPS = 1e-6
+LINEAR_GATE_FLOOR = 1e-30  # alpha = 0 becomes 2^-100: a finite log2 (no inf - inf in the decay differences)
+PREP_THREADS = 128
+
+_inline = cute.arch.inline_ptx
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """What the chunked kernel's main CTA chooses: ``tile_v`` state rows (V-slice) it owns (32 or 64) and
+    ``num_warps`` (4 or 8): four 16-row slabs of the chunk for the chunk GEMMs (8 warps: two column halves of
+    each), the state update split ``tile_v / 16`` x ``num_warps * 16 / tile_v``.  The prep kernel has 4 warps.
+
+    Raises TypeError for a non-int field, ValueError for another value.
+    """
+
+    tile_v: int = 64
+    num_warps: int = 8
+
+    def __post_init__(self):
+        for name in ("tile_v", "num_warps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if self.tile_v not in (32, 64):
+            raise ValueError(f"tile_v must be 32 or 64, got {self.tile_v}")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps must be 4 or 8, got {self.num_warps}")
+
+
+TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
+
+
+def unsupported_reason(problem: GdnProblem) -> str | None:
+    """Why the chunked kernel cannot serve ``problem``, or None.  It serves GDN prefill: scalar gates, one update a
+    token, a V-major state; per-channel gates (GDN-2, KDA), erase / write gates, Gated DeltaProduct, a K-major
+    state and the decode step run the recurrent kernel.
+
+    Raises TypeError when ``problem`` is not a GdnProblem.
+    """
+    if not isinstance(problem, GdnProblem):
+        raise TypeError(f"problem must be a GdnProblem, got {type(problem).__name__}")
+    if problem.gate_per_channel or problem.erase_write_gates or problem.num_householder != 1:
+        return "the chunked kernel serves GDN (scalar gates, one update a token) only"
+    if problem.state_k_major:
+        return "the chunked kernel reads and writes a V-major state only"
+    if problem.decode:
+        return "the decode step (a few tokens a sequence) runs the recurrent kernel"
+    if problem.head_dim_k not in (64, 128) or problem.head_dim_v not in (64, 128):
+        return f"head dims {problem.head_dim_k}/{problem.head_dim_v}: served K, V in 64, 128"
+    return None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The chunked kernel's compile key: ``Config(problem, tiles)``.
+
+    Raises TypeError for a ``tiles`` of another type, ValueError with :func:`unsupported_reason`'s reason or
+    when ``tile_v`` does not divide ``head_dim_v``.
+    """
+
+    problem: GdnProblem
+    tiles: Tiles
+
+    def __post_init__(self):
+        if not isinstance(self.tiles, Tiles):
+            raise TypeError(f"tiles must be a gdn_chunked Tiles, got {type(self.tiles).__name__}")
+        reason = unsupported_reason(self.problem)
+        if reason is not None:
+            raise ValueError(f"the chunked GDN kernel cannot serve this problem: {reason}")
+        if self.problem.head_dim_v % self.tiles.tile_v:
+            raise ValueError(f"tile_v {self.tiles.tile_v} must divide head_dim_v {self.problem.head_dim_v}")
+
+    @property
+    def arch(self) -> str:
+        return self.problem.arch
+
+    # 16-byte row pads: conflict-free ldmatrix
+    @property
+    def row_k(self) -> int:
+        return 2 * self.problem.head_dim_k + 16
+
+    @property
+    def row_v(self) -> int:
+        return 2 * self.problem.head_dim_v + 16
+
+    @property
+    def row_c(self) -> int:
+        return 2 * CHUNK + 16
+
+    @property
+    def row_bv(self) -> int:
+        return 2 * self.tiles.tile_v + 16
+
+    @property
+    def row_a(self) -> int:
+        return 4 * (CHUNK + 4)  # fp32 A rows, 16-byte aligned for vector loads
+
+    @property
+    def prep_smem_bytes(self) -> int:
+        c = CHUNK
+        return 2 * c * self.row_k + c * self.row_v + c * self.row_a + c * self.row_c + 4 * c * 4
+
+    @property
+    def stage_bytes(self) -> int:
+        c = CHUNK
+        return 3 * c * self.row_k + c * self.row_bv + c * self.row_c + 3 * c * 4
+
+    @property
+    def main_smem_bytes(self) -> int:
+        return 2 * self.stage_bytes + self.tiles.tile_v * self.row_k + 2 * CHUNK * self.row_bv
+
+
+def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
+    """The default tiles for ``chains`` = N * HO (sequence, head) chains on ``num_sms`` SMs (None: many).
+    Measured on the H200 (K = V = 128):
+
+    ====================================  =====================================================================
+    ``chains * V / 64 >= num_sms``        64 state rows x 4 warps: one wave of wide CTAs is already full
+    fewer chains (one long sequence)      32 rows x 8 warps: twice the CTAs of a chain, more warps an SM
+    ====================================  =====================================================================
+    """
+    del problem
+    if chains is None or chains * 2 >= num_sms:
+        return Tiles(tile_v=64, num_warps=4)
+    return Tiles(tile_v=32, num_warps=8)
+
+
+def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
+    """``tiles`` with the fields named in ``items`` (field name -> decimal text) replaced; ValueError naming the key
+    for an unknown field or a non-integer value, and the Tiles checks for a refused value."""
+    return override_int_fields(tiles, items)
+
+
+# ------------------------------------------------------------------ PTX helpers of this kernel
+def _ld_shared_v4_f32(addr):
+    return _inline("ld.shared.v4.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];", write_only_types=[Float32] * 4,
+                   read_only_args=[Int32(addr)])
+
+
+def _ld_shared_v2_f32(addr):
+    return _inline("ld.shared.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
+                   read_only_args=[Int32(addr)])
+
+
+def _ld_v2_f32(addr):
+    # a plain ld (not .nc): an in-place pool update writes these rows later in the same launch
+    return _inline("ld.global.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
+                   read_only_args=[Int64(addr)])
+
+
+def _ld_b32(addr):
+    return _inline("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int64(addr)])
+
+
+def _st_v2_f32(addr, a, b):
+    _inline("st.global.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[Int64(addr), Float32(a), Float32(b)])
+
+
+def _st_f32(addr, a):
+    _inline("st.global.f32 [{$r0}], {$r1};", read_only_args=[Int64(addr), Float32(a)])
+
+
+def _rsqrt(x):
+    return _inline("rsqrt.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[Float32(x)])
+
+
+def _st_shared_v2_b32(addr, a, b):
+    _inline("st.shared.v2.b32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[Int32(addr), Int32(a), Int32(b)])
+
+
+def _st_shared_v4_b32(addr, words):
+    _inline("st.shared.v4.b32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+            read_only_args=[Int32(addr)] + [Int32(w) for w in words])
+
+
+def _normalise_row(addr, K: int, io):
+    """One warp: the 16-bit row at ``addr`` (this lane's ``K / 32`` elements) times ``rsqrt(sum x^2 + eps)`` in
+    place; returns the normaliser (fp32, every lane)."""
+    words = list(ptx.ld_shared_v2_b32(addr)) if K == 128 else [ptx.ld_shared_b32(addr)]
+    vals = []
+    for wd in words:
+        vals += list(ptx.unpack2(wd, io))
+    ss = vals[0] * vals[0]
+    for x in vals[1:]:
+        ss = ss + x * x
+    for sh in range(5):
+        ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> sh)
+    rn = _rsqrt(ss + Float32(L2NORM_EPS))
+    packed = [ptx.pack2(vals[2 * j] * rn, vals[2 * j + 1] * rn, io) for j in range(len(words))]
+    if K == 128:
+        _st_shared_v2_b32(addr, packed[0], packed[1])
+    else:
+        ptx.st_shared_b32(addr, packed[0])
+    return rn
+
+
+def _scale_16b(addr, f, io):
+    """The eight 16-bit values at the 16-byte aligned shared ``addr`` times ``f`` (fp32 math), in place."""
+    w = ptx.ld_shared_v4_b32(addr)
+    out = []
+    for q in range(4):
+        lo, hi = ptx.unpack2(w[q], io)
+        out.append(ptx.pack2(lo * f, hi * f, io))
+    _st_shared_v4_b32(addr, out)
+
+
+class GdnChunkedKernel:
+    """CuTe DSL chunked GDN (prep + main kernels); see the module docstring.  Build with :func:`compile`."""
+
+    def __init__(self, cfg: Config):
+        p = cfg.problem
+        self.cfg = cfg
+        self.io = element_type(p.dtype)
+        self.bf16_state = p.state_dtype == "bfloat16"
+        self.K, self.V, self.C = p.head_dim_k, p.head_dim_v, CHUNK
+        self.BV = cfg.tiles.tile_v
+        self.NVB = p.head_dim_v // self.BV
+        self.RK, self.RV, self.RC, self.RBV, self.RA = cfg.row_k, cfg.row_v, cfg.row_c, cfg.row_bv, cfg.row_a
+        self.NW = cfg.tiles.num_warps
+        self.NT = 32 * self.NW
+        self.NHALF = self.NW // 4  # column parts of the chunk GEMMs
+        self.CB = self.BV // self.NHALF  # state rows (output columns) a warp's chunk GEMMs cover
+        self.WM = self.BV // 16  # state-update warps along V
+        self.WN = self.NW // self.WM  # ... and along K
+        self.NS = self.K // self.WN  # state columns a warp owns
+        self.log_gate = p.gate_domain == "log"
+        self.l2norm = p.use_qk_l2norm
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+                 mCu: cute.Tensor, mChunks: cute.Tensor, mChunkOff: cute.Tensor, mH0: cute.Tensor,
+                 mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mW: cute.Tensor,
+                 mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor, scale: Float32, q_group: Int32,
+                 k_group: Int32, v_group: Int32, flags: Int32, stream):
+        self.prep(mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                  flags).launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
+                                smem=self.cfg.prep_smem_bytes, stream=stream)
+        self.main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
+                  flags).launch(grid=(self.NVB * mO.shape[1], mCu.shape[0] - 1, 1), block=(self.NT, 1, 1),
+                                smem=self.cfg.main_smem_bytes, stream=stream)
+
+    # ================================================================== warp-level GEMMs on shared memory
+    # Each computes a 16-row slab: acc[4 i + e] is C-fragment element e of n8 tile i (ptx module docstring).
+    @cute.jit
+    def _gemm_nt(self, acc, sA, RA: cutlass.Constexpr, a_row0, sB, RB: cutlass.Constexpr, b_row0,
+                 n_tiles: cutlass.Constexpr, k_steps: cutlass.Constexpr, lane):
+        """acc += A[a_row0:+16, :] B[b_row0:, :]^T; A ``[M, k]`` and B ``[n, k]`` row-major 16-bit."""
+        m = lane // 8
+        for kk in cutlass.range_constexpr(k_steps):
+            a = ptx.ldmatrix_x4(sA + (a_row0 + (m % 2) * 8 + lane % 8) * RA + (kk * 16 + (m // 2) * 8) * 2)
+            for j2 in cutlass.range_constexpr(n_tiles // 2):
+                b = ptx.ldmatrix_x4(sB + (b_row0 + j2 * 16 + (m // 2) * 8 + lane % 8) * RB
+                                    + (kk * 16 + (m % 2) * 8) * 2)
+                for jj in cutlass.range_constexpr(2):
+                    i = 2 * j2 + jj
+                    c = ptx.mma_m16n8k16(a, (b[2 * jj], b[2 * jj + 1]),
+                                         (acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]), self.io)
+                    for e in cutlass.range_constexpr(4):
+                        acc[4 * i + e] = c[e]
+
+    @cute.jit
+    def _mma_nn_step(self, acc, a, sB, RB: cutlass.Constexpr, kt: cutlass.Constexpr, n0,
+                     n_tiles: cutlass.Constexpr, lane):
+        m = lane // 8
+        for dp in cutlass.range_constexpr(n_tiles // 2):
+            b = ptx.ldmatrix_x4(sB + (kt * 16 + (m % 2) * 8 + lane % 8) * RB + (n0 + (2 * dp + m // 2) * 8) * 2,
+                                trans=True)
+            for jj in cutlass.range_constexpr(2):
+                i = 2 * dp + jj
+                c = ptx.mma_m16n8k16(a, (b[2 * jj], b[2 * jj + 1]),
+                                     (acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]), self.io)
+                for e in cutlass.range_constexpr(4):
+                    acc[4 * i + e] = c[e]
+
+    @cute.jit
+    def _gemm_nn(self, acc, sA, RA: cutlass.Constexpr, a_row0, sB, RB: cutlass.Constexpr, n0,
+                 n_tiles: cutlass.Constexpr, k_steps: cutlass.Constexpr, k_last, lane):
+        """acc += A[a_row0:+16, :] B[:, n0:]; A ``[M, k]`` and B ``[k, n]`` row-major 16-bit; k-steps past
+        ``k_last`` (a warp-uniform run-time bound: A is zero there) are skipped."""
+        m = lane // 8
+        for kt in cutlass.range_constexpr(k_steps):
+            if kt <= k_last:
+                a = ptx.ldmatrix_x4(sA + (a_row0 + (m % 2) * 8 + lane % 8) * RA + (kt * 16 + (m // 2) * 8) * 2)
+                self._mma_nn_step(acc, a, sB, RB, kt, n0, n_tiles, lane)
+
+    @cute.jit
+    def _gemm_tn(self, acc, sAt, RA: cutlass.Constexpr, m0, sB, RB: cutlass.Constexpr, n0,
+                 n_tiles: cutlass.Constexpr, k_steps: cutlass.Constexpr, lane):
+        """acc += A B with A given transposed: ``sAt`` ``[k, M]`` row-major (rows m0..m0+16 of A are its columns),
+        B ``[k, n]`` row-major (columns n0..)."""
+        m = lane // 8
+        for kt in cutlass.range_constexpr(k_steps):
+            a = ptx.ldmatrix_x4(sAt + (kt * 16 + (m // 2) * 8 + lane % 8) * RA + (m0 + (m % 2) * 8) * 2, trans=True)
+            self._mma_nn_step(acc, a, sB, RB, kt, n0, n_tiles, lane)
+
+    # ================================================================== prep kernel
+    @cute.kernel
+    def prep(self, mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale: Float32, q_group: Int32,
+             k_group: Int32, v_group: Int32, flags: Int32):
+        """One CTA per (chunk, output head): ``W``, ``U``, ``Aqk`` and the row factors of the chunk."""
+        C, K, V, RK, RV, RC, RA, io = self.C, self.K, self.V, self.RK, self.RV, self.RC, self.RA, self.io
+        tidx, _, _ = cute.arch.thread_idx()
+        c, ho, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = tidx // 32
+        g = lane // 4
+        t = lane % 4
+        HO = mW.shape[1]
+        tok0 = mChunks[c, 1]
+        ln = mChunks[c, 2]
+        if ln > 0:
+            smem = cute.arch.get_dyn_smem(cutlass.Int8, alignment=128).toint()
+            sQ = smem
+            sK = sQ + C * RK
+            sV = sK + C * RK
+            sA = sV + C * RV
+            sT = sA + C * RA
+            sG = sT + C * RC
+            sB = sG + C * 4
+            sRq = sB + C * 4
+            sRk = sRq + C * 4
+            qh = ho // q_group
+            kh = ho // k_group
+            vh = ho // v_group
+            self._load_rows(mQ, sQ, RK, K, tok0, ln, qh, tidx, PREP_THREADS)
+            self._load_rows(mK, sK, RK, K, tok0, ln, kh, tidx, PREP_THREADS)
+            self._load_rows(mV, sV, RV, V, tok0, ln, vh, tidx, PREP_THREADS)
+            ptx.cp_async_commit()
+            if tidx < C:
+                lg = Float32(0.0)  # log2 alpha (alpha = 1 past the chunk's end)
+                b = Float32(0.0)
+                if tidx < ln:
+                    b = Float32(1.0)
+                    if (flags & FLAG_HAS_BETA) != 0:
+                        b = mBeta[tok0 + tidx, ho]
+                    if (flags & FLAG_HAS_G) != 0:
+                        x = mG[tok0 + tidx, ho]
+                        if const_expr(self.log_gate):
+                            lg = x * Float32(LOG2E)
+                        else:
+                            lg = ptx.lg2(cutlass.max(x, Float32(LINEAR_GATE_FLOOR)))
+                ptx.st_shared_f32(sG + tidx * 4, lg)
+                ptx.st_shared_f32(sB + tidx * 4, b)
+            ptx.cp_async_wait(0)
+            cute.arch.sync_threads()
+
+            # cumulative log2 decay (warp 0) and the l2 normalisers (every warp, its 16 rows of q and k)
+            if warp == 0:
+                x0 = ptx.ld_shared_f32(sG + (2 * lane) * 4)
+                x1 = ptx.ld_shared_f32(sG + (2 * lane + 1) * 4)
+                s = x0 + x1
+                for sh in cutlass.range_constexpr(5):
+                    y = cute.arch.shuffle_sync_up(s, offset=1 << sh)
+                    if lane >= (1 << sh):
+                        s = s + y
+                ptx.st_shared_f32(sG + (2 * lane) * 4, s - x1)
+                ptx.st_shared_f32(sG + (2 * lane + 1) * 4, s)
+            self._normalise_rows(sQ, sRq, warp, lane)
+            self._normalise_rows(sK, sRk, warp, lane)
+            cute.arch.sync_threads()
+
+            r0 = warp * 16
+            gr = cute.make_rmem_tensor((2,), Float32)
+            br = cute.make_rmem_tensor((2,), Float32)
+            for h in cutlass.range_constexpr(2):
+                gr[h] = ptx.ld_shared_f32(sG + (r0 + g + 8 * h) * 4)
+                br[h] = ptx.ld_shared_f32(sB + (r0 + g + 8 * h) * 4)
+            # A = strict_tril(diag(beta) K K^T . Gamma) -> sA (fp32)
+            acc = cute.make_rmem_tensor(((C // 8) * 4,), Float32)
+            for i in cutlass.range_constexpr((C // 8) * 4):
+                acc[i] = Float32(0.0)
+            self._gemm_nt(acc, sK, RK, r0, sK, RK, 0, C // 8, K // 16, lane)
+            for i in cutlass.range_constexpr(C // 8):
+                s0 = i * 8 + 2 * t
+                gs = _ld_shared_v2_f32(sG + s0 * 4)
+                for e in cutlass.range_constexpr(4):
+                    h = e // 2
+                    r = r0 + g + 8 * h
+                    s = s0 + e % 2
+                    val = br[h] * acc[4 * i + e] * ptx.ex2(gr[h] - gs[e % 2])
+                    ptx.st_shared_f32(sA + r * RA + s * 4, cutlass.select_(s < r, val, Float32(0.0)))
+            blk = Int64(c) * HO + ho
+            cute.arch.sync_threads()
+
+            # warps 0-1 invert (I + A); warps 2-3 meanwhile write Aqk, then scale the W / U operands in place
+            if tidx < C:
+                self._invert_column(sA, sT, tidx)
+            else:
+                for sl in cutlass.range_constexpr(2):
+                    self._aqk_rows(mAqk, sQ, sK, sG, blk, (warp - 2) * 32 + sl * 16, scale, lane)
+                cute.arch.barrier(barrier_id=1, number_of_threads=C)  # Aqk read sK unscaled
+                self._scale_operands(sK, sV, sG, sB, tidx - C)
+            cute.arch.sync_threads()
+
+            # W = T diag(beta gamma) K, U = T diag(beta) V -> global (io dtype)
+            accw = cute.make_rmem_tensor(((K // 8) * 4,), Float32)
+            for i in cutlass.range_constexpr((K // 8) * 4):
+                accw[i] = Float32(0.0)
+            self._gemm_nn(accw, sT, RC, r0, sK, RK, 0, K // 8, C // 16, warp, lane)
+            self._store_rows(mW.iterator.toint() + blk * (C * K * 2), accw, K, r0, g, t)
+            accu = cute.make_rmem_tensor(((V // 8) * 4,), Float32)
+            for i in cutlass.range_constexpr((V // 8) * 4):
+                accu[i] = Float32(0.0)
+            self._gemm_nn(accu, sT, RC, r0, sV, RV, 0, V // 8, C // 16, warp, lane)
+            self._store_rows(mU.iterator.toint() + blk * (C * V * 2), accu, V, r0, g, t)
+
+            # row factors: scale rq gamma (the Q S^T rows), rk gamma_last / gamma (the state-update rows)
+            if tidx < C:
+                gl = ptx.ld_shared_f32(sG + (ln - 1) * 4)
+                gt = ptx.ld_shared_f32(sG + tidx * 4)
+                ok = tidx < ln
+                qf = cutlass.select_(ok, scale * ptx.ld_shared_f32(sRq + tidx * 4) * ptx.ex2(gt), Float32(0.0))
+                kf = cutlass.select_(ok, ptx.ld_shared_f32(sRk + tidx * 4) * ptx.ex2(gl - gt), Float32(0.0))
+                f_base = mF.iterator.toint() + blk * (3 * C * 4)
+                _st_f32(f_base + tidx * 4, qf)
+                _st_f32(f_base + (C + tidx) * 4, kf)
+                _st_f32(f_base + (2 * C + tidx) * 4, ptx.ex2(gl))
+
+    @cute.jit
+    def _aqk_rows(self, mAqk, sQ, sK, sG, blk, r0, scale, lane):
+        """Rows ``r0 .. r0 + 16`` of ``Aqk = scale tril(Q K^T . Gamma)`` (diagonal kept) -> global, io dtype."""
+        C, K, RK, io = self.C, self.K, self.RK, self.io
+        g = lane // 4
+        t = lane % 4
+        gr = cute.make_rmem_tensor((2,), Float32)
+        for h in cutlass.range_constexpr(2):
+            gr[h] = ptx.ld_shared_f32(sG + (r0 + g + 8 * h) * 4)
+        acc = cute.make_rmem_tensor(((C // 8) * 4,), Float32)
+        for i in cutlass.range_constexpr((C // 8) * 4):
+            acc[i] = Float32(0.0)
+        self._gemm_nt(acc, sQ, RK, r0, sK, RK, 0, C // 8, K // 16, lane)
+        aqk_base = mAqk.iterator.toint() + blk * (C * C * 2)
+        for i in cutlass.range_constexpr(C // 8):
+            s0 = i * 8 + 2 * t
+            gs = _ld_shared_v2_f32(sG + s0 * 4)
+            for h in cutlass.range_constexpr(2):
+                r = r0 + g + 8 * h
+                v0 = scale * acc[4 * i + 2 * h] * ptx.ex2(gr[h] - gs[0])
+                v1 = scale * acc[4 * i + 2 * h + 1] * ptx.ex2(gr[h] - gs[1])
+                v0 = cutlass.select_(s0 <= r, v0, Float32(0.0))
+                v1 = cutlass.select_(s0 + 1 <= r, v1, Float32(0.0))
+                ptx.st_global_u32(aqk_base + (r * C + s0) * 2, ptx.pack2(v0, v1, io))
+
+    @cute.jit
+    def _load_rows(self, mX, s_dst, RB: cutlass.Constexpr, D: cutlass.Constexpr, tok0, ln, head, tidx,
+                   nthreads: cutlass.Constexpr):
+        """cp.async rows ``tok0 .. tok0 + C`` of head ``head`` of ``mX`` ``[T, H, D]`` into smem, zero past ``ln``."""
+        cpr = D // 8
+        base = mX.iterator.toint()
+        for it in cutlass.range_constexpr((self.C * cpr) // nthreads):
+            idx = it * nthreads + tidx
+            r = idx // cpr
+            col = idx % cpr
+            ok = r < ln
+            tok = cutlass.select_(ok, tok0 + r, tok0)
+            goff = Int64(tok) * mX.stride[0] + Int64(head) * mX.stride[1] + col * 8
+            ptx.cp_async_16(s_dst + r * RB + col * 16, base + goff * 2, cutlass.select_(ok, 16, 0))
+
+    @cute.jit
+    def _normalise_rows(self, sX, sR, warp, lane):
+        """l2-normalise this warp's 16 rows of ``sX`` in place (rounded to the io dtype) and record the fp32
+        normalisers in ``sR`` (1 without l2norm)."""
+        for rr in cutlass.range_constexpr(16):
+            r = warp * 16 + rr
+            rn = Float32(1.0)
+            if const_expr(self.l2norm):
+                rn = _normalise_row(sX + r * self.RK + lane * (self.K // 32) * 2, self.K, self.io)
+            if lane == 0:
+                ptx.st_shared_f32(sR + r * 4, rn)
+
+    @cute.jit
+    def _invert_column(self, sA, sT, j):
+        """Column ``j`` of ``T = (I + A)^-1`` by forward substitution in fp32 (``A`` strictly lower triangular in
+        ``sA``), rounded to the io dtype into ``sT``.  Entries of ``A`` at or above the diagonal are zero, so a
+        vector load may run past ``s = r - 1``: those products are 0 * 0."""
+        C, RA = self.C, self.RA
+        col = cute.make_rmem_tensor((C,), Float32)
+        part = cute.make_rmem_tensor((4,), Float32)  # four partial sums: the chain per row is ~r / 4 deep
+        for r in cutlass.range_constexpr(C):
+            col[r] = Float32(0.0)
+        for r in cutlass.range_constexpr(C):
+            part[0] = cutlass.select_(j == r, Float32(1.0), Float32(0.0))
+            for e in cutlass.range_constexpr(1, 4):
+                part[e] = Float32(0.0)
+            for s4 in cutlass.range_constexpr((r + 3) // 4):
+                a4 = _ld_shared_v4_f32(sA + r * RA + s4 * 16)
+                for e in cutlass.range_constexpr(4):
+                    if const_expr(4 * s4 + e < r):
+                        part[e] = part[e] - a4[e] * col[4 * s4 + e]
+            col[r] = (part[0] + part[1]) + (part[2] + part[3])
+        for r in cutlass.range_constexpr(C):
+            ptx.st_shared_u16(sT + r * self.RC + j * 2, ptx.f32_to_16(col[r], self.io))
+
+    @cute.jit
+    def _scale_operands(self, sK, sV, sG, sB, r):
+        """Row ``r`` of sK times ``beta_r gamma_r`` and of sV times ``beta_r`` (the W / U right operands), in
+        place, by the threads not inverting."""
+        b = ptx.ld_shared_f32(sB + r * 4)
+        bg = b * ptx.ex2(ptx.ld_shared_f32(sG + r * 4))
+        for ch in cutlass.range_constexpr(self.K // 8):
+            _scale_16b(sK + r * self.RK + ch * 16, bg, self.io)
+        for ch in cutlass.range_constexpr(self.V // 8):
+            _scale_16b(sV + r * self.RV + ch * 16, b, self.io)
+
+    @cute.jit
+    def _store_rows(self, base, acc, D: cutlass.Constexpr, r0, g, t):
+        """A 16-row slab of C fragments -> rows ``r0 ..`` of a ``[C, D]`` io-dtype block at ``base``."""
+        for i in cutlass.range_constexpr(D // 8):
+            for h in cutlass.range_constexpr(2):
+                r = r0 + g + 8 * h
+                ptx.st_global_u32(base + (r * D + i * 8 + 2 * t) * 2,
+                                  ptx.pack2(acc[4 * i + 2 * h], acc[4 * i + 2 * h + 1], self.io))
+
+    # ================================================================== main kernel
+    @cute.kernel
+    def main(self, mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group: Int32,
+             k_group: Int32, flags: Int32):
+        """One CTA per (V-slice, output head, sequence): the chunk chain of the sequence."""
+        C, K, BV, RK, RC, RBV, io = self.C, self.K, self.BV, self.RK, self.RC, self.RBV, self.io
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, n, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = tidx // 32
+        g = lane // 4
+        t = lane % 4
+        vb = bx % self.NVB
+        ho = bx // self.NVB
+        HO = mO.shape[1]
+        v0 = vb * BV
+        bos = mCu[n]
+        eos = mCu[n + 1]
+        c0 = mChunkOff[n]
+        nch = mChunkOff[n + 1] - c0
+        qh = ho // q_group
+        kh = ho // k_group
+        wm = warp // self.WN
+        wn = warp % self.WN
+        slab = warp % 4  # the chunk GEMMs: rows 16 slab .., state rows (output columns) c_lo .. c_lo + CB
+        c_lo = (warp // 4) * self.CB
+        CB = self.CB
+        NT8 = self.NS // 8  # n8 tiles of the warp's state columns
+
+        smem = cute.arch.get_dyn_smem(cutlass.Int8, alignment=128).toint()
+        stage = self.cfg.stage_bytes
+        sS = smem + 2 * stage
+        sVp = sS + BV * RK
+        sVd = sVp + C * RBV
+
+        # the fp32 state slice: rows 16 wm + g (+8) of the V-slice, columns wn * NS + 8 i + 2 t (+1)
+        st = cute.make_rmem_tensor((NT8 * 4,), Float32)
+        for i in cutlass.range_constexpr(NT8 * 4):
+            st[i] = Float32(0.0)
+        if (flags & FLAG_HAS_INITIAL_STATE) != 0:
+            row = n
+            if (flags & FLAG_INITIAL_INDICES) != 0:
+                row = mH0Idx[n]
+            self._state_io(mH0, st, (Int64(row) * HO + ho), v0, wm, wn, g, t, False)
+        self._state_to_smem(sS, st, wm, wn, g, t)
+
+        if nch > 0:
+            self._issue_chunk(mQ, mK, mW, mU, mAqk, mF, smem, c0, bos, cutlass.min(eos - bos, C), qh, kh, ho,
+                              HO, v0, tidx)
+        ptx.cp_async_commit()
+
+        r0 = slab * 16
+        accx = cute.make_rmem_tensor(((CB // 8) * 4,), Float32)
+        accy = cute.make_rmem_tensor(((CB // 8) * 4,), Float32)
+        for j in cutlass.range(nch, unroll=1):
+            stg = smem + (j % 2) * stage
+            if j + 1 < nch:
+                t1 = bos + (j + 1) * C
+                self._issue_chunk(mQ, mK, mW, mU, mAqk, mF, smem + ((j + 1) % 2) * stage, c0 + j + 1, t1,
+                                  cutlass.min(eos - t1, C), qh, kh, ho, HO, v0, tidx)
+            ptx.cp_async_commit()
+            ptx.cp_async_wait(1)
+            cute.arch.sync_threads()
+            sQ = stg
+            sK = sQ + C * RK
+            sW = sK + C * RK
+            sU = sW + C * RK
+            sAqk = sU + C * RBV
+            sF = sAqk + C * RC
+            t0 = bos + j * C
+            ln = cutlass.min(eos - t0, C)
+
+            # X = W S^T (the chunk-start state); V' = U - X -> sVp, (rk gamma_last / gamma) V' -> sVd
+            for i in cutlass.range_constexpr((CB // 8) * 4):
+                accx[i] = Float32(0.0)
+            self._gemm_nt(accx, sW, RK, r0, sS, RK, c_lo, CB // 8, K // 16, lane)
+            for h in cutlass.range_constexpr(2):
+                r = r0 + g + 8 * h
+                kf = ptx.ld_shared_f32(sF + (C + r) * 4)
+                for i in cutlass.range_constexpr(CB // 8):
+                    col = c_lo + i * 8 + 2 * t
+                    u0, u1 = ptx.unpack2(ptx.ld_shared_b32(sU + r * RBV + col * 2), io)
+                    p0 = u0 - accx[4 * i + 2 * h]
+                    p1 = u1 - accx[4 * i + 2 * h + 1]
+                    ptx.st_shared_b32(sVp + r * RBV + col * 2, ptx.pack2(p0, p1, io))
+                    ptx.st_shared_b32(sVd + r * RBV + col * 2, ptx.pack2(p0 * kf, p1 * kf, io))
+            # Y = (scale rq gamma) Q S^T (X is dead: one 16 x tile_v accumulator live beside the state)
+            for i in cutlass.range_constexpr((CB // 8) * 4):
+                accy[i] = Float32(0.0)
+            self._gemm_nt(accy, sQ, RK, r0, sS, RK, c_lo, CB // 8, K // 16, lane)
+            for h in cutlass.range_constexpr(2):
+                qf = ptx.ld_shared_f32(sF + (r0 + g + 8 * h) * 4)
+                for i in cutlass.range_constexpr(CB // 8):
+                    accy[4 * i + 2 * h] = accy[4 * i + 2 * h] * qf
+                    accy[4 * i + 2 * h + 1] = accy[4 * i + 2 * h + 1] * qf
+            cute.arch.sync_threads()
+
+            # O = Y + Aqk V' (Aqk is lower triangular: warp w needs key blocks 0..w)
+            self._gemm_nn(accy, sAqk, RC, r0, sVp, RBV, c_lo, CB // 8, C // 16, slab, lane)
+            o_base = mO.iterator.toint()
+            for h in cutlass.range_constexpr(2):
+                r = r0 + g + 8 * h
+                if r < ln:
+                    row_addr = o_base + ((Int64(t0 + r) * HO + ho) * self.V + v0 + c_lo) * 2
+                    for i in cutlass.range_constexpr(CB // 8):
+                        ptx.st_global_u32(row_addr + (i * 8 + 2 * t) * 2,
+                                          ptx.pack2(accy[4 * i + 2 * h], accy[4 * i + 2 * h + 1], io))
+
+            # S = gamma_last S + V'd^T K
+            gl = ptx.ld_shared_f32(sF + 2 * C * 4)
+            for i in cutlass.range_constexpr(NT8 * 4):
+                st[i] = st[i] * gl
+            self._gemm_tn(st, sVd, RBV, wm * 16, sK, RK, wn * self.NS, NT8, C // 16, lane)
+            self._state_to_smem(sS, st, wm, wn, g, t)
+            cute.arch.sync_threads()
+        ptx.cp_async_wait(0)
+
+        if (flags & FLAG_WRITE_STATE) != 0:
+            row = n
+            if (flags & FLAG_OUTPUT_INDICES) != 0:
+                row = mHtIdx[n]
+            self._state_io(mHt, st, (Int64(row) * HO + ho), v0, wm, wn, g, t, True)
+
+    @cute.jit
+    def _issue_chunk(self, mQ, mK, mW, mU, mAqk, mF, stg, c, t0, ln, qh, kh, ho, HO, v0, tidx):
+        """cp.async chunk ``c`` (tokens ``t0 .. t0 + ln``) into the stage at ``stg``: q / k rows (zero past ``ln``),
+        the prep kernel's W, the V-slice of U, Aqk and the row factors."""
+        C, K, V, BV, RK, RBV, RC = self.C, self.K, self.V, self.BV, self.RK, self.RBV, self.RC
+        sQ = stg
+        sK = sQ + C * RK
+        sW = sK + C * RK
+        sU = sW + C * RK
+        sAqk = sU + C * RBV
+        sF = sAqk + C * RC
+        self._load_rows(mQ, sQ, RK, K, t0, ln, qh, tidx, self.NT)
+        self._load_rows(mK, sK, RK, K, t0, ln, kh, tidx, self.NT)
+        blk = Int64(c) * HO + ho
+        self._copy_block(mW.iterator.toint() + blk * (C * K * 2), K, 0, sW, RK, K, tidx)
+        self._copy_block(mU.iterator.toint() + blk * (C * V * 2), V, v0, sU, RBV, BV, tidx)
+        self._copy_block(mAqk.iterator.toint() + blk * (C * C * 2), C, 0, sAqk, RC, C, tidx)
+        if tidx < (3 * C * 4) // 16:
+            ptx.cp_async_16(sF + tidx * 16, mF.iterator.toint() + blk * (3 * C * 4) + tidx * 16, 16)
+
+    @cute.jit
+    def _copy_block(self, g_base, ld: cutlass.Constexpr, col0, s_dst, RB: cutlass.Constexpr, D: cutlass.Constexpr,
+                    tidx):
+        """cp.async ``C`` rows x ``D`` 16-bit columns (from ``col0``) of a row-major ``[C, ld]`` global block."""
+        cpr = D // 8
+        n_chunks = self.C * cpr
+        for it in cutlass.range_constexpr((n_chunks + self.NT - 1) // self.NT):
+            idx = it * self.NT + tidx
+            if const_expr(n_chunks % self.NT == 0):
+                self._copy_one(g_base, ld, col0, s_dst, RB, cpr, idx)
+            else:
+                if idx < n_chunks:
+                    self._copy_one(g_base, ld, col0, s_dst, RB, cpr, idx)
+
+    @cute.jit
+    def _copy_one(self, g_base, ld: cutlass.Constexpr, col0, s_dst, RB: cutlass.Constexpr, cpr: cutlass.Constexpr,
+                  idx):
+        r = idx // cpr
+        col = idx % cpr
+        ptx.cp_async_16(s_dst + r * RB + col * 16, g_base + (Int64(r) * ld + col0 + col * 8) * 2, 16)
+
+    @cute.jit
+    def _state_io(self, mH, st, mat, v0, wm, wn, g, t, store: cutlass.Constexpr):
+        """Load (or store) the thread's state fragment of matrix ``mat`` (= row * HO + head) of ``[*, HO, V, K]``."""
+        K, V = self.K, self.V
+        h_base = mH.iterator.toint()
+        for i in cutlass.range_constexpr(self.NS // 8):
+            for h in cutlass.range_constexpr(2):
+                v = v0 + wm * 16 + g + 8 * h
+                k = wn * self.NS + i * 8 + 2 * t
+                off = (mat * V + v) * K + k
+                if const_expr(self.bf16_state):
+                    addr = h_base + off * 2
+                    if const_expr(store):
+                        ptx.st_global_u32(addr, ptx.pack2(st[4 * i + 2 * h], st[4 * i + 2 * h + 1],
+                                                          cutlass.BFloat16))
+                    else:
+                        lo, hi = ptx.unpack2(_ld_b32(addr), cutlass.BFloat16)
+                        st[4 * i + 2 * h] = lo
+                        st[4 * i + 2 * h + 1] = hi
+                else:
+                    addr = h_base + off * 4
+                    if const_expr(store):
+                        _st_v2_f32(addr, st[4 * i + 2 * h], st[4 * i + 2 * h + 1])
+                    else:
+                        x = _ld_v2_f32(addr)
+                        st[4 * i + 2 * h] = x[0]
+                        st[4 * i + 2 * h + 1] = x[1]
+
+    @cute.jit
+    def _state_to_smem(self, sS, st, wm, wn, g, t):
+        """The state fragment rounded to the io dtype into ``sS`` ``[tile_v, K]`` (the next chunk's MMA operand)."""
+        for i in cutlass.range_constexpr(self.NS // 8):
+            for h in cutlass.range_constexpr(2):
+                v = wm * 16 + g + 8 * h
+                k = wn * self.NS + i * 8 + 2 * t
+                ptx.st_shared_b32(sS + v * self.RK + k * 2,
+                                  ptx.pack2(st[4 * i + 2 * h], st[4 * i + 2 * h + 1], self.io))
+
+
+def _fake_args(cfg: Config) -> tuple:
+    """Fake tensors (symbolic sizes) in the compiled function's order."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+    p = cfg.problem
+    io = element_type(p.dtype)
+    sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
+    K, V, C = p.head_dim_k, p.head_dim_v, CHUNK
+
+    def sym():
+        return cute.sym_int()
+
+    def s64(div=8):
+        return cute.sym_int64(divisibility=div)
+
+    T = sym()
+    q = make_fake_tensor(io, (T, sym(), K), (s64(), s64(), 1), assumed_align=16)
+    k = make_fake_tensor(io, (T, sym(), K), (s64(), s64(), 1), assumed_align=16)
+    v = make_fake_tensor(io, (T, sym(), V), (s64(), s64(), 1), assumed_align=16)
+    g = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
+    beta = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
+    cu = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    chunks = make_fake_compact_tensor(Int32, (sym(), 4), stride_order=(1, 0), assumed_align=16)
+    chunk_off = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    h0 = make_fake_compact_tensor(sdt, (sym(), sym(), V, K), stride_order=(3, 2, 1, 0), assumed_align=16)
+    h0_idx = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    ht = make_fake_compact_tensor(sdt, (sym(), sym(), V, K), stride_order=(3, 2, 1, 0), assumed_align=16)
+    ht_idx = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    o = make_fake_compact_tensor(io, (sym(), sym(), V), stride_order=(2, 1, 0), assumed_align=16)
+    nc, ho = sym(), sym()
+    w = make_fake_compact_tensor(io, (nc, ho, C, K), stride_order=(3, 2, 1, 0), assumed_align=16)
+    u = make_fake_compact_tensor(io, (nc, ho, C, V), stride_order=(3, 2, 1, 0), assumed_align=16)
+    aqk = make_fake_compact_tensor(io, (nc, ho, C, C), stride_order=(3, 2, 1, 0), assumed_align=16)
+    f = make_fake_compact_tensor(Float32, (nc, ho, 3, C), stride_order=(3, 2, 1, 0), assumed_align=16)
+    return q, k, v, g, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, w, u, aqk, f
+
+
+def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile :class:`GdnChunkedKernel` (both kernels, one function) for ``cfg`` from fake tensors (no GPU needed).
+
+    Returns the tvm-ffi callable; call it through :func:`launch`.  Raises ValueError for ``keep_cubin`` without
+    a ``keep_ptx_dir``.
+    """
+    from cutlass.cute.runtime import make_fake_stream
+
+    opts = compile_options(cfg.problem.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
+    return cute.compile(GdnChunkedKernel(cfg), *_fake_args(cfg), Float32(1.0), Int32(1), Int32(1), Int32(1),
+                        Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+
+
+def launch(fn, cfg: Config, args: GdnArgs) -> None:
+    """Plan the chunks (:func:`~cutedsl_attn.planning.gdn.plan_chunks`, device tensors, no host sync), allocate
+    the scratch (``W``, ``U``, ``Aqk`` in the io dtype, the fp32 row factors: about ``(2 K + 2 V + 2 C + 12) C``
+    bytes a chunk and head) and launch ``fn`` on torch's current stream."""
+    import torch
+
+    chunks, chunk_off = plan_chunks(args.cu_seqlens, args.q.shape[0])
+    nc, ho = chunks.shape[0], args.output.shape[1]
+    p = cfg.problem
+    dev, io = args.q.device, args.q.dtype
+    w = torch.empty(nc, ho, CHUNK, p.head_dim_k, device=dev, dtype=io)
+    u = torch.empty(nc, ho, CHUNK, p.head_dim_v, device=dev, dtype=io)
+    aqk = torch.empty(nc, ho, CHUNK, CHUNK, device=dev, dtype=io)
+    f = torch.empty(nc, ho, 3, CHUNK, device=dev, dtype=torch.float32)
+    fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
+       args.initial_state_indices, args.output_state, args.output_state_indices, args.output, w, u, aqk, f,
+       args.scale, args.q_group, args.k_group, args.v_group, args.flags)
