@@ -1,16 +1,17 @@
-"""Gated delta rule benchmark: cutedsl_attn's recurrent kernel vs fla (Triton) and FlashInfer, same process.
+"""Gated delta rule benchmark: cutedsl_attn's chunked prefill kernel (and the recurrent one) vs fla (Triton) and
+FlashInfer, same process.
 
 Prefill rows (bf16 q/k/v, K = V = 128, fp32 gates and state, ``use_qk_l2norm_in_kernel=True``, final state
-requested): (a) 32/32 heads, 1 x 32768; (b) 16 q/k / 32 v heads, 4 x 8192; (c) 16/16 heads, 8 x 8192.
+requested): (a) 32/32 heads, 1 x 32768; (b) 16 q/k / 32 v heads, 4 x 8192; (c) 16/16 heads, 8 x 8192;
+(d) 2 q/k / 8 v heads, 1 x 65536 (TP8-sized); (e) 16/16 heads, 64 sequences of 128..8192 tokens (seeded).
 Decode rows: B = 64 / 128 / 256 sequences, 32 heads, K = V = 128, fp32 state updated per step.
 
 Method (cutedsl_attn.timing.KernelTimer): a 512 MiB memset flushes the L2 before every timed call, the GPU
 sleeps so the host has queued the call, CUDA events bracket it, median of 10.  Our rows time the kernel
-launch alone (the API's checks and allocations are done once, outside the timed call); peers are timed
-through their public functions.  The HBM bound is the bytes the op must move (q, k, v, gates, o, the final
-state) at the measured read bandwidth.  The recurrent kernel is token-serial: for prefill it is expected to be
-far slower than the chunked peers; it is the decode kernel, and the prefill stand-in until the chunked
-kernels exist.
+launch (the chunk plan and scratch allocation included; the API's checks are done once, outside the timed
+call); peers are timed through their public functions.  The HBM bound is the bytes the op must move (q, k, v,
+gates, o, the final state) at the measured read bandwidth.  ``--recurrent`` also times the token-serial
+recurrent kernel (the decode kernel) on the prefill rows.
 
 Usage: python perf/bench_gdn.py [--quick] [--out DIR] [--tiles "tv,warps,prefetch,lanes;..."]
 (peers are skipped cleanly when not importable; ``--tiles`` also times those recurrent-kernel tiles on the
@@ -29,14 +30,16 @@ import torch
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's own Triton kernels, not FlashQLA
 
 from cutedsl_attn.api import gdn as api  # noqa: E402
-from cutedsl_attn.dispatch import gdn_launch  # noqa: E402
+from cutedsl_attn.dispatch import gdn_choice, gdn_launch  # noqa: E402
 from cutedsl_attn.compile import get_compiled  # noqa: E402
+from cutedsl_attn.portable import gdn_chunked as chk  # noqa: E402
 from cutedsl_attn.portable import gdn_recurrent as rec  # noqa: E402
 from cutedsl_attn.timing import KernelTimer, read_bandwidth  # noqa: E402
 
 DEV = torch.device("cuda")
 D = 128
-PREFILL = {"a": (1, 32768, 32, 32), "b": (4, 8192, 16, 32), "c": (8, 8192, 16, 16)}  # B, L, H_qk, H_v
+PREFILL = {"a": (1, 32768, 32, 32), "b": (4, 8192, 16, 32), "c": (8, 8192, 16, 16), "d": (1, 65536, 2, 8),
+           "e": (64, 0, 16, 16)}  # B, L (0: varlen 128..8192), H_qk, H_v
 DECODE_B = (64, 128, 256)
 DECODE_H = 32
 
@@ -69,39 +72,59 @@ def rel(x, y):
     return ((x - y).norm() / max(y.norm().item(), 1e-30)).item()
 
 
+def row_lens(B, L):
+    if L:
+        return [L] * B
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(128, 8193, (B,), generator=g).tolist()
+
+
 def prefill_inputs(B, L, hqk, hv):
-    T = B * L
+    lens = row_lens(B, L)
+    T = sum(lens)
     q = torch.randn(T, hqk, D, device=DEV).bfloat16()
     k = torch.randn(T, hqk, D, device=DEV).bfloat16()
     v = torch.randn(T, hv, D, device=DEV).bfloat16()
     g = torch.rand(T, hv, device=DEV) * 0.1 + 0.9  # linear alpha
     beta = torch.rand(T, hv, device=DEV)
-    cu = torch.arange(0, T + 1, L, device=DEV, dtype=torch.int32)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEV, dtype=torch.int32)
     return q, k, v, g, beta, cu
 
 
 def prefill_bytes(B, L, hqk, hv):
-    T = B * L
+    T = sum(row_lens(B, L))
     return T * (2 * hqk * D * 2 + hv * D * 2 + hv * D * 2 + 2 * hv * 4) + B * hv * D * D * 4
 
 
-def bench_prefill(timer, found, rows_wanted, bw, variants=()):
+def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, chunked_tiles=()):
     rows = []
     for name in rows_wanted:
         B, L, hqk, hv = PREFILL[name]
         q, k, v, g, beta, cu = prefill_inputs(B, L, hqk, hv)
-        T = B * L
+        T = q.shape[0]
+        varlen = L == 0
         problem, args, (o, st) = api._plan_prefill(
             q, k, v, g, beta, None, None, True, cu, True, None, None, None, None, 0, "auto", None, None, "auto",
             None, "linear")
         gdn_launch(problem, args)
         torch.cuda.synchronize()
-        row = dict(row=name, B=B, L=L, heads=f"{hqk}/{hv}", ours_ms=timer(lambda: gdn_launch(problem, args),
-                                                                         reps=10) * 1e3)
+        row = dict(row=name, B=B, L=L, T=T, heads=f"{hqk}/{hv}",
+                   ours_ms=timer(lambda: gdn_launch(problem, args), reps=10) * 1e3)
         bound_ms = prefill_bytes(B, L, hqk, hv) / bw * 1e3
         row["hbm_bound_ms"] = bound_ms
-        row["tiles"] = str(rec.default_tiles(problem, num_sms=132))
+        module, cfg = gdn_choice(problem, chains=B * max(hqk, hv))
+        row["kernel"] = f"{module.NAME} {cfg.tiles}"
         o_default = o.clone()
+        for tv, nw in chunked_tiles:
+            c2 = chk.Config(problem, chk.Tiles(tile_v=tv, num_warps=nw))
+            fn = get_compiled(chk.NAME, c2, chk.compile)
+            row[f"chunked_{tv}x{nw}_ms"] = timer(lambda: chk.launch(fn, c2, args), reps=10) * 1e3
+        if recurrent and name in ("b", "c"):
+            c3 = rec.Config(problem, rec.default_tiles(problem, num_sms=132))
+            fn = get_compiled(rec.NAME, c3, rec.compile)
+            row["recurrent_ms"] = timer(lambda: rec.launch(fn, c3, args), reps=3) * 1e3
+            rec.launch(fn, c3, args)
+            row["rel_err_chunked_vs_recurrent_o"] = rel(o_default, o)
         for tv, nw, pf, lanes in variants:
             cfg = rec.Config(problem, rec.Tiles(tile_v=tv, num_warps=nw, prefetch=pf, lanes_per_row=lanes))
             fn = get_compiled(rec.NAME, cfg, rec.compile)
@@ -110,18 +133,27 @@ def bench_prefill(timer, found, rows_wanted, bw, variants=()):
             row[key + "_rel_err_vs_default"] = rel(o, o_default)
         if "fla" in found:
             f = found["fla"]
-            qf, kf, vf = (x.view(B, L, *x.shape[1:]) for x in (q, k, v))
-            gf = torch.log(g).view(B, L, hv)
-            bf = beta.view(B, L, hv)
+            if varlen:  # fla's varlen form: one batch row, cu_seqlens
+                qf, kf, vf = (x.unsqueeze(0) for x in (q, k, v))
+                gf, bf = torch.log(g).unsqueeze(0), beta.unsqueeze(0)
+                extra = dict(cu_seqlens=cu.to(torch.int64))
+            else:
+                qf, kf, vf = (x.view(B, L, *x.shape[1:]) for x in (q, k, v))
+                gf = torch.log(g).view(B, L, hv)
+                bf = beta.view(B, L, hv)
+                extra = {}
 
             def fla_call():
                 return f(qf, kf, vf, gf, bf, scale=1 / math.sqrt(D), output_final_state=True,
-                         use_qk_l2norm_in_kernel=True)
+                         use_qk_l2norm_in_kernel=True, **extra)
 
-            of, sf = fla_call()
-            row["fla_ms"] = timer(fla_call, reps=10) * 1e3
-            row["rel_err_vs_fla_o"] = rel(o.view(B, L, hv, D), of)
-            row["rel_err_vs_fla_state"] = rel(st, sf.transpose(-1, -2))
+            try:
+                of, sf = fla_call()
+                row["fla_ms"] = timer(fla_call, reps=10) * 1e3
+                row["rel_err_vs_fla_o"] = rel(o.reshape(of.shape), of)
+                row["rel_err_vs_fla_state"] = rel(st, sf.transpose(-1, -2))
+            except Exception as e:  # noqa: BLE001
+                print(f"fla row {name} failed:", e)
         if "flashinfer" in found:
             f = found["flashinfer"]
 
@@ -177,15 +209,15 @@ def bench_decode(timer, found, batches):
 
 
 def table(prefill, decode):
-    lines = ["| row | B x L | heads qk/v | ours ms | Mtok/s | fla ms | FlashInfer ms | ours / fla | HBM bound ms | "
-             "bound / ours |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | B x L | heads qk/v | ours ms | Mtok/s | fla ms | FlashInfer ms | fla / ours | FlashInfer / ours"
+             " | HBM bound ms | bound / ours |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in prefill:
-        tok = r["B"] * r["L"]
+        tok = r["T"]
         fla, fi = r.get("fla_ms"), r.get("flashinfer_ms")
-        cells = [f"({r['row']})", f"{r['B']} x {r['L']}", r["heads"], f"{r['ours_ms']:.3f}",
+        cells = [f"({r['row']})", f"{r['B']} x {r['L'] or 'varlen'}", r["heads"], f"{r['ours_ms']:.3f}",
                  f"{tok / r['ours_ms'] / 1e3:.2f}", f"{fla:.3f}" if fla else "-", f"{fi:.3f}" if fi else "-",
-                 f"{r['ours_ms'] / fla:.2f}x" if fla else "-", f"{r['hbm_bound_ms']:.3f}",
-                 f"{r['hbm_bound_ms'] / r['ours_ms']:.1%}"]
+                 f"{fla / r['ours_ms']:.2f}x" if fla else "-", f"{fi / r['ours_ms']:.2f}x" if fi else "-",
+                 f"{r['hbm_bound_ms']:.3f}", f"{r['hbm_bound_ms'] / r['ours_ms']:.1%}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| decode B | heads | ours us | ours TB/s | fla us | fla TB/s | fla / ours |",
               "|---|---|---|---|---|---|---|"]
@@ -201,23 +233,29 @@ def main():
     ap.add_argument("--quick", action="store_true", help="row (c) and one decode batch only")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tiles", default="", help="extra recurrent tiles 'tile_v,num_warps,prefetch,lanes;...'")
+    ap.add_argument("--chunked-tiles", default="", help="extra chunked tiles 'tile_v,num_warps;...'")
+    ap.add_argument("--recurrent", action="store_true", help="also time the recurrent kernel on rows (b), (c)")
+    ap.add_argument("--rows", default="", help="prefill rows, e.g. 'a,c' (default: all)")
+    ap.add_argument("--no-decode", action="store_true")
     a = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in a.tiles.split(";") if v.strip()]
+    ctiles = [tuple(int(x) for x in v.split(",")) for v in a.chunked_tiles.split(";") if v.strip()]
     torch.manual_seed(0)
     timer = KernelTimer(DEV)
     bw = read_bandwidth(timer)
     print(f"read bandwidth {bw / 1e12:.3f} TB/s")
     found = peers()
-    prefill = bench_prefill(timer, found, ["c"] if a.quick else list(PREFILL), bw, variants)
-    decode = bench_decode(timer, found, DECODE_B[:1] if a.quick else DECODE_B)
+    rows = a.rows.split(",") if a.rows else (["c"] if a.quick else list(PREFILL))
+    prefill = bench_prefill(timer, found, rows, bw, variants, a.recurrent, ctiles)
+    decode = [] if a.no_decode else bench_decode(timer, found, DECODE_B[:1] if a.quick else DECODE_B)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_gdn.json"), "w") as fh:
         json.dump(dict(read_tbs=bw / 1e12, prefill=prefill, decode=decode), fh, indent=1)
     print(table(prefill, decode))
-    for r in prefill:  # the tile variants, if any
-        extra = {k: round(v, 4) for k, v in r.items() if k.startswith("ours_") and k != "ours_ms"}
-        if extra:
-            print(f"({r['row']}) default {r['tiles']} {r['ours_ms']:.3f} ms; variants {extra}")
+    for r in prefill:  # the kernel chosen, tile variants and the recurrent kernel, if any
+        extra = {k: round(v, 4) for k, v in r.items()
+                 if (k.startswith(("ours_", "chunked_", "recurrent")) or k.startswith("rel_err")) and k != "ours_ms"}
+        print(f"({r['row']}) {r['kernel']} {r['ours_ms']:.3f} ms; {extra}")
 
 
 if __name__ == "__main__":

@@ -101,8 +101,8 @@ def test_chunked_kernel_ptx(tmp_path, arch, variant):
     ab = "bf16" if p.dtype == "bfloat16" else "f16"
     K, V, C = p.head_dim_k, p.head_dim_v, CHUNK
     n_mma = lambda s: len(re.findall(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{ab}\.{ab}\.f32", s))
-    # prep: K K^T (a slab a warp), Q K^T (two slabs a warp on warps 2-3), then T W and T U
-    assert n_mma(prep) == 3 * (C // 8) * (K // 16) + (K // 8 + V // 8) * (C // 16)
+    # prep, a 16-row slab a warp: K K^T and Q K^T (C columns over K), then T W and T U (over C)
+    assert n_mma(prep) == 2 * (C // 8) * (K // 16) + (K // 8 + V // 8) * (C // 16)
     # main, per warp: W S^T and Q S^T, Aqk V', then the state update
     cb = t.tile_v // (t.num_warps // 4)
     ns = K // (t.num_warps // (t.tile_v // 16))

@@ -150,8 +150,8 @@ class Config:
 
     @property
     def prep_smem_bytes(self) -> int:
-        c = CHUNK
-        return 2 * c * self.row_k + c * self.row_v + c * self.row_a + c * self.row_c + 4 * c * 4
+        c = CHUNK  # A (fp32) takes Q's place once Aqk is written
+        return c * max(self.row_k, self.row_a) + c * self.row_k + c * self.row_v + c * self.row_c + 4 * c * 4
 
     @property
     def stage_bytes(self) -> int:
@@ -226,25 +226,33 @@ def _st_shared_v4_b32(addr, words):
             read_only_args=[Int32(addr)] + [Int32(w) for w in words])
 
 
-def _normalise_row(addr, K: int, io):
-    """One warp: the 16-bit row at ``addr`` (this lane's ``K / 32`` elements) times ``rsqrt(sum x^2 + eps)`` in
-    place; returns the normaliser (fp32, every lane)."""
-    words = list(ptx.ld_shared_v2_b32(addr)) if K == 128 else [ptx.ld_shared_b32(addr)]
+def _normalise_batch(addrs, K: int, io) -> list:
+    """One warp: each 16-bit row at ``addrs`` (this lane's ``K / 32`` elements of it) times
+    ``rsqrt(sum x^2 + eps)`` in place; returns the normalisers (fp32, every lane).  All loads first, the
+    butterflies of all rows interleaved, then the stores."""
+    words = [list(ptx.ld_shared_v2_b32(a)) if K == 128 else [ptx.ld_shared_b32(a)] for a in addrs]
     vals = []
-    for wd in words:
-        vals += list(ptx.unpack2(wd, io))
-    ss = vals[0] * vals[0]
-    for x in vals[1:]:
-        ss = ss + x * x
+    for ws in words:
+        v = []
+        for wd in ws:
+            v += list(ptx.unpack2(wd, io))
+        vals.append(v)
+    ss = []
+    for v in vals:
+        acc = v[0] * v[0]
+        for x in v[1:]:
+            acc = acc + x * x
+        ss.append(acc)
     for sh in range(5):
-        ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=16 >> sh)
-    rn = _rsqrt(ss + Float32(L2NORM_EPS))
-    packed = [ptx.pack2(vals[2 * j] * rn, vals[2 * j + 1] * rn, io) for j in range(len(words))]
-    if K == 128:
-        _st_shared_v2_b32(addr, packed[0], packed[1])
-    else:
-        ptx.st_shared_b32(addr, packed[0])
-    return rn
+        ss = [x + cute.arch.shuffle_sync_bfly(x, offset=16 >> sh) for x in ss]
+    norms = [_rsqrt(x + Float32(L2NORM_EPS)) for x in ss]
+    for a, v, rn in zip(addrs, vals, norms):
+        packed = [ptx.pack2(v[2 * j] * rn, v[2 * j + 1] * rn, io) for j in range(len(v) // 2)]
+        if K == 128:
+            _st_shared_v2_b32(a, packed[0], packed[1])
+        else:
+            ptx.st_shared_b32(a, packed[0])
+    return norms
 
 
 def _scale_16b(addr, f, io):
@@ -364,10 +372,10 @@ class GdnChunkedKernel:
         if ln > 0:
             smem = cute.arch.get_dyn_smem(cutlass.Int8, alignment=128).toint()
             sQ = smem
-            sK = sQ + C * RK
+            sA = smem  # A replaces Q once Aqk is written
+            sK = sQ + C * max(RK, RA)
             sV = sK + C * RK
-            sA = sV + C * RV
-            sT = sA + C * RA
+            sT = sV + C * RV
             sG = sT + C * RC
             sB = sG + C * 4
             sRq = sB + C * 4
@@ -411,6 +419,7 @@ class GdnChunkedKernel:
             self._normalise_rows(sQ, sRq, warp, lane)
             self._normalise_rows(sK, sRk, warp, lane)
             cute.arch.sync_threads()
+            blk = Int64(c) * HO + ho
 
             r0 = warp * 16
             gr = cute.make_rmem_tensor((2,), Float32)
@@ -418,11 +427,14 @@ class GdnChunkedKernel:
             for h in cutlass.range_constexpr(2):
                 gr[h] = ptx.ld_shared_f32(sG + (r0 + g + 8 * h) * 4)
                 br[h] = ptx.ld_shared_f32(sB + (r0 + g + 8 * h) * 4)
-            # A = strict_tril(diag(beta) K K^T . Gamma) -> sA (fp32)
+            # K K^T, then Aqk = scale tril(Q K^T . Gamma) -> global; then A = strict_tril(diag(beta) K K^T . Gamma)
+            # -> sA (fp32, over Q)
             acc = cute.make_rmem_tensor(((C // 8) * 4,), Float32)
             for i in cutlass.range_constexpr((C // 8) * 4):
                 acc[i] = Float32(0.0)
             self._gemm_nt(acc, sK, RK, r0, sK, RK, 0, C // 8, K // 16, lane)
+            self._aqk_rows(mAqk, sQ, sK, sG, blk, r0, scale, lane)
+            cute.arch.sync_threads()  # every warp is done with Q
             for i in cutlass.range_constexpr(C // 8):
                 s0 = i * 8 + 2 * t
                 gs = _ld_shared_v2_f32(sG + s0 * 4)
@@ -432,16 +444,12 @@ class GdnChunkedKernel:
                     s = s0 + e % 2
                     val = br[h] * acc[4 * i + e] * ptx.ex2(gr[h] - gs[e % 2])
                     ptx.st_shared_f32(sA + r * RA + s * 4, cutlass.select_(s < r, val, Float32(0.0)))
-            blk = Int64(c) * HO + ho
             cute.arch.sync_threads()
 
-            # warps 0-1 invert (I + A); warps 2-3 meanwhile write Aqk, then scale the W / U operands in place
+            # warps 0-1 invert (I + A); warps 2-3 meanwhile scale the W / U operands in place
             if tidx < C:
                 self._invert_column(sA, sT, tidx)
             else:
-                for sl in cutlass.range_constexpr(2):
-                    self._aqk_rows(mAqk, sQ, sK, sG, blk, (warp - 2) * 32 + sl * 16, scale, lane)
-                cute.arch.barrier(barrier_id=1, number_of_threads=C)  # Aqk read sK unscaled
                 self._scale_operands(sK, sV, sG, sB, tidx - C)
             cute.arch.sync_threads()
 
@@ -512,14 +520,18 @@ class GdnChunkedKernel:
     @cute.jit
     def _normalise_rows(self, sX, sR, warp, lane):
         """l2-normalise this warp's 16 rows of ``sX`` in place (rounded to the io dtype) and record the fp32
-        normalisers in ``sR`` (1 without l2norm)."""
-        for rr in cutlass.range_constexpr(16):
-            r = warp * 16 + rr
-            rn = Float32(1.0)
-            if const_expr(self.l2norm):
-                rn = _normalise_row(sX + r * self.RK + lane * (self.K // 32) * 2, self.K, self.io)
+        normalisers in ``sR`` (1 without l2norm).  The 16 rows go as one batch (loads, then interleaved
+        butterflies, then stores): 16 independent reductions instead of a chain of 16."""
+        if const_expr(self.l2norm):
+            rows = [sX + (warp * 16 + rr) * self.RK + lane * (self.K // 32) * 2 for rr in range(16)]
+            norms = _normalise_batch(rows, self.K, self.io)
             if lane == 0:
-                ptx.st_shared_f32(sR + r * 4, rn)
+                for rr in cutlass.range_constexpr(16):
+                    ptx.st_shared_f32(sR + (warp * 16 + rr) * 4, norms[rr])
+        else:
+            if lane == 0:
+                for rr in cutlass.range_constexpr(16):
+                    ptx.st_shared_f32(sR + (warp * 16 + rr) * 4, Float32(1.0))
 
     @cute.jit
     def _invert_column(self, sA, sT, j):
