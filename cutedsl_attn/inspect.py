@@ -49,12 +49,52 @@ key                   values                                        default
 ``use_custom_mask``   bool                                          False
 ``pos_encoding_mode`` ``"NONE"``, ``"ROPE_LLAMA"``, ``"ALIBI"``     ``NONE``
 ``score_mod``         a Python callable traced into the logits      None
+``kv_dtype``          ``""`` (the cache has ``dtype``) or            ``""``
+                      ``"float8_e4m3fn"``/``"fp8"`` (paged only: the
+                      portable kernel widens e4m3 in shared memory)
 ``kernel``            ``"auto"``, ``"portable"``, ``"sm90"``         ``auto``
+===================== ============================================= ===========
+
+Config keys of op ``"mla"`` (a :class:`cutedsl_attn.planning.mla.MlaProblem`; the portable MLA decode kernel
+with :func:`cutedsl_attn.dispatch.mla_choice`'s tiles, ``head_dim_ckv`` 512 / ``head_dim_kpe`` 64):
+
+===================== ============================================= ===========
+key                   values                                        default
+===================== ============================================= ===========
+``dtype``             q's: as decode, or ``"float8_e4m3fn"`` (fp8    ``bfloat16``
+                      q over fp8 caches, bf16 output)
+``kv_dtype``          ``""`` (the caches have ``dtype``) or          ``""``
+                      ``"float8_e4m3fn"``/``"fp8"``
+``page_size``         1..64                                         64
+``causal``            bool (bottom-right mask of multi-token rows)  False
+===================== ============================================= ===========
+
+Config keys of op ``"gdn"`` (a :class:`cutedsl_attn.planning.gdn.GdnProblem`; the kernel and tiles are what
+:func:`cutedsl_attn.dispatch.gdn_choice` picks: the chunked kernel for GDN prefill, the recurrent kernel for the
+decode step and the rest of the delta-rule family):
+
+===================== ============================================= ===========
+key                   values                                        default
+===================== ============================================= ===========
+``dtype``             as decode (q / k / v / output)                ``bfloat16``
+``head_dim_k``        64, 128                                       128
+``head_dim_v``        64, 128                                       128
+``state_dtype``       ``"float32"``, ``"bfloat16"``                 ``float32``
+``gate_domain``       ``"linear"`` (alpha), ``"log"`` (log alpha)   ``linear``
+``use_qk_l2norm``     bool                                          False
+``decode``            bool (the decode step: recurrent kernel)      False
+``state_k_major``     bool (``[*, HO, K, V]`` state: recurrent)     False
+``gate_per_channel``  bool (GDN-2, KDA: recurrent)                  False
+``erase_write_gates`` bool (GDN-2; needs ``gate_per_channel``)      False
+``num_householder``   1..8 (Gated DeltaProduct: recurrent)          1
+``chains``            N * HO of the launch (the default tiles       None (many)
+                      depend on it)
 ===================== ============================================= ===========
 
 The environment is not consulted for the target (``arch`` is explicit), but the dispatch layer's
 switches are: ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` makes ``kernel="auto"`` pick the portable kernel
-(an explicit ``kernel="sm90"`` overrides it), and its tuning hooks override the chosen kernel's tiles.
+(an explicit ``kernel="sm90"`` overrides it), ``CUTEDSL_ATTN_GDN_KERNEL`` forces a GDN kernel, and the tuning
+hooks (``CUTEDSL_ATTN_*_TUNE``) override the chosen kernel's tiles.
 """
 
 from __future__ import annotations
@@ -74,7 +114,7 @@ __all__ = ["OPS", "DEFAULTS", "config", "ptx", "sass", "resources", "cubin_resou
            "format_summary", "SUMMARY_KEYS"]
 
 #: Kernel families this module can build.
-OPS = ("decode", "prefill")
+OPS = ("decode", "prefill", "mla", "gdn")
 
 #: Default config of each op (what ``ptx(op)`` compiles when no key is given).
 DEFAULTS = {
@@ -85,7 +125,13 @@ DEFAULTS = {
     "prefill": dict(
         dtype="bfloat16", head_dim_qk=128, head_dim_vo=None, group_size=4, page_size=0, causal=False,
         use_window=False, use_soft_cap=False, use_sinks=False, use_custom_mask=False, pos_encoding_mode="NONE",
-        score_mod=None, kernel="auto",
+        score_mod=None, kv_dtype="", kernel="auto",
+    ),
+    "mla": dict(dtype="bfloat16", kv_dtype="", page_size=64, causal=False),
+    "gdn": dict(
+        dtype="bfloat16", head_dim_k=128, head_dim_v=128, state_dtype="float32", gate_domain="linear",
+        use_qk_l2norm=False, decode=False, state_k_major=False, gate_per_channel=False, erase_write_gates=False,
+        num_householder=1, chains=None,
     ),
 }
 
@@ -93,6 +139,8 @@ _DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16", "torch.float16": "float16",
 }
+_FP8_ALIASES = {"float8_e4m3fn": "float8_e4m3fn", "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+                "torch.float8_e4m3fn": "float8_e4m3fn"}
 
 _compile_lock = threading.Lock()
 
@@ -105,14 +153,30 @@ def _dtype_name(value) -> str:
     raise ValueError(f"dtype must be one of 'bfloat16' ('bf16') or 'float16' ('fp16', 'half'), got {value!r}")
 
 
+def _fp8_or_dtype_name(name: str, value, *, empty: bool) -> str:
+    """``value`` as ``"float8_e4m3fn"`` or a 16-bit dtype name (``empty``: ``""`` / None too, given back as ``""``).
+    ValueError naming ``name`` otherwise."""
+    if empty and (value is None or value == ""):
+        return ""
+    key = str(value).strip().lower()
+    if key in _FP8_ALIASES:
+        return _FP8_ALIASES[key]
+    if key in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[key]
+    allowed = "'' (the query's dtype), " if empty else ""
+    raise ValueError(f"{name} must be {allowed}'float8_e4m3fn' ('fp8'), 'bfloat16' or 'float16', got {value!r}")
+
+
 def config(op: str = "decode", arch: str = "sm_90a", **cfg):
     """The kernel configuration object that :func:`ptx` / :func:`sass` compile.
 
     Args:
       op: kernel family, one of :data:`OPS` (``"decode"``: the paged-decode kernel;
         ``"prefill"``: the prefill kernel the dispatch layer picks for ``arch`` (the SM90 TMA + wgmma
-        kernel on ``sm_90a`` where it applies, else the portable one; ``kernel="portable"`` or
-        ``"sm90"`` forces one), keys as :data:`DEFAULTS`).
+        kernel on ``sm_90a`` where it applies, else the portable one, which also serves an fp8
+        ``kv_dtype``; ``kernel="portable"`` or ``"sm90"`` forces one); ``"mla"``: the portable MLA decode
+        kernel; ``"gdn"``: the gated-delta-rule kernel dispatch picks (chunked for GDN prefill, recurrent
+        for the rest), keys as :data:`DEFAULTS`).
       arch: target architecture, any spelling accepted by
         :func:`cutedsl_attn.compile.normalize_arch` (``"sm_90a"``, ``"sm_100a"``,
         ``"sm_103a"``, ``"hopper"``, ``"blackwell"``, ...).  Always explicit: the
@@ -123,13 +187,17 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
 
     Returns:
       The kernel's frozen ``Config(problem, tiles)`` as dispatch builds it (``problem`` a
-      :class:`~cutedsl_attn.planning.decode.DecodeProblem` or
-      :class:`~cutedsl_attn.planning.prefill.PrefillProblem`).
+      :class:`~cutedsl_attn.planning.decode.DecodeProblem`,
+      :class:`~cutedsl_attn.planning.prefill.PrefillProblem`, :class:`~cutedsl_attn.planning.mla.MlaProblem`
+      or :class:`~cutedsl_attn.planning.gdn.GdnProblem`).
 
     Raises:
       ValueError: unknown ``op``, unknown ``arch``, a value the kernel does not support (bad dtype,
-        head_dim, group_size, ...), or ``kernel="sm90"`` for a problem the SM90 kernel cannot serve.
-      TypeError: an unknown config key, or a non-int size.
+        head_dim, group_size, ...; a problem no MLA / GDN kernel serves), or ``kernel="sm90"`` for a problem
+        the SM90 kernel cannot serve.
+      TypeError: an unknown config key, or a non-int size (a non-bool flag of ``"mla"`` / ``"gdn"``).
+      NotImplementedError: an fp8 prefill ``kv_dtype`` with ragged K/V (``page_size`` 0), as
+        :class:`~cutedsl_attn.planning.prefill.PrefillProblem` refuses it.
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; supported: {OPS}")
@@ -144,6 +212,10 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
 
     from . import dispatch
 
+    if op == "mla":
+        return _mla_config(dispatch, arch, merged)
+    if op == "gdn":
+        return _gdn_config(dispatch, arch, merged)
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[_dtype_name(merged["dtype"])]
     if op == "prefill":
         kernel = merged["kernel"]
@@ -157,6 +229,7 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
             use_window=bool(merged["use_window"]), use_soft_cap=bool(merged["use_soft_cap"]),
             use_sinks=bool(merged["use_sinks"]), use_custom_mask=bool(merged["use_custom_mask"]),
             pos_encoding_mode=merged["pos_encoding_mode"], score_mod=merged["score_mod"], arch=arch,
+            kv_dtype=_fp8_or_dtype_name("kv_dtype", merged["kv_dtype"], empty=True),
         )
         choice = dispatch.prefill_choice(problem, kernel=kernel)
         if kernel == "sm90" and choice.name != _SM90_PREFILL:
@@ -185,6 +258,34 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
         # the kernel's Config re-checks the combination (ValueError naming the rule)
         cfg = dataclasses.replace(cfg, tiles=dataclasses.replace(cfg.tiles, **explicit))
     return cfg
+
+
+def _mla_config(dispatch, arch: str, merged: dict):
+    """The portable MLA decode kernel's Config for ``arch`` (dispatch's tiles; the problem built here, not by
+    ``dispatch.mla_problem``, which takes the target from the environment)."""
+    from .planning.mla import MlaProblem
+
+    problem = MlaProblem(dtype=_fp8_or_dtype_name("dtype", merged["dtype"], empty=False),
+                         page_size=merged["page_size"], causal=merged["causal"], arch=arch,
+                         kv_dtype=_fp8_or_dtype_name("kv_dtype", merged["kv_dtype"], empty=True))
+    try:
+        return dispatch.mla_choice(problem)[1]
+    except NotImplementedError as e:  # no MLA kernel for this arch / problem
+        raise ValueError(str(e)) from None
+
+
+def _gdn_config(dispatch, arch: str, merged: dict):
+    """The Config of the GDN kernel :func:`cutedsl_attn.dispatch.gdn_choice` picks for the problem on ``arch``."""
+    from .planning.gdn import GdnProblem
+
+    chains = merged.pop("chains")
+    if chains is not None and (isinstance(chains, bool) or not isinstance(chains, int) or chains < 1):
+        raise ValueError(f"chains must be a positive int or None, got {chains!r}")
+    problem = GdnProblem(**dict(merged, dtype=_dtype_name(merged["dtype"])), arch=arch)
+    try:
+        return dispatch.gdn_choice(problem, chains=chains)[1]
+    except NotImplementedError as e:  # no GDN kernel serves this problem
+        raise ValueError(str(e)) from None
 
 
 _SM90_PREFILL = "prefill_sm90"  # the SM90 prefill kernel's NAME
@@ -263,8 +364,9 @@ def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
         ``group_size``, ``pos_encoding_mode``, ``use_soft_cap``, ``use_sinks``, ``num_warps``,
         ``num_stages``; prefill: ``dtype``, ``head_dim_qk``, ``head_dim_vo``, ``group_size``,
         ``page_size``, ``causal``, ``use_window``, ``use_soft_cap``, ``use_sinks``,
-        ``use_custom_mask``, ``pos_encoding_mode``, ``kernel``); see the module docstring for
-        values and defaults.
+        ``use_custom_mask``, ``pos_encoding_mode``, ``kv_dtype``, ``kernel``; mla: ``dtype``, ``kv_dtype``,
+        ``page_size``, ``causal``; gdn: the :class:`~cutedsl_attn.planning.gdn.GdnProblem` fields but
+        ``arch``, and ``chains``); see the module docstring for values and defaults.
 
     Returns:
       The PTX module text (starts with the NVVM header, has ``.target <arch>``).
@@ -274,6 +376,7 @@ def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
     Raises:
       ValueError: unknown op / arch / unsupported config value.
       TypeError: unknown config key.
+      NotImplementedError: as :func:`config`.
       RuntimeError: the compiler wrote no PTX.
       Any compiler error (the DSL's own exception types).
     """

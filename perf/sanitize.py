@@ -66,9 +66,16 @@ CASES = (
     Case("prefill_cudnn_ragged_causal", "cuDNN prefill", "_prefill_cudnn_ragged_causal", optional=True,
          sanitizer_args=(("synccheck", ("--num-cuda-barriers", "64")),)),
     Case("decode_paged_fp8", "paged decode, fp8 e4m3 cache", "_decode_paged_fp8"),
-    Case("gdn_prefill", "gated delta rule (recurrent)", "_gdn_prefill"),
+    # fp8 caches are served by the portable prefill kernel only (dispatch picks it on every arch)
+    Case("prefill_portable_multirow_fp8", "portable prefill, fp8 e4m3 cache (trtllm q_len_per_req 4)",
+         "_prefill_multirow_fp8"),
+    # GDN prefill runs the chunked kernel by default: the recurrent one is forced here to keep it in the sweep
+    Case("gdn_prefill", "gated delta rule (recurrent)", "_gdn_prefill",
+         env=(("CUTEDSL_ATTN_GDN_KERNEL", "recurrent"),)),
+    Case("gdn_prefill_chunked", "gated delta rule (chunked: prep + main kernel)", "_gdn_prefill_chunked"),
     Case("kda_prefill", "KDA (recurrent, per-channel decay)", "_kda_prefill"),
     Case("mla_decode", "MLA decode (portable)", "_mla_decode"),
+    Case("mla_decode_fp8", "MLA decode (portable), fp8 e4m3 cache (trtllm MLA, q_len 2)", "_mla_decode_fp8"),
 )
 
 
@@ -237,6 +244,33 @@ def _decode_paged_fp8():
     return w.run(q, cache.to(torch.float8_e4m3fn), k_scale=0.5, v_scale=2.0, return_lse=True)
 
 
+def _block_table(kv_indptr, indices):
+    """The CSR page table as a dense ``[B, max_pages]`` block table (rows padded with page 0)."""
+    import torch
+
+    ptr = kv_indptr.tolist()
+    table = torch.zeros(len(ptr) - 1, max(b - a for a, b in zip(ptr, ptr[1:])), dtype=torch.int32, device=_dev())
+    for i, (a, b) in enumerate(zip(ptr, ptr[1:])):
+        table[i, : b - a] = indices[a:b]
+    return table
+
+
+def _prefill_multirow_fp8():
+    # trtllm decode with 4 query rows per request (bottom-right causal) over an fp8 cache: the portable prefill
+    # kernel's fp8 staging (cp.async of e4m3 tiles, widened once in shared memory)
+    import torch
+
+    import cutedsl_attn as ca
+
+    q_len = 4
+    q = _randn(len(KV_LENS) * q_len, NUM_QO_HEADS, HEAD_DIM)
+    cache, kv_indptr, indices, _ = _paged_kv(KV_LENS)
+    seq_lens = torch.tensor(KV_LENS, dtype=torch.int32, device=_dev())
+    return ca.trtllm_batch_decode_with_kv_cache(
+        q, cache.to(torch.float8_e4m3fn), _workspace(), _block_table(kv_indptr, indices), seq_lens, max(KV_LENS),
+        bmm1_scale=0.5 / HEAD_DIM ** 0.5, bmm2_scale=2.0, kv_layout="NHD", q_len_per_req=q_len, return_lse=True)
+
+
 def _gdn_prefill():
     # two sequences of 64 and 128 tokens, 4 heads, K = V = 128, initial and final state
     import torch
@@ -250,6 +284,23 @@ def _gdn_prefill():
     s0 = torch.randn(2, H, HEAD_DIM, HEAD_DIM, device=_dev()) * 0.01
     return ca.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                                      cu_seqlens=_indptr((64, 128)), use_qk_l2norm_in_kernel=True)
+
+
+def _gdn_prefill_chunked():
+    # three sequences of 1, 64 and 135 tokens (cu_seqlens [0, 1, 65, 200]: a one-token chunk, one full chunk, a
+    # ragged tail), 4 heads, K = V = 128, l2norm, initial and final state
+    import torch
+
+    import cutedsl_attn as ca
+
+    T, H = 200, 4
+    q, k, v = _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM)
+    g = torch.rand(T, H, device=_dev()) * 0.1 + 0.9
+    beta = torch.rand(T, H, device=_dev())
+    s0 = torch.randn(3, H, HEAD_DIM, HEAD_DIM, device=_dev()) * 0.01
+    cu = torch.tensor([0, 1, 65, 200], dtype=torch.int32, device=_dev())
+    return ca.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                     use_qk_l2norm_in_kernel=True)
 
 
 def _kda_prefill():
@@ -279,6 +330,24 @@ def _mla_decode():
            torch.tensor(lens, dtype=torch.int32, device=_dev()), H, 512, 64, ps, False, 1.0 / (192 ** 0.5),
            torch.bfloat16, torch.bfloat16)
     return w.run(_randn(2, H, 512), _randn(2, H, 64), ckv, kpe, return_lse=True)
+
+
+def _mla_decode_fp8():
+    # trtllm MLA: 2 requests of 2 query rows (bottom-right causal) over 100 / 300 latent tokens, 16 heads, bf16 q
+    # over an fp8 e4m3 combined [ckv | kpe] cache, page 32, pages shuffled
+    import torch
+
+    import cutedsl_attn as ca
+
+    lens, H, ps, q_len = (100, 300), 16, 32, 2
+    npages = [(n + ps - 1) // ps for n in lens]
+    total = sum(npages)
+    kv = _randn(total, ps, 576).to(torch.float8_e4m3fn)
+    table = _block_table(_indptr(npages), torch.randperm(total, device=_dev()).to(torch.int32))
+    return ca.trtllm_batch_decode_with_kv_cache_mla(
+        _randn(len(lens), q_len, H, 576), kv, _workspace(), 128, 512, 64, table,
+        torch.tensor(lens, dtype=torch.int32, device=_dev()), max(lens), bmm1_scale=0.7 / (192 ** 0.5),
+        bmm2_scale=1.5, return_lse=True)
 
 
 def _is_missing_dependency(exc: BaseException) -> bool:

@@ -270,10 +270,72 @@ def test_fp8_kv_cache_plans_and_runs(rec, q_dt):
     assert args["sm_scale"] == pytest.approx(0.5 / math.sqrt(p["d"]))
 
 
-def test_fp8_kv_cache_multirow_not_served():
-    p = problem()
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("q_dt", [BF16, FP16])
+def test_fp8_kv_cache_multirow_plans_and_runs(rec, q_dt, layout):
+    # q_len_per_req > 1 over an e4m3 cache: the portable prefill kernel with an fp8 problem; run()'s scales follow
+    # the decode wrapper's row of the scale table (sm_scale * q_scale * k_scale, output v_scale)
+    p = problem(lens=(37, 3, 300, 16), dtype=q_dt, layout=layout)
+    fp8_cache = p["cache"].to(torch.float8_e4m3fn)
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), layout, use_tensor_cores=True)
+    w.plan(*plan_args(p), q_data_type=q_dt, kv_data_type=torch.float8_e4m3fn, q_len_per_req=2, sm_scale=0.25)
+    q2 = p["q"].repeat_interleave(2, dim=0)
+    with pytest.raises(ValueError, match="dtype"):
+        w.run(q2, p["cache"])  # a 16-bit cache against an fp8 plan
+    assert rec.calls == []
+    out = w.run(q2, fp8_cache, q_scale=2.0, k_scale=0.5, v_scale=3.0)
+    assert out.shape == q2.shape and out.dtype == q_dt
+    cfg, args = rec.last
+    assert cfg.name == "prefill_portable"  # the SM90 kernel reads 16-bit K/V
+    assert cfg.problem.kv_dtype == "float8_e4m3fn" and cfg.problem.dtype == str(q_dt).replace("torch.", "")
+    assert cfg.causal and cfg.group_size == p["hq"] // p["hkv"] and cfg.page_size == p["ps"]
+    assert args["k"].dtype == torch.float8_e4m3fn and args["v"].dtype == torch.float8_e4m3fn
+    assert args["sm_scale"] == pytest.approx(0.25 * 2.0 * 0.5)
+    assert args["output_scale"] == pytest.approx(3.0)
+    assert torch.equal(out, torch.full_like(out, 3.0))  # the recorder writes output_scale
+    # without scales: the planned sm_scale, output scale 1
+    w.run(q2, fp8_cache)
+    _, args = rec.last
+    assert args["sm_scale"] == pytest.approx(0.25) and args["output_scale"] == 1.0
+
+
+def test_fp8_kv_cache_multirow_replan_to_16bit(rec):
+    # one wrapper re-planned from an fp8 cache to a 16-bit one: the second plan reads 16-bit K/V again
+    p = problem(lens=(37, 3, 300, 16))
     w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True)
-    with pytest.raises(NotImplementedError, match="q_len_per_req"):
+    w.plan(*plan_args(p), q_data_type=BF16, kv_data_type=torch.float8_e4m3fn, q_len_per_req=3)
+    q3 = p["q"].repeat_interleave(3, dim=0)
+    w.run(q3, p["cache"].to(torch.float8_e4m3fn))
+    assert rec.last[0].problem.kv_dtype == "float8_e4m3fn"
+    w.plan(*plan_args(p), q_data_type=BF16, q_len_per_req=3)
+    with pytest.raises(ValueError, match="dtype"):
+        w.run(q3, p["cache"].to(torch.float8_e4m3fn))
+    w.run(q3, p["cache"])
+    assert rec.last[0].problem.kv_dtype == "" and rec.last[1]["k"].dtype == BF16
+
+
+def test_fp8_kv_cache_multirow_cuda_graph_mode(rec):
+    # CUDA-graph mode: re-plans of the fp8 plan keep the kernel; a 16-bit cache would be another kernel, which
+    # a captured graph cannot replay (ValueError at plan time, naming what changed)
+    p = problem(lens=(37, 3, 300, 16))
+    ip, ix, lp = graph_buffers(4)
+    w = ca.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(ws(), ip, ix, lp, "NHD", use_tensor_cores=True)
+    w.plan(*plan_args(p), q_data_type=BF16, kv_data_type=torch.float8_e4m3fn, q_len_per_req=2)
+    q2 = p["q"].repeat_interleave(2, dim=0)
+    w.run(q2, p["cache"].to(torch.float8_e4m3fn), k_scale=0.5)
+    first = rec.last[0]
+    assert first.problem.kv_dtype == "float8_e4m3fn" and rec.last[1]["indices"] is ix  # the caller's buffer
+    w.plan(*plan_args(p), q_data_type=BF16, kv_data_type=torch.float8_e4m3fn, q_len_per_req=2)
+    w.run(q2, p["cache"].to(torch.float8_e4m3fn))
+    assert rec.last[0] == first
+    with pytest.raises(ValueError, match="kernel choice changed"):
+        w.plan(*plan_args(p), q_data_type=BF16, q_len_per_req=2)
+
+
+def test_fp8_kv_cache_multirow_cudnn_not_served():
+    p = problem(lens=(37, 3, 300, 16))
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True, backend="cudnn")
+    with pytest.raises(NotImplementedError, match="fp8|float8"):
         w.plan(*plan_args(p), q_data_type=BF16, kv_data_type=torch.float8_e4m3fn, q_len_per_req=2)
 
 

@@ -118,7 +118,7 @@ def test_config_defaults_and_arch():
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    (dict(op="mla"), ValueError, "op"),
+    (dict(op="attention"), ValueError, "op"),
     (dict(arch="sm_80"), ValueError, "sm_80"),
     (dict(head_dims=128), TypeError, "head_dims"),
     (dict(dtype="float32"), ValueError, "dtype"),
@@ -1059,3 +1059,84 @@ def test_score_mod_traced_into_prefill(arch, kernel):
         assert ci.resources("prefill", arch, score_mod=b1, **keys)["stack_bytes"] == 0
     else:
         assert "mma.sync.aligned.m16n8k16" in t1
+
+
+# ----------------------------------------------------------------------------- inspect ops: fp8 prefill, MLA, GDN
+def test_config_prefill_kv_dtype():
+    """``kv_dtype`` reaches the PrefillProblem: an fp8 paged cache builds the portable kernel on every arch (the SM90
+    kernel reads 16-bit K/V); the query's own dtype is the 16-bit problem (one compile key)."""
+    fp8 = ci.config("prefill", "sm_90a", page_size=16, kv_dtype="fp8")
+    assert fp8.problem.kv_dtype == "float8_e4m3fn" and not isinstance(fp8, Sm90Config)
+    assert ci.config("prefill", "sm_90a", page_size=16, kv_dtype="bfloat16") == ci.config("prefill", "sm_90a",
+                                                                                         page_size=16)
+    assert ci.config("prefill", "sm_100a", page_size=16, kv_dtype="float8_e4m3fn").problem.kv_fp8
+    with pytest.raises(NotImplementedError, match="paged"):
+        ci.config("prefill", "sm_90a", kv_dtype="fp8")  # ragged K/V
+    with pytest.raises(ValueError, match="kv_dtype"):
+        ci.config("prefill", "sm_90a", page_size=16, kv_dtype="float8_e5m2")
+
+
+def test_config_mla_and_gdn():
+    from cutedsl_attn import dispatch
+    from cutedsl_attn.planning.gdn import GdnProblem
+    from cutedsl_attn.planning.mla import MlaProblem
+    from cutedsl_attn.portable import gdn_chunked, gdn_recurrent, mla_decode
+
+    m = ci.config("mla", "blackwell")
+    assert isinstance(m, mla_decode.Config)
+    assert m.problem == MlaProblem(dtype="bfloat16", page_size=64, arch="sm_100a")
+    assert m == dispatch.mla_choice(m.problem)[1]  # dispatch's tiles
+    m8 = ci.config("mla", "sm_90a", dtype="fp8", kv_dtype="fp8", page_size=1, causal=True)
+    assert m8.problem.q_fp8 and m8.problem.kv_fp8 and (m8.problem.page_size, m8.problem.causal) == (1, True)
+    assert ci.config("mla", "sm_90a", kv_dtype="float8_e4m3fn").problem.kv_dtype == "float8_e4m3fn"
+    g = ci.config("gdn", "sm_90a")
+    assert isinstance(g, gdn_chunked.Config)  # GDN prefill: the chunked kernel
+    assert g.problem == GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, arch="sm_90a")
+    assert g == dispatch.gdn_choice(g.problem)[1]
+    assert ci.config("gdn", "sm_90a", chains=4) == dispatch.gdn_choice(g.problem, chains=4)[1]
+    for keys in (dict(decode=True), dict(state_k_major=True), dict(gate_per_channel=True), dict(num_householder=2)):
+        assert isinstance(ci.config("gdn", "sm_100a", **keys), gdn_recurrent.Config), keys
+
+
+@pytest.mark.parametrize("op,kw,exc,match", [
+    ("mla", dict(page_size=65), ValueError, "page_size"),
+    ("mla", dict(dtype="float32"), ValueError, "dtype"),
+    ("mla", dict(dtype="fp8", kv_dtype="bfloat16"), ValueError, "kv_dtype"),  # an fp8 q over 16-bit caches
+    ("mla", dict(head_dim=128), TypeError, "head_dim"),
+    ("mla", dict(causal=1), TypeError, "causal"),
+    ("gdn", dict(head_dim_k=32), ValueError, "head_dim"),
+    ("gdn", dict(gate_domain="exp"), ValueError, "gate_domain"),
+    ("gdn", dict(chains=0), ValueError, "chains"),
+    ("gdn", dict(use_qk_l2norm="yes"), TypeError, "use_qk_l2norm"),
+    ("gdn", dict(page_size=16), TypeError, "page_size"),
+])
+def test_config_mla_gdn_bad_arguments(op, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        ci.config(op, "sm_90a", **kw)
+
+
+def test_gdn_forced_kernel_refusal_is_a_value_error(monkeypatch):
+    from cutedsl_attn.dispatch import gdn
+
+    monkeypatch.setenv(gdn.GDN_KERNEL_ENV, "chunked")
+    with pytest.raises(ValueError, match="chunked"):
+        ci.config("gdn", "sm_90a", decode=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_inspect_ptx_fp8_prefill_mla_gdn(arch):
+    """The new ops cross-compile for each target: mma.sync kernels (no wgmma / tcgen05), e4m3 widened by cvt where
+    a cache is fp8, the chunked GDN module with its two entries (prep and main kernel), no local memory."""
+    texts = {
+        "prefill_fp8": ci.ptx("prefill", arch, page_size=16, causal=True, kv_dtype="fp8"),
+        "mla": ci.ptx("mla", arch),
+        "mla_fp8": ci.ptx("mla", arch, kv_dtype="fp8"),
+        "gdn": ci.ptx("gdn", arch),
+    }
+    for name, t in texts.items():
+        s = ci.instruction_summary(t)
+        assert re.search(rf"^\.target\s+{arch}\s*$", t, re.M), name
+        assert s["mma.sync"] > 0 and s["wgmma"] == s["tcgen05"] == 0, name
+        assert s["ld.local"] == s["st.local"] == 0, name
+        assert t.count(".entry") == (2 if name == "gdn" else 1), name
+        assert ("cvt.rn.f16x2.e4m3x2" in t) == name.endswith("fp8"), name

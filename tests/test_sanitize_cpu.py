@@ -147,6 +147,34 @@ def test_case_sanitizer_args():
     assert all(san.case_sanitizer_args(sm90, t) == [] for t in san.TOOLS)
 
 
+def test_cases_are_runnable_and_distinct():
+    """Every case names a problem function of the module, case names are unique, and no suppression written for
+    one case's build reaches another by its glob (the SM90 offsets and cuDNN reports stay where they belong)."""
+    names = [c.name for c in san.CASES]
+    assert len(names) == len(set(names))
+    for c in san.CASES:
+        assert callable(getattr(san, c.run, None)), c.run
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in c.env), c.name
+    for name in ("prefill_portable_multirow_fp8", "mla_decode_fp8", "gdn_prefill_chunked"):
+        assert not any(fnmatch.fnmatch(name, s.cases) for s in san.SUPPRESSIONS), name
+
+
+def test_gdn_cases_cover_both_kernels():
+    # GDN prefill picks the chunked kernel by default; the recurrent one stays in the sweep by a forced choice
+    by = {c.name: c for c in san.CASES}
+    assert dict(by["gdn_prefill"].env) == {"CUTEDSL_ATTN_GDN_KERNEL": "recurrent"}
+    assert "CUTEDSL_ATTN_GDN_KERNEL" not in dict(by["gdn_prefill_chunked"].env)
+    assert "CUTEDSL_ATTN_PREFILL_KERNEL" not in dict(by["prefill_portable_multirow_fp8"].env)  # fp8: portable always
+
+
+def test_block_table_from_csr(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(san, "_dev", lambda: torch.device("cpu"))
+    table = san._block_table(torch.tensor([0, 2, 3, 3, 6]), torch.tensor([5, 1, 4, 7, 0, 2], dtype=torch.int32))
+    assert table.dtype == torch.int32
+    assert table.tolist() == [[5, 1, 0], [4, 0, 0], [0, 0, 0], [7, 0, 2]]
+
+
 _LEAKS = """nanobind: leaked 15 instances!
  - leaked instance 0x7fa4ad0d9548 of type "cudnn._compiled_module.backend_graph"
 nanobind: leaked 176 functions!

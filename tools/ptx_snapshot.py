@@ -48,6 +48,15 @@ CONFIGS = [
     ("decode_d64_rope", "decode", SM90, dict(head_dim=64, page_size=16, group_size=4, pos_encoding_mode="ROPE_LLAMA")),
     ("decode_d256_alibi", "decode", SM90, dict(head_dim=256, page_size=64, group_size=2, pos_encoding_mode="ALIBI")),
     ("decode_d128_sm100", "decode", "sm_100a", dict(head_dim=128, page_size=16, group_size=4)),
+    ("portable_d128_paged16_fp8_causal", "prefill", SM90,
+     dict(head_dim_qk=128, group_size=4, page_size=16, causal=True, kv_dtype="float8_e4m3fn")),
+    ("mla_bf16_p64", "mla", SM90, dict()),
+    ("mla_bf16_p1_causal", "mla", SM90, dict(page_size=1, causal=True)),
+    ("mla_bf16_fp8kv_p64", "mla", SM90, dict(kv_dtype="float8_e4m3fn")),
+    ("mla_fp8_p64_sm100", "mla", "sm_100a", dict(dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn")),
+    ("gdn_chunked_k128", "gdn", SM90, dict()),
+    ("gdn_chunked_k128_l2norm_log_sm100", "gdn", "sm_100a", dict(use_qk_l2norm=True, gate_domain="log")),
+    ("gdn_chunked_k64_few_chains", "gdn", SM90, dict(head_dim_k=64, head_dim_v=64, chains=4)),
 ]
 
 

@@ -42,7 +42,7 @@ from . import _decode_cudnn
 from ._graph import FixedBuffers, pinned_if_capturing, staged_host_copies, to_device
 from ._pagetable import from_block_tables, from_csr
 from ._prefill_base import _check_lengths_hint
-from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper  # q_len_per_req > 1 plans through it
+from .prefill_paged import MultiRowDecodePrefillWrapper  # q_len_per_req > 1 plans through it (fp8 caches too)
 
 # the kernel arguments (DecodeArgs fields) in the names of FlashInfer's decode wrapper
 _ARG_NAMES = {"k": "k_cache", "v": "v_cache"}
@@ -230,9 +230,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
           window_left: inclusive left window, ``w`` keeps ``w+1`` keys; -1 disables.
           window_right: must be 0 (decode has no keys to the right).
           logits_soft_cap: ``cap*tanh(s/cap)`` on scaled logits when > 0; None/0 disables.
-          q_data_type, kv_data_type, o_data_type, data_type: fp16/bf16, all equal (kv and o
-            default to q; ``q_data_type`` defaults to float16; the deprecated ``data_type``, as in
-            FlashInfer, only fills whichever of q/kv is unset).
+          q_data_type, kv_data_type, o_data_type, data_type: fp16/bf16, all equal, or ``kv_data_type``
+            ``torch.float8_e4m3fn`` under a 16-bit q and o (an e4m3 cache, widened in the kernel, with per-tensor
+            ``k_scale`` / ``v_scale`` at ``run()``; every ``q_len_per_req``; no ``ROPE_LLAMA`` at one row per
+            request) (kv and o default to q; ``q_data_type`` defaults to float16; the deprecated ``data_type``, as
+            in FlashInfer, only fills whichever of q/kv is unset).
           sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
           rope_scale, rope_theta: RoPE parameters (defaults 1.0 and 1e4).
           block_tables, seq_lens: dense page table ``[B, max_pages]`` int32 and ``[B]`` lengths
@@ -254,8 +256,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         Raises:
           TypeError, ValueError: malformed arguments (each message names the argument).
-          NotImplementedError: fp8/mixed dtypes, head_dim, group > 16, window_right != 0, soft cap
-            together with ALIBI (q_len_per_req > 1 runs the prefill kernel, which serves
+          NotImplementedError: mixed dtypes other than an e4m3 cache, head_dim, group > 16, window_right != 0,
+            soft cap together with ALIBI (q_len_per_req > 1 runs the prefill kernel, which serves
             ROPE_LLAMA and ALIBI too); with backend="cudnn" (unless fixed_split_size / disable_split_kv
             keep the CuTe DSL kernel): RoPE, ALiBi, a soft cap, an fp8 cache, or no cudnn-frontend.
         """
@@ -356,9 +358,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                               page_size=page_size, dtype=q_dt, kv_dtype=kv_dt, window_left=window_left)
             return
         if q_len_per_req > 1:
-            if kv_dt != q_dt:
-                raise NotImplementedError(f"kv_data_type={kv_dt} with q_len_per_req > 1 is not supported (those rows "
-                                          "run the prefill kernel, which reads 16-bit caches); served: q_len_per_req=1")
             if kv_lens.numel() and int(kv_lens.min()) < q_len_per_req:
                 b = int((kv_lens < q_len_per_req).nonzero()[0])
                 raise ValueError(
@@ -478,7 +477,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def _plan_multirow(self, B, q_len, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                        page_size, block_tables, seq_lens, **plan_kw):
         """q_len_per_req > 1 (speculative / MTP verify): the prefill kernel with the query heads of a kv head
-        packed into MMA rows, bottom-right causal, as FlashInfer's tensor-core decode does."""
+        packed into MMA rows, bottom-right causal, as FlashInfer's tensor-core decode does; an fp8 e4m3 cache
+        (``plan_kw["kv_data_type"]``) on the portable prefill kernel through :class:`MultiRowDecodePrefillWrapper`,
+        whose ``run()`` takes the same ``q_scale`` / ``k_scale`` / ``v_scale`` algebra as this wrapper's."""
         qo_indptr = torch.arange(B + 1, dtype=torch.int32) * q_len
         if self._multirow is None:
             gbuf = {}
@@ -486,8 +487,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 gbuf = dict(qo_indptr_buf=torch.empty(B + 1, dtype=torch.int32, device=self.device),
                             paged_kv_indptr_buf=self._indptr_buf, paged_kv_indices_buf=self._indices_buf,
                             paged_kv_last_page_len_buf=self._last_page_len_buf)
-            self._multirow = BatchPrefillWithPagedKVCacheWrapper(self._workspace, self._kv_layout,
-                                                                 use_cuda_graph=self._use_cuda_graph, **gbuf)
+            self._multirow = MultiRowDecodePrefillWrapper(self._workspace, self._kv_layout, backend="cute",
+                                                          use_cuda_graph=self._use_cuda_graph, **gbuf)
         self._multirow.plan(to_device(qo_indptr, self.device, True), indptr, indices, last_page_len, num_qo_heads,
                             num_kv_heads, head_dim, page_size, block_tables=block_tables, seq_lens=seq_lens,
                             **plan_kw)
