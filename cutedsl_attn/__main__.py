@@ -22,13 +22,16 @@ import sys
 
 
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("op", choices=["decode", "prefill"],
+    p.add_argument("op", choices=["decode", "prefill", "mla", "gdn"],
                    help="kernel family (decode: the paged-decode kernel; prefill: the prefill kernel dispatch picks "
-                        "for --arch, see --kernel)")
+                        "for --arch, see --kernel; mla: the portable MLA decode kernel; gdn: the GDN prefill kernel "
+                        "dispatch picks, chunked)")
     p.add_argument("--arch", default=os.environ.get("CUTEDSL_ATTN_ARCH") or "sm_90a",
                    help="target architecture: sm_90a, sm_100a, sm_103a, hopper, blackwell (default: "
                         "$CUTEDSL_ATTN_ARCH when set, else sm_90a)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float16")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float16 (mla: also fp8)")
+    p.add_argument("--kv-dtype", default=None,
+                   help="prefill / mla: the cache dtype, fp8 (float8_e4m3fn) or the q dtype (default)")
     p.add_argument("--head-dim", type=int, default=128,
                    help="decode: 32, 64, 128 (default) or 256; prefill: head_dim_qk 32/64/128/192/256")
     p.add_argument("--head-dim-vo", type=int, default=None,
@@ -72,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _kernel_config(args) -> dict:
+    if args.op in ("mla", "gdn"):
+        if args.num_warps or args.num_stages or args.kernel or args.head_dim_vo or args.window:
+            raise ValueError(f"{args.op}: --num-warps, --num-stages, --kernel, --head-dim-vo and --window apply to "
+                             "decode / prefill only")
+        if args.op == "mla":
+            return dict(dtype=args.dtype, kv_dtype=args.kv_dtype or "",
+                        page_size=64 if args.page_size is None else args.page_size, causal=args.causal)
+        return dict(dtype=args.dtype, head_dim_k=args.head_dim, head_dim_v=args.head_dim)
     if args.op == "prefill":
         if args.num_warps or args.num_stages:
             raise ValueError("prefill: --num-warps and --num-stages apply to decode only; the prefill kernels' tiles "
@@ -82,10 +93,11 @@ def _kernel_config(args) -> dict:
             head_dim_vo=args.head_dim_vo or (128 if args.head_dim == 192 else args.head_dim), group_size=args.group_size,
             page_size=args.page_size or 0, causal=args.causal, use_window=args.window,
             use_soft_cap=args.soft_cap, use_sinks=args.sinks, use_custom_mask=args.custom_mask,
-            pos_encoding_mode=args.pos_encoding_mode, kernel=args.kernel or "auto",
+            pos_encoding_mode=args.pos_encoding_mode, kernel=args.kernel or "auto", kv_dtype=args.kv_dtype or "",
         )
-    if args.head_dim_vo or args.causal or args.window or args.custom_mask or args.kernel:
-        raise ValueError("decode: --head-dim-vo, --causal, --window, --custom-mask and --kernel apply to prefill only")
+    if args.head_dim_vo or args.causal or args.window or args.custom_mask or args.kernel or args.kv_dtype:
+        raise ValueError("decode: --head-dim-vo, --causal, --window, --custom-mask, --kernel and --kv-dtype apply to "
+                         "prefill / mla only")
     return dict(
         dtype=args.dtype, head_dim=args.head_dim, page_size=16 if args.page_size is None else args.page_size,
         group_size=args.group_size,

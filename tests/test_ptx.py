@@ -256,7 +256,11 @@ def test_cli_help_and_errors():
     assert "ptx" in h and "demo" in h
     assert main(["ptx", "decode", "--head-dim", "48"]) == 2  # bad config: clear error, no traceback
     with pytest.raises(SystemExit):
-        main(["ptx", "mla"])
+        main(["ptx", "attention"])  # not a kernel family
+    assert main(["ptx", "mla", "--num-warps", "4"]) == 2  # decode-only flag on mla
+    assert main(["ptx", "gdn", "--window"]) == 2
+    assert main(["ptx", "gdn", "--head-dim", "64", "--summary"]) == 0
+    assert main(["ptx", "mla", "--dtype", "fp8", "--kv-dtype", "fp8", "--summary"]) == 0
     assert main(["ptx", "prefill", "--num-warps", "8"]) == 2  # decode-only flag on prefill
     assert main(["ptx", "decode", "--causal"]) == 2  # prefill-only flag on decode
     assert main(["ptx", "decode", "--head-dim", "32", "--group-size", "1", "--summary"]) == 0
