@@ -23,9 +23,10 @@ import torch
 from . import ref
 from .compile import selfcheck as _verdicts
 from .compile.selfcheck import Verdict
+from .planning.decode import DecodeArgs, plan_paged_decode
 from .planning.prefill import PrefillArgs, plan_prefill
 
-__all__ = ["LSE_TOL", "TOL", "admit_prefill", "check_prefill", "compare"]
+__all__ = ["LSE_TOL", "TOL", "admit_decode", "admit_prefill", "check_decode", "check_prefill", "compare"]
 
 #: relative Frobenius error of O against the float64 oracle, by dtype name
 TOL = {"bfloat16": 1e-2, "float16": 4e-3}
@@ -165,4 +166,113 @@ def admit_prefill(candidate, reference) -> bool:
     portable kernel's choice of the same problem) as the check; ``reference`` None: no device to check on (a
     known verdict only)."""
     check = None if reference is None else (lambda: check_prefill(candidate, reference))
+    return _verdicts.admitted(candidate.name, candidate.cfg, check)
+
+
+# ----------------------------------------------------------------------------- decode
+#: the decode check's KV lengths: several 128-token blocks with a tail, one token, an empty request, one block
+#: and a row past it, a long request that the fixed split cuts into pieces
+_DEC_KV_LENS = (300, 1, 0, 129, 700)
+_DEC_SPLIT_TOKENS = 96  # the split launch's piece: the merge joins 300 / 129 / 700 tokens from 4 / 2 / 8 pieces
+_DEC_SPARE_PAGES = 3
+
+
+def _decode_refusal(problem) -> str | None:
+    if problem.use_soft_cap or problem.pos_encoding_mode != "NONE":
+        return "the decode self-check builds problems without soft caps and positional encodings"
+    if problem.dtype not in TOL:
+        return f"the decode self-check covers bfloat16 / float16, got {problem.dtype!r}"
+    return None
+
+
+def check_decode(candidate, reference, *, seed: int = 0, device=None, timings: dict | None = None) -> Verdict:
+    """A paged decode batch (two kv heads, the KV lengths of ``_DEC_KV_LENS`` on shuffled pages of the problem's
+    page size, NaN in spare pages and in the slots past each request, outputs poisoned with NaN, an output scale
+    of 0.75, random sinks when the problem has them, an fp8 cache when it is one) through ``candidate`` and
+    ``reference`` (decode kernel choices of one problem; ``reference`` the portable kernel), each launched twice:
+    one work item per request and a fixed split of ``_DEC_SPLIT_TOKENS`` tokens (the in-launch merge); both
+    compared with the float64 oracle on the cache as stored (:func:`compare`), and the split counters must be 0
+    again.  Returns a :class:`Verdict` as :func:`check_prefill`; raises as it (the refusals: soft caps and
+    positional encodings).  ``timings``: ``candidate_us`` of the unsplit launch."""
+    problem = candidate.problem
+    if reference.problem != problem:
+        raise ValueError(f"candidate and reference must serve one problem, got {problem!r} and {reference.problem!r}")
+    reason = _decode_refusal(problem)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    t0 = time.perf_counter()
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    tdt, ps, hkv, d = _DTYPES[problem.dtype], problem.page_size, _NUM_KV_HEADS, problem.head_dim
+    hq = hkv * problem.group_size
+    kv_dt = torch.float8_e4m3fn if problem.kv_fp8 else tdt
+    g = torch.Generator().manual_seed(seed)
+    npages = [-(-n // ps) for n in _DEC_KV_LENS]
+    used = sum(npages)
+    pages = used + _DEC_SPARE_PAGES
+    indices = torch.randperm(pages, generator=g)[:used].to(torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(npages).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * ps if p else 0 for n, p in zip(_DEC_KV_LENS, npages)], dtype=torch.int32)
+    k = torch.randn(pages, ps, hkv, d, generator=g).to(kv_dt)
+    v = torch.randn(pages, ps, hkv, d, generator=g).to(kv_dt)
+    q = torch.randn(len(_DEC_KV_LENS), hq, d, generator=g).to(tdt)
+    sinks = (torch.randn(hq, generator=g) * 2).float() if problem.use_sinks else None
+    sm_scale = d ** -0.5
+    o_ref, lse_ref = ref.paged_decode(q, k.float(), v.float(), indptr, indices, last, sm_scale=sm_scale,
+                                      sinks=sinks)
+    o_ref = o_ref * _OUTPUT_SCALE
+    live = torch.zeros(pages, ps, dtype=torch.bool)  # NaN wherever no request's token lives
+    for b, n in enumerate(_DEC_KV_LENS):
+        for t in range(n):
+            live[indices[indptr[b] + t // ps], t % ps] = True
+    for x in (k, v):  # through a byte view: e4m3's NaN is 0x7f (torch has no masked fill for fp8)
+        if problem.kv_fp8:
+            x.view(torch.uint8)[~live] = 0x7F
+        else:
+            x[~live] = float("nan")
+    q_d, k_d, v_d, idx_d = q.to(dev), k.to(dev), v.to(dev), indices.to(dev)
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    sinks_d = dummy if sinks is None else sinks.to(dev)
+    kv_lens = torch.tensor(_DEC_KV_LENS)
+
+    def run(choice, split):
+        wp = plan_paged_decode(kv_lens, indptr[:-1], num_kv_heads=hkv, page_size=ps, disable_split_kv=not split,
+                               fixed_split_tokens=_DEC_SPLIT_TOKENS if split else None,
+                               max_splits_per_request=choice.cfg.max_splits_per_request)
+        out = torch.full((len(_DEC_KV_LENS), hq, d), float("nan"), dtype=tdt, device=dev)
+        lse = torch.full((len(_DEC_KV_LENS), hq), float("nan"), dtype=torch.float32, device=dev)
+        n_part = max(1, wp.num_partials)
+        counters = torch.zeros(len(_DEC_KV_LENS) * hkv, dtype=torch.int32, device=dev)
+        args = DecodeArgs(q_d, k_d, v_d, idx_d, wp.work.to(dev), out, lse,
+                          torch.empty(n_part, hq, d, dtype=torch.float32, device=dev),
+                          torch.empty(n_part, hq, dtype=torch.float32, device=dev), counters, sinks_d, dummy,
+                          sm_scale, 0.0, 1.0, 0.0, _OUTPUT_SCALE)
+        choice.launch(args)
+        torch.cuda.synchronize(dev)
+        err, why = compare(out, lse, o_ref, lse_ref, TOL[problem.dtype])
+        if why is None and (counters != 0).any():
+            why = "the split-KV counters are not 0 after the launch"
+        return err, why, args
+
+    ref_err, ref_reason = None, None
+    for split in (False, True):
+        e, why, _ = run(reference, split)
+        ref_err = e if ref_err is None else max(ref_err, e or 0.0)
+        ref_reason = ref_reason or (None if why is None else f"{'split' if split else 'unsplit'}: {why}")
+    err, reason, cand_args = run(candidate, False)
+    if reason is None:
+        e2, why2, _ = run(candidate, True)
+        err, reason = max(err or 0.0, e2 or 0.0), None if why2 is None else f"split-KV: {why2}"
+    if timings is not None:
+        timings["candidate_us"] = _median_call_us(lambda: candidate.launch(cand_args))
+    detail = "matches the oracle (unsplit and split-KV)" if reason is None else reason
+    if ref_reason is not None:
+        detail += f" (the portable kernel also misses the oracle: {ref_reason})"
+    return Verdict(passed=reason is None, detail=detail, candidate_err=err, reference_err=ref_err,
+                   tolerance=TOL[problem.dtype], seconds=time.perf_counter() - t0,
+                   device=torch.cuda.get_device_name(dev))
+
+
+def admit_decode(candidate, reference) -> bool:
+    """:func:`admit_prefill` for a decode kernel choice, with :func:`check_decode` as the check."""
+    check = None if reference is None else (lambda: check_decode(candidate, reference))
     return _verdicts.admitted(candidate.name, candidate.cfg, check)

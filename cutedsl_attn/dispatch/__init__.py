@@ -5,7 +5,8 @@
 (:func:`prefill_choice`, :func:`decode_choice`), build the family's launch arguments
 (``PrefillArgs`` / ``DecodeArgs`` of ``cutedsl_attn.planning``) and call :meth:`KernelChoice.launch`.
 
-Decode runs the portable SM80-class kernel (``cutedsl_attn.portable.paged_decode``) on every arch.
+Decode on SM100 / SM103 runs the tcgen05 kernel (``cutedsl_attn.sm100.decode``) where it applies and has passed
+its first-use self-check, the portable SM80-class kernel (``cutedsl_attn.portable.paged_decode``) elsewhere.
 Prefill on SM90 runs the TMA + wgmma kernel (``cutedsl_attn.sm90.prefill``) where it applies, on SM100 / SM103
 the tcgen05 kernel (``cutedsl_attn.sm100.prefill``) where it applies and has passed its first-use self-check
 (``cutedsl_attn.selfcheck``), and the portable kernel (``cutedsl_attn.portable.prefill``) elsewhere.
@@ -35,6 +36,7 @@ from ..portable import mla_decode as _mla_portable
 from ..portable import paged_decode as _paged_decode
 from ..portable import prefill as _prefill_portable
 from ..sm90 import prefill as _prefill_sm90
+from ..sm100 import decode as _decode_sm100
 from ..sm100 import prefill as _prefill_sm100
 
 __all__ = [
@@ -67,6 +69,7 @@ KERNEL_MODULES = {
     "prefill_portable": _prefill_portable,
     "prefill_sm100": _prefill_sm100,
     "paged_decode": _paged_decode,
+    "paged_decode_sm100": _decode_sm100,
     "gdn_recurrent": _rec,
     "gdn_chunked": _gdn_chunked,
     "mla_decode_portable": _mla_portable,
@@ -74,6 +77,7 @@ KERNEL_MODULES = {
 
 PREFILL_KERNEL_ENV = "CUTEDSL_ATTN_PREFILL_KERNEL"
 PREFILL_TUNE_ENV = "CUTEDSL_ATTN_PREFILL_TUNE"
+DECODE_KERNEL_ENV = "CUTEDSL_ATTN_DECODE_KERNEL"
 DECODE_TUNE_ENV = "CUTEDSL_ATTN_DECODE_TUNE"
 DECODE_MIN_WAVES_ENV = "CUTEDSL_ATTN_DECODE_MIN_WAVES"
 
@@ -349,20 +353,22 @@ def _prefill_op(name: str, mutates: tuple[str, ...]):
     return op
 
 
-@torch.library.custom_op("cutedsl_attn::paged_decode", mutates_args=("out", "lse", "part_o", "part_lse", "counters"))
-def _paged_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, work: torch.Tensor,
-                     out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
-                     counters: torch.Tensor, sinks: torch.Tensor, alibi_slopes: torch.Tensor, sm_scale: float,
-                     soft_cap: float, rope_rcp_scale: float, rope_log2_theta: float, output_scale: float,
-                     key: str) -> None:
-    _launch_by_key(key, DecodeArgs(q, k, v, indices, work, out, lse, part_o, part_lse, counters, sinks, alibi_slopes,
-                                   sm_scale, soft_cap, rope_rcp_scale, rope_log2_theta, output_scale))
+def _decode_op(name: str):
+    @torch.library.custom_op(f"cutedsl_attn::{name}", mutates_args=("out", "lse", "part_o", "part_lse", "counters"))
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor, work: torch.Tensor,
+           out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, counters: torch.Tensor,
+           sinks: torch.Tensor, alibi_slopes: torch.Tensor, sm_scale: float, soft_cap: float, rope_rcp_scale: float,
+           rope_log2_theta: float, output_scale: float, key: str) -> None:
+        _launch_by_key(key, DecodeArgs(q, k, v, indices, work, out, lse, part_o, part_lse, counters, sinks,
+                                       alibi_slopes, sm_scale, soft_cap, rope_rcp_scale, rope_log2_theta,
+                                       output_scale))
 
+    @op.register_fake
+    def _(q, k, v, indices, work, out, lse, part_o, part_lse, counters, sinks, alibi_slopes, sm_scale, soft_cap,
+          rope_rcp_scale, rope_log2_theta, output_scale, key) -> None:
+        return None
 
-@_paged_decode_op.register_fake
-def _(q, k, v, indices, work, out, lse, part_o, part_lse, counters, sinks, alibi_slopes, sm_scale, soft_cap,
-      rope_rcp_scale, rope_log2_theta, output_scale, key) -> None:
-    return None
+    return op
 
 
 _OPS = {
@@ -370,7 +376,8 @@ _OPS = {
     "prefill_sm90": _prefill_op("prefill_sm90", ("out", "lse", "work")),
     "prefill_portable": _prefill_op("prefill_portable", ("out", "lse")),
     "prefill_sm100": _prefill_op("prefill_sm100", ("out", "lse")),
-    "paged_decode": _paged_decode_op,
+    "paged_decode": _decode_op("paged_decode"),
+    "paged_decode_sm100": _decode_op("paged_decode_sm100"),
 }
 
 
@@ -549,14 +556,17 @@ def _portable_choice(problem: PrefillProblem) -> KernelChoice:
     return KernelChoice(m, problem, m.default_tiles(problem, num_sms=num_sms()))
 
 
-def _first_use_passed(choice: KernelChoice) -> bool:
-    """The SM100 choice and its sinks twin pass the first-use self-check (checked here only on a GPU of the
-    problem's arch, outside CUDA-graph capture; elsewhere only a known verdict admits it)."""
+def _first_use_passed(choice: KernelChoice, admit=None, portable=None) -> bool:
+    """The SM100 choice and its sinks twin pass the first-use self-check (``admit``: the family's
+    ``selfcheck.admit_*``, ``portable``: problem -> the portable kernel's choice; prefill's by default; checked
+    here only on a GPU of the problem's arch, outside CUDA-graph capture; elsewhere only a known verdict admits
+    it)."""
     if not _verdicts.enabled():
         return True
+    admit = admit or _selfcheck.admit_prefill
+    portable = portable or _portable_choice
     here = device_arch() == choice.problem.arch and not torch.cuda.is_current_stream_capturing()
-    return all(_selfcheck.admit_prefill(c, _portable_choice(c.problem) if here else None)
-               for c in (choice, choice.with_sinks()))
+    return all(admit(c, portable(c.problem) if here else None) for c in (choice, choice.with_sinks()))
 
 
 # ----------------------------------------------------------------------------- decode
@@ -571,21 +581,47 @@ def decode_problem(*, dtype, head_dim: int, page_size: int, group_size: int, pos
                          kv_dtype=_dtype_name(kv_dtype), arch=arch or target_arch())
 
 
-def decode_choice(problem: DecodeProblem, *, split: bool = False) -> KernelChoice:
+def decode_choice(problem: DecodeProblem, *, split: bool = False, kernel: str = "auto") -> KernelChoice:
     """The paged-decode kernel and tiles for ``problem``; ``split``: the plan splits requests (split-KV).
 
+    ``kernel``: ``"auto"`` (the choice below), ``"portable"`` (always the portable kernel), ``"sm100"`` (the
+    tcgen05 kernel wherever it applies, unchecked, whatever ``CUTEDSL_ATTN_DECODE_KERNEL`` says; the portable
+    kernel where it does not -- callers check ``.name``).  On SM100 / SM103 the tcgen05 kernel
+    (``cutedsl_attn.sm100.decode``) serves the problems it accepts once it and its sinks twin pass the first-use
+    self-check on this GPU (:func:`cutedsl_attn.selfcheck.admit_decode`); never without a GPU of the problem's
+    arch unless the check is off (``CUTEDSL_ATTN_SELFCHECK=0``) or the configuration is verified.  Everything
+    else runs the portable kernel.  ``CUTEDSL_ATTN_DECODE_KERNEL=portable`` forces the portable kernel.
     ``CUTEDSL_ATTN_DECODE_TUNE`` (``"key=value,..."`` or ``"warps,stages"``, tuning experiments) overrides the
-    default tiles.  Raises ValueError naming the variable for an item it cannot parse or the kernel refuses;
-    NotImplementedError when the kernel does not serve the problem."""
-    memo = ("decode", problem, split, os.environ.get(DECODE_TUNE_ENV), num_sms())
+    portable kernel's default tiles (and keeps that kernel).  Raises ValueError for ``kernel`` outside the three
+    names, for ``CUTEDSL_ATTN_DECODE_KERNEL`` other than ``auto`` / ``portable``, naming the variable for a tuning
+    item it cannot parse or the kernel refuses; NotImplementedError when no kernel serves the problem."""
+    if kernel not in ("auto", "portable", "sm100"):
+        raise ValueError(f"kernel must be 'auto', 'portable' or 'sm100', got {kernel!r}")
+    env = tuple(os.environ.get(v) for v in (DECODE_KERNEL_ENV, DECODE_TUNE_ENV, _verdicts.SELFCHECK_ENV))
+    memo = ("decode", problem, split, kernel, env, num_sms())
     c = _CHOICES.get(memo)
     if c is None:
-        c = _decode_choice(problem, split)
+        c = _decode_choice(problem, split, kernel)
         _remember(memo, c)
     return c
 
 
-def _decode_choice(problem: DecodeProblem, split: bool) -> KernelChoice:
+def _decode_choice(problem: DecodeProblem, split: bool, kernel: str) -> KernelChoice:
+    env_kernel = os.environ.get(DECODE_KERNEL_ENV, "auto") or "auto"
+    if env_kernel not in ("auto", "portable"):
+        raise ValueError(f"{DECODE_KERNEL_ENV} must be 'auto' or 'portable', got {env_kernel!r}")
+    if kernel == "auto" and (env_kernel == "portable" or os.environ.get(DECODE_TUNE_ENV, "").strip()):
+        kernel = "portable"  # a tuning hook names the portable kernel's fields: it keeps that kernel
+    if kernel in ("auto", "sm100") and _decode_sm100.unsupported_reason(problem) is None:
+        m = _decode_sm100
+        c = KernelChoice(m, problem, m.default_tiles(problem, num_sms=num_sms(), split=split))
+        if kernel == "sm100" or _first_use_passed(c, _selfcheck.admit_decode,
+                                                   lambda p: _portable_decode_choice(p, split)):
+            return c
+    return _portable_decode_choice(problem, split)
+
+
+def _portable_decode_choice(problem: DecodeProblem, split: bool) -> KernelChoice:
     m = _paged_decode
     reason = m.unsupported_reason(problem)
     if reason is not None:
