@@ -64,8 +64,9 @@ def test_unsupported_and_config():
         assert cfg.kv_cutlass_dtype.__name__ == "Float8E4M3FN" and cfg.mma_dtype.__name__ == "Float16"
         base = pd.Config(DecodeProblem("bfloat16", d, 16, 4), pd.Tiles())
         assert base.row_bytes == base.q_row_bytes == 2 * d + 16 and base.mma_dtype.__name__ == "BFloat16"
-    # fp8 tiles keep the 16-bit rows' bytes in flight; the 16-bit defaults are unchanged
-    assert pd.default_tiles(_problem(), num_sms=132) == pd.Tiles(4, 5)
+    # fp8 tiles (measured): 2 stages unsplit, 3 split (and at head_dim 256); the 16-bit defaults are unchanged
+    assert pd.default_tiles(_problem(), num_sms=132) == pd.Tiles(4, 2)
+    assert pd.default_tiles(_problem(), num_sms=132, split=True) == pd.Tiles(8, 3)
     assert pd.default_tiles(_problem(head_dim=256), num_sms=132) == pd.Tiles(4, 3)
     assert pd.default_tiles(DecodeProblem("bfloat16", 128, 16, 4), num_sms=132) == pd.Tiles(4, 3)
     for d in (64, 128, 256):

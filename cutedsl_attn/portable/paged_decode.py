@@ -219,13 +219,15 @@ def default_tiles(problem: DecodeProblem, *, num_sms: int, split: bool = False) 
     otherwise                       3 stages: (4, 3) and (8, 3) within 1-3% of each other, (2, 4) slowest
     split, head_dim <= 128          8 warps: with split-KV 12-16% faster than 4 on (1, 8192), equal elsewhere
     otherwise                       4 warps
-    fp8 K/V                         2 s - 1 stages (s: the 16-bit row's): the same bytes in flight (not tuned)
+    fp8 K/V, head_dim <= 128        2 stages unsplit, 3 split: 10-17% faster than 5 on (64, 4096), (128, 8192)
+                                    and (1, 8192); same output (perf/RESULTS.md, "Decode")
+    fp8 K/V, head_dim 256           3 stages (not measured)
     ==============================  ==========================================================================
     """
     num_stages = 2 if problem.head_dim >= 256 else 3
     num_warps = 8 if split and problem.head_dim <= 128 else 4
     if problem.kv_fp8:
-        num_stages = 2 * num_stages - 1
+        num_stages = 3 if (split or problem.head_dim >= 256) else 2
     return Tiles(num_warps=num_warps, num_stages=num_stages)
 
 
