@@ -225,7 +225,7 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
             :func:`cutedsl_attn.api.cudnn_linear.cudnn_chunk_gated_delta_rule`, which refuses state checkpoints,
             ``state_indices``, ``use_cp=True`` and ``_cp_chunk_len`` (NotImplementedError, before any call).
             FlashInfer's ``"flashinfer"`` and ``"cake_gdn"`` are not served (NotImplementedError).
-        max_seqlen: None or an int in ``[ceil(T / N), T]`` (unused by the recurrent kernel).
+        max_seqlen: None or an int in ``[ceil(T / N), T]`` (checked; the kernels plan from ``cu_seqlens``).
         gate_domain: keyword-only, ``"linear"`` (FlashInfer) or ``"log"`` (fla).
 
     ``output`` and ``output_state`` must not overlap q, k, v, g, beta (nor ``output`` the states): the kernel
