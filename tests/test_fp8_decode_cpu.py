@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from cutedsl_attn.compile.fake import decode_tensors
 from cutedsl_attn.compile.keys import config_key
-from cutedsl_attn.planning.decode import DecodeProblem
+from cutedsl_attn.planning.decode import WORK_COLS, DecodeProblem
 from cutedsl_attn.portable import paged_decode as pd
 from cutedsl_attn import ref
 from cutedsl_attn.ref.paged import dequantize_kv_cache, paged_kv_to_contiguous
@@ -75,7 +76,7 @@ def test_unsupported_and_config():
 
 
 def test_fake_tensors_fp8():
-    q, k, v = pd.fake_tensors(pd.Config(_problem(), pd.Tiles()))[:3]
+    q, k, v = decode_tensors(pd.Config(_problem(), pd.Tiles()), WORK_COLS)[:3]
     assert q.element_type.__name__ == "BFloat16"
     assert k.element_type.__name__ == "Float8E4M3FN" and v.element_type.__name__ == "Float8E4M3FN"
 

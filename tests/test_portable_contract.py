@@ -15,7 +15,8 @@ import tempfile
 import pytest
 
 from cutedsl_attn.compile import SUPPORTED_ARCHS, config_key
-from cutedsl_attn.planning.decode import DecodeArgs, DecodeProblem
+from cutedsl_attn.compile.fake import decode_tensors
+from cutedsl_attn.planning.decode import WORK_COLS, DecodeArgs, DecodeProblem
 from cutedsl_attn.planning.prefill import PrefillArgs, PrefillProblem
 from cutedsl_attn.portable import paged_decode as pd
 from cutedsl_attn.portable import prefill as pf
@@ -281,7 +282,7 @@ def test_compile_keeps_cubin():
 
 
 def test_decode_fake_tensors():
-    t = pd.fake_tensors(_pd_cfg(page_size=64))
+    t = decode_tensors(_pd_cfg(page_size=64), WORK_COLS)
     assert len(t) == 12
     assert t[1].shape[1] == 64 and t[1].shape[3] == 128  # k [pages, page_size, Hkv, head_dim]: static dims
 

@@ -297,7 +297,7 @@ def test_tmem_plan_regions_disjoint_aligned_and_within_512():
     for d in (64, 128):
         plan = K.tmem_plan(d)
         assert set(plan) == {"S0", "S1", "O"}
-        from cutedsl_attn.sm100.prefill.config import tmem_plan_reason
+        from cutedsl_attn.common.tcgen05 import tmem_plan_reason
 
         assert tmem_plan_reason(plan) is None
         spans = sorted((a, a + n) for a, n in plan.values())

@@ -12,7 +12,6 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 
-
 def prefill_tensors(cfg, work_cols: int) -> tuple:
     """``(q, k, v, indices, work, o, lse, mask, sinks)`` for a prefill problem (``cfg``: anything with the fields of
     :class:`cutedsl_attn.planning.prefill.PrefillProblem` and a ``cutlass_dtype``; a ``kv_cutlass_dtype``, where
@@ -58,6 +57,50 @@ def prefill_tensors(cfg, work_cols: int) -> tuple:
     mask = make_fake_compact_tensor(cutlass.Uint8, (NB,), assumed_align=1)
     sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
     return q, k, v, idx, work, o, lse, mask, sinks
+
+
+
+def decode_tensors(cfg, work_cols: int) -> tuple:
+    """``(q, k, v, indices, work, o, lse, part_o, part_lse, counters, sinks, alibi_slopes)`` for a paged decode
+    problem (``cfg``: anything with a ``problem`` holding the fields of
+    :class:`cutedsl_attn.planning.decode.DecodeProblem`, a ``cutlass_dtype`` typing q and o and a
+    ``kv_cutlass_dtype`` typing k and v; the decode kernels' ``Config``).
+
+    q ``[batch, Hq, head_dim]``; k/v ``[pages, page_size, Hkv, head_dim]`` (NHD or HND through the strides);
+    strides in elements of 16-byte chunks (8 elements, 16 for an fp8 cache), last dims contiguous; indices int32
+    page ids; work ``[W, work_cols]`` int32 (:mod:`cutedsl_attn.planning.decode`'s ``WORK_COLS``); o
+    ``[batch, Hq, head_dim]`` and lse ``[batch, Hq]`` fp32, contiguous; part_o ``[parts, Hq, head_dim]`` and
+    part_lse ``[parts, Hq]`` fp32, contiguous; counters int32; sinks and alibi_slopes fp32 ``[Hq]``.  Every size
+    is symbolic except ``page_size`` and ``head_dim``.
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+    dt = cfg.cutlass_dtype
+    kv_dt = cfg.kv_cutlass_dtype  # torch.float8_e4m3fn reaches tvm-ffi as DLPack float8_e4m3fn: no uint8 view
+    kv_div = 128 // kv_dt.width  # elements of a 16-byte chunk
+    D = cfg.problem.head_dim
+    PS = cfg.problem.page_size
+
+    def sym():
+        return cute.sym_int()
+
+    def s64(div=1):
+        return cute.sym_int64(divisibility=div)
+
+    B, Hq, P, Hkv, NNZ, W, NP, NC = (sym() for _ in range(8))
+    q = make_fake_tensor(dt, (B, Hq, D), (s64(8), s64(8), 1), assumed_align=16)
+    k = make_fake_tensor(kv_dt, (P, PS, Hkv, D), (s64(kv_div), s64(kv_div), s64(kv_div), 1), assumed_align=16)
+    v = make_fake_tensor(kv_dt, (P, PS, Hkv, D), (s64(kv_div), s64(kv_div), s64(kv_div), 1), assumed_align=16)
+    idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
+    work = make_fake_compact_tensor(Int32, (W, work_cols), stride_order=(1, 0), assumed_align=16)
+    o = make_fake_compact_tensor(dt, (B, Hq, D), stride_order=(2, 1, 0), assumed_align=16)
+    lse = make_fake_compact_tensor(Float32, (B, Hq), stride_order=(1, 0), assumed_align=4)
+    po = make_fake_compact_tensor(Float32, (NP, Hq, D), stride_order=(2, 1, 0), assumed_align=16)
+    plse = make_fake_compact_tensor(Float32, (NP, Hq), stride_order=(1, 0), assumed_align=4)
+    cnt = make_fake_compact_tensor(Int32, (NC,), assumed_align=4)
+    sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
+    alibi = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
+    return q, k, v, idx, work, o, lse, po, plse, cnt, sinks, alibi
 
 
 def vector_f32():

@@ -1,6 +1,7 @@
 """The merges of the paged decode kernel (:mod:`cutedsl_attn.portable.paged_decode`): its warps' (m, l, O)
 states through shared memory, then, for a request split across work items (split-KV), the partials of every
-item by the last CTA of (request, kv head) to finish.
+item by the last CTA of (request, kv head) to finish (:func:`cutedsl_attn.common.splitkv.merge_splits`, shared
+with the SM100 decode kernel).
 
 Device code only, traced as methods of :class:`~cutedsl_attn.portable.paged_decode.PagedDecodeKernel` (which
 derives from :class:`DecodeMerge`).  Shared memory: per (warp, row) fp32 ``m``, ``l`` and merge weights
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64, const_expr
+from cutlass import Float32, const_expr
 
 from ..common import ptx, splitkv
 from ..common.constants import LOG2E, NEG_INF
@@ -101,69 +102,10 @@ class DecodeMerge:
             else:
                 mPO[part, head0 + r, d] = o
 
-    @cute.jit
     def _merge_splits(self, mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sBuf, b, kvh, num_kv_heads, part0,
                       n_splits, head0, output_scale, tidx):
-        """Split-KV: the last CTA of (request, kv head) to finish merges all partials and writes O times
-        ``output_scale``."""
-        D, G, NT = self.D, self.G, self.NT
-        hq_total = mO.shape[1]
-        is_last, cnt_addr = splitkv.last_to_arrive(mCnt, b, num_kv_heads, kvh, n_splits, sFlag, tidx)
-        if is_last:
-            ptx.fence_gpu()
-            plse_base = mPLSE.iterator.toint()
-            po_base = mPO.iterator.toint()
-            n_lse = n_splits * G
-            # (1) every partial LSE of the group -> smem, all threads, independent loads
-            for e in cutlass.range((n_lse + NT - 1 - tidx) // NT, unroll=4):
-                li = tidx + e * NT
-                ptx.st_shared_f32(sBuf + li * 4, ptx.ld_global_cg_f32(
-                    plse_base + (Int64(part0 + li // G) * hq_total + head0 + li % G) * 4))
-            cute.arch.sync_threads()
-            # (2) per row: max, denominator (with the sink), LSE
-            if tidx < G:
-                big_m = Float32(NEG_INF)
-                for p in cutlass.range(n_splits, unroll=4):
-                    big_m = cute.arch.fmax(big_m, ptx.ld_shared_f32(sBuf + (p * G + tidx) * 4))
-                sink_l2 = Float32(NEG_INF)
-                if const_expr(self.problem.use_sinks):
-                    sink_l2 = mSinks[head0 + tidx] * LOG2E
-                m_all = cute.arch.fmax(big_m, sink_l2)
-                m_use = Float32(cutlass.select_(m_all == Float32(NEG_INF), Float32(0.0), m_all))
-                tot = ptx.ex2(sink_l2 - m_use)
-                for p in cutlass.range(n_splits, unroll=4):
-                    tot = tot + ptx.ex2(ptx.ld_shared_f32(sBuf + (p * G + tidx) * 4) - m_use)
-                inv = Float32(cutlass.select_(tot > Float32(0.0), ptx.rcp(tot), Float32(0.0)))
-                ptx.st_shared_f32(sRow + tidx * 8, m_use)
-                ptx.st_shared_f32(sRow + tidx * 8 + 4, inv * output_scale)  # the scale joins the merge weights
-                mLSE[b, head0 + tidx] = Float32(cutlass.select_(tot > Float32(0.0), m_use + ptx.lg2(tot), Float32(NEG_INF)))
-            cute.arch.sync_threads()
-            # (3) LSE -> merge weights in place
-            for e in cutlass.range((n_lse + NT - 1 - tidx) // NT, unroll=1):
-                li = tidx + e * NT
-                r = li % G
-                ptx.st_shared_f32(sBuf + li * 4, ptx.ex2(ptx.ld_shared_f32(sBuf + li * 4) - ptx.ld_shared_f32(sRow + r * 8))
-                                  * ptx.ld_shared_f32(sRow + r * 8 + 4))
-            cute.arch.sync_threads()
-            # (4) O = sum_p w_p O_p, 4 columns per thread, loads unrolled so several are in flight
-            for e in cutlass.range((G * (D // 4) + NT - 1 - tidx) // NT, unroll=1):
-                vi = tidx + e * NT
-                r = vi // (D // 4)
-                c4 = vi % (D // 4)
-                o0 = Float32(0.0)
-                o1 = Float32(0.0)
-                o2 = Float32(0.0)
-                o3 = Float32(0.0)
-                for p in cutlass.range(n_splits, unroll=8):
-                    wgt = ptx.ld_shared_f32(sBuf + (p * G + r) * 4)
-                    x = ptx.ld_global_cg_v4_f32(po_base + ((Int64(part0 + p) * hq_total + head0 + r) * D + c4 * 4) * 4)
-                    o0 = o0 + wgt * x[0]
-                    o1 = o1 + wgt * x[1]
-                    o2 = o2 + wgt * x[2]
-                    o3 = o3 + wgt * x[3]
-                mO[b, head0 + r, c4 * 4] = o0.to(self.dtype)
-                mO[b, head0 + r, c4 * 4 + 1] = o1.to(self.dtype)
-                mO[b, head0 + r, c4 * 4 + 2] = o2.to(self.dtype)
-                mO[b, head0 + r, c4 * 4 + 3] = o3.to(self.dtype)
-            if tidx == 0:
-                ptx.st_global_u32(cnt_addr, 0)
+        """Split-KV: :func:`cutedsl_attn.common.splitkv.merge_splits` with this kernel's head_dim, group size,
+        thread count and sinks."""
+        splitkv.merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, sRow, sFlag, sBuf, b, kvh, num_kv_heads, part0,
+                             n_splits, head0, output_scale, tidx, head_dim=self.D, group_size=self.G,
+                             num_threads=self.NT, use_sinks=self.problem.use_sinks)

@@ -67,6 +67,7 @@ from ..common import ptx
 from ..common import softmax as sm
 from ..common.constants import LOG2E, NEG_INF
 from ..compile.arch import SUPPORTED_ARCHS, compile_options
+from ..compile.fake import decode_tensors
 from ..planning.decode import (
     CHUNK, W_BATCH, W_KV_LEN, W_NUM_SPLITS, W_PAGE_OFF, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START, WORK_COLS,
     DecodeArgs, DecodeProblem,
@@ -608,42 +609,9 @@ class PagedDecodeKernel(DecodeMerge):
                 ptx.st_shared_u16(a2, ptx.f32_to_16(x2 * cs + x1 * sn, dt))
 
 
-def fake_tensors(cfg: Config) -> tuple:
-    """The symbolic tensors :func:`compile` builds against: every size dynamic except ``page_size`` and
-    ``head_dim``; the last dims contiguous, strides multiples of 16 bytes (8 elements, 16 for an fp8 cache);
-    k and v ``Float8E4M3FN`` for an fp8 cache."""
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
-
-    dt = cfg.cutlass_dtype
-    kv_dt = cfg.kv_cutlass_dtype  # torch.float8_e4m3fn reaches tvm-ffi as DLPack float8_e4m3fn: no uint8 view
-    kv_div = 16 // cfg.kv_elem_bytes  # strides in elements of 16-byte rows
-    D = cfg.problem.head_dim
-    PS = cfg.problem.page_size
-
-    def sym():
-        return cute.sym_int()
-
-    def s64(div=1):
-        return cute.sym_int64(divisibility=div)
-
-    B, Hq, P, Hkv, NNZ, W, NP, NC = (sym() for _ in range(8))
-    q = make_fake_tensor(dt, (B, Hq, D), (s64(8), s64(8), 1), assumed_align=16)
-    k = make_fake_tensor(kv_dt, (P, PS, Hkv, D), (s64(kv_div), s64(kv_div), s64(kv_div), 1), assumed_align=16)
-    v = make_fake_tensor(kv_dt, (P, PS, Hkv, D), (s64(kv_div), s64(kv_div), s64(kv_div), 1), assumed_align=16)
-    idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
-    work = make_fake_compact_tensor(Int32, (W, WORK_COLS), stride_order=(1, 0), assumed_align=16)
-    o = make_fake_compact_tensor(dt, (B, Hq, D), stride_order=(2, 1, 0), assumed_align=16)
-    lse = make_fake_compact_tensor(Float32, (B, Hq), stride_order=(1, 0), assumed_align=4)
-    po = make_fake_compact_tensor(Float32, (NP, Hq, D), stride_order=(2, 1, 0), assumed_align=16)
-    plse = make_fake_compact_tensor(Float32, (NP, Hq), stride_order=(1, 0), assumed_align=4)
-    cnt = make_fake_compact_tensor(Int32, (NC,), assumed_align=4)
-    sinks = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
-    alibi = make_fake_compact_tensor(Float32, (sym(),), assumed_align=4)
-    return q, k, v, idx, work, o, lse, po, plse, cnt, sinks, alibi
-
-
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
-    """Compile :class:`PagedDecodeKernel` for ``cfg`` from fake tensors (:func:`fake_tensors`; no GPU needed).
+    """Compile :class:`PagedDecodeKernel` for ``cfg`` from fake tensors
+    (:func:`cutedsl_attn.compile.fake.decode_tensors`; no GPU needed).
 
     Returns the tvm-ffi callable (call it through :func:`launch`) launching on torch's current stream.
     ``keep_ptx_dir``: keep the PTX (and with ``keep_cubin`` the cubin) there
@@ -654,7 +622,7 @@ def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = 
 
     opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
     return cute.compile(
-        PagedDecodeKernel(cfg), *fake_tensors(cfg),
+        PagedDecodeKernel(cfg), *decode_tensors(cfg, WORK_COLS),
         Float32(1.0), Float32(0.0), Float32(1.0), Float32(1.0), Float32(1.0),
         make_fake_stream(use_tvm_ffi_env_stream=True),
         options=opts,

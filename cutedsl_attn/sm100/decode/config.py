@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import cutlass
 
 from ...common.dtypes import element_type
+from ...common.tcgen05 import TMEM_COLS, tmem_alloc_cols, tmem_plan_reason
 from ...planning.decode import DecodeProblem
-from ..prefill.config import TMEM_COLS, tmem_alloc_cols, tmem_plan_reason
 
 ARCHS = ("sm_100a", "sm_103a")
 HEAD_DIMS = (64, 128)

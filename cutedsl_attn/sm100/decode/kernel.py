@@ -29,7 +29,7 @@ Roles (:class:`~cutedsl_attn.sm100.decode.config.Roles`):
   base-2 LSE, or the fp32 split-KV partial.
 
 A split request's partials are merged by the last CTA of (request, kv head) to finish, in the same launch, by
-the portable decode kernel's merge (:class:`~cutedsl_attn.portable.decode_merge.DecodeMerge`), so the work
+the merge the portable decode kernel also runs (:func:`cutedsl_attn.common.splitkv.merge_splits`), so the work
 table, partial buffers and counters are the portable kernel's.  Conventions: LSE base 2 over the visible keys
 and the sink, empty items O = 0 and LSE = -inf (or the sink's), ``output_scale`` in fp32 before the rounding.
 """
@@ -46,34 +46,17 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import tcgen05
 
-from ...common import ptx
+from ...common import ptx, splitkv
 from ...common import softmax as sm
 from ...common.constants import LOG2E, NEG_INF
+from ...common.tcgen05 import fence_after_sync, fence_before_sync, state_at
 from ...compile.arch import compile_options
+from ...compile.fake import decode_tensors
 from ...planning.decode import (
-    W_BATCH, W_NUM_SPLITS, W_PAGE_OFF, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START,
+    W_BATCH, W_NUM_SPLITS, W_PAGE_OFF, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START, WORK_COLS,
 )
-from ...portable.decode_merge import DecodeMerge
 from . import config as C
 from .config import Config
-
-
-def _at(stages: int, count, producer: bool):
-    """The pipeline state of the ``count``-th use of a ``stages``-deep pipeline (derived, not carried: a state
-    advanced inside a dynamic branch would escape it)."""
-    count = Int32(count)
-    phase = (count // stages) & 1
-    return pipeline.PipelineState(stages, count, count % stages, phase ^ 1 if producer else phase)
-
-
-def _fence_after_sync():
-    """``tcgen05.fence::after_thread_sync``: this thread's later tcgen05 operations follow the wait just passed."""
-    cute.arch.inline_ptx("tcgen05.fence::after_thread_sync;")
-
-
-def _fence_before_sync():
-    """``tcgen05.fence::before_thread_sync``: this thread's earlier tcgen05 operations precede the next arrive."""
-    cute.arch.inline_ptx("tcgen05.fence::before_thread_sync;")
 
 
 def _st_shared_v4(addr, w0, w1, w2, w3):
@@ -148,9 +131,9 @@ def _shared_storage(S, HN, dt, sK_layout, sQ_layout, sV_layout, sP_layout, SB, k
     return SharedStorage
 
 
-class Sm100DecodeKernel(DecodeMerge):
+class Sm100DecodeKernel:
     """The CuTe DSL SM100 decode kernel of one :class:`Config` (build with :func:`build`).  The split-KV merge
-    (:class:`DecodeMerge`) runs on every thread of the CTA after the roles join."""
+    (:func:`cutedsl_attn.common.splitkv.merge_splits`) runs on every thread of the CTA after the roles join."""
 
     def __init__(self, cfg: Config):
         p = cfg.problem
@@ -254,9 +237,10 @@ class Sm100DecodeKernel(DecodeMerge):
         if b >= 0:
             if n_splits > 1:
                 # the last CTA of (request, kv head) merges the partials; the K / V ring holds its LSE table
-                self._merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, storage.s_row.data_ptr().toint(),
-                                   storage.s_flag.data_ptr().toint(), sK_addr, b, kvh, mK.shape[2],
-                                   mWork[wi, W_PART_BASE], n_splits, head0, output_scale, tidx)
+                splitkv.merge_splits(mO, mLSE, mPO, mPLSE, mCnt, mSinks, storage.s_row.data_ptr().toint(),
+                                     storage.s_flag.data_ptr().toint(), sK_addr, b, kvh, mK.shape[2],
+                                     mWork[wi, W_PART_BASE], n_splits, head0, output_scale, tidx, head_dim=self.D,
+                                     group_size=self.G, num_threads=self.NT, use_sinks=self.problem.use_sinks)
 
     # ------------------------------------------------------------------ TMEM views
     def _tmem_128x16(self, tmem_ptr, qk_mma, name):
@@ -296,7 +280,7 @@ class Sm100DecodeKernel(DecodeMerge):
         page_off = mWork[wi, W_PAGE_OFF]
         half = r % 2  # two threads per row, each every other 16-byte piece: a warp reads whole 32-byte sectors
         for i in cutlass.range(n_blk, unroll=1):
-            state = _at(S, i, True)
+            state = state_at(S, i, True)
             pipe_kv.producer_acquire(state)
             for j in cutlass.range_constexpr(2):
                 row = r // 2 + 64 * j
@@ -326,12 +310,12 @@ class Sm100DecodeKernel(DecodeMerge):
                 if const_expr(self.kv_fp8):
                     self._widen(storage, sK_layout, sQ_layout, sV_layout, i - 1, r)
                 ptx.fence_proxy_async_shared()
-                pipe_kv.producer_commit(_at(S, i - 1, True))
+                pipe_kv.producer_commit(state_at(S, i - 1, True))
         ptx.cp_async_wait(0)
         if const_expr(self.kv_fp8):
             self._widen(storage, sK_layout, sQ_layout, sV_layout, n_blk - 1, r)
         ptx.fence_proxy_async_shared()
-        pipe_kv.producer_commit(_at(S, n_blk - 1, True))
+        pipe_kv.producer_commit(state_at(S, n_blk - 1, True))
 
     @cute.jit
     def _widen(self, storage, sK_layout, sQ_layout, sV_layout, j, r):
@@ -392,25 +376,25 @@ class Sm100DecodeKernel(DecodeMerge):
         tOtO = cute.make_tensor(tmem_ptr + self.tmem["O"][0], o_frag.layout)
         for i in cutlass.range(n_blk + 1, unroll=1):
             if i < n_blk:
-                kv_state = _at(S, i, False)
-                s_state = _at(2, i, True)
+                kv_state = state_at(S, i, False)
+                s_state = state_at(2, i, True)
                 pipe_kv.consumer_wait(kv_state)
                 ptx.fence_proxy_async_shared()  # fenced on both sides of the barrier (the writers fenced too)
                 pipe_s.producer_acquire(s_state)
-                _fence_after_sync()
+                fence_after_sync()
                 tStS = cute.make_tensor(tStS0.iterator + s_state.index * s_cols, tStS0.layout)
                 for k in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
                     qk_mma.set(tcgen05.Field.ACCUMULATE, k != 0)
                     cute.gemm(qk_mma, tStS, tSrK[None, None, k, kv_state.index], tSrQ[None, None, k, 0], tStS)
                 pipe_s.producer_commit(s_state)
             if i > 0:
-                kv_state = _at(S, i - 1, False)
-                p_state = _at(2, i - 1, False)
-                o_state = _at(1, i - 1, True)
+                kv_state = state_at(S, i - 1, False)
+                p_state = state_at(2, i - 1, False)
+                o_state = state_at(1, i - 1, True)
                 pipe_p.consumer_wait(p_state)
                 ptx.fence_proxy_async_shared()
                 pipe_o.producer_acquire(o_state)
-                _fence_after_sync()
+                fence_after_sync()
                 for k in cutlass.range_constexpr(cute.size(tOrV, mode=[2])):
                     pv_mma.set(tcgen05.Field.ACCUMULATE, (i > 1) | (k != 0))
                     cute.gemm(pv_mma, tOtO, tOrV[None, None, k, kv_state.index], tOrP[None, None, k, p_state.index],
@@ -454,13 +438,13 @@ class Sm100DecodeKernel(DecodeMerge):
         row_max.fill(NEG_INF)
         row_sum.fill(0.0)
         for i in cutlass.range(n_blk, unroll=1):
-            s_state = _at(2, i, False)
+            s_state = state_at(2, i, False)
             rS = cute.make_rmem_tensor(frag_shape, Float32)
             pipe_s.consumer_wait(s_state)
-            _fence_after_sync()
+            fence_after_sync()
             cute.copy(ld, cute.make_tensor(tLtS0.iterator + s_state.index * s_cols, tLtS0.layout), rS)
             cute.arch.fence_view_async_tmem_load()
-            _fence_before_sync()
+            fence_before_sync()
             pipe_s.consumer_release(s_state)
             live = t0 + i * TK + r < t1
             buf = red + (i % 2) * (4 * HN * 4)
@@ -481,7 +465,7 @@ class Sm100DecodeKernel(DecodeMerge):
                 row_max[h] = m_new
                 rS[h] = ptx.ex2(rS[h] - m_use)
                 row_sum[h] = row_sum[h] * alpha[h] + rS[h]
-            p_state = _at(2, i, True)
+            p_state = state_at(2, i, True)
             pipe_p.producer_acquire(p_state)  # the O^T update that read this P buffer last is done
             words = [ptx.pack2(rS[2 * j], rS[2 * j + 1], self.mma_dtype) for j in range(HN // 2)]
             for half in cutlass.range_constexpr(2):
@@ -489,9 +473,9 @@ class Sm100DecodeKernel(DecodeMerge):
                               words[4 * half], words[4 * half + 1], words[4 * half + 2], words[4 * half + 3])
             ptx.fence_proxy_async_shared()
             if i > 0:
-                o_state = _at(1, i - 1, False)
+                o_state = state_at(1, i - 1, False)
                 pipe_o.consumer_wait(o_state)
-                _fence_after_sync()
+                fence_after_sync()
                 if grow > Float32(0.0):  # some head's max moved (the same verdict in every thread)
                     rO = cute.make_rmem_tensor(frag_shape, Float32)
                     cute.copy(ld, tLtO, rO)
@@ -500,7 +484,7 @@ class Sm100DecodeKernel(DecodeMerge):
                         rO[h] = rO[h] * alpha[h]
                     cute.copy(st, rO, tStO)
                     cute.arch.fence_view_async_tmem_store()
-                _fence_before_sync()
+                fence_before_sync()
                 pipe_o.consumer_release(o_state)
             pipe_p.producer_commit(p_state)
         self._epilogue(ld, tLtO, frag_shape, pipe_o, storage, row_max, row_sum, mWork, mO, mLSE, mPO, mPLSE, mSinks,
@@ -523,8 +507,8 @@ class Sm100DecodeKernel(DecodeMerge):
         bar.arrive_and_wait()
         rO = cute.make_rmem_tensor(frag_shape, Float32)
         if n_blk > 0:
-            pipe_o.consumer_wait(_at(1, n_blk - 1, False))  # the last O^T update is done
-            _fence_after_sync()
+            pipe_o.consumer_wait(state_at(1, n_blk - 1, False))  # the last O^T update is done
+            fence_after_sync()
             cute.copy(ld, tLtO, rO)
             cute.arch.fence_view_async_tmem_load()
         else:
@@ -559,16 +543,15 @@ class Sm100DecodeKernel(DecodeMerge):
 
 
 def build(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
-    """Compile the kernel of ``cfg`` from the portable decode kernel's fake tensors (see the package's
-    ``compile``).  Raises RuntimeError when the traced shared storage exceeds the config's budget."""
+    """Compile the kernel of ``cfg`` from the decode fake tensors (:func:`cutedsl_attn.compile.fake.decode_tensors`,
+    the portable decode kernel's arguments; see the package's ``compile``).  Raises RuntimeError when the traced
+    shared storage exceeds the config's budget."""
     from cutlass.cute.runtime import make_fake_stream
-
-    from ...portable.paged_decode import fake_tensors
 
     opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
     kern = Sm100DecodeKernel(cfg)
     fn = cute.compile(
-        kern, *fake_tensors(cfg), Float32(1.0), Float32(0.0), Float32(1.0), Float32(1.0), Float32(1.0),
+        kern, *decode_tensors(cfg, WORK_COLS), Float32(1.0), Float32(0.0), Float32(1.0), Float32(1.0), Float32(1.0),
         make_fake_stream(use_tvm_ffi_env_stream=True), options=opts,
     )
     if kern.smem_size is None or kern.smem_size > cfg.smem_bytes:

@@ -9,15 +9,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-
 from ...common.dtypes import element_type
+from ...common.tcgen05 import tmem_alloc_cols, tmem_plan_reason
 from ...planning.prefill import PrefillProblem
 
 ARCHS = ("sm_100a", "sm_103a")
 HEAD_DIMS = (64, 128)
 TILE_M = 128  # packed query rows of one Q tile: the M of one tcgen05 (cta_group::1) MMA
 SMEM_LIMIT = 227 * 1024
-TMEM_COLS = 512  # columns of the SM's tensor memory (128 lanes x 32 bits each)
 REGISTER_FILE = 64 * 1024
 
 
@@ -127,44 +126,6 @@ def tmem_plan(tile_n: int, head_dim_vo: int, q_tiles: int = 1) -> dict[str, tupl
 def tmem_aliases(q_tiles: int) -> dict[str, str]:
     """Regions of :func:`tmem_plan` that live inside another by design (``alias -> host``)."""
     return {} if q_tiles == 1 else {"P0": "S0", "P1": "S1"}
-
-
-def tmem_alloc_cols(plan: dict[str, tuple[int, int]]) -> int:
-    """Columns to allocate for ``plan``: the end of its last region rounded up to a power of two >= 32 (what
-    ``tcgen05.alloc`` accepts)."""
-    end = max(a + n for a, n in plan.values())
-    cols = 32
-    while cols < end:
-        cols *= 2
-    return cols
-
-
-def tmem_plan_reason(plan: dict[str, tuple[int, int]], aliases: dict[str, str] | None = None) -> str | None:
-    """Why ``plan`` is not a valid TMEM plan, or None: a region empty or not starting on a multiple of 32
-    columns, two regions overlapping (an ``aliases`` entry must instead lie inside its host), or more than 512
-    columns."""
-    aliases = aliases or {}
-    for k, (a, n) in plan.items():
-        if a % 32 or a < 0 or n <= 0:
-            return f"TMEM region {k} = [{a}, {a + n}) must be non-empty and start on a multiple of 32 columns"
-    for k, host in aliases.items():
-        if k not in plan or host not in plan:
-            return f"TMEM alias {k} -> {host} names a region missing from the plan"
-        (a, n), (ha, hn) = plan[k], plan[host]
-        if a < ha or a + n > ha + hn:
-            return f"TMEM region {k} = [{a}, {a + n}) must lie inside {host} = [{ha}, {ha + hn})"
-    spans = sorted((a, a + n, k) for k, (a, n) in plan.items() if k not in aliases)
-    for (a0, e0, k0), (a1, e1, k1) in zip(spans, spans[1:]):
-        if a1 < e0:
-            return f"TMEM regions {k0} = [{a0}, {e0}) and {k1} = [{a1}, {e1}) overlap"
-    for k, (a, n) in plan.items():
-        for j, (b, m) in plan.items():
-            if k in aliases and j != aliases[k] and j != k and a < b + m and b < a + n:
-                return f"TMEM region {k} = [{a}, {a + n}) overlaps {j} = [{b}, {b + m})"
-    end = max(a + n for a, n in plan.values())
-    if end > TMEM_COLS:
-        return f"the TMEM plan needs {end} columns (> {TMEM_COLS})"
-    return None
 
 
 def unsupported_reason(problem: PrefillProblem) -> str | None:

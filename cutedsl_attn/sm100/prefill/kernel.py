@@ -37,31 +37,12 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from ...common import masks, ptx
 from ...common import softmax as sm
 from ...common.constants import LOG2E, NEG_INF
+from ...common.tcgen05 import fence_after_sync, fence_before_sync, state_at
 from ...compile.arch import compile_options
 from ...compile.fake import prefill_tensors
 from ...planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0, WORK_COLS
 from . import config as C
 from .config import Config
-
-
-def _at(stages: int, count, producer: bool):
-    """The pipeline state of the ``count``-th use of a ``stages``-deep pipeline (derived, not carried: a state
-    advanced inside a dynamic branch would escape it)."""
-    count = Int32(count)
-    phase = (count // stages) & 1
-    return pipeline.PipelineState(stages, count, count % stages, phase ^ 1 if producer else phase)
-
-
-def _fence_after_sync():
-    """``tcgen05.fence::after_thread_sync``: this thread's later tcgen05 operations are ordered after the barrier
-    wait just passed (and so after the tcgen05 operations other threads fenced before arriving)."""
-    cute.arch.inline_ptx("tcgen05.fence::after_thread_sync;")
-
-
-def _fence_before_sync():
-    """``tcgen05.fence::before_thread_sync``: this thread's earlier tcgen05 operations are ordered before the
-    barrier arrive that follows."""
-    cute.arch.inline_ptx("tcgen05.fence::before_thread_sync;")
 
 
 class Sm100PrefillKernel:
@@ -168,7 +149,7 @@ class Sm100PrefillKernel:
             return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
 
         QT = self.QT
-        # pipeline counts: Q tile t's j-th use of a per-tile pipeline is count j * QT + t (see _at)
+        # pipeline counts: Q tile t's j-th use of a per-tile pipeline is count j * QT + t (see state_at)
         pipe_q = pipeline.PipelineTmaUmma.create(num_stages=QT, producer_group=group(1), consumer_group=group(1),
                                                  tx_count=self.q_bytes, barrier_storage=storage.mbar_q.data_ptr(),
                                                  defer_sync=True)
@@ -304,14 +285,14 @@ class Sm100PrefillKernel:
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
                                            cute.group_modes(pv_thr.partition_B(gV), 0, 3))
         for t in cutlass.range_constexpr(self.QT):
-            q_state = _at(self.QT, t, True)
+            q_state = state_at(self.QT, t, True)
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_atom_Q, tQgQ[None, mWork[wi, W_ROW0] // TM + t, 0, kvh], tQsQ[None, t],
                       tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         rows = kv_len - (blk_lo + n_blk - 1) * TN  # rows of the first (rightmost) block inside the request
         for i in cutlass.range(n_blk, unroll=1):
             n = blk_lo + n_blk - 1 - i
-            state = _at(self.S, i, True)
+            state = state_at(self.S, i, True)
             pipe_k.producer_acquire(state)
             cute.copy(tma_atom_K, tKgK[None, n, 0, kvh], tKsK[None, state.index],
                       tma_bar_ptr=pipe_k.producer_get_barrier(state))
@@ -365,10 +346,10 @@ class Sm100PrefillKernel:
         tOtO = [self._tmem_O(tmem_ptr, pv_mma, t) for t in range(QT)]
         s_cols, p_cols = self.tmem["S1"][0] - self.tmem["S0"][0], self.tmem["P1"][0] - self.tmem["P0"][0]
         for t in cutlass.range_constexpr(QT):
-            pipe_q.consumer_wait(_at(QT, t, False))
+            pipe_q.consumer_wait(state_at(QT, t, False))
         for i in cutlass.range(n_blk + 1, unroll=1):
-            k_state = _at(self.S, i, False)
-            v_state = _at(self.S, i - 1, False)
+            k_state = state_at(self.S, i, False)
+            v_state = state_at(self.S, i - 1, False)
             if i < n_blk:
                 pipe_k.consumer_wait(k_state)
             if i > 0:
@@ -376,13 +357,13 @@ class Sm100PrefillKernel:
             for t in cutlass.range_constexpr(QT):
                 if const_expr(QT == 1):
                     if i < n_blk:
-                        self._issue_qk(qk_mmas[0], pipe_s, _at(2, i, True), tStS0, s_cols, tSrQ, tSrK, k_state, 0)
+                        self._issue_qk(qk_mmas[0], pipe_s, state_at(2, i, True), tStS0, s_cols, tSrQ, tSrK, k_state, 0)
                 if i > 0:
-                    p_state = _at(2, (i - 1) * QT + t, False)
-                    o_state = _at(QT, (i - 1) * QT + t, True)
+                    p_state = state_at(2, (i - 1) * QT + t, False)
+                    o_state = state_at(QT, (i - 1) * QT + t, True)
                     pipe_p.consumer_wait(p_state)
                     pipe_o.producer_acquire(o_state)
-                    _fence_after_sync()
+                    fence_after_sync()
                     tOrP = cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem["P0"][0] + p_state.index * p_cols,
                                                             dtype=tOrP0.element_type), tOrP0.layout)
                     self._gemm_pv(pv_mmas[t], tOtO[t], tOrP, tOrV, v_state.index, i > 1)
@@ -390,20 +371,20 @@ class Sm100PrefillKernel:
                     pipe_p.consumer_release(p_state)
                 if const_expr(QT == 2):
                     if i < n_blk:
-                        self._issue_qk(qk_mmas[t], pipe_s, _at(2, i * QT + t, True), tStS0, s_cols, tSrQ, tSrK,
+                        self._issue_qk(qk_mmas[t], pipe_s, state_at(2, i * QT + t, True), tStS0, s_cols, tSrQ, tSrK,
                                        k_state, t)
             if i < n_blk:
                 pipe_k.consumer_release(k_state)
             if i > 0:
                 pipe_v.consumer_release(v_state)
         for t in cutlass.range_constexpr(QT):
-            pipe_q.consumer_release(_at(QT, t, False))
+            pipe_q.consumer_release(state_at(QT, t, False))
 
     @cute.jit
     def _issue_qk(self, qk_mma, pipe_s, s_state, tStS0, s_cols, tSrQ, tSrK, k_state, q_stage: cutlass.Constexpr):
         """S (buffer ``s_state.index``) = Q (stage ``q_stage``) K^T, then signal the softmax warpgroup."""
         pipe_s.producer_acquire(s_state)
-        _fence_after_sync()
+        fence_after_sync()
         tStS = cute.make_tensor(tStS0.iterator + s_state.index * s_cols, tStS0.layout)
         self._gemm_qk(qk_mma, tStS, tSrQ, tSrK, k_state.index, q_stage)
         pipe_s.producer_commit(s_state)
@@ -454,15 +435,15 @@ class Sm100PrefillKernel:
         n_masked = masks.num_right_masked(blk_lo, n_blk, kv_len, row0 // G + kv_len - qo_len, TN,
                                           causal=self.causal)
         for i in cutlass.range(n_blk, unroll=1):
-            s_state = _at(2, i * QT + t, False)
-            p_state = _at(2, i * QT + t, True)
-            st_state = _at(QT, i * QT + t, True)
+            s_state = state_at(2, i * QT + t, False)
+            p_state = state_at(2, i * QT + t, True)
+            st_state = state_at(QT, i * QT + t, True)
             rS = cute.make_rmem_tensor(tLcS.shape, Float32)
             pipe_s.consumer_wait(s_state)
-            _fence_after_sync()
+            fence_after_sync()
             cute.copy(tiled_ld, cute.make_tensor(tLtS0.iterator + s_state.index * s_cols, tLtS0.layout), rS)
             cute.arch.fence_view_async_tmem_load()
-            _fence_before_sync()
+            fence_before_sync()
             pipe_s.consumer_release(s_state)
             if i < n_masked:
                 j0 = (blk_lo + n_blk - 1 - i) * TN
@@ -485,7 +466,7 @@ class Sm100PrefillKernel:
             neg_m = -m_use * scale_log2
             acc = (row_sum * alpha, Float32(0.0))
             pipe_p.producer_acquire(p_state)  # the P V that read this P buffer last is done
-            _fence_after_sync()
+            fence_after_sync()
             p_base = tStP0.iterator + p_state.index * p_cols
             for c in cutlass.range_constexpr(TN // 32):
                 for e in cutlass.range_constexpr(32 * c, 32 * c + 32, 2):
@@ -501,10 +482,10 @@ class Sm100PrefillKernel:
                 cute.copy(tiled_st, rP, cute.make_tensor(p_base + c * CW, tStP0.layout))
             row_sum = acc[0] + acc[1]
             cute.arch.fence_view_async_tmem_store()
-            _fence_before_sync()
+            fence_before_sync()
             pipe_p.producer_commit(p_state)
         # final message: the row's sum and its max in log2 units (-inf: no visible key)
-        st_state = _at(QT, n_blk * QT + t, True)
+        st_state = state_at(QT, n_blk * QT + t, True)
         pipe_stats.producer_acquire(st_state)
         s_stats[t * TM + row, 0] = row_sum
         s_stats[t * TM + row, 1] = row_max * scale_log2
@@ -537,12 +518,12 @@ class Sm100PrefillKernel:
         row = tLcO[0][0]  # this thread's TMEM lane
         for i in cutlass.range(n_blk, unroll=1):
             for t in cutlass.range_constexpr(QT):
-                st_state = _at(QT, i * QT + t, False)
+                st_state = state_at(QT, i * QT + t, False)
                 pipe_stats.consumer_wait(st_state)
                 alpha = s_stats[t * TM + row, 0]
                 pipe_stats.consumer_release(st_state)
                 if i > 0:
-                    self._rescale(pipe_o, _at(QT, (i - 1) * QT + t, False), alpha, tiled_ld, tiled_st,
+                    self._rescale(pipe_o, state_at(QT, (i - 1) * QT + t, False), alpha, tiled_ld, tiled_st,
                                   cute.make_tensor(tLtO.iterator + t * o_cols, tLtO.layout),
                                   cute.make_tensor(tStO.iterator + t * o_cols, tStO.layout), tLcO)
         for t in cutlass.range_constexpr(QT):
@@ -556,7 +537,7 @@ class Sm100PrefillKernel:
         LSE; a row past the request is not written."""
         TM, DV, G, QT = self.TM, self.DV, self.G, self.QT
         CH = self.CH
-        st_state = _at(QT, n_blk * QT + t, False)
+        st_state = state_at(QT, n_blk * QT + t, False)
         pipe_stats.consumer_wait(st_state)
         l = s_stats[t * TM + row, 0]
         m = s_stats[t * TM + row, 1]
@@ -572,10 +553,10 @@ class Sm100PrefillKernel:
         tok = mWork[wi, W_Q_START] + pr // G
         hq = mO.shape[1]
         row_addr = mO.iterator.toint() + ((Int64(tok) * hq + head) * DV) * 2
-        o_state = _at(QT, (n_blk - 1) * QT + t, False)
+        o_state = state_at(QT, (n_blk - 1) * QT + t, False)
         if n_blk > 0:
             pipe_o.consumer_wait(o_state)  # the last P V is done
-            _fence_after_sync()
+            fence_after_sync()
         for c in cutlass.range_constexpr(DV // CH):
             rO = cute.make_rmem_tensor(tLcO.shape, Float32)
             if n_blk > 0:
@@ -588,7 +569,7 @@ class Sm100PrefillKernel:
                     w = [self._scaled_pair(rO, 8 * q + 2 * h, factor) for h in range(4)]
                     ptx.st_global_v4_b32(row_addr + (c * CH + 8 * q) * 2, w[0], w[1], w[2], w[3])
         if n_blk > 0:
-            _fence_before_sync()
+            fence_before_sync()
             pipe_o.consumer_release(o_state)
         if live:
             mLSE[tok, head] = lse
@@ -599,7 +580,7 @@ class Sm100PrefillKernel:
         factor of the warp is 1), then let the next P V GEMM accumulate."""
         CH = self.CH
         pipe_o.consumer_wait(o_state)
-        _fence_after_sync()
+        fence_after_sync()
         if cute.arch.vote_any_sync(alpha != Float32(1.0)):
             for c in cutlass.range_constexpr(self.DV // CH):
                 rO = cute.make_rmem_tensor(tLcO.shape, Float32)
@@ -609,7 +590,7 @@ class Sm100PrefillKernel:
                     rO[e], rO[e + 1] = cute.arch.mul_packed_f32x2((rO[e], rO[e + 1]), (alpha, alpha))
                 cute.copy(tiled_st, rO, cute.make_tensor(tStO.iterator + c * CH, tStO.layout))
             cute.arch.fence_view_async_tmem_store()
-        _fence_before_sync()
+        fence_before_sync()
         pipe_o.consumer_release(o_state)
 
     @cute.jit
