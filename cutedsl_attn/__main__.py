@@ -31,7 +31,7 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
                         "$CUTEDSL_ATTN_ARCH when set, else sm_90a)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float16 (mla: also fp8)")
     p.add_argument("--kv-dtype", default=None,
-                   help="prefill / mla: the cache dtype, fp8 (float8_e4m3fn) or the q dtype (default)")
+                   help="decode / prefill / mla: the cache dtype, fp8 (float8_e4m3fn) or the q dtype (default)")
     p.add_argument("--head-dim", type=int, default=128,
                    help="decode: 32, 64, 128 (default) or 256; prefill: head_dim_qk 32/64/128/192/256")
     p.add_argument("--head-dim-vo", type=int, default=None,
@@ -48,7 +48,8 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warps", type=int, default=None, help="warps per CTA (default: dispatch's choice)")
     p.add_argument("--num-stages", type=int, default=None, help="cp.async ring depth (default: dispatch's choice)")
     p.add_argument("--kernel", default=None, choices=["auto", "portable", "sm90", "sm100"],
-                   help="prefill: auto (default; SM90 TMA+wgmma kernel on sm_90a where it applies), portable or sm90")
+                   help="prefill: auto (default: the SM90 TMA+wgmma kernel on sm_90a where it applies), portable, "
+                        "sm90 or sm100 (the tcgen05 kernel, sm_100a / sm_103a); decode: auto, portable or sm100")
     p.add_argument("--summary", action="store_true",
                    help="print an instruction summary instead of the full text (ptx only)")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
@@ -76,9 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _kernel_config(args) -> dict:
     if args.op in ("mla", "gdn"):
-        if args.num_warps or args.num_stages or args.kernel or args.head_dim_vo or args.window:
-            raise ValueError(f"{args.op}: --num-warps, --num-stages, --kernel, --head-dim-vo and --window apply to "
-                             "decode / prefill only")
+        # flags another op reads: refused here rather than silently ignored
+        unused = dict(num_warps=args.num_warps, num_stages=args.num_stages, kernel=args.kernel,
+                      head_dim_vo=args.head_dim_vo, window=args.window, custom_mask=args.custom_mask,
+                      soft_cap=args.soft_cap, sinks=args.sinks, group_size=args.group_size != 4,
+                      pos_encoding_mode=args.pos_encoding_mode != "NONE")
+        if args.op == "mla":
+            unused["head_dim"] = args.head_dim != 128  # MLA's head dims are fixed (512 + 64)
+        else:
+            unused.update(causal=args.causal, page_size=args.page_size is not None, kv_dtype=args.kv_dtype)
+        bad = sorted("--" + k.replace("_", "-") for k, v in unused.items() if v)
+        if bad:
+            raise ValueError(f"{args.op}: {', '.join(bad)} do not apply to this op")
         if args.op == "mla":
             return dict(dtype=args.dtype, kv_dtype=args.kv_dtype or "",
                         page_size=64 if args.page_size is None else args.page_size, causal=args.causal)
@@ -95,14 +105,15 @@ def _kernel_config(args) -> dict:
             use_soft_cap=args.soft_cap, use_sinks=args.sinks, use_custom_mask=args.custom_mask,
             pos_encoding_mode=args.pos_encoding_mode, kernel=args.kernel or "auto", kv_dtype=args.kv_dtype or "",
         )
-    if args.head_dim_vo or args.causal or args.window or args.custom_mask or args.kernel or args.kv_dtype:
-        raise ValueError("decode: --head-dim-vo, --causal, --window, --custom-mask, --kernel and --kv-dtype apply to "
-                         "prefill / mla only")
+    if args.head_dim_vo or args.causal or args.window or args.custom_mask or args.kernel in ("sm90",):
+        raise ValueError("decode: --head-dim-vo, --causal, --window, --custom-mask and --kernel sm90 apply to "
+                         "prefill only")
     return dict(
         dtype=args.dtype, head_dim=args.head_dim, page_size=16 if args.page_size is None else args.page_size,
         group_size=args.group_size,
         pos_encoding_mode=args.pos_encoding_mode, use_soft_cap=args.soft_cap, use_sinks=args.sinks,
-        num_warps=args.num_warps, num_stages=args.num_stages,
+        num_warps=args.num_warps, num_stages=args.num_stages, kv_dtype=args.kv_dtype or "",
+        kernel=args.kernel or "auto",
     )
 
 

@@ -120,7 +120,7 @@ OPS = ("decode", "prefill", "mla", "gdn")
 DEFAULTS = {
     "decode": dict(
         dtype="bfloat16", head_dim=128, page_size=16, group_size=4, pos_encoding_mode="NONE",
-        use_soft_cap=False, use_sinks=False, num_warps=None, num_stages=None,
+        use_soft_cap=False, use_sinks=False, num_warps=None, num_stages=None, kv_dtype="", kernel="auto",
     ),
     "prefill": dict(
         dtype="bfloat16", head_dim_qk=128, head_dim_vo=None, group_size=4, page_size=0, causal=False,
@@ -219,8 +219,8 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[_dtype_name(merged["dtype"])]
     if op == "prefill":
         kernel = merged["kernel"]
-        if kernel not in ("auto", "portable", "sm90"):
-            raise ValueError(f"kernel must be 'auto', 'portable' or 'sm90', got {kernel!r}")
+        if kernel not in ("auto", "portable", "sm90", "sm100"):
+            raise ValueError(f"kernel must be 'auto', 'portable', 'sm90' or 'sm100', got {kernel!r}")
         dqk = merged["head_dim_qk"]
         problem = dispatch.prefill_problem(
             # head_dim_vo defaults to head_dim_qk, except 192 (DeepSeek's 192/128 prefill), as the CLI
@@ -248,8 +248,17 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
         dtype=torch_dtype, head_dim=merged["head_dim"], page_size=merged["page_size"],
         group_size=merged["group_size"], pos_encoding_mode=merged["pos_encoding_mode"],
         use_soft_cap=bool(merged["use_soft_cap"]), use_sinks=bool(merged["use_sinks"]), arch=arch,
+        kv_dtype=_fp8_or_dtype_name("kv_dtype", merged["kv_dtype"], empty=True),
     )
-    cfg = dispatch.decode_choice(problem).cfg
+    kernel = merged["kernel"]
+    if kernel not in ("auto", "portable", "sm100"):
+        raise ValueError(f"decode kernel must be 'auto', 'portable' or 'sm100', got {kernel!r}")
+    choice = dispatch.decode_choice(problem, kernel=kernel)
+    if kernel == "sm100" and choice.name == "paged_decode":
+        sm100 = _kernel_module_named(dispatch, "paged_decode_sm100")
+        reason = sm100.unsupported_reason(problem) if sm100 is not None else "not available"
+        raise ValueError(f"the SM100 decode kernel cannot serve this config: {reason}")
+    cfg = choice.cfg
     explicit = {k: merged[k] for k in ("num_warps", "num_stages") if merged[k] is not None}
     if explicit:
         missing = sorted(set(explicit) - {f.name for f in dataclasses.fields(cfg.tiles)})

@@ -145,7 +145,8 @@ def _decode_rows():
         err = _rel(out, o_ref)
         d_lse = (lse.double().cpu() - lse_ref.double()).abs().max().item()
         status, note = _verdict(err, _O_TOL[dtype], None if d_lse < _LSE_TOL else f"LSE abs err {d_lse:.2e}")
-        yield Row("decode", "paged_decode", label, status, err, first, _call_us(lambda: w.run(q_d, cache_d)), note)
+        kernel = getattr(w._plan.get("choice"), "name", "paged_decode")  # the kernel dispatch took
+        yield Row("decode", kernel, label, status, err, first, _call_us(lambda: w.run(q_d, cache_d)), note)
 
 
 def _gdn_rows():
@@ -244,8 +245,9 @@ def gpu_matrix(only: str = ""):
 
 
 def cross_compile_matrix(arch: str, only: str = ""):
-    """Yields a ``built`` / ``error`` :class:`Row` per prefill and decode configuration of the matrix, compiled
-    for ``arch`` on this machine (no GPU needed)."""
+    """Yields a ``built`` / ``error`` :class:`Row` per prefill and decode configuration of the matrix (the tcgen05
+    decode kernel too on sm_100a / sm_103a), the chunked GDN kernel and the MLA kernel, compiled for ``arch`` on
+    this machine (no GPU needed)."""
     from . import dispatch
 
     for kernel in _prefill_kernels(arch):
@@ -256,11 +258,23 @@ def cross_compile_matrix(arch: str, only: str = ""):
             p = dispatch.prefill_problem(dtype=dtype, head_dim_qk=d, head_dim_vo=d, group_size=group,
                                          causal=causal, use_sinks=sinks, arch=arch)
             yield _build("prefill", name, label, lambda p=p, k=kernel: dispatch.prefill_choice(p, kernel=k))
-    for label, dtype, d, group, ps, _ in DECODE_CASES:
-        if only and only not in "decode" and only not in "paged_decode":
-            continue
-        p = dispatch.decode_problem(dtype=dtype, head_dim=d, page_size=ps, group_size=group, arch=arch)
-        yield _build("decode", "paged_decode", label, lambda p=p: dispatch.decode_choice(p))
+    decode_kernels = ["paged_decode"] + (["paged_decode_sm100"] if arch in ("sm_100a", "sm_103a") else [])
+    for name in decode_kernels:
+        for label, dtype, d, group, ps, _ in DECODE_CASES:
+            if only and only not in "decode" and only not in name:
+                continue
+            p = dispatch.decode_problem(dtype=dtype, head_dim=d, page_size=ps, group_size=group, arch=arch)
+            k = "sm100" if name.endswith("sm100") else "portable"
+            yield _build("decode", name, label, lambda p=p, k=k: dispatch.decode_choice(p, kernel=k))
+    from .planning.gdn import GdnProblem
+    from .planning.mla import MlaProblem
+
+    gp = GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, use_qk_l2norm=True, arch=arch)
+    if not only or only in "gdn" or only in "gdn_chunked":
+        yield _build_module("gdn", "gdn_chunked", "bf16 K=V=128 l2norm", lambda: dispatch.gdn_choice(gp))
+    mp = MlaProblem(dtype="bfloat16", page_size=64, causal=False, arch=arch)
+    if not only or only in "mla" or only in "mla_decode_portable":
+        yield _build_module("mla", "mla_decode_portable", "bf16 page64", lambda: dispatch.mla_choice(mp))
 
 
 def _build(op, kernel, label, choose) -> Row:
@@ -275,12 +289,27 @@ def _build(op, kernel, label, choose) -> Row:
     return Row(op, kernel, label, "built", first_s=time.perf_counter() - t0)
 
 
+def _build_module(op, kernel, label, choose) -> Row:
+    """:func:`_build` for the families whose choice is ``(kernel module, config)`` (GDN, MLA)."""
+    from .compile import get_compiled
+
+    t0 = time.perf_counter()
+    try:
+        module, cfg = choose()
+        if module.NAME != kernel:
+            return Row(op, kernel, label, "skip", note=f"served by {module.NAME}")
+        get_compiled(module.NAME, cfg, module.compile)
+    except Exception as e:  # noqa: BLE001
+        return Row(op, kernel, label, "error", note=f"{type(e).__name__}: {str(e)[:200]}")
+    return Row(op, kernel, label, "built", first_s=time.perf_counter() - t0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m cutedsl_attn selfcheck",
         description="Run every kernel of this GPU against the float64 oracle on a short matrix and print a "
                     "pass/fail table with timings.  Without a GPU: say so, cross-compile the prefill and decode "
-                    "kernels of the matrix for --arch and exit 0 when every build succeeds.")
+                    "(and decode, GDN, MLA) kernels of the matrix for --arch and exit 0 when every build succeeds.")
     ap.add_argument("--arch", default="sm_100a",
                     help="without a GPU: the architecture to cross-compile for (default sm_100a); ignored with one")
     ap.add_argument("--only", default="", help="only the rows whose op or kernel name contains this text")
@@ -289,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Entry point of ``python -m cutedsl_attn selfcheck``; returns the exit status (0: every case passed or
-    built; 1: a case failed or raised; 2: bad arguments)."""
+    built; 1: a case failed or raised; 2: bad arguments, or ``--only`` matching no case)."""
     args = build_parser().parse_args(argv)
     from .compile import device_arch, normalize_arch
 
@@ -301,8 +330,8 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(f"no CUDA GPU here: no kernel can run; cross-compiling the matrix's prefill and decode kernels for "
-              f"{arch} instead (nothing is compared with the oracle)", flush=True)
+        print(f"no CUDA GPU here: no kernel can run; cross-compiling the matrix's prefill, decode, GDN and MLA "
+              f"kernels for {arch} instead (nothing is compared with the oracle)", flush=True)
         source = cross_compile_matrix(arch, args.only)
     else:
         print(f"{torch.cuda.get_device_name()} ({dev}): every kernel of this GPU against the float64 oracle",
@@ -311,6 +340,9 @@ def main(argv=None) -> int:
     for row in source:
         rows.append(row)
         print(f"  {row.op} {row.kernel} {row.case}: {row.status}", file=sys.stderr, flush=True)
+    if not rows:
+        print(f"error: no case matches --only {args.only!r}", file=sys.stderr)
+        return 2
     print(format_table(rows))
     bad = [r for r in rows if r.status in ("FAIL", "error")]
     print(f"{len(rows) - len(bad)} of {len(rows)} rows ok" + (f"; {len(bad)} failed" if bad else ""))

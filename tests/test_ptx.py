@@ -259,10 +259,13 @@ def test_cli_help_and_errors():
         main(["ptx", "attention"])  # not a kernel family
     assert main(["ptx", "mla", "--num-warps", "4"]) == 2  # decode-only flag on mla
     assert main(["ptx", "gdn", "--window"]) == 2
+    assert main(["ptx", "gdn", "--causal", "--page-size", "16"]) == 2  # flags gdn does not read: refused
+    assert main(["ptx", "mla", "--head-dim", "64"]) == 2 and main(["ptx", "mla", "--sinks"]) == 2
     assert main(["ptx", "gdn", "--head-dim", "64", "--summary"]) == 0
     assert main(["ptx", "mla", "--dtype", "fp8", "--kv-dtype", "fp8", "--summary"]) == 0
     assert main(["ptx", "prefill", "--num-warps", "8"]) == 2  # decode-only flag on prefill
     assert main(["ptx", "decode", "--causal"]) == 2  # prefill-only flag on decode
+    assert main(["ptx", "decode", "--kernel", "sm90"]) == 2
     assert main(["ptx", "decode", "--head-dim", "32", "--group-size", "1", "--summary"]) == 0
     assert main(["sass", "decode", "--summary"]) == 2  # (ptx only: refused, not silently ignored)
 
@@ -1144,3 +1147,18 @@ def test_inspect_ptx_fp8_prefill_mla_gdn(arch):
         assert s["ld.local"] == s["st.local"] == 0, name
         assert t.count(".entry") == (2 if name == "gdn" else 1), name
         assert ("cvt.rn.f16x2.e4m3x2" in t) == name.endswith("fp8"), name
+
+
+def test_decode_config_takes_the_fp8_cache_and_the_sm100_kernel():
+    """inspect builds what a B200 would run: the fp8 decode kernel, and the tcgen05 one on request."""
+    import cutedsl_attn.inspect as ci
+
+    f8 = ci.config("decode", "sm_90a", kv_dtype="fp8")
+    assert f8.problem.kv_dtype == "float8_e4m3fn"
+    sm = ci.config("decode", "sm_100a", kernel="sm100")
+    assert type(sm).__module__.startswith("cutedsl_attn.sm100.decode")
+    assert type(ci.config("decode", "sm_100a")).__module__.startswith("cutedsl_attn.portable")  # no B200: portable
+    with pytest.raises(ValueError, match="cannot serve"):
+        ci.config("decode", "sm_90a", kernel="sm100")
+    with pytest.raises(ValueError, match="decode kernel"):
+        ci.config("decode", "sm_90a", kernel="sm90")

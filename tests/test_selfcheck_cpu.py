@@ -260,7 +260,12 @@ def test_the_portable_switch_and_problems_sm100_refuses_skip_the_check(on_b200, 
 def test_the_switch_off_routes_unchecked(on_b200, monkeypatch):
     stub = on_b200(passed=False)
     monkeypatch.setenv("CUTEDSL_ATTN_SELFCHECK", "0")
-    assert choose().name == "prefill_sm100" and stub.calls == []
+    monkeypatch.setattr(dispatch, "_UNCHECKED_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="never run on hardware") as w:  # said once, naming the kernel
+        assert choose().name == "prefill_sm100" and stub.calls == []
+        dispatch._CHOICES.clear()
+        assert choose().name == "prefill_sm100"
+    assert len(w) == 1 and "prefill_sm100" in str(w[0].message) and "=portable" in str(w[0].message)
 
 
 def test_without_a_b200_only_a_recorded_verdict_admits_sm100(monkeypatch):
@@ -361,6 +366,9 @@ def test_cli_without_a_gpu_cross_compiles_and_reports(monkeypatch, capsys):
     monkeypatch.setattr(selfcheck_cli, "cross_compile_matrix", failing)
     assert cli.main(["selfcheck"]) == 1 and "RuntimeError: boom" in capsys.readouterr().out
     assert cli.main(["selfcheck", "--arch", "sm_77"]) == 2
+    monkeypatch.setattr(selfcheck_cli, "cross_compile_matrix", lambda arch, only="": iter(()))
+    assert cli.main(["selfcheck", "--only", "nosuchkernel"]) == 2  # an empty selection is not a pass
+    assert "no case matches" in capsys.readouterr().err
 
 
 def test_cli_gpu_matrix_runs_every_kernel_and_sm100_last(monkeypatch):

@@ -339,7 +339,8 @@ def _cpu_main(args, reason: str) -> int:
         for k in keys:
             print("  " + f"{k:<24}" + "".join(f"{summaries[a][k]:>10}" for a in archs))
         if not any(summaries[a][k] for a in archs for k in ("wgmma", "tcgen05", "cp.async.bulk.tensor")):
-            print("  (SM80-class mma.sync / ldmatrix / cp.async on every target: no wgmma, tcgen05 or TMA)")
+            print("  (the portable decode kernel: SM80-class mma.sync / ldmatrix / cp.async on every target; on a "
+                  "Blackwell GPU the tcgen05 decode kernel replaces it once its first-use self-check passes)")
 
     # the prefill kernels the GPU demo's section (c) would dispatch to, at a Llama-3-8B prefill shape:
     # SM90 TMA + wgmma kernel on sm_90a, the portable one on sm_100a

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 
 import torch
 
@@ -557,12 +558,21 @@ def _portable_choice(problem: PrefillProblem) -> KernelChoice:
     return KernelChoice(m, problem, m.default_tiles(problem, num_sms=num_sms()))
 
 
+_UNCHECKED_WARNED: set = set()
+
+
 def _first_use_passed(choice: KernelChoice, admit=None, portable=None) -> bool:
     """The SM100 choice and its sinks twin pass the first-use self-check (``admit``: the family's
     ``selfcheck.admit_*``, ``portable``: problem -> the portable kernel's choice; prefill's by default; checked
     here only on a GPU of the problem's arch, outside CUDA-graph capture; elsewhere only a known verdict admits
     it)."""
     if not _verdicts.enabled():
+        if choice.name not in _UNCHECKED_WARNED:  # trusted unchecked: say so once a kernel
+            _UNCHECKED_WARNED.add(choice.name)
+            warnings.warn(f"{_verdicts.SELFCHECK_ENV}=0: {choice.name} (never run on hardware by this package's "
+                          "tests) is used without its first-use self-check; unset it, or set "
+                          "CUTEDSL_ATTN_PREFILL_KERNEL / CUTEDSL_ATTN_DECODE_KERNEL=portable for verified kernels only",
+                          RuntimeWarning, stacklevel=3)
         return True
     admit = admit or _selfcheck.admit_prefill
     portable = portable or _portable_choice
