@@ -523,6 +523,63 @@ def test_plan_bad_scalars(kw, exc, match):
     _plan_raises(exc, match, **kw)
 
 
+@pytest.mark.parametrize("sm_scale", [-0.3, 0.0])
+def test_plan_sm_scale_of_any_sign(rec, sm_scale):
+    # as the prefill wrappers' plan(): the decode kernels scale the logits before the running max
+    p = problem(lens=(37, 3, 300, 16))
+    w, _ = planned(p, sm_scale=sm_scale)
+    w.run(p["q"], p["cache"], k_scale=2.0)
+    cfg, a = rec.last
+    assert cfg.name == "paged_decode" and a["sm_scale"] == sm_scale * 2.0
+    w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True)
+    w.plan(*plan_args(p), q_data_type=BF16, q_len_per_req=2, sm_scale=sm_scale)
+    w.run(p["q"].repeat_interleave(2, dim=0), p["cache"])
+    cfg, a = rec.last
+    assert cfg.name == "prefill_portable" and a["sm_scale"] == sm_scale  # the SM90 kernel needs sm_scale > 0
+    _plan_raises(ValueError, "sm_scale", sm_scale=1e39)  # finite in float32, as check_sm_scale
+    _plan_raises(TypeError, "sm_scale", sm_scale=True)
+    doc = ca.BatchDecodeWithPagedKVCacheWrapper.plan.__doc__
+    assert "of any sign" in doc
+
+
+def test_run_numpy_scales_are_reals(rec):
+    np = pytest.importorskip("numpy")
+    p = problem()
+    w, _ = planned(p, sm_scale=np.float32(0.25))
+    w.run(p["q"], p["cache"], q_scale=np.float64(2.0), k_scale=np.float32(0.5), v_scale=np.float32(3.0))
+    _, a = rec.last
+    assert a["sm_scale"] == 0.25 and a["output_scale"] == 3.0 and type(a["sm_scale"]) is float
+    for name in ("q_scale", "k_scale", "v_scale"):
+        with pytest.raises(TypeError, match=f"{name} must be a float"):
+            w.run(p["q"], p["cache"], **{name: True})
+    ca.single_decode_with_kv_cache(*_single(), k_scale=np.float32(0.5))
+    _, a = rec.last
+    assert a["sm_scale"] == 0.5 / 8
+
+
+def test_multirow_run_shapes_and_split_options(rec):
+    # q_len_per_req > 1: out / lse / the return are [B * q_len, ...]; the split options change no launch
+    p = problem(lens=(37, 3, 300, 16))
+    B, hq, d = p["q"].shape
+    q2 = p["q"].repeat_interleave(2, dim=0)
+    works = []
+    for kw in (dict(), dict(fixed_split_size=1), dict(disable_split_kv=True)):
+        w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True)
+        w.plan(*plan_args(p), q_data_type=BF16, q_len_per_req=2, **kw)
+        out, lse = w.run(q2, p["cache"], return_lse=True)
+        assert out.shape == (2 * B, hq, d) and lse.shape == (2 * B, hq)
+        works.append(rec.last[1]["work"].cpu())
+        o_buf, l_buf = torch.empty(2 * B, hq, d, dtype=BF16), torch.empty(2 * B, hq)
+        r = w.run(q2, p["cache"], out=o_buf, lse=l_buf, return_lse=True)
+        assert r[0] is o_buf and r[1] is l_buf
+        with pytest.raises(ValueError, match="out"):
+            w.run(q2, p["cache"], out=torch.empty(B, hq, d, dtype=BF16))
+    assert all(torch.equal(wk, works[0]) for wk in works)
+    plan_doc, run_doc = (getattr(ca.BatchDecodeWithPagedKVCacheWrapper, n).__doc__ for n in ("plan", "run"))
+    assert "With ``q_len_per_req > 1`` neither changes the schedule" in plan_doc
+    assert "[B * q_len_per_req, Hq, D]" in run_doc and "[B * q_len_per_req, Hq]" in run_doc
+
+
 def test_plan_positional_options_deprecated(rec):
     p = problem()
     w = ca.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")

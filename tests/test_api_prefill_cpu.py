@@ -232,8 +232,35 @@ def test_ctor_graph_mask_buffers_checked_when_given():
         Paged(ws(), "NHD", use_cuda_graph=True, **bufs)
 
 
-def test_graph_buffers_ignored_without_cuda_graph():
-    Ragged(ws(), "NHD", qo_indptr_buf=[1, 2])  # FlashInfer: only effective with use_cuda_graph
+@pytest.mark.parametrize("cls", WRAPPERS)
+def test_graph_buffers_ignored_without_cuda_graph(rec, cls):
+    # FlashInfer: the graph buffers take effect only with use_cuda_graph=True; without it they are neither checked
+    # (a list, a wrong dtype or length is accepted) nor written, and the launch is that of a wrapper without them
+    p = ragged_problem() if cls is Ragged else paged_problem()
+    names = ((("qo_indptr_buf", "kv_indptr_buf") if cls is Ragged else
+              ("qo_indptr_buf", "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf"))
+             + ("custom_mask_buf", "mask_indptr_buf"))
+    bufs = {n: torch.full((2,), -7, dtype=torch.int64) for n in names}
+    bufs["qo_indptr_buf"] = [1, 2]
+    mask = flat_mask(p["qo"], p["kv"])
+    launches = []
+    for kw in (bufs, {}):
+        w = cls(ws(), "NHD", **kw)
+        assert not w.is_cuda_graph_enabled
+        if cls is Ragged:
+            w.plan(*ragged_args(p), q_data_type=BF16, custom_mask=mask)
+            w.run(p["q"], p["k"], p["v"])
+        else:
+            w.plan(*paged_args(p), q_data_type=BF16, custom_mask=mask)
+            w.run(p["q"], p["cache"])
+        launches.append(rec.calls[-1][2])
+    with_bufs, without = launches
+    for n in names[1:]:
+        assert torch.equal(bufs[n], torch.full((2,), -7, dtype=torch.int64)), f"{n} was written"
+    assert bufs["qo_indptr_buf"] == [1, 2]
+    for field in ("work", "mask", "indices"):
+        assert torch.equal(getattr(with_bufs, field), getattr(without, field)), field
+        assert all(getattr(with_bufs, field) is not b for b in bufs.values())
 
 
 # ============================================================================= plan(): shared options

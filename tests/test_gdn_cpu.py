@@ -634,3 +634,98 @@ def test_api_plumbing_decode(emulated):
     with pytest.raises(ValueError, match="K-major"):  # a V-major state of a K != V problem
         api.gated_delta_rule_decode(q, k, v[..., :32].repeat(1, 1, 1, 4)[..., :128], torch.zeros(B, HV, 128, 64),
                                     A_log, a, dt_bias, b)
+
+
+# ---------------------------------------------------------------------------- decode scale and output checks
+def decode_inputs(B=2, H=2, K=64):
+    q, k, v = (torch.randn(B, 1, H, K).bfloat16() for _ in range(3))
+    return dict(q=q, k=k, v=v, state=torch.zeros(B, H, K, K), A_log=torch.zeros(H), a=torch.randn(B, 1, H),
+                dt_bias=torch.zeros(H), b=torch.randn(B, 1, H))
+
+
+DECODE_FNS = [api.gated_delta_rule_decode_pretranspose, api.gated_delta_rule_decode]
+
+
+@pytest.mark.parametrize("fn", DECODE_FNS)
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.5", True, torch.tensor(0.5)])
+def test_decode_scale_checked_as_prefill(fn, scale):
+    with pytest.raises(ValueError, match="scale must be a finite float"):
+        call(scale=scale)
+    with pytest.raises(ValueError, match="scale must be a finite float"):
+        fn(**decode_inputs(), scale=scale)
+
+
+@pytest.mark.parametrize("fn", DECODE_FNS)
+def test_decode_output_checked_as_prefill(fn):
+    kw = decode_inputs()
+    with pytest.raises(ValueError, match=r"output must be on cpu \(q's device\), got meta"):
+        fn(**kw, output=torch.empty(2, 1, 2, 64, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ValueError, match=r"output must be a contiguous \[B, T, HO, V\]"):
+        fn(**kw, output=torch.empty(2, 1, 2, 128, dtype=torch.bfloat16)[..., :64])
+    with pytest.raises(ValueError, match=r"output must be a contiguous .*bfloat16 tensor, got torch.float32"):
+        fn(**kw, output=torch.empty(2, 1, 2, 64))
+    with pytest.raises(ValueError, match=CUDA_ONLY):  # a good buffer reaches the device check
+        fn(**kw, output=torch.empty(2, 1, 2, 64, dtype=torch.bfloat16))
+
+
+def test_numpy_scale_and_max_seqlen_accepted():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match=CUDA_ONLY):
+        call(scale=np.float32(0.5), max_seqlen=np.int64(5))
+    with pytest.raises(ValueError, match=CUDA_ONLY):
+        call(max_seqlen=np.int32(8))
+    for fn in DECODE_FNS:
+        with pytest.raises(ValueError, match=CUDA_ONLY):
+            fn(**decode_inputs(), scale=np.float64(0.25))
+    for bad in (np.int64(2), np.float64(5.0), True, 5.0, "5"):
+        with pytest.raises(ValueError, match="max_seqlen must be an int"):
+            call(max_seqlen=bad)
+
+
+def test_api_plumbing_scales_reach_the_launch(emulated, monkeypatch):
+    np = pytest.importorskip("numpy")
+    seen = []
+    monkeypatch.setattr(api, "gdn_launch", lambda problem, args, device_index=None: seen.append(args.scale))
+    api.chunk_gated_delta_rule(**inputs(), scale=np.float32(0.5), max_seqlen=np.int64(5))
+    api.chunk_gated_delta_rule(**inputs(), scale=0)  # 0: FlashInfer's default 1 / sqrt(K)
+    for fn in DECODE_FNS:
+        fn(**decode_inputs(), scale=np.float32(0.25))
+        fn(**decode_inputs())
+    assert seen == [0.5, 0.125, 0.25, 0.125, 0.25, 0.125]
+    assert all(type(s) is float for s in seen)
+
+
+def test_prefill_kernel_choice_as_documented(emulated, monkeypatch):
+    # the docstring's routing: prefill -> chunked, decode -> recurrent, CUTEDSL_ATTN_GDN_KERNEL forces one;
+    # max_seqlen changes neither the problem nor the launch arguments
+    from cutedsl_attn.dispatch import gdn_choice
+    from cutedsl_attn.portable import gdn_chunked as chk
+    from cutedsl_attn.portable import gdn_recurrent as recur
+    planned = []
+    monkeypatch.setattr(api, "gdn_launch", lambda problem, args, device_index=None: planned.append((problem, args)))
+    kw = inputs()
+    api.chunk_gated_delta_rule(**kw)
+    api.chunk_gated_delta_rule(**kw, max_seqlen=5)
+    (p0, a0), (p1, a1) = planned
+    assert p0 == p1
+    for name, x in a0._asdict().items():
+        y = getattr(a1, name)
+        if name in ("q", "k", "v", "g", "beta", "cu_seqlens"):
+            assert torch.equal(x, y), name
+        elif isinstance(x, torch.Tensor):  # buffers allocated per call
+            assert x.shape == y.shape and x.dtype == y.dtype, name
+        else:
+            assert x == y, name
+    api.gated_delta_rule_decode_pretranspose(**decode_inputs())
+    pdec = planned[-1][0]
+    monkeypatch.delenv("CUTEDSL_ATTN_GDN_KERNEL", raising=False)
+    assert gdn_choice(p0)[0] is chk and gdn_choice(pdec)[0] is recur
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "recurrent")
+    assert gdn_choice(p0)[0] is recur
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "chunked")
+    assert gdn_choice(p0)[0] is chk
+    with pytest.raises(NotImplementedError, match="CUTEDSL_ATTN_GDN_KERNEL=chunked.*decode step"):
+        gdn_choice(pdec)
+    doc = api.chunk_gated_delta_rule.__doc__
+    for phrase in ("WY / UT form", "5e-3", "CUTEDSL_ATTN_GDN_KERNEL", "reaches neither kernel"):
+        assert phrase in doc, phrase

@@ -223,3 +223,38 @@ def test_kernel_launch_passes_output_scale_in_order():
     md.launch(lambda *a: got.append(a), None, args)
     assert got == [tuple(range(11)) + (0.3, 0.5, 7)]
     assert MlaArgs(*range(11), 0.3, 7).output_scale == 1.0
+
+
+def _xqa_mla_case(B=2, PS=32):
+    """xqa_mla's inputs on the CPU: fp8 e4m3 q and one combined cache (v_cache = k_cache), 128 heads."""
+    cache = (torch.randn(4, PS, D) / 4).to(torch.float8_e4m3fn)
+    return dict(q=torch.randn(B, 1, 128, D).to(torch.float8_e4m3fn), k_cache=cache, v_cache=cache,
+                page_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                seq_lens=torch.tensor([[40], [64]], dtype=torch.uint32),
+                output=torch.empty(B, 1, 128, 512, dtype=torch.bfloat16),
+                workspace_buffer=torch.zeros(1 << 26, dtype=torch.uint8),
+                semaphores=torch.zeros(64, dtype=torch.uint32), page_size=PS)
+
+
+def test_enable_pdl_true_is_not_served(cross, launched):
+    # as the decode entry points: PDL is refused, never accepted and ignored
+    with pytest.raises(NotImplementedError, match="enable_pdl=True is not supported"):
+        api.trtllm_batch_decode_with_kv_cache_mla(**_case(), enable_pdl=True)
+    with pytest.raises(NotImplementedError, match="enable_pdl=True is not supported"):
+        api.xqa_mla(**_xqa_mla_case(), enable_pdl=True)
+    assert launched == []
+    for pdl in (None, False):
+        api.trtllm_batch_decode_with_kv_cache_mla(**_case(), enable_pdl=pdl)
+        api.xqa_mla(**_xqa_mla_case(), enable_pdl=pdl)
+    assert len(launched) == 4
+
+
+def test_numpy_scales_are_reals(cross, launched):
+    np = pytest.importorskip("numpy")
+    api.trtllm_batch_decode_with_kv_cache_mla(**_case(), bmm1_scale=np.float32(0.25), bmm2_scale=np.float64(2.0))
+    api.xqa_mla(**_xqa_mla_case(), q_scale=np.float32(0.5), kv_scale=np.float32(0.25))
+    (_, _, a1), (_, _, a2) = launched
+    assert (a1.sm_scale, a1.output_scale) == (0.25, 2.0) and (a2.sm_scale, a2.output_scale) == (0.125, 0.25)
+    assert all(type(x) is float for x in (a1.sm_scale, a1.output_scale, a2.sm_scale, a2.output_scale))
+    with pytest.raises(TypeError, match="bmm1_scale"):
+        api.trtllm_batch_decode_with_kv_cache_mla(**_case(), bmm1_scale=True)

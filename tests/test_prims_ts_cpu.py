@@ -346,3 +346,48 @@ def test_wrapper_validation(rec):
         with pytest.raises(exc, match=match):
             w.run(*args, **kw)
     assert not rec.calls
+
+
+# ============================================================================= empty batch, dtype-argument names
+@pytest.mark.parametrize("sq", [1, 3])
+def test_one_shot_empty_batch_returns_an_empty_output(rec, sq):
+    # as trtllm_batch_decode_with_kv_cache on the same input: an empty output, nothing launched
+    p = problem(sq=sq)
+    q, table, lens = p["q"][:0], p["table"][:0], p["lens"][:0]
+    f = lambda **kw: ts.batch_decode_with_paged_kv_cache(q, p["cache"], table, lens, seq_len_q=sq, **kw)  # noqa
+    out = f()
+    assert out.shape == q.shape and out.dtype == BF16 and out.device == q.device
+    buf = torch.empty(q.shape, dtype=BF16)
+    assert f(out=buf, out_dtype=BF16) is buf
+    assert f(out_dtype=BF16).dtype == BF16
+    for kw, exc, match in [
+        (dict(out=torch.empty((1,) + tuple(q.shape[1:]), dtype=BF16)), ValueError, "out must have shape"),
+        (dict(out_dtype=FP16), NotImplementedError, "mixed dtypes"),
+        (dict(bmm1_scale=float("nan")), ValueError, "bmm1_scale"),
+        (dict(bmm2_scale="1"), TypeError, "bmm2_scale"),
+        (dict(mask_type="full"), ValueError, "mask_type"),
+    ]:
+        with pytest.raises(exc, match=match):
+            f(**kw)
+    from cutedsl_attn.api.trtllm import trtllm_batch_decode_with_kv_cache
+    ref = trtllm_batch_decode_with_kv_cache(q.reshape(0, 8, 64), tuple(p["cache"].unbind(1)),
+                                            torch.zeros(1 << 20, dtype=torch.uint8), table, lens, 128,
+                                            q_len_per_req=sq)
+    assert ref.shape == (0, 8, 64)
+    assert not rec.calls
+
+
+def test_plan_dtype_mismatch_names_the_arguments_passed(rec):
+    w = ts.BatchDecodePagedTSWrapper()
+    plan = lambda **kw: w.plan("cpu", 3, 8, 2, 64, 16, 128, q_data_type=BF16, **kw)  # noqa: E731
+    fp8 = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"v_data_type=torch.bfloat16 disagrees with k_data_type=torch.float8"):
+        plan(k_data_type=fp8, v_data_type=BF16)
+    with pytest.raises(ValueError, match=r"k_data_type=torch.float8_e4m3fn disagrees with kv_data_type"):
+        plan(kv_data_type=BF16, k_data_type=fp8)
+    with pytest.raises(ValueError, match=r"v_data_type=torch.float8_e4m3fn disagrees with kv_data_type"):
+        plan(kv_data_type=BF16, k_data_type=BF16, v_data_type=fp8)
+    plan(k_data_type=fp8, v_data_type=fp8)  # agreeing: an fp8 plan
+    assert w._plan["kv_dtype"] == fp8
+    plan(v_data_type=fp8)
+    assert w._plan["kv_dtype"] == fp8

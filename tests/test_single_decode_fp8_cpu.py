@@ -75,6 +75,22 @@ def test_fp8_scale_algebra(rec, kw, expect):
     assert math.isclose(a["output_scale"], expect[1], rel_tol=1e-12)
 
 
+def test_fp8_numpy_scales_are_reals(rec):
+    # numpy scalars are numbers.Real, as check_float and trtllm's scales take them; a bool is not a scale
+    np = pytest.importorskip("numpy")
+    q, k, v = _single()
+    ca.single_decode_with_kv_cache(q, k, v, sm_scale=np.float64(0.3), q_scale=np.float32(2.0),
+                                   k_scale=np.float32(0.5), v_scale=np.float16(4.0))
+    _, a = rec.last
+    assert math.isclose(a["sm_scale"], 0.3, rel_tol=1e-7) and a["output_scale"] == 4.0
+    assert type(a["sm_scale"]) is float and type(a["output_scale"]) is float
+    n = len(rec.calls)
+    for name in ("q_scale", "k_scale", "v_scale"):
+        with pytest.raises(TypeError, match=f"{name} must be a float"):
+            ca.single_decode_with_kv_cache(q, k, v, **{name: True})
+    assert len(rec.calls) == n
+
+
 def test_fp8_kv_16bit_kv_same_scales(rec):
     """The fp8 and the 16-bit cache fold the scales identically (only the cache type differs)."""
     kw = dict(sm_scale=0.2, q_scale=1.25, k_scale=0.4, v_scale=1.5)

@@ -546,3 +546,40 @@ def test_xqa_enable_pdl_must_be_bool(rec):
     with pytest.raises(TypeError, match="enable_pdl must be a bool"):
         xqa(**xqa_case(), enable_pdl="False")
     assert rec.calls == []
+
+
+# ----------------------------------------------------------------------------- multi_ctas_kv_counter_buffer, mask
+@pytest.mark.parametrize("entry", ["decode", "context"])
+def test_counter_buffer_type_checked_and_unused(rec, entry):
+    run = (lambda **kw: decode(**kw)) if entry == "decode" else (
+        lambda **kw: trtllm_batch_context_with_kv_cache(**ctx_case(), **kw))
+    with pytest.raises(TypeError, match="multi_ctas_kv_counter_buffer must be a torch.Tensor"):
+        run(multi_ctas_kv_counter_buffer="junk")
+    with pytest.raises(ValueError, match="multi_ctas_kv_counter_buffer is on meta"):
+        run(multi_ctas_kv_counter_buffer=torch.zeros(8, dtype=torch.int32, device="meta"))
+    assert rec.calls == []
+    buf = torch.full((8,), 7, dtype=torch.int32)
+    run(multi_ctas_kv_counter_buffer=buf)
+    run()
+    (_, _, with_buf), (_, _, without) = rec.calls
+    assert torch.equal(buf, torch.full((8,), 7, dtype=torch.int32))  # unused: never written
+    assert all(x is not buf for x in with_buf)
+    assert torch.equal(with_buf.work, without.work)
+
+
+def test_trtllm_gen_mask_with_rows_not_served(rec):
+    # FlashInfer uses mask on its xqa route only; its trtllm-gen kernel runs the rows causal whatever the mask
+    m = causal_mask_u16(4)
+    m[:, 3] = 1  # the last draft row sees draft token 0 only: not the causal block
+    with pytest.raises(NotImplementedError, match="backend='trtllm-gen'.*ignores mask"):
+        decode(q_len=4, mask=m, backend="trtllm-gen")
+    assert rec.calls == []
+    decode(q_len=4, backend="trtllm-gen")  # no mask: bottom-right causal, as FlashInfer's trtllm-gen
+    cfg, _ = rec.last
+    assert cfg.causal and not cfg.use_custom_mask
+    for backend in ("auto", "xqa"):  # xqa's semantics: the draft mask replaces the causal block
+        decode(q_len=4, mask=m, backend=backend)
+        cfg, _ = rec.last
+        assert cfg.use_custom_mask and not cfg.causal
+    decode(mask=m, backend="trtllm-gen")  # one row per request: mask ignored, as FlashInfer
+    assert rec.last[0].name == "paged_decode"

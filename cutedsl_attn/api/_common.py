@@ -127,16 +127,18 @@ def check_lse_options(lse_base, lse_layout) -> None:
 
 
 def run_scale(name: str, x, *, where: str = "") -> float:
-    """A ``q_scale``/``k_scale``/``v_scale``/``o_scale`` of ``run()``: None -> 1.0, else a finite Python
-    number (``TypeError`` for another type, ``ValueError`` for nan/inf); a tensor (fp8 calibration)
-    raises ``NotImplementedError`` (``where`` names the backend in that message)."""
+    """A ``q_scale``/``k_scale``/``v_scale``/``o_scale`` of ``run()``: None -> 1.0, else a finite real number
+    (Python or numpy, not a bool, as :func:`check_float`; ``TypeError`` for another type, ``ValueError`` for
+    nan/inf); a tensor (fp8 calibration) raises ``NotImplementedError`` (``where`` names the backend in that
+    message)."""
     import math
+    import numbers
 
     if x is None:
         return 1.0
     if isinstance(x, torch.Tensor):
         raise NotImplementedError(f"{name} as a tensor (fp8 calibration) is not supported{where}; pass a float")
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a float or None, got {type(x).__name__}")
     if not math.isfinite(float(x)):
         raise ValueError(f"{name} must be finite, got {x}")
@@ -152,13 +154,15 @@ def check_window_left(window_left) -> int:
 
 
 def check_sm_scale(sm_scale, head_dim_qk: int) -> float:
-    """The softmax scale of a prefill plan: None -> ``1/sqrt(head_dim_qk)`` (FlashInfer's default), else a
-    Python number that is finite in float32 (``TypeError`` / ``ValueError`` otherwise)."""
+    """The softmax scale of a prefill or decode plan: None -> ``1/sqrt(head_dim_qk)`` (FlashInfer's default), else
+    a real number (Python or numpy, not a bool) that is finite in float32, of any sign (``TypeError`` /
+    ``ValueError`` otherwise)."""
     import math
+    import numbers
 
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim_qk)
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
     scale = float(sm_scale)
     if not math.isfinite(scale) or abs(scale) > _FLOAT32_MAX:

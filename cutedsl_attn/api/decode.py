@@ -31,6 +31,7 @@ from ._common import (
     check_float,
     check_int,
     check_optional_bool,
+    check_sm_scale,
     check_tensor,
     check_window_left,
     csr_kv_lens,
@@ -235,7 +236,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             ``k_scale`` / ``v_scale`` at ``run()``; every ``q_len_per_req``; no ``ROPE_LLAMA`` at one row per
             request) (kv and o default to q; ``q_data_type`` defaults to float16; the deprecated ``data_type``, as
             in FlashInfer, only fills whichever of q/kv is unset).
-          sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+          sm_scale: softmax scale, default ``1/sqrt(head_dim)``: a real number (or a one-element tensor, read
+            to the host) finite in float32, of any sign, 0 included, as the prefill wrappers' ``plan()`` (the
+            decode kernels scale the logits before the running max; ``run()``'s ``q_scale * k_scale`` may be
+            negative too).
           rope_scale, rope_theta: RoPE parameters (defaults 1.0 and 1e4).
           block_tables, seq_lens: dense page table ``[B, max_pages]`` int32 and ``[B]`` lengths
             (tokens); used instead of the CSR arrays when given (then indptr/indices/last_page_len
@@ -248,6 +252,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             evened out within a request and rounded up to 16-token multiples; the split of a request
             does not depend on the rest of the batch).
           disable_split_kv: one CTA per (request, kv head), no split-KV.
+            With ``q_len_per_req > 1`` neither changes the schedule (still checked; they still keep the CuTe
+            DSL kernel over cuDNN): the multi-row path, the prefill kernel, never splits the KV, so its
+            results are batch-invariant anyway.
           q_len_per_req: query rows per request (speculative/MTP verify); > 1 needs
             ``use_tensor_cores=True`` (``ValueError`` otherwise, as FlashInfer), is bottom-right causal,
             requires every kv_len >= q_len_per_req (``ValueError``) and runs the prefill kernel.
@@ -255,7 +262,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             one row per request causal changes nothing).
 
         Raises:
-          TypeError, ValueError: malformed arguments (each message names the argument).
+          TypeError, ValueError: malformed arguments (each message names the argument), ``sm_scale`` not finite
+            in float32.
           NotImplementedError: mixed dtypes other than an e4m3 cache, head_dim, group > 16, window_right != 0,
             soft cap together with ALIBI (q_len_per_req > 1 runs the prefill kernel, which serves
             ROPE_LLAMA and ALIBI too); with backend="cudnn" (unless fixed_split_size / disable_split_kv
@@ -285,7 +293,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         page_size = check_int("page_size", page_size, 1)
         check_head_dim(head_dim)
         group = check_heads(num_qo_heads, num_kv_heads)
-        sm_scale = check_float("sm_scale", sm_scale, positive=True)
+        sm_scale = check_sm_scale(check_float("sm_scale", sm_scale, positive=False), head_dim)  # any sign
         rope_scale = check_float("rope_scale", rope_scale, positive=True)
         rope_theta = check_float("rope_theta", rope_theta, positive=True)
         if fixed_split_size is not None:
@@ -530,8 +538,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
             in the wrapper's ``kv_layout``; any strides with a contiguous last dim.
           q_scale, k_scale: multiply ``sm_scale``; v_scale: multiplies the output (in the kernel's fp32
             epilogue, before the rounding to q's dtype).  Floats.
-          out: optional ``[B, Hq, D]`` output in q's dtype (contiguous).
-          lse: optional ``[B, Hq]`` float32 (contiguous), base-2 log-sum-exp.
+          out: optional output in q's dtype (contiguous): ``[B, Hq, D]``, ``[B * q_len_per_req, Hq, D]`` (rows
+            of one request consecutive, as q) for a plan with ``q_len_per_req > 1``.
+          lse: optional float32 (contiguous) base-2 log-sum-exp: ``[B, Hq]``, ``[B * q_len_per_req, Hq]`` with
+            ``q_len_per_req > 1``.
           return_lse: also return the LSE.
           window_left: if given it must equal the planned value.
           sinks: optional float32 ``[num_qo_heads]`` per-head sink logits (natural log,
@@ -544,7 +554,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
           graph is not built yet cannot be captured (``RuntimeError``: run it once eagerly first).
 
         Returns:
-          ``out`` ``[B, Hq, D]``, or ``(out, lse)`` when ``return_lse``.
+          ``out`` ``[B, Hq, D]`` (``[B * q_len_per_req, Hq, D]``), or ``(out, lse)`` when ``return_lse``, ``lse``
+          ``[B, Hq]`` (``[B * q_len_per_req, Hq]``).
 
         Raises:
           RuntimeError: run before plan.  ValueError/TypeError: shape, dtype, device or layout

@@ -15,6 +15,7 @@ read back then).  Host (CPU) ``cu_seqlens`` / ``state_indices`` are checked with
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -197,6 +198,17 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
                            gate_domain="linear"):
     """Gated delta rule prefill over packed variable-length sequences (FlashInfer 0.7.2 / 0.7.4 signature).
 
+    Kernels (``backend="auto"`` / ``"cute"``): prefill runs the chunked kernel
+    (:mod:`cutedsl_attn.portable.gdn_chunked`, the WY / UT form over 64-token chunks, on every arch).  Its
+    tensor-core MMAs take the state rounded to 16 bits (q's dtype), so final states agree with a float64
+    reference to about 5e-3 relative, the tolerance FlashInfer's tests allow (the state is accumulated in fp32;
+    only its MMA operand copy is rounded).  The token-serial recurrent kernel serves the decode step
+    (:func:`gated_delta_rule_decode_pretranspose`, :func:`gated_delta_rule_decode`) and the rest of the
+    delta-rule family.  ``CUTEDSL_ATTN_GDN_KERNEL`` forces one: ``auto`` (the default, as above), ``chunked``
+    (NotImplementedError naming what it serves where it cannot serve the problem) or ``recurrent`` (this prefill
+    token by token on the recurrent kernel); opt-in variants are listed in :mod:`cutedsl_attn.dispatch.gdn`.
+    ``max_seqlen`` is checked and reaches neither kernel: both plan from ``cu_seqlens``.
+
     Args:
         q: ``[T, Hq, K]`` (or ``[1, T, Hq, K]``) bfloat16 / float16 CUDA tensor, last dim contiguous, other
             strides multiples of 8 elements.
@@ -205,7 +217,7 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
         g: ``[T, HO]`` float32 forget gate: alpha in [0, 1] (``gate_domain="linear"``) or log alpha
             (``"log"``); None = 1.
         beta: ``[T, HO]`` float32 write strength (post-sigmoid); None = 1.
-        scale: query scale; None or 0.0 = ``1 / sqrt(K)``.
+        scale: query scale, a finite real (Python or numpy, not a bool); None or 0.0 = ``1 / sqrt(K)``.
         initial_state: ``[N, HO, V, K]`` float32 / bfloat16 V-major, read-only (a pool ``[P, HO, V, K]`` with
             ``state_indices``); None = zeros.
         output_final_state: return ``(output, final_state)``; the final state is written whenever
@@ -225,7 +237,8 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
             :func:`cutedsl_attn.api.cudnn_linear.cudnn_chunk_gated_delta_rule`, which refuses state checkpoints,
             ``state_indices``, ``use_cp=True`` and ``_cp_chunk_len`` (NotImplementedError, before any call).
             FlashInfer's ``"flashinfer"`` and ``"cake_gdn"`` are not served (NotImplementedError).
-        max_seqlen: None or an int in ``[ceil(T / N), T]`` (checked; the kernels plan from ``cu_seqlens``).
+        max_seqlen: None or an int (Python or numpy, not a bool) in ``[ceil(T / N), T]``; checked, unused (the
+            kernels plan from ``cu_seqlens``).
         gate_domain: keyword-only, ``"linear"`` (FlashInfer) or ``"log"`` (fla).
 
     ``output`` and ``output_state`` must not overlap q, k, v, g, beta (nor ``output`` the states): the kernel
@@ -241,7 +254,7 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
             one sequence, not monotone), alpha outside [0, 1] with ``gate_domain="linear"``, overlapping
             states, ``output`` / ``output_state`` overlapping an input, duplicate or out-of-range
             ``state_indices``, ``output_final_state`` with ``state_indices`` but no ``output_state``, bad
-            ``backend`` / ``use_cp`` / ``gate_domain`` / ``max_seqlen``.
+            ``backend`` / ``use_cp`` / ``gate_domain`` / ``max_seqlen``, a ``scale`` that is not a finite real.
         NotImplementedError: head dims other than 64 / 128, ``use_cp=True``, state
             checkpoints, ``_cp_chunk_len``, ``backend="flashinfer"`` / ``"cake_gdn"``.
     """
@@ -341,9 +354,9 @@ def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     b3 = _gate("beta", beta, T, ho, nd, dev)
 
     n_seq, cu_dev = _cu_seqlens_arg(cu_seqlens, dev)
-    if max_seqlen is not None:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not (
-                -(-T // n_seq) <= max_seqlen <= max(T, 0) or T == 0):
+    if max_seqlen is not None:  # a Python or numpy int, not a bool
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral) or not (
+                -(-T // n_seq) <= int(max_seqlen) <= max(T, 0) or T == 0):
             raise ValueError(f"max_seqlen must be an int in [ceil(T / N), T] = [{-(-T // n_seq)}, {T}], got "
                              f"{max_seqlen!r}")
     scale = _scale_arg(scale, K)
@@ -396,11 +409,12 @@ def _cu_seqlens_arg(cu_seqlens, dev):
 
 
 def _scale_arg(scale, K):
-    if scale is None or scale == 0.0:
-        scale = 1.0 / math.sqrt(K)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    """The query scale: None or 0 -> ``1 / sqrt(K)``, else a finite real (Python or numpy, not a bool); ValueError
+    otherwise."""
+    if isinstance(scale, bool) or not (scale is None or isinstance(scale, numbers.Real)) or (
+            scale is not None and not math.isfinite(scale)):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
-    return float(scale)
+    return 1.0 / math.sqrt(K) if scale is None or scale == 0 else float(scale)
 
 
 def _states_arg(initial_state, output_state, output_final_state, state_indices, n_seq, ho, V, K, dev):
@@ -523,8 +537,8 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, s
         state: ``[B, HV, V, K]`` float32 / bfloat16, updated in place; None with ``initial_state``.
         A_log, dt_bias: ``[HV]`` float; a, b: ``[B, T, HV]`` float: ``alpha = exp(-exp(A_log) softplus(a +
             dt_bias))``, ``beta = sigmoid(b)`` (computed in fp32 before the kernel).
-        scale: query scale; None = ``1 / sqrt(K)``.
-        output: ``[B, T, HO, V]`` buffer, q's dtype; None = allocated.
+        scale: query scale, a finite real (Python or numpy, not a bool); None or 0.0 = ``1 / sqrt(K)``.
+        output: ``[B, T, HO, V]`` contiguous buffer of q's dtype on q's device; None = allocated.
         use_qk_l2norm: l2-normalise q and k in the kernel.
         initial_state: a pool ``[P, HV, V, K]`` (instead of ``state``), read at rows ``initial_state_indices``
             and written in place at rows ``output_state_indices`` (default: the same rows), unique; checking
@@ -536,7 +550,8 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, s
     Raises:
         TypeError / ValueError / NotImplementedError as :func:`chunk_gated_delta_rule`; TypeError when
         ``use_qk_l2norm`` is not a bool; ValueError when both or neither of ``state`` and ``initial_state`` are
-        given, or ``output`` / the state overlaps q, k, v (or ``output`` the state).
+        given, ``output`` / the state overlaps q, k, v (or ``output`` the state), ``scale`` is not a finite real,
+        or ``output`` has another shape, dtype or device or is not contiguous (the rules of the prefill's).
     """
     return _decode(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, initial_state,
                    initial_state_indices, output_state_indices, k_major=False)
@@ -560,15 +575,17 @@ def _decode(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, 
         raise NotImplementedError(f"gated delta rule decode: head dims K={K}, V={V} are not served; served: K, "
                                   f"V in {HEAD_DIMS}")
     ho = max(hq, hv)
+    scale = _scale_arg(scale, K)
     alpha, beta = _decode_gates(A_log, a, dt_bias, b, B, T, ho, q.device)
-    if output is not None:
+    if output is not None:  # prefill's rules (_output_arg): shape, q's dtype, contiguous, q's device
         _tensor("output", output)
-        if tuple(output.shape) != (B, T, ho, V):
-            raise ValueError(f"output must be [B, T, HO, V] = [{B}, {T}, {ho}, {V}], got {tuple(output.shape)}")
-        out_flat = output.view(B * T, ho, V)
+        if tuple(output.shape) != (B, T, ho, V) or output.dtype != q.dtype or not output.is_contiguous():
+            raise ValueError(f"output must be a contiguous [B, T, HO, V] = [{B}, {T}, {ho}, {V}] {q.dtype} tensor, "
+                             f"got {output.dtype} {tuple(output.shape)}")
+        _on("output", output, q.device)
     else:
         output = torch.empty(B, T, ho, V, device=q.device, dtype=q.dtype)
-        out_flat = output.view(B * T, ho, V)
+    out_flat = output.view(B * T, ho, V)
     inputs = [("q", q), ("k", k), ("v", v)]
     st_name, st_t = ("state", state) if state is not None else ("initial_state", initial_state)
     _no_alias("gated delta rule decode", [("output", output), (st_name, st_t)], inputs)
@@ -634,8 +651,8 @@ def _plan_in_place(flat, alpha, beta, cu, state, idx_in, idx_out, out_flat, scal
     if out_flat.dtype != q3.dtype or not out_flat.is_contiguous():
         raise ValueError(f"output must be contiguous with q's dtype {q3.dtype}")
     ho = max(hq, hv)
-    if scale is None or scale == 0.0:
-        scale = 1.0 / math.sqrt(K)
+    scale = _scale_arg(scale, K)
+    _on("output", out_flat, dev)
     _require_cuda(dev)
     flags = FLAG_HAS_G | FLAG_HAS_BETA | FLAG_HAS_INITIAL_STATE | FLAG_WRITE_STATE
     i_in = i_out = _dummy(dev, torch.int32)

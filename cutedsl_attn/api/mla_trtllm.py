@@ -20,6 +20,7 @@ synchronises with the device and cannot be captured in a CUDA graph; capture
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -37,6 +38,7 @@ _DTYPES = (torch.bfloat16, torch.float16)
 _E4M3 = torch.float8_e4m3fn
 MAX_PAGE_SIZE = 64
 XQA_MLA_HEADS = 128
+_PDL = "enable_pdl=True is not supported (no programmatic dependent launch yet); pass None or False"
 _SERVED = ("served: bf16 (or fp16) query and cache of one dtype, a bf16 / fp16 query over an fp8 e4m3 cache, "
            "or fp8 e4m3 query and cache (bf16 out); kv_lora_rank 512, qk_rope_head_dim 64, page sizes 1..64")
 
@@ -51,14 +53,14 @@ def _check_backend(backend) -> None:
 
 
 def _fused_scale(name: str, x) -> float:
-    """A finite float, or a one-element float32 tensor (read to the host)."""
+    """A finite real (Python or numpy, not a bool), or a one-element float32 tensor (read to the host)."""
     if isinstance(x, torch.Tensor):
         if x.dtype != torch.float32:
             raise TypeError(f"{name} tensor must have dtype torch.float32, got {x.dtype}")
         if x.numel() != 1:
             raise ValueError(f"{name} tensor must hold one value, got shape {tuple(x.shape)}")
         x = x.item()
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a float or a one-element float32 tensor, got {type(x).__name__}")
     if not math.isfinite(float(x)):
         raise ValueError(f"{name} must be finite, got {x}")
@@ -296,7 +298,8 @@ def trtllm_batch_decode_with_kv_cache_mla(
       return_lse_base: None or ``"base2"`` (base 2), ``"basee"`` (natural log).
       multi_ctas_kv_counter_buffer: optional zero-initialised contiguous buffer for the split-KV counters (left
         zero by the kernel); None: a fresh zeroed one per call.
-      enable_pdl, is_var_seq: accepted, no effect.
+      enable_pdl: None or False (True: NotImplementedError, no programmatic dependent launch here, as the
+        decode entry points).  is_var_seq: accepted, no effect.
       backend: ``"auto"`` or ``"cute"``; FlashInfer's other names raise NotImplementedError.
       sparse_mla_top_k (0), sinks, skip_softmax_threshold_scale_factor, uses_shared_paged_kv_idx (True),
       cute_dsl_impl / kv_scale_format ("auto"), cum_seq_lens_q, max_q_len, sparse_mla_top_k_lens, enable_dcp
@@ -309,14 +312,16 @@ def trtllm_batch_decode_with_kv_cache_mla(
     Raises:
       TypeError / ValueError: shapes, dtypes, devices, strides, page ids or lengths that disagree (the message
       names the argument and rule).  NotImplementedError: other head dims, dtype pairs (fp8 e5m2, an fp8
-      query over a 16-bit cache, fp32), page sizes, backends or options (the message says what is served).
+      query over a 16-bit cache, fp32), page sizes, backends or options, ``enable_pdl=True`` (the message says
+      what is served).
       All raised before any launch.
     """
     _check_backend(backend)
     for n, x in (("is_var_seq", is_var_seq), ("uses_shared_paged_kv_idx", uses_shared_paged_kv_idx),
                  ("return_lse", return_lse), ("enable_dcp", enable_dcp)):
         check_bool(n, x)
-    check_optional_bool("enable_pdl", enable_pdl)
+    if check_optional_bool("enable_pdl", enable_pdl):
+        raise NotImplementedError(_PDL)
     check_optional_bool("use_fp16_softmax", use_fp16_softmax)
     _not_served(sparse_mla_top_k=(sparse_mla_top_k, 0), sinks=(sinks, None),
                 skip_softmax_threshold_scale_factor=(skip_softmax_threshold_scale_factor, None),
@@ -382,12 +387,13 @@ def xqa_mla(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer,
       semaphores: a tensor on q's device; not used (the split-KV counters are fresh per call).
       page_size: 1..64 (FlashInfer's 128: NotImplementedError).
       q_scale, kv_scale: floats or one-element float32 tensors (read to the host).
-      sm_count: SMs the split-KV heuristic fills (None: the device's); enable_pdl: accepted, no effect.
+      sm_count: SMs the split-KV heuristic fills (None: the device's).
+      enable_pdl: None or False (True: NotImplementedError).
 
     Raises:
       TypeError / ValueError: dtypes, shapes, head count, devices, strides, page ids or lengths that disagree (the
       message names the argument and rule).  NotImplementedError: beam width > 1, page size 128, a ``v_cache``
-      with storage of its own.  All raised before any launch.
+      with storage of its own, ``enable_pdl=True``.  All raised before any launch.
     """
     check_tensor("q", q, ndim=4)
     dev = q.device
@@ -424,7 +430,8 @@ def xqa_mla(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer,
     q_sc = _fused_scale("q_scale", q_scale)
     kv_sc = _fused_scale("kv_scale", kv_scale)
     sms = None if sm_count is None else check_int("sm_count", sm_count, 1)
-    check_optional_bool("enable_pdl", enable_pdl)
+    if check_optional_bool("enable_pdl", enable_pdl):
+        raise NotImplementedError(_PDL)
     check_tensor("seq_lens", seq_lens)
     if seq_lens.dim() == 2 and seq_lens.shape[1] == 1:
         seq_lens = seq_lens[:, 0]

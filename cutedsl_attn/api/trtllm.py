@@ -197,6 +197,12 @@ def _unpack_spec_mask(mask, batch: int, q_len: int, kv_lens: torch.Tensor) -> to
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
 
 
+def _counter_buffer(buf, device) -> None:
+    """``multi_ctas_kv_counter_buffer``: None or a tensor on ``device`` (trtllm-gen's counters; unused here)."""
+    if buf is not None:
+        check_tensor("multi_ctas_kv_counter_buffer", buf, device=device)
+
+
 def _workspace(workspace_buffer, name: str = "workspace_buffer") -> torch.Tensor:
     check_tensor(name, workspace_buffer)
     return workspace_buffer.view(torch.uint8).reshape(-1)
@@ -258,10 +264,16 @@ def trtllm_batch_decode_with_kv_cache(
         cache: the two agree only when ``bmm2_scale == 1`` there).
       q_len_per_req: rows per request; > 1 is bottom-right causal (every seq_len >= q_len_per_req) and runs the
         prefill kernel.  mask: xqa's bit-packed uint16 draft mask ``[B, q_len, ceil(q_len/32)*2]`` for those rows
-        (see :func:`xqa`); None: causal.  Ignored for one row per request.
+        (see :func:`xqa`), replacing the causal draft block; None: causal.  Ignored for one row per request (as
+        FlashInfer).  FlashInfer uses ``mask`` on its xqa route only (``backend="xqa"``, and ``"auto"`` on SM90):
+        its trtllm-gen kernel ignores it and runs the rows bottom-right causal.  Here ``"auto"`` and ``"xqa"``
+        honour it on every arch (FlashInfer's ``"auto"`` on SM100 is trtllm-gen, which would not), and
+        ``backend="trtllm-gen"`` with a mask and several rows raises NotImplementedError rather than answer
+        differently from FlashInfer's trtllm-gen (pass ``mask=None`` for its causal rows).
       o_scale: must be 1.0 (it scales an fp8 output, not served).
       lse: optional fp32 ``[num_tokens, Hq]`` (written, base 2); return_lse: also return it.
-      multi_ctas_kv_counter_buffer: accepted, unused.
+      multi_ctas_kv_counter_buffer: None or a tensor on the query's device (``TypeError`` / ``ValueError``
+        otherwise, as FlashInfer documents it); accepted and unused: the split-KV merge keeps its own counters.
 
     Returns:
       ``out``, or ``(out, lse)`` when ``return_lse``.
@@ -274,7 +286,8 @@ def trtllm_batch_decode_with_kv_cache(
         (``kv_cache_sf``), ``o_scale != 1``, ``enable_pdl=True``, ``skip_softmax_threshold_scale_factor``,
         ``uses_shared_paged_kv_idx=False``, ``bmm1_scale_log2``, block-sparse attention, context-parallel decode
         (``cp_world``, ``causal_seqlens_kv_global``), ``bf16q_fp8kv_transform_mode``, ``request_order`` /
-        ``request_order_plan``, other dtypes.
+        ``request_order_plan``, other dtypes, ``mask`` with ragged queries, ``mask`` with several rows per
+        request and ``backend="trtllm-gen"``.
     """
     _not_capturing("trtllm_batch_decode_with_kv_cache")
     _check_bools(uses_shared_paged_kv_idx=uses_shared_paged_kv_idx, return_lse=return_lse,
@@ -340,10 +353,16 @@ def trtllm_batch_decode_with_kv_cache(
     _check_kv_dtype(k, query.dtype)
     _check_out_dtype(out_dtype, out, query.dtype)
     sinks = _check_sinks(sinks, hq, query.device)
+    _counter_buffer(multi_ctas_kv_counter_buffer, query.device)
     custom_mask = None
     if mask is not None and multirow:
         if q_len is None:
             raise NotImplementedError("mask with ragged queries (cum_seq_lens_q) is not supported")
+        if backend == "trtllm-gen":
+            raise NotImplementedError(
+                "mask with q_len_per_req > 1 and backend='trtllm-gen' is not supported: FlashInfer's trtllm-gen "
+                "ignores mask (its rows are bottom-right causal) and this package would apply it, a different "
+                "answer; pass mask=None for trtllm-gen's causal rows, or backend='xqa' / 'auto' for xqa's draft mask")
         custom_mask = _unpack_spec_mask(mask, B, q_len, kv_lens)
     return _run_paged(query, k, v, kv_layout=kv_layout, block_tables=block_tables, kv_lens=kv_lens, q_lens=q_lens,
                       page_size=page_size, sm_scale=sm_scale, output_scale=output_scale, window_left=window_left,
@@ -473,7 +492,8 @@ def trtllm_batch_context_with_kv_cache(
         with ``seq_lens``.
       window_left: inclusive left window (needs ``causal``).  causal: bottom-right (default True).
       out, out_dtype, sinks, lse, return_lse: as :func:`trtllm_batch_decode_with_kv_cache`.
-      backend: ``"trtllm-gen"`` or ``"cake"`` (both this package's kernel).  multi_ctas_kv_counter_buffer: unused.
+      backend: ``"trtllm-gen"`` or ``"cake"`` (both this package's kernel).
+      multi_ctas_kv_counter_buffer: None or a tensor on the query's device; accepted and unused (no split-KV).
 
     Returns:
       ``out``, or ``(out, lse)`` when ``return_lse``.
@@ -527,6 +547,7 @@ def trtllm_batch_context_with_kv_cache(
     _check_kv_dtype(k, query.dtype, fp8_unserved_in="trtllm_batch_context_with_kv_cache")
     _check_out_dtype(out_dtype, out, query.dtype)
     sinks = _check_sinks(sinks, query.shape[1], query.device)
+    _counter_buffer(multi_ctas_kv_counter_buffer, query.device)
     qo_indptr = cq
     hq = query.shape[1]
     w = BatchPrefillWithPagedKVCacheWrapper(_workspace(workspace_buffer), kv_layout, backend="cute")

@@ -290,12 +290,13 @@ class BatchDecodePagedTSWrapper:
         check_kv_layout(self._kv_layout)
         wl = check_mask(mask_type, window_left)
         q_dt = canonical_dtype("q_data_type", q_data_type) or torch.float16
-        kv_dt = canonical_dtype("kv_data_type", kv_data_type)
+        kv_dt, kv_name = canonical_dtype("kv_data_type", kv_data_type), "kv_data_type"
         for n, x in (("k_data_type", k_data_type), ("v_data_type", v_data_type)):
             x = canonical_dtype(n, x)
-            if x is not None and kv_dt is not None and x != kv_dt:
-                raise ValueError(f"{n}={x} disagrees with kv_data_type={kv_dt}")
-            kv_dt = kv_dt or x
+            if x is not None and kv_dt is not None and x != kv_dt:  # name the argument that set kv_dt
+                raise ValueError(f"{n}={x} disagrees with {kv_name}={kv_dt} (K and V must have one dtype)")
+            if kv_dt is None and x is not None:
+                kv_dt, kv_name = x, n
         kv_dt = kv_dt or q_dt
         o_dt = canonical_dtype("o_data_type", o_data_type) or q_dt
         _check_dtypes(q_dt, kv_dt, o_dt)
@@ -540,7 +541,8 @@ def batch_decode_with_paged_kv_cache(
       kv_scale_factors, page_size, split_kv, workspace_buffer, max_kv_len, validate: FlashInfer 0.7.4's extras:
         ``kv_scale_factors`` must be None; ``page_size`` must match the cache's; ``max_kv_len`` bounds the lengths.
 
-    Returns: the attention output, shaped as q.
+    Returns: the attention output, shaped as q (an empty batch, ``B = 0``, returns an empty one, ``out`` when
+    given, after the same checks).
 
     Raises:
       TypeError / ValueError: malformed arguments (each named), a mask / window / length rule broken.
@@ -599,6 +601,13 @@ def batch_decode_with_paged_kv_cache(
             b = int((host < q_lens).nonzero()[0])
             raise ValueError(f"mask_type='causal' needs q_len <= kv_len per request; request {b} has q_len "
                              f"{int(q_lens[b])} > kv_len {int(host[b])}")
+    if B == 0:  # nothing to launch (a zero-size grid is not launchable): an empty output, as trtllm's decode
+        check_scale("bmm1_scale", bmm1_scale, default=1.0 / math.sqrt(D))
+        check_scale("bmm2_scale", bmm2_scale)
+        if out is None:
+            return torch.empty(q.shape, dtype=o_dt, device=dev)
+        check_tensor("out", out, shape=q.shape, dtype=o_dt, device=dev)
+        return out
     w = BatchDecodePagedTSWrapper(kv_layout)
     w._graph = False  # one call: no padded CUDA-graph grid, split-KV tiles as the decode wrapper plans them
     w.plan(dev, B, Hq, hkv, D, ps, max_kv, max_seq_len_q=sq, packed_query=packed, q_data_type=q.dtype,
