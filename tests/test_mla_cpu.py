@@ -393,3 +393,25 @@ def test_launch_traces_as_the_custom_op(monkeypatch):
     torch._dynamo.reset()
     r = torch.compile(f, backend="aot_eager", fullgraph=True)(torch.zeros(2, 16, 512))
     assert seen == [0.5] and torch.equal(r, torch.full((2, 16, 512), 2.0))
+
+
+
+def test_numpy_scalars_are_real_numbers():
+    """A numpy float passes every check a Python float passes (MLA's sm_scale; bools stay refused)."""
+    import numpy as np
+
+    from cutedsl_attn.api import mla
+
+    def plan(scale):
+        w = mla.BatchMLAPagedAttentionWrapper(torch.empty(8, dtype=torch.uint8))
+        i32 = dict(dtype=torch.int32)
+        return w.plan(torch.tensor([0, 1], **i32), torch.tensor([0, 1], **i32), torch.tensor([0], **i32),
+                      torch.tensor([1], **i32), 16, 512, 64, 1, False, scale, torch.bfloat16, torch.bfloat16)
+
+    for bad in (True, np.float32("nan"), "0.1"):
+        with pytest.raises(ValueError, match="sm_scale"):
+            plan(bad)
+    try:
+        plan(np.float32(0.1))
+    except Exception as e:  # noqa: BLE001 -- a later check (no GPU here) may stop it, never the scale's
+        assert "sm_scale" not in str(e), e

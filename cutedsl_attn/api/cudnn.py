@@ -39,6 +39,7 @@ SM90; verified on an NVIDIA H200 against the float64 oracle.
 
 from __future__ import annotations
 
+import numbers
 
 import torch
 
@@ -139,7 +140,7 @@ def plan_wrapper(w, *, qo_h, kv_lens, kv_starts, total_kv, page_size, flat_indic
     if use_fp16_qk_reduction:
         raise NotImplementedError("use_fp16_qk_reduction=True is not supported by backend='cudnn'")
     if logits_soft_cap is not None:
-        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, (int, float)):
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
             raise TypeError(f"logits_soft_cap must be a float or None, got {type(logits_soft_cap).__name__}")
         if logits_soft_cap != 0:
             raise NotImplementedError("logits_soft_cap (soft cap) is not supported by backend='cudnn'")

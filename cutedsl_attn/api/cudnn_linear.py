@@ -16,6 +16,7 @@ Every argument check runs before the frontend is imported.
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 
 import torch
@@ -295,7 +296,7 @@ def cudnn_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                          f"{tuple(q.shape)}")
     if use_gate_in_kernel and (A_log is None or dt_bias is None):
         raise ValueError(f"{op}: use_gate_in_kernel requires both A_log and dt_bias")
-    if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and lower_bound < 0):
+    if lower_bound is not None and not (isinstance(lower_bound, numbers.Real) and not isinstance(lower_bound, bool) and lower_bound < 0):
         raise ValueError(f"{op}: lower_bound must be a negative float, got {lower_bound!r}")
     out_shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
     for name, x in (("k", k), ("v", v), ("g", g)):

@@ -22,6 +22,7 @@ one device-to-host copy a call and are skipped inside a CUDA graph capture.  The
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -376,7 +377,7 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
                                       "serves them")
     if use_gate_in_kernel and (A_log is None or dt_bias is None):
         raise ValueError(f"{op}: use_gate_in_kernel requires both A_log and dt_bias")
-    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real)
                                     or not lower_bound < 0):
         raise ValueError(f"{op}: lower_bound must be a negative float (the safe gate's bound), got {lower_bound!r}")
     if disable_state_update and output_final_state:
@@ -437,7 +438,7 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
     n_seq, cu_dev = _g._cu_seqlens_arg(cu_seqlens, dev)
     if scale is None:
         scale = 1.0 / math.sqrt(K)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be a finite float, got {scale!r}")
     h_src = initial_state if initial_state_source is None else initial_state_source
     st = _g._state("initial_state", initial_state, hv, V, K, dev)

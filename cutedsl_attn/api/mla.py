@@ -12,6 +12,7 @@ split-KV merged in the same launch) on SM90 and, cross-compiled only, SM100/SM10
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -144,7 +145,7 @@ class BatchMLAPagedAttentionWrapper:
             raise NotImplementedError(f"page_size={page_size} is not supported; MLA serves page sizes "
                                       f"1..{MAX_PAGE_SIZE}")
         check_bool("causal", causal)
-        if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) or not math.isfinite(sm_scale):
             raise ValueError(f"sm_scale must be a finite float, got {sm_scale!r}")
         q_dt = _check_dtype("q_data_type", q_data_type)
         kv_dt = _check_dtype("kv_data_type", kv_data_type)
