@@ -13,9 +13,10 @@ call); peers are timed through their public functions.  The HBM bound is the byt
 gates, o, the final state) at the measured read bandwidth.  ``--recurrent`` also times the token-serial
 recurrent kernel (the decode kernel) on the prefill rows.
 
-Usage: python perf/bench_gdn.py [--quick] [--out DIR] [--tiles "tv,warps,prefetch,lanes;..."]
+Usage: python perf/bench_gdn.py [--quick] [--out DIR] [--tiles "tv,warps,prefetch,lanes;..."] [--sm90 ["tv,stages;..."]]
 (peers are skipped cleanly when not importable; ``--tiles`` also times those recurrent-kernel tiles on the
-prefill rows, ``ours_<tiles>_ms``, next to the default's).
+prefill rows, ``ours_<tiles>_ms``, next to the default's; ``--sm90`` times the opt-in SM90 chunked kernel,
+its default tiles or those given, ``sm90_<tile_v>x<stages>_ms``, and its output's error against the default's).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from cutedsl_attn.dispatch import gdn_choice, gdn_launch  # noqa: E402
 from cutedsl_attn.compile import get_compiled  # noqa: E402
 from cutedsl_attn.portable import gdn_chunked as chk  # noqa: E402
 from cutedsl_attn.portable import gdn_recurrent as rec  # noqa: E402
+from cutedsl_attn.sm90 import gdn_chunked as chk90  # noqa: E402
 from cutedsl_attn.timing import KernelTimer, read_bandwidth  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -96,7 +98,7 @@ def prefill_bytes(B, L, hqk, hv):
     return T * (2 * hqk * D * 2 + hv * D * 2 + hv * D * 2 + 2 * hv * 4) + B * hv * D * D * 4
 
 
-def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, chunked_tiles=()):
+def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, chunked_tiles=(), sm90_tiles=()):
     rows = []
     for name in rows_wanted:
         B, L, hqk, hv = PREFILL[name]
@@ -119,6 +121,15 @@ def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, c
             c2 = chk.Config(problem, chk.Tiles(tile_v=tv, num_warps=nw))
             fn = get_compiled(chk.NAME, c2, chk.compile)
             row[f"chunked_{tv}x{nw}_ms"] = timer(lambda: chk.launch(fn, c2, args), reps=10) * 1e3
+        for tv, ns in sm90_tiles:  # the opt-in SM90 chunked kernel; (0, 0): its default tiles
+            t90 = chk90.default_tiles(problem, num_sms=132, chains=B * max(hqk, hv)) if tv == 0 else \
+                chk90.Tiles(tile_v=tv, num_stages=ns)
+            c4 = chk90.Config(problem, t90)
+            fn = get_compiled(chk90.NAME, c4, chk90.compile)
+            key = f"sm90_{t90.tile_v}x{t90.num_stages}"
+            row[key + "_ms"] = timer(lambda: chk90.launch(fn, c4, args), reps=10) * 1e3
+            row[f"rel_err_{key}_vs_default_o"] = rel(o, o_default)
+            gdn_launch(problem, args)  # the default kernel's outputs again for the peers' comparisons
         if recurrent and name in ("b", "c"):
             c3 = rec.Config(problem, rec.default_tiles(problem, num_sms=132))
             fn = get_compiled(rec.NAME, c3, rec.compile)
@@ -235,18 +246,22 @@ def main():
     ap.add_argument("--tiles", default="", help="extra recurrent tiles 'tile_v,num_warps,prefetch,lanes;...'")
     ap.add_argument("--chunked-tiles", default="", help="extra chunked tiles 'tile_v,num_warps;...'")
     ap.add_argument("--recurrent", action="store_true", help="also time the recurrent kernel on rows (b), (c)")
+    ap.add_argument("--sm90", nargs="?", const="default", default="",
+                    help="also time the SM90 chunked kernel: its default tiles, or 'tile_v,num_stages;...'")
     ap.add_argument("--rows", default="", help="prefill rows, e.g. 'a,c' (default: all)")
     ap.add_argument("--no-decode", action="store_true")
     a = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in a.tiles.split(";") if v.strip()]
     ctiles = [tuple(int(x) for x in v.split(",")) for v in a.chunked_tiles.split(";") if v.strip()]
+    sm90 = [(0, 0)] if a.sm90 == "default" else [tuple(int(x) for x in v.split(",")) for v in a.sm90.split(";")
+                                                  if v.strip()]
     torch.manual_seed(0)
     timer = KernelTimer(DEV)
     bw = read_bandwidth(timer)
     print(f"read bandwidth {bw / 1e12:.3f} TB/s")
     found = peers()
     rows = a.rows.split(",") if a.rows else (["c"] if a.quick else list(PREFILL))
-    prefill = bench_prefill(timer, found, rows, bw, variants, a.recurrent, ctiles)
+    prefill = bench_prefill(timer, found, rows, bw, variants, a.recurrent, ctiles, sm90)
     decode = [] if a.no_decode else bench_decode(timer, found, DECODE_B[:1] if a.quick else DECODE_B)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_gdn.json"), "w") as fh:
@@ -254,7 +269,8 @@ def main():
     print(table(prefill, decode))
     for r in prefill:  # the kernel chosen, tile variants and the recurrent kernel, if any
         extra = {k: round(v, 4) for k, v in r.items()
-                 if (k.startswith(("ours_", "chunked_", "recurrent")) or k.startswith("rel_err")) and k != "ours_ms"}
+                 if (k.startswith(("ours_", "chunked_", "sm90_", "recurrent")) or k.startswith("rel_err"))
+                 and k != "ours_ms"}
         print(f"({r['row']}) {r['kernel']} {r['ours_ms']:.3f} ms; {extra}")
 
 

@@ -206,7 +206,8 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     (:func:`gated_delta_rule_decode_pretranspose`, :func:`gated_delta_rule_decode`) and the rest of the
     delta-rule family.  ``CUTEDSL_ATTN_GDN_KERNEL`` forces one: ``auto`` (the default, as above), ``chunked``
     (NotImplementedError naming what it serves where it cannot serve the problem) or ``recurrent`` (this prefill
-    token by token on the recurrent kernel); opt-in variants are listed in :mod:`cutedsl_attn.dispatch.gdn`.
+    token by token on the recurrent kernel); ``chunked_sm90`` opts in to the SM90 wgmma main kernel (never run
+    on a GPU yet, so never chosen by ``auto``; see :mod:`cutedsl_attn.dispatch.gdn`).
     ``max_seqlen`` is checked and reaches neither kernel: both plan from ``cu_seqlens``.
 
     Args:

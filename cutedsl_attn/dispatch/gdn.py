@@ -4,9 +4,11 @@ its public names).
 GDN prefill (scalar gates, a V-major state) runs the chunked kernel (:mod:`cutedsl_attn.portable.gdn_chunked`) on
 every arch; the decode step, GDN-2, Gated DeltaProduct, KDA and a K-major state run the token-serial recurrent
 kernel (its variants chosen by GdnProblem fields).  ``CUTEDSL_ATTN_GDN_KERNEL`` = ``auto`` (default) /
-``chunked`` / ``recurrent`` forces one (``chunked`` raises NotImplementedError naming what it serves when it
-cannot serve the problem); ``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's tiles
-(its ``TUNING_FIELDS``).  Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked or
+``chunked`` / ``chunked_sm90`` / ``recurrent`` forces one (``chunked`` and ``chunked_sm90`` raise
+NotImplementedError naming what they serve when they cannot serve the problem); ``chunked_sm90`` is the opt-in
+SM90 wgmma main kernel (:mod:`cutedsl_attn.sm90.gdn_chunked`), never chosen by ``auto``.
+``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's tiles (its ``TUNING_FIELDS``).
+Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked, cutedsl_attn::gdn_chunked_sm90 or
 cutedsl_attn::gdn_recurrent (by the kernel chosen); eager calls launch directly.
 """
 
@@ -22,19 +24,20 @@ from ..compile import get_compiled, target_arch
 from ..planning.gdn import GdnArgs, GdnProblem
 from ..portable import gdn_chunked as _chunked
 from ..portable import gdn_recurrent as _rec
+from ..sm90 import gdn_chunked as _chunked_sm90
 from . import _override, _parse_tune, num_sms
 
 GDN_KERNEL_ENV = "CUTEDSL_ATTN_GDN_KERNEL"
 GDN_TUNE_ENV = "CUTEDSL_ATTN_GDN_TUNE"
-_GDN_KERNELS = ("auto", "chunked", "recurrent")
+_GDN_KERNELS = ("auto", "chunked", "chunked_sm90", "recurrent")
 
 _GDN_FIELDS = tuple(f.name for f in dataclasses.fields(GdnProblem))
 
 
 def gdn_choice(problem: GdnProblem, *, device_index: int | None = None, chains: int | None = None):
     """``(kernel module, config)`` serving ``problem``: the chunked kernel where it applies (prefill of GDN), the
-    recurrent kernel otherwise, unless ``CUTEDSL_ATTN_GDN_KERNEL`` forces one.  ``chains``: N * HO of the launch
-    (the default tiles depend on it; None: a large launch).
+    recurrent kernel otherwise, unless ``CUTEDSL_ATTN_GDN_KERNEL`` forces one (``chunked_sm90`` only that way).
+    ``chains``: N * HO of the launch (the default tiles depend on it; None: a large launch).
 
     Raises NotImplementedError naming what is served when no kernel (or not the forced one) serves the problem;
     ValueError for a bad ``CUTEDSL_ATTN_GDN_KERNEL`` / ``CUTEDSL_ATTN_GDN_TUNE``.
@@ -43,7 +46,12 @@ def gdn_choice(problem: GdnProblem, *, device_index: int | None = None, chains: 
     if forced not in _GDN_KERNELS:
         raise ValueError(f"{GDN_KERNEL_ENV} must be one of {_GDN_KERNELS}, got {forced!r}")
     module = None
-    if forced != "recurrent":
+    if forced == "chunked_sm90":
+        reason = _chunked_sm90.unsupported_reason(problem)
+        if reason is not None:
+            raise NotImplementedError(f"gated delta rule ({GDN_KERNEL_ENV}=chunked_sm90): {reason}")
+        module = _chunked_sm90
+    elif forced != "recurrent":
         reason = _chunked.unsupported_reason(problem)
         if reason is None:
             module = _chunked
@@ -84,7 +92,7 @@ def _gdn_fake(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices
 # the state pool may be both initial_state and output_state (an in-place update): both are declared mutated
 _MUTATES = ("initial_state", "output_state", "output")
 _OPS = {}
-for _name in ("gdn_recurrent", "gdn_chunked"):
+for _name in ("gdn_recurrent", "gdn_chunked", "gdn_chunked_sm90"):
     _OPS[_name] = torch.library.custom_op(f"cutedsl_attn::{_name}", _gdn_op, mutates_args=_MUTATES)
     _OPS[_name].register_fake(_gdn_fake)
 

@@ -1,0 +1,585 @@
+"""Chunked gated delta rule (GDN) prefill for SM90 (Hopper): the portable prep kernel, then a main kernel on
+``wgmma`` with the fp32 state in a consumer warpgroup's accumulator registers.
+
+Per chunk of ``C = 64`` tokens (the prep kernel's scratch, :mod:`cutedsl_attn.common.gdn_prep`: ``W``, ``U``,
+``Aqk`` in the io dtype, the fp32 row factors ``qf = scale rq gamma``, ``kf = rk gamma_last / gamma`` and
+``gamma_last``), each consumer warpgroup owns 64 state rows ``S [64 (V), K]`` and computes, transposed so that
+every product has the state rows as its M dimension::
+
+    X^T  = S W^T                       (M = 64 state rows, N = C, k = K; A = S from registers)
+    Y^T  = S Q^T                       (the same, B = Q)
+    V'^T = U^T - X^T                   (registers)
+    O^T  = Y^T diag(qf) + V'^T Aqk^T   (A = V'^T from registers, B = Aqk)
+    S   <- gamma_last S + (V'^T diag(kf)) K   (A from registers, B = K read MN-major)
+
+so ``S`` (rounded to the io dtype for the MMA, as fla and FlashInfer do), ``V'^T`` and ``V'^T diag(kf)`` are
+A operands straight from the accumulator registers (the accumulator and the 16-bit A fragment share their
+register order) and no state copy goes through shared memory.  Per chunk a warpgroup issues
+``2 K / 16 + 2 C / 16`` wgmma instructions (24 at K = 128).
+
+The CTA is a producer warpgroup (``cp.async`` of the next chunks' q / k rows, zero past the sequence, and of the
+scratch blocks into the 128-byte-swizzled layouts wgmma reads, on a ring of ``num_stages`` stages with
+mbarriers) and ``tile_v / 64`` consumer warpgroups; one CTA per (V-slice of ``tile_v`` rows, output head,
+sequence).  A sequence of length 0 writes its initial state (zeros without one) as its final state.  Each CTA
+reads its state slice before it writes it and no two CTAs share one, so an in-place pool update is race-free.
+Served: what the portable chunked kernel serves (GDN, scalar gates, K and V in 64 / 128, a V-major fp32 / bf16
+state), compiled for ``sm_90a`` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.memory
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common import ptx
+from ..common.dtypes import element_type
+from ..common.gdn_prep import PREP_THREADS, GdnPrep, prep_smem_bytes, row_pitches
+from ..compile.arch import compile_options
+from ..compile.tiles import override_int_fields
+from ..planning.gdn import (
+    CHUNK, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE, GdnArgs,
+    GdnProblem, plan_chunks,
+)
+
+NAME = "gdn_chunked_sm90"
+ARCH = "sm_90a"
+SMEM_LIMIT = 227 * 1024
+# two consumer warpgroups: registers a thread after setmaxnreg (one consumer warpgroup: 256 threads, no rebalancing)
+CONSUMER_REGS = 232
+PRODUCER_REGS = 40  # the cp.async address arithmetic of rolled loops
+
+_inline = cute.arch.inline_ptx
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """What the SM90 chunked kernel's main CTA chooses: ``tile_v`` state rows (V-slice) it owns, 64 per consumer
+    warpgroup (64 or 128), and ``num_stages`` of the chunk ring (2 or 3).
+
+    Raises TypeError for a non-int field, ValueError for another value.
+    """
+
+    tile_v: int = 128
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("tile_v", "num_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if self.tile_v not in (64, 128):
+            raise ValueError(f"tile_v must be 64 or 128, got {self.tile_v}")
+        if self.num_stages not in (2, 3):
+            raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
+
+
+TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
+
+
+def unsupported_reason(problem: GdnProblem) -> str | None:
+    """Why the SM90 chunked kernel cannot serve ``problem``, or None.  It serves GDN prefill (scalar gates, one
+    update a token, a V-major state, K and V in 64 / 128) on ``sm_90a``; the portable chunked kernel serves the
+    same problems on every arch, the recurrent kernel the rest of the family.
+
+    Raises TypeError when ``problem`` is not a GdnProblem.
+    """
+    if not isinstance(problem, GdnProblem):
+        raise TypeError(f"problem must be a GdnProblem, got {type(problem).__name__}")
+    if problem.arch != ARCH:
+        return (f"arch {problem.arch}: the SM90 chunked kernel is built for {ARCH} only (the portable chunked "
+                "kernel serves GDN prefill on every arch)")
+    if problem.gate_per_channel or problem.erase_write_gates or problem.num_householder != 1:
+        return "the SM90 chunked kernel serves GDN (scalar gates, one update a token) only"
+    if problem.state_k_major:
+        return "the SM90 chunked kernel reads and writes a V-major state only"
+    if problem.decode:
+        return "the decode step (a few tokens a sequence) runs the recurrent kernel"
+    if problem.head_dim_k not in (64, 128) or problem.head_dim_v not in (64, 128):
+        return f"head dims {problem.head_dim_k}/{problem.head_dim_v}: served K, V in 64, 128"
+    return None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The SM90 chunked kernel's compile key: ``Config(problem, tiles)``.
+
+    Raises TypeError for a ``tiles`` of another type, ValueError with :func:`unsupported_reason`'s reason, when
+    ``tile_v`` does not divide ``head_dim_v`` or the ring exceeds shared memory.
+    """
+
+    problem: GdnProblem
+    tiles: Tiles
+
+    def __post_init__(self):
+        if not isinstance(self.tiles, Tiles):
+            raise TypeError(f"tiles must be a gdn_chunked_sm90 Tiles, got {type(self.tiles).__name__}")
+        reason = unsupported_reason(self.problem)
+        if reason is not None:
+            raise ValueError(f"the SM90 chunked GDN kernel cannot serve this problem: {reason}")
+        if self.problem.head_dim_v % self.tiles.tile_v:
+            raise ValueError(f"tile_v {self.tiles.tile_v} must divide head_dim_v {self.problem.head_dim_v}")
+        if self.main_smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"tile_v {self.tiles.tile_v} x num_stages {self.tiles.num_stages} needs "
+                             f"{self.main_smem_bytes} B of shared memory (> {SMEM_LIMIT})")
+
+    @property
+    def arch(self) -> str:
+        return self.problem.arch
+
+    @property
+    def num_wg(self) -> int:
+        """Consumer warpgroups: 64 state rows each."""
+        return self.tiles.tile_v // 64
+
+    @property
+    def row_u(self) -> int:
+        """Bytes per shared row of U's V-slice (16-byte pad: the lanes' column reads hit distinct banks)."""
+        return 2 * self.tiles.tile_v + 16
+
+    @property
+    def stage_bytes(self) -> int:
+        c, k = CHUNK, self.problem.head_dim_k
+        return 3 * c * k * 2 + c * c * 2 + c * self.row_u + 3 * c * 4
+
+    @property
+    def main_smem_bytes(self) -> int:
+        """The ring (each swizzled buffer 1 KiB aligned), the mbarriers and the allocator's alignment slack."""
+        return self.tiles.num_stages * self.stage_bytes + 2 * 1024
+
+
+def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
+    """The default tiles for ``chains`` = N * HO (sequence, head) chains on ``num_sms`` SMs (None: many).  Not
+    yet measured; the rule sizes the CTA to the parallelism:
+
+    ====================================  =====================================================================
+    ``head_dim_v == 64``                  64 state rows (one consumer warpgroup)
+    ``head_dim_k == 64``                  64 rows: two warpgroups spill a few registers at K = 64 (ptxas drops
+                                          the setmaxnreg rebalancing and keeps 168 a thread)
+    ``chains >= num_sms``                 128 rows (two consumer warpgroups share the chunk's loads)
+    fewer chains                          64 rows: twice the CTAs of a chain
+    ====================================  =====================================================================
+    """
+    if 64 in (problem.head_dim_k, problem.head_dim_v) or (chains is not None and chains < num_sms):
+        return Tiles(tile_v=64, num_stages=2)
+    return Tiles(tile_v=128, num_stages=2)
+
+
+def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
+    """``tiles`` with the fields named in ``items`` (field name -> decimal text) replaced; ValueError naming the key
+    for an unknown field or a non-integer value, and the Tiles checks for a refused value."""
+    return override_int_fields(tiles, items)
+
+
+# ------------------------------------------------------------------ PTX helpers of this kernel
+def _ld_shared_v2_f32(addr):
+    return _inline("ld.shared.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
+                   read_only_args=[Int32(addr)])
+
+
+def _ld_v2_f32(addr):
+    # a plain ld (not .nc): an in-place pool update writes these rows later in the same launch
+    return _inline("ld.global.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
+                   read_only_args=[Int64(addr)])
+
+
+def _ld_b32(addr):
+    return _inline("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int64(addr)])
+
+
+def _st_v2_f32(addr, a, b):
+    _inline("st.global.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[Int64(addr), Float32(a), Float32(b)])
+
+
+def _st_b16(addr, v):
+    _inline("{ .reg .b16 h; cvt.u16.u32 h, {$r1}; st.global.b16 [{$r0}], h; }", read_only_args=[Int64(addr), Int32(v)])
+
+
+def _sw128(r, c):
+    """Byte offset of 16-byte chunk ``c`` of row ``r`` in a ``C``-row tile of 16-bit elements laid out as the
+    K_SW128 wgmma atom (8 rows x 64 elements, tiled down the rows, then along the row; 1 KiB aligned)."""
+    return (c // 8) * (CHUNK * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+
+
+def _transpose_view(t):
+    """(A, B, ...) smem tensor viewed as (B, A, ...) (swizzle kept)."""
+    shape = (t.shape[1], t.shape[0], *t.shape[2:])
+    order = (1, 0, *range(2, cute.rank(t)))
+    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
+
+
+class GdnChunkedSm90Kernel(GdnPrep):
+    """CuTe DSL SM90 chunked GDN (the shared prep kernel + the wgmma main kernel); see the module docstring.
+    Build with :func:`compile`."""
+
+    def __init__(self, cfg: Config):
+        p = cfg.problem
+        self.cfg = cfg
+        self.io = element_type(p.dtype)
+        self.bf16_state = p.state_dtype == "bfloat16"
+        self.K, self.V, self.C = p.head_dim_k, p.head_dim_v, CHUNK
+        self.RK, self.RV, self.RC, self.RA = row_pitches(p.head_dim_k, p.head_dim_v)
+        self.log_gate = p.gate_domain == "log"
+        self.l2norm = p.use_qk_l2norm
+        self.BV = cfg.tiles.tile_v
+        self.NVB = p.head_dim_v // self.BV
+        self.NWG = cfg.num_wg
+        self.S = cfg.tiles.num_stages
+        self.RU = cfg.row_u
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+                 mCu: cute.Tensor, mChunks: cute.Tensor, mChunkOff: cute.Tensor, mH0: cute.Tensor,
+                 mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mW: cute.Tensor,
+                 mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor, scale: Float32, q_group: Int32,
+                 k_group: Int32, v_group: Int32, flags: Int32, stream):
+        self.prep(mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                  flags).launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
+                                smem=prep_smem_bytes(self.K, self.V), stream=stream)
+        C, K, S, dt = self.C, self.K, self.S, self.io
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+        # X^T, Y^T, O^T: (64 state rows, C) from an A in registers and a K-major B (W, Q, Aqk rows)
+        mma_x = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
+                                                  tiler_mn=(64, C), a_source=rmem)
+        # the state update: (64 state rows, K) over the chunk's tokens; B = the K rows read MN-major
+        mma_s = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
+                                                  tiler_mn=(64, K), a_source=rmem)
+        # (C, K) and (C, C) row-major tiles, the K_SW128 atom (as _sw128 writes them), one per stage
+        s_ck = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, C, K), dt, S)
+        s_cc = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, C, C), dt, S)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s_ck)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s_ck)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s_ck)], 1024]
+            sAqk: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s_cc)], 1024]
+            sU: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, S * C * self.RU], 16]
+            sF: cute.struct.Align[cute.struct.MemRange[Float32, S * 3 * C], 16]
+
+        self.shared_storage = SharedStorage
+        self.main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group, flags,
+                  s_ck, s_cc, mma_x, mma_s).launch(
+            grid=(self.NVB * mO.shape[1], mCu.shape[0] - 1, 1), block=(128 * (1 + self.NWG), 1, 1),
+            smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ================================================================== main kernel
+    @cute.kernel
+    def main(self, mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group: Int32,
+             k_group: Int32, flags: Int32, s_ck: cute.ComposedLayout, s_cc: cute.ComposedLayout,
+             mma_x: cute.TiledMma, mma_s: cute.TiledMma):
+        """One CTA per (V-slice, output head, sequence): warpgroup 0 loads, the others walk the chunk chain."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, n, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        vb = bx % self.NVB
+        ho = bx // self.NVB
+        v0 = vb * self.BV
+        bos = mCu[n]
+        eos = mCu[n + 1]
+        c0 = mChunkOff[n]
+        nch = mChunkOff[n + 1] - c0
+        # every producer thread arrives when its cp.async copies land (noinc); every consumer thread releases
+        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.NWG)
+        pipe = pipeline.PipelineCpAsync.create(barrier_storage=storage.mbar.data_ptr(), num_stages=self.S,
+                                               producer_group=producers, consumer_group=consumers, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+        if warp_idx < 4:
+            if const_expr(self.NWG > 1):  # 384 threads: 168 registers each at launch
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
+            for j in cutlass.range(nch, unroll=1):
+                pipe.producer_acquire(state)
+                t0 = bos + j * self.C
+                self._load_chunk(mQ, mK, mW, mU, mAqk, mF, storage, state.index, c0 + j, t0,
+                                 cutlass.min(eos - t0, self.C), ho // q_group, ho // k_group, ho, v0, tidx)
+                pipe.producer_commit(state)
+                state.advance()
+        else:
+            if const_expr(self.NWG > 1):
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tidx - 128
+            wg = cute.arch.make_warp_uniform(ctid // 128)
+            sQ = storage.sQ.get_tensor(s_ck.outer, swizzle=s_ck.inner)
+            sK = storage.sK.get_tensor(s_ck.outer, swizzle=s_ck.inner)
+            sW = storage.sW.get_tensor(s_ck.outer, swizzle=s_ck.inner)
+            sAqk = storage.sAqk.get_tensor(s_cc.outer, swizzle=s_cc.inner)
+            self._consume(mH0, mH0Idx, mHt, mHtIdx, mO, flags, sQ, sK, sW, sAqk, storage.sU.data_ptr().toint(),
+                          storage.sF.data_ptr().toint(), pipe, mma_x, mma_s, n, ho, v0 + wg * 64, wg, bos, eos,
+                          nch, ptx.opaque_i32(ctid % 128))
+
+    @cute.jit
+    def _load_chunk(self, mQ, mK, mW, mU, mAqk, mF, storage, stage, c, t0, ln, qh, kh, ho, v0, tid):
+        """Producer warpgroup: cp.async chunk ``c`` (tokens ``t0 .. t0 + ln``) into ring stage ``stage``: q / k
+        rows (zero past ``ln``: rows of the next sequence may hold anything) and W, Aqk into the swizzled tiles,
+        the V-slice of U (padded rows) and the row factors."""
+        C, K, V, BV, RU = self.C, self.K, self.V, self.BV, self.RU
+        HO = mW.shape[1]
+        tile_ck = C * K * 2
+        self._load_qk_rows(mQ, storage.sQ.data_ptr().toint() + stage * tile_ck, t0, ln, qh, tid)
+        self._load_qk_rows(mK, storage.sK.data_ptr().toint() + stage * tile_ck, t0, ln, kh, tid)
+        blk = Int64(c) * HO + ho
+        self._load_tile(mW.iterator.toint() + blk * (C * K * 2), K, storage.sW.data_ptr().toint() + stage * tile_ck,
+                         tid)
+        self._load_tile(mAqk.iterator.toint() + blk * (C * C * 2), C,
+                         storage.sAqk.data_ptr().toint() + stage * (C * C * 2), tid)
+        u_src = mU.iterator.toint() + blk * (C * V * 2) + v0 * 2
+        u_dst = storage.sU.data_ptr().toint() + stage * (C * RU)
+        cpr = BV // 8
+        for it in cutlass.range((C * cpr) // 128, unroll=2):
+            idx = it * 128 + tid
+            r = idx // cpr
+            col = idx % cpr
+            ptx.cp_async_16(u_dst + r * RU + col * 16, u_src + (Int64(r) * V + col * 8) * 2, 16)
+        if tid < (3 * C * 4) // 16:
+            ptx.cp_async_16(storage.sF.data_ptr().toint() + stage * (3 * C * 4) + tid * 16,
+                            mF.iterator.toint() + blk * (3 * C * 4) + tid * 16, 16)
+
+    @cute.jit
+    def _load_qk_rows(self, mX, s_dst, t0, ln, head, tid):
+        """cp.async rows ``t0 .. t0 + C`` of head ``head`` of ``mX`` ``[T, H, K]`` into a swizzled (C, K) tile,
+        zero past ``ln`` (the source address stays in bounds: row ``t0``)."""
+        cpr = self.K // 8
+        base = mX.iterator.toint()
+        for it in cutlass.range((self.C * cpr) // 128, unroll=2):
+            idx = it * 128 + tid
+            r = idx // cpr
+            col = idx % cpr
+            ok = r < ln
+            tok = cutlass.select_(ok, t0 + r, t0)
+            goff = Int64(tok) * mX.stride[0] + Int64(head) * mX.stride[1] + col * 8
+            ptx.cp_async_16(s_dst + _sw128(r, col), base + goff * 2, cutlass.select_(ok, 16, 0))
+
+    @cute.jit
+    def _load_tile(self, g_base, D: cutlass.Constexpr, s_dst, tid):
+        """cp.async a row-major ``[C, D]`` 16-bit scratch block at ``g_base`` into a swizzled (C, D) tile."""
+        cpr = D // 8
+        for it in cutlass.range((self.C * cpr) // 128, unroll=2):
+            idx = it * 128 + tid
+            r = idx // cpr
+            col = idx % cpr
+            ptx.cp_async_16(s_dst + _sw128(r, col), g_base + (Int64(r) * D + col * 8) * 2, 16)
+
+    @cute.jit
+    def _gemm(self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr):
+        """Issue one warpgroup GEMM (k-blocks unrolled) and commit it; the caller waits."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _to16(self, acc, frag):
+        """fp32 accumulator -> the 16-bit A fragment of the next GEMM (same register order), two values a cvt."""
+        n = cute.size(acc)
+        flat = cute.make_tensor(acc.iterator, cute.make_layout(n))
+        words = cute.make_tensor(cute.recast_ptr(frag.iterator, dtype=Int32), cute.make_layout(n // 2))
+        for i in cutlass.range_constexpr(n // 2):
+            words[i] = ptx.pack2(flat[2 * i], flat[2 * i + 1], self.io)
+
+    @cute.jit
+    def _consume(self, mH0, mH0Idx, mHt, mHtIdx, mO, flags, sQ, sK, sW, sAqk, sU_base, sF_base, pipe, mma_x, mma_s,
+                 n, ho, vw, wg, bos, eos, nch, tid):
+        """One consumer warpgroup: state rows ``vw .. vw + 64`` of head ``ho``, the chunks of sequence ``n``.
+        Accumulator element ``4 j + 2 h + e`` of a thread is row ``16 warp + g + 8 h``, column ``8 j + 2 t + e``."""
+        C, K, V, RU, io = self.C, self.K, self.V, self.RU, self.io
+        HO = mO.shape[1]
+        lane = tid % 32
+        warp = tid // 32
+        g = lane // 4
+        t = lane % 4
+        thr_x = mma_x.get_slice(tid)
+        thr_s = mma_s.get_slice(tid)
+        tXrW = thr_x.make_fragment_B(thr_x.partition_B(sW))
+        tXrQ = thr_x.make_fragment_B(thr_x.partition_B(sQ))
+        tXrA = thr_x.make_fragment_B(thr_x.partition_B(sAqk))
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(_transpose_view(sK)))
+        acc_S = cute.make_rmem_tensor(thr_s.partition_shape_C((64, K)), Float32)
+        acc_X = cute.make_rmem_tensor(thr_x.partition_shape_C((64, C)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_x.partition_shape_C((64, C)), Float32)
+        tXrS = thr_x.make_fragment_A(thr_x.partition_shape_A((64, K)))  # S, 16-bit: A of X^T and Y^T
+        tOrP = thr_x.make_fragment_A(thr_x.partition_shape_A((64, C)))  # V'^T: A of O^T
+        tSrP = thr_s.make_fragment_A(thr_s.partition_shape_A((64, C)))  # V'^T diag(kf): A of the update
+        fS = cute.make_tensor(acc_S.iterator, cute.make_layout(cute.size(acc_S)))
+        fX = cute.make_tensor(acc_X.iterator, cute.make_layout(cute.size(acc_X)))
+        fO = cute.make_tensor(acc_O.iterator, cute.make_layout(cute.size(acc_O)))
+        wP = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(tOrP) // 2))
+        wD = cute.make_tensor(cute.recast_ptr(tSrP.iterator, dtype=Int32), cute.make_layout(cute.size(tSrP) // 2))
+
+        acc_S.fill(0.0)
+        if (flags & FLAG_HAS_INITIAL_STATE) != 0:
+            row = n
+            if (flags & FLAG_INITIAL_INDICES) != 0:
+                row = mH0Idx[n]
+            self._state_io(mH0, fS, Int64(row) * HO + ho, vw, warp, g, t, False)
+        self._to16(acc_S, tXrS)
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.S)
+        o_base = mO.iterator.toint()
+        o_tok = Int64(HO) * (V * 2)  # bytes a token of O
+        vl = wg * 64 + warp * 16 + g  # the thread's first row within the CTA's V-slice (U's columns)
+        for j in cutlass.range(nch, unroll=1):
+            t0 = bos + j * C
+            ln = cutlass.min(eos - t0, C)
+            pipe.consumer_wait(state)
+            cute.arch.fence_view_async_shared()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
+            idx = state.index
+            self._gemm(mma_x, acc_X, tXrS, tXrW[None, None, None, idx], True)
+            self._gemm(mma_x, acc_O, tXrS, tXrQ[None, None, None, idx], True)
+            warpgroup.wait_group(1)
+            sU = sU_base + idx * (C * RU)
+            sF = sF_base + idx * (3 * C * 4)
+            # V'^T = U^T - X^T (-> A of O^T) and V'^T diag(kf) (-> A of the state update)
+            for jj in cutlass.range_constexpr(C // 8):
+                s0 = jj * 8 + 2 * t
+                kf = _ld_shared_v2_f32(sF + (C + s0) * 4)
+                for h in cutlass.range_constexpr(2):
+                    col = (vl + 8 * h) * 2
+                    u0 = ptx.b16_to_f32(ptx.ld_shared_u16(sU + s0 * RU + col), io)
+                    u1 = ptx.b16_to_f32(ptx.ld_shared_u16(sU + (s0 + 1) * RU + col), io)
+                    p0 = u0 - fX[4 * jj + 2 * h]
+                    p1 = u1 - fX[4 * jj + 2 * h + 1]
+                    wP[2 * jj + h] = ptx.pack2(p0, p1, io)
+                    wD[2 * jj + h] = ptx.pack2(p0 * kf[0], p1 * kf[1], io)
+            warpgroup.wait_group(0)
+            # O^T = Y^T diag(qf) + V'^T Aqk^T
+            for jj in cutlass.range_constexpr(C // 8):
+                qf = _ld_shared_v2_f32(sF + (jj * 8 + 2 * t) * 4)
+                for h in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        fO[4 * jj + 2 * h + e] = fO[4 * jj + 2 * h + e] * qf[e]
+            self._gemm(mma_x, acc_O, tOrP, tXrA[None, None, None, idx], False)
+            # S = gamma_last S + (V'^T diag(kf)) K
+            gl = ptx.ld_shared_f32(sF + 2 * C * 4)
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                fS[i] = fS[i] * gl
+            self._gemm(mma_s, acc_S, tSrP, tSrK[None, None, None, idx], False)
+            warpgroup.wait_group(0)
+            pipe.consumer_release(state)
+            state.advance()
+            # O^T -> O rows t0 + r (< ln): the thread's two state rows of each of its token columns
+            o_row = o_base + ((Int64(t0 + 2 * t) * HO + ho) * V + vw + warp * 16 + g) * 2
+            for jj in cutlass.range_constexpr(C // 8):
+                for e in cutlass.range_constexpr(2):
+                    if jj * 8 + 2 * t + e < ln:
+                        addr = o_row + (jj * 8 + e) * o_tok
+                        for h in cutlass.range_constexpr(2):
+                            _st_b16(addr + 16 * h, ptx.f32_to_16(fO[4 * jj + 2 * h + e], io))
+            self._to16(acc_S, tXrS)
+
+        if (flags & FLAG_WRITE_STATE) != 0:
+            row = n
+            if (flags & FLAG_OUTPUT_INDICES) != 0:
+                row = mHtIdx[n]
+            self._state_io(mHt, fS, Int64(row) * HO + ho, vw, warp, g, t, True)
+
+    @cute.jit
+    def _state_io(self, mH, fS, mat, vw, warp, g, t, store: cutlass.Constexpr):
+        """Load (or store) the thread's state elements of matrix ``mat`` (= row * HO + head) of ``[*, HO, V, K]``:
+        rows ``vw + 16 warp + g (+ 8)``, column pairs ``8 j + 2 t``."""
+        K, V = self.K, self.V
+        h_base = mH.iterator.toint()
+        for j in cutlass.range_constexpr(K // 8):
+            for h in cutlass.range_constexpr(2):
+                off = (mat * V + vw + warp * 16 + g + 8 * h) * K + j * 8 + 2 * t
+                i = 4 * j + 2 * h
+                if const_expr(self.bf16_state):
+                    addr = h_base + off * 2
+                    if const_expr(store):
+                        ptx.st_global_u32(addr, ptx.pack2(fS[i], fS[i + 1], cutlass.BFloat16))
+                    else:
+                        lo, hi = ptx.unpack2(_ld_b32(addr), cutlass.BFloat16)
+                        fS[i] = lo
+                        fS[i + 1] = hi
+                else:
+                    addr = h_base + off * 4
+                    if const_expr(store):
+                        _st_v2_f32(addr, fS[i], fS[i + 1])
+                    else:
+                        x = _ld_v2_f32(addr)
+                        fS[i] = x[0]
+                        fS[i + 1] = x[1]
+
+
+def _fake_args(cfg: Config) -> tuple:
+    """Fake tensors (symbolic sizes) in the compiled function's order (the portable chunked kernel's)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+    p = cfg.problem
+    io = element_type(p.dtype)
+    sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
+    K, V, C = p.head_dim_k, p.head_dim_v, CHUNK
+
+    def sym():
+        return cute.sym_int()
+
+    def s64(div=8):
+        return cute.sym_int64(divisibility=div)
+
+    T = sym()
+    q = make_fake_tensor(io, (T, sym(), K), (s64(), s64(), 1), assumed_align=16)
+    k = make_fake_tensor(io, (T, sym(), K), (s64(), s64(), 1), assumed_align=16)
+    v = make_fake_tensor(io, (T, sym(), V), (s64(), s64(), 1), assumed_align=16)
+    g = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
+    beta = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
+    cu = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    chunks = make_fake_compact_tensor(Int32, (sym(), 4), stride_order=(1, 0), assumed_align=16)
+    chunk_off = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    h0 = make_fake_compact_tensor(sdt, (sym(), sym(), V, K), stride_order=(3, 2, 1, 0), assumed_align=16)
+    h0_idx = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    ht = make_fake_compact_tensor(sdt, (sym(), sym(), V, K), stride_order=(3, 2, 1, 0), assumed_align=16)
+    ht_idx = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+    o = make_fake_compact_tensor(io, (sym(), sym(), V), stride_order=(2, 1, 0), assumed_align=16)
+    nc, ho = sym(), sym()
+    w = make_fake_compact_tensor(io, (nc, ho, C, K), stride_order=(3, 2, 1, 0), assumed_align=16)
+    u = make_fake_compact_tensor(io, (nc, ho, C, V), stride_order=(3, 2, 1, 0), assumed_align=16)
+    aqk = make_fake_compact_tensor(io, (nc, ho, C, C), stride_order=(3, 2, 1, 0), assumed_align=16)
+    f = make_fake_compact_tensor(Float32, (nc, ho, 3, C), stride_order=(3, 2, 1, 0), assumed_align=16)
+    return q, k, v, g, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, w, u, aqk, f
+
+
+def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile :class:`GdnChunkedSm90Kernel` (prep + main kernels, one function) for ``cfg`` from fake tensors (no
+    GPU needed).  Returns the tvm-ffi callable; call it through :func:`launch`.  Raises ValueError for
+    ``keep_cubin`` without a ``keep_ptx_dir``."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    opts = compile_options(cfg.problem.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
+    return cute.compile(GdnChunkedSm90Kernel(cfg), *_fake_args(cfg), Float32(1.0), Int32(1), Int32(1), Int32(1),
+                        Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+
+
+def launch(fn, cfg: Config, args: GdnArgs) -> None:
+    """Plan the chunks (:func:`~cutedsl_attn.planning.gdn.plan_chunks`, device tensors, no host sync), allocate
+    the prep kernel's scratch (``W``, ``U``, ``Aqk`` in the io dtype, the fp32 row factors) and launch ``fn`` on
+    torch's current stream."""
+    import torch
+
+    chunks, chunk_off = plan_chunks(args.cu_seqlens, args.q.shape[0])
+    nc, ho = chunks.shape[0], args.output.shape[1]
+    p = cfg.problem
+    dev, io = args.q.device, args.q.dtype
+    w = torch.empty(nc, ho, CHUNK, p.head_dim_k, device=dev, dtype=io)
+    u = torch.empty(nc, ho, CHUNK, p.head_dim_v, device=dev, dtype=io)
+    aqk = torch.empty(nc, ho, CHUNK, CHUNK, device=dev, dtype=io)
+    f = torch.empty(nc, ho, 3, CHUNK, device=dev, dtype=torch.float32)
+    fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
+       args.initial_state_indices, args.output_state, args.output_state_indices, args.output, w, u, aqk, f,
+       args.scale, args.q_group, args.k_group, args.v_group, args.flags)

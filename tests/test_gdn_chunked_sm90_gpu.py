@@ -1,0 +1,157 @@
+"""GPU tests of the SM90 chunked GDN kernel (opt-in: ``CUTEDSL_ATTN_GDN_KERNEL=chunked_sm90``) against the float64
+oracle and against the portable chunked kernel.  Needs an SM90 GPU (H100 / H200).
+
+Fresh random inputs every run, outputs and states poisoned with NaN before each launch, relative Frobenius
+error against ``cutedsl_attn.ref.chunk_gated_delta_rule`` (token-serial, float64) on the same rounded inputs.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the SM90 chunked GDN kernel needs an SM90 GPU", allow_module_level=True)
+
+from cutedsl_attn.api import gdn as api  # noqa: E402
+from cutedsl_attn.ref.gdn import chunk_gated_delta_rule as oracle  # noqa: E402
+
+DEV = torch.device("cuda")
+TOL_O = 1e-2  # 16-bit output rounding
+TOL_SC = 5e-3  # fp32 state: the MMAs take the state and V' rounded to 16 bits (FlashInfer's tolerance)
+TOL_S16 = 1e-2  # bf16 state rounding
+LENS = [0, 1, 63, 64, 65, 4097]
+
+
+@pytest.fixture(autouse=True)
+def _sm90_kernel(monkeypatch):
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "chunked_sm90")
+    monkeypatch.delenv("CUTEDSL_ATTN_GDN_TUNE", raising=False)
+
+
+def rel(x, y):
+    x, y = x.double(), y.double()
+    assert torch.isfinite(x).all(), "non-finite values (a NaN-poisoned element was not written)"
+    return ((x - y).norm() / max(y.norm().item(), 1e-30)).item()
+
+
+def make(lens, hq, hk, hv, K, V, *, dtype=torch.bfloat16, init=True, state_dtype=torch.float32, l2norm=False,
+         gate_lo=0.5):
+    T = sum(lens)
+    ho = max(hq, hv)
+    q = torch.randn(T, hq, K, device=DEV).to(dtype)
+    k = torch.randn(T, hk, K, device=DEV)
+    if not l2norm:
+        k = k / k.norm(dim=-1, keepdim=True)
+    k = k.to(dtype)
+    v = torch.randn(T, hv, V, device=DEV).to(dtype)
+    g = torch.rand(T, ho, device=DEV) * (1 - gate_lo) + gate_lo
+    beta = torch.rand(T, ho, device=DEV)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    h0 = (torch.randn(len(lens), ho, V, K, device=DEV) * 0.1).to(state_dtype) if init else None
+    return dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, initial_state=h0, use_qk_l2norm_in_kernel=l2norm)
+
+
+def run(kw, *, state_dtype=torch.float32, **extra):
+    T, ho, V = kw["v"].shape[0], max(kw["q"].shape[1], kw["v"].shape[1]), kw["v"].shape[2]
+    K = kw["q"].shape[2]
+    n = kw["cu_seqlens"].shape[0] - 1
+    out = torch.full((T, ho, V), float("nan"), device=DEV, dtype=kw["q"].dtype)
+    st = torch.full((n, ho, V, K), float("nan"), device=DEV, dtype=state_dtype)
+    o, s = api.chunk_gated_delta_rule(**kw, output=out, output_state=st, output_final_state=True, **extra)
+    assert o is out and s is st
+    return o, s
+
+
+def test_dispatch_runs_the_sm90_kernel():
+    from cutedsl_attn.dispatch import gdn_choice
+    from cutedsl_attn.planning.gdn import GdnProblem
+
+    assert gdn_choice(GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128))[0].NAME == "gdn_chunked_sm90"
+
+
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64), (64, 128), (128, 64)])
+@pytest.mark.parametrize("heads", [(4, 4, 8), (8, 4, 4), (2, 2, 2)])  # GVA, GQA, MHA
+def test_vs_oracle(dims, heads):
+    K, V = dims
+    init = heads != (2, 2, 2)
+    kw = make(LENS, *heads, K, V, init=init, l2norm=heads == (8, 4, 4))
+    o, s = run(kw)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o, o_ref) < TOL_O
+    assert rel(s, s_ref) < TOL_SC
+    if K == V and init:  # a transposed state is far off: the check is not vacuous
+        assert rel(s.transpose(-1, -2), s_ref) > 0.1
+
+
+@pytest.mark.parametrize("tiles", ["tile_v=64,num_stages=2", "tile_v=64,num_stages=3", "tile_v=128,num_stages=2",
+                                   "tile_v=128,num_stages=3"])
+def test_tiles(monkeypatch, tiles):
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", tiles)
+    kw = make(LENS + [130], 2, 2, 4, 128, 128, l2norm=True)
+    o, s = run(kw)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o, o_ref) < TOL_O and rel(s, s_ref) < TOL_SC
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_many_short_and_one_long(dtype):
+    kw = make([3, 17, 1, 0, 9] * 4 + [4097], 2, 2, 4, 128, 128, dtype=dtype, gate_lo=0.9)
+    o, s = run(kw)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o, o_ref) < TOL_O and rel(s, s_ref) < TOL_SC
+
+
+def test_bf16_state():
+    kw = make(LENS, 2, 2, 4, 128, 128, state_dtype=torch.bfloat16)
+    o, s = run(kw, state_dtype=torch.bfloat16)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert s.dtype == torch.bfloat16
+    assert rel(o, o_ref) < TOL_O and rel(s, s_ref) < TOL_S16
+
+
+def test_log_gates_and_no_initial_state():
+    kw = make(LENS, 2, 2, 4, 64, 64, gate_lo=0.0, init=False)
+    kw_log = dict(kw, g=torch.log(kw["g"].clamp_min(1e-6)))
+    o, s = run(kw_log, gate_domain="log")
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o, o_ref) < TOL_O and rel(s, s_ref) < TOL_SC
+
+
+def test_state_pool_in_place():
+    lens = [5, 0, 70, 1]
+    kw = make(lens, 2, 2, 4, 128, 128)
+    pool = torch.randn(9, 4, 128, 128, device=DEV) * 0.1
+    idx = torch.tensor([7, 2, 0, 5], device=DEV, dtype=torch.int32)
+    before = pool.clone()
+    o, s = api.chunk_gated_delta_rule(**dict(kw, initial_state=pool), state_indices=idx, output_state=pool,
+                                      output_final_state=True)
+    o_ref, s_ref = oracle(**dict(kw, initial_state=before[idx.long()]), output_final_state=True)
+    assert s is pool and rel(o, o_ref) < TOL_O and rel(s[idx.long()], s_ref) < TOL_SC
+    others = [r for r in range(9) if r not in idx.tolist()]
+    assert torch.equal(s[others], before[others])  # rows no sequence owns are untouched
+
+
+def test_agrees_with_portable_chunked(monkeypatch):
+    """Same math and the same 16-bit roundings as the portable chunked kernel: close to each other."""
+    kw = make([200, 77, 4097, 0, 1], 4, 4, 8, 128, 128, l2norm=True)
+    outs = []
+    for kern in ("chunked_sm90", "chunked"):
+        monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", kern)
+        o, s = run(kw)
+        outs.append((o.clone(), s.clone()))
+    assert rel(outs[0][0], outs[1][0]) < TOL_O / 2 and rel(outs[0][1], outs[1][1]) < TOL_SC / 2
+
+
+def test_loop_of_calls_on_ragged_batch():
+    lens = [37, 0, 5, 129, 64, 1, 12]
+    st = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
+    st_ref = st.double()
+    for _ in range(100):  # a public SM100 GDN kernel deadlocked in such a loop
+        kw = make(lens, 2, 2, 4, 128, 128, init=False)
+        o, st = run(dict(kw, initial_state=st))
+        o_ref, st_ref = oracle(**dict(kw, initial_state=st_ref), output_final_state=True)
+        assert rel(o, o_ref) < TOL_O
+    torch.cuda.synchronize()
+    assert rel(st, st_ref) < TOL_SC
