@@ -387,3 +387,38 @@ def test_block_tables_equal_csr_in_wrapper(monkeypatch, page_size, window_left):
     for b in range(6):
         n = -(-int(seq_lens[b]) // page_size)
         assert torch.equal(bt2[b, :n], bt[b, :n])
+
+
+def test_choose_num_splits_matches_the_plain_search():
+    """The split search's shortcuts (one-wave candidates without piece lists, repeated splits skipped) choose
+    exactly what the plain search over every candidate's pieces and LPT schedule chooses."""
+    import random
+
+    import cutedsl_attn.planning.decode as D
+
+    def plain(eff_lens, num_kv_heads, slots, *, min_split=64, max_splits=128, min_waves=0.0):
+        longest = max(eff_lens)
+        workers = max(1, slots // max(1, num_kv_heads))
+        limit = D.max_items(len(eff_lens), num_kv_heads, slots)
+        cands = [(D._lpt_makespan(list(eff_lens), workers), len(eff_lens), 0)]
+        if longest > min_split:
+            for n in range(2, max_splits + 1):
+                split = -(-max(min_split, -(-longest // n)) // D.CHUNK) * D.CHUNK
+                pieces = [p for L in eff_lens for p in D.split_pieces(L, split)]
+                if len(pieces) > limit:
+                    break
+                cands.append((D._lpt_makespan(pieces, workers), len(pieces), split))
+                if split == min_split:
+                    break
+        best = min(c[0] for c in cands)
+        for ms, items, split in cands:
+            if ms <= 1.02 * best and items * num_kv_heads >= min_waves * slots:
+                return split
+        return cands[-1][2] if min_waves > 0 else 0
+
+    rng = random.Random(0)
+    for _ in range(600):
+        B = rng.choice([1, 2, 3, 8, 16, 48, 128])
+        lens = [rng.randint(0, 40000) if rng.random() < 0.3 else int(10 ** rng.uniform(0, 4.7)) for _ in range(B)]
+        h, slots, mw = rng.choice([1, 2, 8, 16]), rng.choice([132, 264, 296]), rng.choice([0.0, 0.0, 1.0])
+        assert D.choose_num_splits(lens, h, slots, min_waves=mw) == plain(lens, h, slots, min_waves=mw), (lens, h)

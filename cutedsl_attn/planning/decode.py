@@ -167,6 +167,21 @@ def split_pieces(length: int, split: int) -> list[int]:
     return [min(per, length - i * per) for i in range(n)]
 
 
+def _pieces_summary(lengths: list[int], split: int) -> tuple[int, int]:
+    """``(number of pieces, longest piece)`` of :func:`split_pieces` over ``lengths``, without the lists."""
+    count, biggest = 0, 0
+    for length in lengths:
+        if split <= 0 or length <= split:
+            count += 1
+            biggest = max(biggest, length)
+            continue
+        n = -(-length // split)
+        per = -(-(-(-length // n)) // CHUNK) * CHUNK
+        count += -(-length // per)
+        biggest = max(biggest, per)
+    return count, biggest
+
+
 def _lpt_makespan(pieces: list[int], workers: int) -> int:
     """Makespan of longest-first greedy scheduling of ``pieces`` (+ per-CTA overhead) on ``workers``."""
     if len(pieces) <= workers:
@@ -198,13 +213,21 @@ def choose_num_splits(
     limit = max_items(len(eff_lens), num_kv_heads, slots)
     cands: list[tuple[int, int, int]] = [(_lpt_makespan(list(eff_lens), workers), len(eff_lens), 0)]
     if longest > min_split:
+        last_split = None
         for n in range(2, max_splits + 1):
             split = max(min_split, -(-longest // n))
             split = -(-split // CHUNK) * CHUNK
-            pieces = [p for L in eff_lens for p in split_pieces(L, split)]
-            if len(pieces) > limit:
+            if split == last_split:  # the same pieces as the previous candidate: the earlier one stands
+                continue
+            last_split = split
+            count, biggest = _pieces_summary(eff_lens, split)
+            if count > limit:
                 break
-            cands.append((_lpt_makespan(pieces, workers), len(pieces), split))
+            if count <= workers:  # one wave: the makespan is the longest piece (what _lpt_makespan returns)
+                cands.append((biggest + CTA_OVERHEAD_TOKENS, count, split))
+            else:
+                pieces = [p for L in eff_lens for p in split_pieces(L, split)]
+                cands.append((_lpt_makespan(pieces, workers), count, split))
             if split == min_split:
                 break
     best = min(c[0] for c in cands)
