@@ -80,7 +80,9 @@ def _indptr(lens) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
 
 
-def _refusal(problem) -> str | None:
+def prefill_refusal(problem) -> str | None:
+    """Why the first-use prefill check cannot build ``problem``'s features, or None (dispatch keeps the portable
+    kernel for such a problem rather than admitting a tcgen05 kernel it cannot check)."""
     p = problem
     for flag, what in ((p.page_size > 0, "paged K/V"), (p.use_custom_mask, "custom masks"),
                        (p.use_window, "sliding windows"), (p.use_soft_cap, "soft caps"),
@@ -108,7 +110,7 @@ def check_prefill(candidate, reference, *, seed: int = 0, device=None, timings: 
     problem = candidate.problem
     if reference.problem != problem:
         raise ValueError(f"candidate and reference must serve one problem, got {problem!r} and {reference.problem!r}")
-    reason = _refusal(problem)
+    reason = prefill_refusal(problem)
     if reason is not None:
         raise NotImplementedError(reason)
     t0 = time.perf_counter()

@@ -247,8 +247,9 @@ def test_a_failed_sinks_twin_keeps_the_portable_kernel(on_b200):
 
 def test_the_portable_switch_and_problems_sm100_refuses_skip_the_check(on_b200, monkeypatch):
     stub = on_b200()
-    assert choose(use_window=True).name == "prefill_portable"  # sm100 refuses windows
-    assert choose(head_dim_qk=256, head_dim_vo=256).name == "prefill_portable"
+    assert choose(use_window=True).name == "prefill_portable"  # served by sm100, not built by the check: portable
+    assert choose(pos_encoding_mode="ROPE_LLAMA").name == "prefill_portable"  # sm100 refuses RoPE
+    assert choose(head_dim_qk=256, head_dim_vo=256, page_size=16).name == "prefill_portable"  # paged d256
     assert choose(positive_scale=False).name == "prefill_portable"
     assert choose(kernel="portable").name == "prefill_portable"
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "portable")

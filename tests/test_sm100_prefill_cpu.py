@@ -7,6 +7,11 @@
 * resource gate on the cubin: no stack (spills), the three ``setmaxnreg`` budgets honoured by ptxas
   (``USETMAXREG`` in the SASS, their sum within the register file);
 * SASS shape per KV block: UTCHMMA, MUFU.EX2, LDTM, STTM counts as the design says;
+* paged K/V: one TMA box per page (``cp.async.bulk.tensor.4d`` over the page tensor, a page-id load each), into a
+  (token, dim) view of the rings that is element for element the MMA operands' layout;
+* the softmax-side features (sliding window, soft cap, custom mask, ``score_mod``) compile for both archs and are in
+  the code: one ``tanh`` per score, the window's lower bound compare per score, the packed mask's byte loads per
+  row and block, the traced ``score_mod``'s constant; spill-free within the same register budgets;
 * the TMEM column plan (no overlap, within 512 columns), the kernel contract, and every refused feature.
 """
 
@@ -22,14 +27,18 @@ import pytest
 from cutedsl_attn.planning.prefill import PrefillArgs, PrefillProblem
 from cutedsl_attn.sm100 import prefill as K
 from cutedsl_attn.sm100.prefill import config as C
+from cutedsl_attn.sm100.prefill.kernel import sw128_chunk_offset
 
 ARCHS = ("sm_100a", "sm_103a")
 _DUMP = tempfile.TemporaryDirectory(prefix="sm100_prefill_")  # PTX / cubin of the session's builds (removed at exit)
 
 
-def problem(arch="sm_100a", d=128, causal=False, g=4, dtype="bfloat16", sinks=False, q=None, **kw):
-    return PrefillProblem(dtype=dtype, head_dim_qk=d, head_dim_vo=d, group_size=g, causal=causal, use_sinks=sinks,
-                          arch=arch, **kw)
+def problem(arch="sm_100a", d=128, causal=False, g=4, dtype="bfloat16", sinks=False, q=None, dv=None, tn=None,
+            **kw):
+    """The PrefillProblem of a matrix entry (``q`` / ``tn``: its Q tiles and tile_n, read by :func:`_build`;
+    ``dv``: head_dim_vo where it differs from ``d``)."""
+    return PrefillProblem(dtype=dtype, head_dim_qk=d, head_dim_vo=d if dv is None else dv, group_size=g,
+                          causal=causal, use_sinks=sinks, arch=arch, **kw)
 
 
 # the served matrix: both archs x head dims x causal, with the dtypes, group sizes and sinks spread over it, for
@@ -45,13 +54,82 @@ SERVED = [
 ]
 
 
+def rel_bias(score, batch_idx, head_idx, q_idx, kv_idx):
+    """A score_mod of Python arithmetic (traced with the DSL's scalars); 0.004 is the constant the PTX shows."""
+    return score - 0.004 * (q_idx - kv_idx) + 0.25 * head_idx
+
+
+REL_BIAS_CONST = "0f3B83126F"  # 0.004 as a PTX fp32 immediate
+
+# the softmax-side features over both archs, both head dims and one / two Q tiles (each with the matrix's base
+# fields), and their combinations
+FEATURES = [
+    dict(arch=a, d=d, causal=c, g=g, dtype=dt, sinks=s, q=q, **f)
+    for (a, d, c, g, dt, s, q, f) in (
+        ("sm_100a", 128, True, 4, "bfloat16", False, 1, dict(use_window=True)),
+        ("sm_103a", 64, False, 8, "bfloat16", True, 2, dict(use_window=True)),
+        ("sm_100a", 128, True, 4, "bfloat16", False, 2, dict(use_soft_cap=True)),
+        ("sm_103a", 64, False, 1, "float16", True, 1, dict(use_soft_cap=True)),
+        ("sm_100a", 128, False, 4, "bfloat16", False, 1, dict(use_custom_mask=True)),
+        ("sm_103a", 128, True, 2, "float16", False, 2, dict(use_custom_mask=True)),
+        ("sm_100a", 64, True, 4, "bfloat16", False, 1, dict(score_mod=rel_bias)),
+        ("sm_103a", 128, True, 4, "bfloat16", True, 2, dict(score_mod=rel_bias)),
+        ("sm_100a", 128, True, 4, "bfloat16", True, 1, dict(use_window=True, use_soft_cap=True)),
+        ("sm_103a", 128, False, 4, "bfloat16", False, 1, dict(use_window=True, use_custom_mask=True,
+                                                              use_soft_cap=True)),
+        ("sm_100a", 64, True, 8, "float16", False, 2, dict(use_window=True, score_mod=rel_bias)),
+    )
+]
+# paged K/V: pages smaller than, equal to and larger than the block, both archs, one / two Q tiles, 192/128,
+# with the softmax-side features
+PAGED = [
+    dict(arch="sm_100a", d=128, causal=True, g=4, dtype="bfloat16", sinks=False, q=1, page_size=16),
+    dict(arch="sm_103a", d=128, causal=False, g=1, dtype="float16", sinks=True, q=1, page_size=128),
+    dict(arch="sm_100a", d=64, causal=True, g=8, dtype="bfloat16", sinks=False, q=2, page_size=256),
+    dict(arch="sm_103a", d=64, causal=False, g=4, dtype="bfloat16", sinks=False, q=1, page_size=32),
+    dict(arch="sm_100a", d=192, dv=128, causal=True, g=1, dtype="bfloat16", sinks=False, q=1, page_size=64),
+    dict(arch="sm_100a", d=128, causal=True, g=4, dtype="bfloat16", sinks=True, q=2, page_size=16, use_window=True,
+         use_soft_cap=True),
+    dict(arch="sm_103a", d=128, causal=False, g=4, dtype="bfloat16", sinks=False, q=1, page_size=64,
+         use_custom_mask=True),
+]
+# pages no whole TMA box fits (page_rows 0): the cp.async gather
+GATHERED = [
+    dict(arch="sm_100a", d=128, causal=True, g=4, dtype="bfloat16", sinks=False, q=1, page_size=1),
+    dict(arch="sm_103a", d=64, causal=False, g=8, dtype="float16", sinks=True, q=2, page_size=8),
+    dict(arch="sm_100a", d=192, dv=128, causal=True, g=1, dtype="bfloat16", sinks=False, q=1, page_size=48,
+         use_window=True),
+    dict(arch="sm_103a", d=128, causal=True, g=4, dtype="bfloat16", sinks=False, q=2, page_size=1, use_soft_cap=True),
+]
+_FEATURE_NAMES = ("use_window", "use_soft_cap", "use_custom_mask", "score_mod")
+
+
+# head_dim 256 (one Q tile, 64-token blocks) and 192/128 (one Q tile; also with 64-token blocks)
+HEAD_DIMS = [
+    dict(arch="sm_100a", d=256, causal=True, g=4, dtype="bfloat16", sinks=False, q=1),
+    dict(arch="sm_103a", d=256, causal=False, g=1, dtype="float16", sinks=True, q=1),
+    dict(arch="sm_100a", d=192, dv=128, causal=True, g=1, dtype="bfloat16", sinks=False, q=1),
+    dict(arch="sm_103a", d=192, dv=128, causal=False, g=4, dtype="bfloat16", sinks=True, q=1),
+    dict(arch="sm_100a", d=192, dv=128, causal=True, g=4, dtype="bfloat16", sinks=False, q=1, tn=64),
+]
+FEATURES += [
+    dict(arch="sm_100a", d=256, causal=True, g=4, dtype="bfloat16", sinks=True, q=1, use_window=True,
+         use_soft_cap=True),
+    dict(arch="sm_103a", d=192, dv=128, causal=True, g=1, dtype="float16", sinks=False, q=1, use_custom_mask=True),
+]
+
+
 def _id(kw):
-    return f"{kw['arch']}-d{kw['d']}-{'causal' if kw['causal'] else 'full'}-g{kw['g']}-{kw['dtype']}" + (
-        "-sinks" if kw["sinks"] else "") + f"-q{kw['q']}"
+    feats = "".join(f"-{n.replace('use_', '')}" for n in _FEATURE_NAMES if kw.get(n))
+    dims = f"d{kw['d']}" + (f"_{kw['dv']}" if kw.get("dv") else "")
+    return f"{kw['arch']}-{dims}-{'causal' if kw['causal'] else 'full'}-g{kw['g']}-{kw['dtype']}" + (
+        "-sinks" if kw["sinks"] else "") + f"-q{kw['q']}" + (f"-n{kw['tn']}" if kw.get("tn") else "") + (
+        f"-p{kw['page_size']}" if kw.get("page_size") else "") + feats
 
 
-def tiles_for(p, q):
-    return dataclasses.replace(K.default_tiles(p, num_sms=148), q_tiles=q)
+def tiles_for(p, q, tn=None):
+    t = dataclasses.replace(K.default_tiles(p, num_sms=148), q_tiles=q)
+    return t if tn is None else dataclasses.replace(t, tile_n=tn)
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +137,7 @@ def _build(key):
     """(cfg, ptx text, cubin bytes) of one served configuration (compiled once per session)."""
     kw = dict(key)
     p = problem(**kw)
-    cfg = K.Config(p, tiles_for(p, kw["q"]))
+    cfg = K.Config(p, tiles_for(p, kw["q"], kw.get("tn")))
     out = tempfile.mkdtemp(dir=_DUMP.name)
     K.compile(cfg, keep_ptx_dir=out, keep_cubin=True)
     ptx = open(glob.glob(f"{out}/*.ptx")[0]).read()
@@ -98,7 +176,7 @@ def count_prefix(counts, prefix):
 
 
 # ============================================================================= compile + PTX mix
-@pytest.mark.parametrize("kw", SERVED, ids=_id)
+@pytest.mark.parametrize("kw", SERVED + HEAD_DIMS + FEATURES + PAGED + GATHERED, ids=_id)
 def test_compiles_with_the_tcgen05_instruction_mix(kw):
     cfg, ptx, _, _ = built(kw)
     assert f".target {kw['arch']}" in ptx
@@ -114,7 +192,7 @@ def test_compiles_with_the_tcgen05_instruction_mix(kw):
 
 
 # ============================================================================= resource gate
-@pytest.mark.parametrize("kw", SERVED, ids=_id)
+@pytest.mark.parametrize("kw", SERVED + HEAD_DIMS + FEATURES + PAGED + GATHERED, ids=_id)
 def test_resources_no_spills_and_register_budgets(kw):
     from cutedsl_attn.inspect import cubin_resources
 
@@ -151,7 +229,7 @@ def test_register_plan_fits_the_register_file(q):
 
 
 # ============================================================================= SASS shape per KV block
-@pytest.mark.parametrize("kw", [k for k in SERVED if not k["sinks"]], ids=_id)
+@pytest.mark.parametrize("kw", [k for k in SERVED + HEAD_DIMS if not k["sinks"]], ids=_id)
 def test_sass_instruction_mix_per_kv_block(kw):
     """The kernel has one rolled loop per role over the KV blocks (each Q tile's softmax and its rescale and
     epilogue code are traced once per tile), so the static counts are one block's plus the epilogue's, per Q
@@ -169,6 +247,140 @@ def test_sass_instruction_mix_per_kv_block(kw):
     assert count_prefix(counts, "HMMA") == 0 and count_prefix(counts, "HGMMA") == 0
     assert count_prefix(counts, "UTMALDG") > 0
     assert count_prefix(counts, "UTCBAR") > 0  # tcgen05.commit: MMA completion onto mbarriers
+
+
+def _base(kw):
+    """``kw`` without its softmax-side features (the same problem otherwise)."""
+    return {k: v for k, v in kw.items() if k not in _FEATURE_NAMES}
+
+
+def _setp_count(ptx):
+    return len(re.findall(r"^\s*setp\.", ptx, flags=re.M))
+
+
+@pytest.mark.parametrize("kw", FEATURES, ids=_id)
+def test_features_are_in_the_code(kw):
+    """Against the same problem without the features: a soft cap is one ``tanh.approx`` per score of each Q tile
+    (none without); the window is at least one more compare per score (its lower bound) and its block range;
+    a custom mask is ``tile_n / 8 + 1`` byte loads of the packed bits per row and block (none without); the
+    ``score_mod`` is traced in (its constant in the PTX); the exponentials stay one per score."""
+    cfg, ptx, _, _ = built(kw)
+    _, base, _, _ = built(_base(kw))
+    tn, q = cfg.tiles.tile_n, cfg.tiles.q_tiles
+    assert ptx.count("tanh.approx.f32") == (q * tn if kw.get("use_soft_cap") else 0)
+    assert base.count("tanh.approx") == 0
+    bytes_loaded = len(re.findall(r"ld\.global\S*\.[bu]8\b", ptx))
+    assert bytes_loaded == (q * (tn // 8 + 1) if kw.get("use_custom_mask") else 0)
+    if kw.get("use_window"):
+        assert _setp_count(ptx) >= _setp_count(base) + q * tn
+    assert (REL_BIAS_CONST in ptx) == bool(kw.get("score_mod")) and REL_BIAS_CONST not in base
+    assert ptx.count("ex2.approx") == base.count("ex2.approx")
+
+
+@pytest.mark.parametrize("kw", [k for k in FEATURES if k.get("use_soft_cap")], ids=_id)
+def test_sass_soft_cap_is_one_mufu_tanh_per_score(kw):
+    cfg, _, _, _ = built(kw)
+    counts, _ = sass_counts(kw)
+    q, tn = cfg.tiles.q_tiles, cfg.tiles.tile_n
+    assert counts.get("MUFU.TANH", 0) == q * tn
+    assert counts.get("MUFU.EX2", 0) == sass_counts(_base(kw))[0].get("MUFU.EX2", 0)
+
+
+@pytest.mark.parametrize("kw", PAGED, ids=_id)
+def test_paged_kv_loads_one_tma_box_per_page(kw):
+    """Against the same problem on ragged K/V: each K / V load becomes a loop of ``tile_n / page_rows`` boxes
+    (one per page, its id read from the page table) over the 4-D page tensor; the MMA and the softmax are
+    untouched."""
+    cfg, ptx, _, _ = built(kw)
+    _, base, _, _ = built({k: v for k, v in kw.items() if k != "page_size"})
+    tn, r = cfg.tiles.tile_n, cfg.page_rows
+    assert r == min(kw["page_size"], tn) and r % 8 == 0
+    # the page loop is rolled: per load site (K, the V tail, V) one box per 64-column atom, as on ragged K/V, and
+    # one page-id load from the page table
+    boxes = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    assert boxes == len(re.findall(r"cp\.async\.bulk\.tensor", base))
+    assert "cp.async.bulk.tensor.4d" in ptx  # (row in page, dim, kv head, page)
+    assert len(re.findall(r"ld\.global\.b32", ptx)) == len(re.findall(r"ld\.global\.b32", base)) + 3
+    assert ptx.count("tcgen05.mma") == base.count("tcgen05.mma")
+    assert ptx.count("ex2.approx") == base.count("ex2.approx")
+
+
+@pytest.mark.parametrize("kw", GATHERED, ids=_id)
+def test_small_pages_are_gathered_with_cp_async(kw):
+    """Pages that no whole TMA box fits: K and V are gathered by the load warp (16-byte ``cp.async``, zero-filled past
+    the request: one rolled loop per operand), waited for and fenced for the MMA's async proxy; the
+    only TMA left is Q's; the MMA and the softmax are untouched."""
+    cfg, ptx, _, _ = built(kw)
+    _, base, _, _ = built({k: v for k, v in kw.items() if k != "page_size"})
+    dq, dv = cfg.problem.head_dim_qk, cfg.problem.head_dim_vo
+    assert cfg.page_rows == 0
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 2  # (a rolled loop per operand)
+    assert ptx.count("cp.async.wait_group") == 2 and ptx.count("fence.proxy.async.shared::cta") >= 2
+    boxes = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    assert boxes == len(re.findall(r"cp\.async\.bulk\.tensor", base)) - (dq // 64 + 2 * dv // 64)
+    assert ptx.count("tcgen05.mma") == base.count("tcgen05.mma")
+    assert ptx.count("ex2.approx") == base.count("ex2.approx")
+
+
+def _ring_layouts_agree(tn, d, stages):
+    """Whether the K ring (the Q K^T MMA's K-major B operand) and the V ring (the P V MMA's MN-major B operand)
+    put every (token, dim, stage) element where the (token, dim) view the page boxes land in puts it."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass import Float32
+    from cutlass.cute.nvgpu import tcgen05
+    from cutlass.tensor_utils import LayoutEnum
+
+    dt = cutlass.BFloat16
+    k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+    one = tcgen05.CtaGroup.ONE
+    bad = []
+
+    @cute.jit
+    def check():
+        qk = sm100_utils.make_trivial_tiled_mma(dt, dt, k_major, k_major, Float32, one, (128, tn))
+        pv = sm100_utils.make_trivial_tiled_mma(dt, dt, k_major, mn_major, Float32, one, (128, d),
+                                                tcgen05.OperandSource.TMEM)
+        sK = sm100_utils.make_smem_layout_b(qk, (128, tn, d), dt, stages)
+        sV = sm100_utils.make_smem_layout_b(pv, (128, d, tn), dt, stages)
+        rows = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (128, tn, d), dt, stages)
+        # (trace-time Python: constexpr loops and branches, so the DSL does not turn them into device control flow)
+        bad.append(("swizzle", str(sK.inner), str(sV.inner), str(rows.inner)))
+        for st in cutlass.range_constexpr(stages):
+            for r in cutlass.range_constexpr(tn):
+                for c in cutlass.range_constexpr(0, d + 7, 8):
+                    c = cutlass.const_expr(min(c, d - 1))  # each 16-byte chunk's first element, and the last one
+                    want = cute.crd2idx((r, c, st), rows.outer)
+                    # MMA coordinates: K ((token, dim % 16), 0, dim // 16); V ((dim, token % 16), 0, token // 16)
+                    k = cute.crd2idx((r + tn * (c % 16), 0, c // 16, st), sK.outer)
+                    v = cute.crd2idx((c + d * (r % 16), 0, r // 16, st), sV.outer)
+                    # the gather's byte offset of the chunk: the 128-byte swizzle (S<3,4,3> on byte addresses)
+                    # of the unswizzled offset
+                    x = 2 * cute.crd2idx((r, c // 8 * 8, 0), rows.outer)
+                    g = sw128_chunk_offset(r, c // 8, tn)
+                    if cutlass.const_expr(k != want or v != want or g != x ^ ((x >> 3) & 0x70)):
+                        bad.append((st, r, c, k, v, want, g, x))
+
+    check()
+    swizzles = bad.pop(0)
+    return bad + ([] if len(set(swizzles[1:])) == 1 else [swizzles])
+
+
+@pytest.mark.parametrize("tn,d", ((128, 64), (128, 128), (64, 128), (128, 192), (64, 192)))
+def test_page_boxes_land_where_the_mma_reads(tn, d):
+    """The paged loads write K and V through a (token, dim, stage) view of the rings (``_rows_view``; the gather
+    through :func:`sw128_chunk_offset`, its swizzled byte offsets); it must be the MMA operands' own layout,
+    element for element (192 stands for the K ring of 192/128)."""
+    assert _ring_layouts_agree(tn, d, 2) == []
+
+
+def test_positive_scale_only_without_soft_cap_or_score_mod():
+    assert K.Config(problem(), K.Tiles()).positive_scale_only
+    assert K.Config(problem(use_window=True, use_custom_mask=True), K.Tiles()).positive_scale_only
+    assert not K.Config(problem(use_soft_cap=True), K.Tiles()).positive_scale_only
+    assert not K.Config(problem(score_mod=rel_bias), K.Tiles()).positive_scale_only
 
 
 def test_exact_rescaling_builds_the_same_mix():
@@ -293,16 +505,16 @@ def test_served_problems_have_no_reason():
                 for g in (1, 2, 4, 8, 16):
                     for dt in ("bfloat16", "float16"):
                         assert K.unsupported_reason(problem(arch=a, d=d, causal=c, g=g, dtype=dt, sinks=c)) is None
+    for kw in FEATURES:
+        kw = dict(kw)
+        del kw["q"]
+        assert K.unsupported_reason(problem(**kw)) is None
 
 
 REFUSED = [
     (dict(arch="sm_90a"), "sm_100a"),
-    (dict(d=256), "256"),
-    (dict(page_size=16), "paged"),
-    (dict(use_custom_mask=True), "custom mask"),
-    (dict(use_window=True), "window"),
-    (dict(use_soft_cap=True), "soft cap"),
-    (dict(score_mod=lambda s, b, h, q, k: s), "score_mod"),
+    (dict(page_size=16, d=256), "head_dim 256"),
+    (dict(page_size=16, kv_dtype="float8_e4m3fn"), "fp8"),
     (dict(pos_encoding_mode="ROPE_LLAMA"), "positional"),
     (dict(pos_encoding_mode="ALIBI"), "positional"),
     (dict(g=3), "group_size"),
@@ -317,6 +529,25 @@ def test_unsupported_reason_names_each_refused_feature(kw, needle):
         K.Config(problem(**kw), K.Tiles())
 
 
-def test_unsupported_reason_refuses_192_128():
-    p = PrefillProblem(dtype="bfloat16", head_dim_qk=192, head_dim_vo=128, group_size=1, arch="sm_100a")
-    assert "192/128" in K.unsupported_reason(p)
+def test_head_dims_served_and_refused():
+    """64/64, 128/128, 192/128, 256/256 served; other pairs refused naming the served ones.  head_dim 256 takes
+    64-token blocks: with 128 (S0 + S1 + O + P = 640 columns) or two Q tiles (two O of 256) TMEM overflows."""
+    for dq, dv in ((64, 64), (128, 128), (192, 128), (256, 256)):
+        assert K.unsupported_reason(problem(d=dq, dv=dv)) is None
+    for dq, dv in ((128, 64), (256, 128), (64, 128), (32, 32)):
+        reason = K.unsupported_reason(problem(d=dq, dv=dv))
+        assert reason is not None and "192/128" in reason and f"{dq}/{dv}" in reason
+    p = problem(d=256)
+    t = K.default_tiles(p, num_sms=148)
+    assert t.tile_n == 64 and t.q_tiles == 1 and K.Config(p, t).tmem_cols == 512
+    assert K.tmem_plan_reason(K.Config(p, t).tmem) is None
+    with pytest.raises(ValueError, match="512"):
+        K.Config(p, dataclasses.replace(t, tile_n=128))
+    assert "512" in K.tmem_plan_reason(K.tmem_plan(64, 256, 2), C.tmem_aliases(2))  # two O of 256 columns
+    p = problem(d=192, dv=128)
+    t = K.default_tiles(p, num_sms=148)
+    assert K.Config(p, t).tmem_cols == 512 and t.tile_n == 128
+    with pytest.raises(ValueError, match="q_tiles=2"):  # the MMA warp's 32 registers spill 2 x 12 descriptors
+        K.Config(p, dataclasses.replace(t, q_tiles=2, tile_n=64))
+    with pytest.raises(ValueError, match="q_tiles=2"):
+        K.Config(problem(d=256), K.Tiles(tile_n=64, q_tiles=2))

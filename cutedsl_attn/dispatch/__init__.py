@@ -534,7 +534,9 @@ def _prefill_choice(problem: PrefillProblem, positive_scale: bool, kernel: str) 
     if (kernel in ("auto", "sm100") and positive_scale and not problem.kv_fp8
             and _prefill_sm100.unsupported_reason(problem) is None):
         c = KernelChoice(_prefill_sm100, problem, _prefill_sm100.default_tiles(problem, num_sms=num_sms()))
-        if kernel == "sm100" or _first_use_passed(c):
+        # auto takes it only where the first-use check can build the problem's features (or the check is off)
+        checkable = not _verdicts.enabled() or _selfcheck.prefill_refusal(problem) is None
+        if kernel == "sm100" or (checkable and _first_use_passed(c)):
             return c
     if kernel in ("auto", "sm90") and positive_scale and _prefill_sm90.unsupported_reason(problem) is None:
         m = _prefill_sm90

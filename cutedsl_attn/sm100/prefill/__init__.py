@@ -5,7 +5,8 @@ plan); never run on Blackwell hardware yet, so nothing routes to it without a fi
 
 The kernel contract (what dispatch uses): :data:`NAME`, :class:`Tiles` and :class:`Config` (``Config(problem,
 tiles)``, the compile key), :func:`unsupported_reason`, :func:`default_tiles`, :func:`compile` and :func:`launch`.
-Modules: ``config`` (dataclasses, TMEM plan, warp roles), ``kernel`` (the device code).
+Modules: ``config`` (dataclasses, TMEM plan, warp roles), ``kernel`` (the device code: load, MMA and correction
+warps), ``softmax`` (the softmax warpgroups: logits, masks, online softmax).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import dataclasses
 
 from ...planning.prefill import PrefillArgs, PrefillProblem
 from ...compile.tiles import override_int_fields
-from .config import Config, Tiles, tmem_alloc_cols, tmem_plan, tmem_plan_reason, unsupported_reason
+from .config import (Config, Tiles, default_tile_n, page_rows, tmem_alloc_cols, tmem_plan, tmem_plan_reason,
+                     unsupported_reason)
 
 NAME = "prefill_sm100"
 
 __all__ = ["NAME", "Tiles", "Config", "TUNING_FIELDS", "unsupported_reason", "default_tiles", "override_tiles",
-           "compile", "launch", "tmem_plan", "tmem_plan_reason", "tmem_alloc_cols"]
+           "compile", "launch", "tmem_plan", "tmem_plan_reason", "tmem_alloc_cols", "page_rows"]
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))  # the keys override_tiles takes
 
@@ -28,11 +30,14 @@ def default_tiles(problem: PrefillProblem, *, num_sms: int) -> Tiles:
     """The tiles for ``problem`` (``num_sms`` is unused: one CTA per work row and kv head).
 
     Not measured (no Blackwell GPU yet): 128-token KV blocks and a rescale threshold of 8 as FlashAttention-4's
-    SM100 kernel; three K/V stages at head_dim 64, two at 128 (three fit, with 1 KiB to spare: untried); one Q
+    SM100 kernel; three K/V stages at head_dim 64, two at 128 (three fit, with 1 KiB to spare: untried) and
+    192/128; head_dim 256: 64-token blocks (the TMEM plan) and two stages of 64 KiB beside Q's 64 KiB; one Q
     tile per CTA (``q_tiles=2``, FA4's two softmax warpgroups with P aliased in S, is built and checked the same
     way but has more to go wrong on a first run).
     ``problem`` must be one the kernel serves (:func:`unsupported_reason` is None).
     """
+    if default_tile_n(problem) == 64:  # S, P and O of 256 columns fit TMEM with 64-token blocks only (tmem_plan)
+        return Tiles(tile_n=64, kv_stages=2, rescale_threshold=8)
     return Tiles(tile_n=128, kv_stages=3 if problem.head_dim_qk <= 64 else 2, rescale_threshold=8)
 
 
@@ -58,7 +63,9 @@ def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = 
 
 def launch(fn, cfg: Config, args: PrefillArgs) -> None:
     """Run the compiled ``fn`` (:func:`compile` of ``cfg``) on one launch's :class:`PrefillArgs` (the only code that
-    knows its argument order: the SM90 kernel's).  ``args.sm_scale`` must be > 0 (the caller checks); the soft
-    cap, window and positional-encoding fields are not read (the kernel refuses those problems)."""
+    knows its argument order: the SM90 kernel's).  ``args.sm_scale`` must be > 0 unless the problem has a soft
+    cap or ``score_mod`` (``Config.positive_scale_only``; the caller checks); ``mask``, ``soft_cap``,
+    ``window_left`` and (paged K/V: ``k`` / ``v`` ``[pages, page_size, kv_heads, D]``) ``indices`` are read where
+    the problem uses them, the positional-encoding fields never (the kernel refuses those problems)."""
     fn(args.q, args.k, args.v, args.indices, args.work, args.out, args.lse, args.mask, args.sinks, args.sm_scale,
        args.soft_cap, args.window_left, args.output_scale)

@@ -14,7 +14,7 @@ from ...common.tcgen05 import tmem_alloc_cols, tmem_plan_reason
 from ...planning.prefill import PrefillProblem
 
 ARCHS = ("sm_100a", "sm_103a")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))  # (head_dim_qk, head_dim_vo)
 TILE_M = 128  # packed query rows of one Q tile: the M of one tcgen05 (cta_group::1) MMA
 SMEM_LIMIT = 227 * 1024
 REGISTER_FILE = 64 * 1024
@@ -104,6 +104,10 @@ def tmem_plan(tile_n: int, head_dim_vo: int, q_tiles: int = 1) -> dict[str, tupl
     their own tile's S buffer (:data:`TMEM_ALIASES`): the softmax warpgroup has all of S in registers before it
     writes P there, and the MMA warp issues tile ``t``'s P V before its next Q K^T, which tcgen05's in-order
     execution keeps behind the P V's reads.  Every region starts on a multiple of 32 columns.
+
+    The 512 columns of an SM: head_dim_vo 64 and 128 fit with ``tile_n`` 128 (one Q tile: 2 * 128 + 128 + 2 * 64 =
+    512 at 128, with 192/128 too); 256 fits one Q tile with ``tile_n`` 64 (2 * 64 + 256 + 2 * 32 = 448), not
+    ``tile_n`` 128 (640) nor two Q tiles (two O of 256 alone fill 512): :func:`tmem_plan_reason` refuses those.
     """
     if q_tiles == 1:
         return {
@@ -128,29 +132,45 @@ def tmem_aliases(q_tiles: int) -> dict[str, str]:
     return {} if q_tiles == 1 else {"P0": "S0", "P1": "S1"}
 
 
+def page_rows(page_size: int, tile_n: int) -> int:
+    """Rows of one K/V TMA box for paged K/V, ``min(page_size, tile_n)``, where whole blocks load one box per
+    page (or per block inside a page): ``page_size >= 16``, one of ``tile_n`` / ``page_size`` divides the other,
+    and the box is whole 8-row swizzle atoms (each box then starts on a 1 KiB boundary of the 128-byte swizzle);
+    else 0 (the load warp gathers such blocks with cp.async)."""
+    r = min(page_size, tile_n)
+    if page_size >= 16 and (tile_n % page_size == 0 or page_size % tile_n == 0) and r % 8 == 0:
+        return r
+    return 0
+
+
+def default_tile_n(problem: PrefillProblem) -> int:
+    """The KV block of the package's ``default_tiles``: 64 at head_dim_vo 256 (the TMEM plan), else 128."""
+    return 64 if problem.head_dim_vo == 256 else 128
+
+
 def unsupported_reason(problem: PrefillProblem) -> str | None:
     """Why the SM100 prefill kernel cannot serve ``problem``, or None (the arch test included).
 
-    Serves bf16/fp16, ragged K/V, head_dim_qk == head_dim_vo in {64, 128}, causal (bottom-right) or not,
-    sinks, any ``group_size`` dividing 128, on ``sm_100a`` / ``sm_103a``.  Refuses paged K/V, custom masks,
-    sliding windows, soft caps, ``score_mod``, positional encodings, head_dim 256 and 192/128.
+    Serves bf16/fp16 with head_dim_qk/head_dim_vo 64/64, 128/128, 192/128 and 256/256 (256: one Q tile
+    of ``tile_n`` 64, :func:`tmem_plan`), causal (bottom-right) or not, a sliding window (``window_left``), a soft
+    cap, custom masks (which replace causal), a ``score_mod`` (not with a soft cap), sinks, any ``group_size``
+    dividing 128, on ``sm_100a`` / ``sm_103a``; ragged or paged K/V (any page size: one TMA box per page where
+    :func:`page_rows` allows, a cp.async gather otherwise; not at head_dim 256).  Refuses paged head_dim 256, fp8
+    K/V caches and positional encodings.
     """
     p = problem
     if p.arch not in ARCHS:
         return f"the SM100 prefill kernel builds for sm_100a / sm_103a only, got arch {p.arch!r}"
-    if p.head_dim_qk != p.head_dim_vo or p.head_dim_qk not in HEAD_DIMS:
-        return (f"head_dim_qk == head_dim_vo in {HEAD_DIMS} only (256 and 192/128 are not served), got "
+    if (p.head_dim_qk, p.head_dim_vo) not in HEAD_DIMS:
+        return (f"head_dim_qk/head_dim_vo must be one of {', '.join(f'{a}/{b}' for a, b in HEAD_DIMS)}, got "
                 f"{p.head_dim_qk}/{p.head_dim_vo}")
-    if p.page_size > 0:
-        return "paged K/V is not served by the SM100 kernel yet (ragged K/V only)"
-    if p.use_custom_mask:
-        return "custom masks are not served by the SM100 kernel yet"
-    if p.use_window:
-        return "sliding windows (window_left) are not served by the SM100 kernel yet"
-    if p.use_soft_cap:
-        return "soft caps are not served by the SM100 kernel yet"
-    if p.score_mod is not None:
-        return "score_mod is not served by the SM100 kernel yet"
+    if p.kv_dtype:
+        return f"kv_dtype {p.kv_dtype!r} (an fp8 K/V cache) is served by the portable kernel"
+    if p.page_size > 0 and p.head_dim_vo == 256:
+        # (ptxas spills the KV block count across the roles' setmaxnreg: the resource gate refuses it)
+        return "paged K/V at head_dim 256 is served by the portable kernel (the SM100 build spills)"
+    if p.score_mod is not None and (not callable(p.score_mod) or p.use_soft_cap):
+        return "score_mod must be a callable, and not combined with a soft cap (fold the cap into the score_mod)"
     if p.pos_encoding_mode != "NONE":
         return "positional encodings (RoPE / ALiBi) are served by the portable kernel"
     if TILE_M % p.group_size:
@@ -171,6 +191,9 @@ def _tiles_reason(p: PrefillProblem, t: Tiles) -> str | None:
         return f"q_tiles must be 1 or 2, got {t.q_tiles}"
     if not 0 <= t.rescale_threshold <= 15:
         return f"rescale_threshold must be in 0..15 (P <= 2^threshold must fit 16 bits), got {t.rescale_threshold}"
+    if t.q_tiles == 2 and p.head_dim_qk > 128:
+        # (ptxas spills the Q descriptors of 2 x head_dim_qk / 16 K steps out of the MMA warp's 32 registers)
+        return f"q_tiles=2 serves head_dim_qk <= 128 (the MMA warp's register budget), got {p.head_dim_qk}"
     return tmem_plan_reason(tmem_plan(t.tile_n, p.head_dim_vo, t.q_tiles), tmem_aliases(t.q_tiles))
 
 
@@ -213,8 +236,14 @@ class Config:
 
     @property
     def positive_scale_only(self) -> bool:
-        """The launch needs ``sm_scale > 0``: the row max is taken on raw ``q.k`` and the scale folded in after."""
-        return True
+        """Whether the launch needs ``sm_scale > 0``: without a soft cap or ``score_mod`` the row max is taken on
+        raw ``q.k`` and the scale folded in after."""
+        return not (self.problem.use_soft_cap or self.problem.score_mod is not None)
+
+    @property
+    def page_rows(self) -> int:
+        """Rows of one paged K/V TMA box (:func:`page_rows`; 0 for ragged K/V)."""
+        return page_rows(self.problem.page_size, self.tiles.tile_n) if self.problem.page_size > 0 else 0
 
     @property
     def tmem(self) -> dict[str, tuple[int, int]]:

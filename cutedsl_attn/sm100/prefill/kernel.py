@@ -2,23 +2,29 @@
 
 One CTA per (work row, kv head): ``128 * q_tiles`` packed query rows of one request (the work table of
 :mod:`cutedsl_attn.planning.prefill`; packed row ``r`` is token ``r // group`` of query head
-``kv_head * group + r % group``), all its KV blocks right to left (the masked ones first).  Roles
+``kv_head * group + r % group``), the KV blocks some row of it sees (``masks.kv_block_range``: none right of
+the causal diagonal or the request's end, none left of the sliding window) right to left (the masked ones
+first).  Roles
 (:class:`~cutedsl_attn.sm100.prefill.config.Roles`):
 
-* load warp: TMA of the Q tiles (once) and of the K and V blocks into two rings (``PipelineTmaUmma`` each); a V
-  block running past the request lands on its own mbarrier and has its tail rows zeroed before the MMA reads it;
+* load warp: TMA of the Q tiles (once) and of the K and V blocks into two rings (``PipelineTmaUmma`` each; paged
+  K/V: one box per page, its id from the page table, into the same layout); a V block running past the request
+  lands on its own mbarrier and has its tail rows zeroed before the MMA reads it;
 * MMA warp (one elected thread): S = Q K^T into TMEM (``PipelineUmmaAsync`` to the softmax warpgroups) and
   O += P V with P read from TMEM (``PipelineAsyncUmma`` from the softmax warpgroups, ``PipelineUmmaAsync`` to the
   correction warpgroup); it owns the TMEM allocation.  One Q tile: two S buffers, block ``i + 1``'s scores
   computed while the softmax works on block ``i``; two Q tiles: the tiles take turns on the tensor core;
-* softmax warpgroup per Q tile (one thread per row): ``tcgen05.ld`` of its S row, masks, online max / sum,
-  ``ex2``, the 16-bit P written back with ``tcgen05.st``; each block's rescale factor to the correction
-  warpgroup through shared memory (``PipelineAsync``);
+* softmax warpgroup per Q tile (one thread per row, :mod:`.softmax`): ``tcgen05.ld`` of its S row, the soft cap
+  or ``score_mod``, the masks (sequence end, causal, window, custom mask), online max / sum, ``ex2``, the 16-bit
+  P written back with ``tcgen05.st``; each block's rescale factor to the correction warpgroup through shared
+  memory (``PipelineAsync``);
 * correction warpgroup: rescales O in TMEM between P V GEMMs, then the epilogue (normalise, sinks, output scale,
   16-bit O and base-2 LSE straight to global memory).
 
-Conventions as the other prefill kernels: bottom-right causal, LSE base 2, empty rows O = 0 and LSE = -inf,
-``sm_scale > 0``; K/V rows past a request never reach an output.
+Conventions as the other prefill kernels: bottom-right causal, ``window_left = w`` keeps ``w + 1`` keys, the soft
+cap ``cap * tanh(s / cap)`` on scaled logits, custom masks as FlashInfer's packed little-endian bits (replacing
+causal), LSE base 2, empty rows O = 0 and LSE = -inf, ``sm_scale > 0`` unless a soft cap or ``score_mod`` is
+used (:attr:`Config.positive_scale_only`); K/V rows past a request never reach an output.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
+import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.tensor_utils import LayoutEnum
 
-from ...common import masks, ptx
+from ...common import masks, paging, ptx
 from ...common import softmax as sm
 from ...common.constants import LOG2E, NEG_INF
 from ...common.tcgen05 import fence_after_sync, fence_before_sync, state_at
@@ -43,9 +51,17 @@ from ...compile.fake import prefill_tensors
 from ...planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0, WORK_COLS
 from . import config as C
 from .config import Config
+from .softmax import SoftmaxWarpgroup
 
 
-class Sm100PrefillKernel:
+def sw128_chunk_offset(r, c, rows: int):
+    """Byte offset of 16-byte chunk ``c`` of token ``r`` in a ``rows``-token K or V stage of 16-bit elements (the
+    MMA operands' layout, :meth:`Sm100PrefillKernel._rows_view`): 64-column blocks of ``rows`` 128-byte rows, the
+    chunk index XOR-ed with ``r % 8`` within its row (the 128-byte swizzle; the stage is 1 KiB aligned)."""
+    return (c // 8) * (rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+
+
+class Sm100PrefillKernel(SoftmaxWarpgroup):
     """The CuTe DSL SM100 prefill kernel of one :class:`Config` (build with ``compile``)."""
 
     def __init__(self, cfg: Config):
@@ -58,6 +74,11 @@ class Sm100PrefillKernel:
         self.roles = cfg.roles
         self.CH = 32 if self.QT == 1 else 16  # O columns per correction tcgen05.ld / st (registers: its budget)
         self.causal, self.use_sinks = p.causal, p.use_sinks
+        self.mask_causal = p.causal and not p.use_custom_mask  # a custom mask replaces causal (FlashInfer)
+        self.use_window, self.use_soft_cap = p.use_window, p.use_soft_cap
+        self.use_custom_mask, self.score_mod = p.use_custom_mask, p.score_mod
+        self.paged, self.page_size, self.page_rows = p.page_size > 0, p.page_size, cfg.page_rows
+        self.gather = self.paged and self.page_rows == 0  # pages that no whole TMA box fits: cp.async
         self.rescale_threshold = t.rescale_threshold
         self.tmem = cfg.tmem
         self.tmem_cols = cfg.tmem_cols
@@ -82,20 +103,26 @@ class Sm100PrefillKernel:
         sV_layout = sm100_utils.make_smem_layout_b(pv_mma, self.pv_tiler, dt, S)
         tP_layout = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, dt, 1)
 
-        hkv = mK.shape[1]
+        hkv = mK.shape[2 if self.paged else 1]
         # Q as ((group, tokens), dim, kv_heads): one M=128 box of a tile is its packed rows (GQA packing)
         mQ_t = cute.make_tensor(mQ.iterator, cute.make_layout(
             ((G, mQ.shape[0]), DQ, hkv), stride=((mQ.stride[1], mQ.stride[0]), 1, G * mQ.stride[1])))
-        mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))  # (tokens, dim, kv_heads)
-        mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))  # (dim, tokens, kv_heads)
+        if const_expr(not self.paged):
+            mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))  # (tokens, dim, kv_heads)
+            mV_t = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))  # (dim, tokens, kv_heads)
         g2s = cpasync.CopyBulkTensorTileG2SOp(one_cta)
         vmnk = (1, 1, 1, 1)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
             g2s, mQ_t, cute.select(sQ_layout, mode=[0, 1, 2]), self.qk_tiler, qk_mma, vmnk)
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
-            g2s, mK_t, cute.select(sK_layout, mode=[0, 1, 2]), self.qk_tiler, qk_mma, vmnk)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
-            g2s, mV_t, cute.select(sV_layout, mode=[0, 1, 2]), self.pv_tiler, pv_mma, vmnk)
+        if const_expr(self.gather):  # (no K / V atoms: the load warp gathers from the page tensors themselves)
+            tma_atom_K, tma_K, tma_atom_V, tma_V = None, mK, None, mV
+        elif const_expr(self.paged):
+            tma_atom_K, tma_K, tma_atom_V, tma_V = self._paged_tma(mK, mV)
+        else:
+            tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+                g2s, mK_t, cute.select(sK_layout, mode=[0, 1, 2]), self.qk_tiler, qk_mma, vmnk)
+            tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+                g2s, mV_t, cute.select(sV_layout, mode=[0, 1, 2]), self.pv_tiler, pv_mma, vmnk)
         self.q_bytes = TM * DQ * 2
         self.k_bytes = TN * DQ * 2
         self.v_bytes = TN * DV * 2
@@ -123,9 +150,12 @@ class Sm100PrefillKernel:
         qk_mma1 = sm100_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32, one_cta, (TM, TN))
         pv_mma1 = sm100_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, one_cta, (TM, DV),
                                                      tcgen05.OperandSource.TMEM)
+        # the feature arguments the problem reads (SoftmaxWarpgroup._features), no others
+        feat = tuple(x for x, on in ((mMask, self.use_custom_mask), (soft_cap, self.use_soft_cap),
+                                     (window_left, self.use_window), (mIdx, self.paged)) if on)
         self.kernel(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mWork, mO, mLSE, mSinks, sm_scale,
                     output_scale, qk_mma, pv_mma, qk_mma1, pv_mma1, sQ_layout, sK_layout, sV_layout,
-                    tP_layout).launch(
+                    tP_layout, feat).launch(
             grid=(mWork.shape[0], hkv, 1), block=(self.roles.num_threads, 1, 1), smem=SharedStorage.size_in_bytes(),
             stream=stream, min_blocks_per_mp=1)  # (.minnctapersm: without it ptxas ignores setmaxnreg)
 
@@ -133,8 +163,10 @@ class Sm100PrefillKernel:
     def kernel(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mWork, mO, mLSE, mSinks,
                sm_scale: Float32, output_scale: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
                qk_mma1: cute.TiledMma, pv_mma1: cute.TiledMma, sQ_layout: cute.ComposedLayout,
-               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout):
-        """Device entry: one CTA per (work row ``blockIdx.x``, kv head ``blockIdx.y``)."""
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
+               feat):
+        """Device entry: one CTA per (work row ``blockIdx.x``, kv head ``blockIdx.y``); ``feat``: the custom
+        mask, soft cap, window and page-table arguments the problem uses, in that order."""
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         wi, kvh, _ = cute.arch.block_idx()
@@ -142,8 +174,9 @@ class Sm100PrefillKernel:
         R = self.roles
         if warp == R.load_warp:
             cpasync.prefetch_descriptor(tma_atom_Q)
-            cpasync.prefetch_descriptor(tma_atom_K)
-            cpasync.prefetch_descriptor(tma_atom_V)
+            if const_expr(not self.gather):
+                cpasync.prefetch_descriptor(tma_atom_K)
+                cpasync.prefetch_descriptor(tma_atom_V)
 
         def group(n):
             return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
@@ -190,24 +223,23 @@ class Sm100PrefillKernel:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         s_stats = storage.s_stats.get_tensor(cute.make_layout((self.TM * QT, 2), stride=(1, self.TM * QT)))
 
-        b, row0, qo_len, kv_len, blk_lo, n_blk = self._tile(mWork, wi)
+        b, row0, qo_len, kv_len, blk_lo, n_blk = self._tile(mWork, wi, self._features(feat)[2])
         regs = R.registers
         if warp < R.correction_warps[0]:
             cute.arch.setmaxregister_increase(regs["softmax"])
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             if b >= 0:
+                sm_args = (tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, feat, mWork, wi, b, kvh,
+                           row0, qo_len, kv_len, blk_lo, n_blk)
                 if const_expr(QT == 1):
-                    self._softmax(tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, row0, qo_len,
-                                  kv_len, blk_lo, n_blk, tidx, 0)
+                    self._softmax(*sm_args, tidx, 0)
                 else:
                     wg = warp // 4
                     if wg == 0:
-                        self._softmax(tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, row0, qo_len,
-                                      kv_len, blk_lo, n_blk, tidx, 0)
+                        self._softmax(*sm_args, tidx, 0)
                     else:
-                        self._softmax(tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, row0, qo_len,
-                                      kv_len, blk_lo, n_blk, tidx - 128, 1)
+                        self._softmax(*sm_args, tidx - 128, 1)
         elif warp < R.mma_warp:
             cute.arch.setmaxregister_decrease(regs["correction"])
             tmem.wait_for_alloc()
@@ -221,7 +253,7 @@ class Sm100PrefillKernel:
             if warp == R.load_warp:
                 if n_blk > 0:
                     self._load(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k,
-                               pipe_v, v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk)
+                               pipe_v, v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk, storage, feat)
             if warp == R.mma_warp:
                 tmem.allocate(self.tmem_cols)
                 tmem.wait_for_alloc()
@@ -234,15 +266,16 @@ class Sm100PrefillKernel:
                 tmem.free(tmem_ptr)
 
     @cute.jit
-    def _tile(self, mWork, wi):
-        """Work row ``wi``'s fields and its KV block range: ``(b, row0, qo_len, kv_len, blk_lo, n_blk)``, ``n_blk``
-        0 for a padding row (``b < 0``)."""
+    def _tile(self, mWork, wi, window_left):
+        """Work row ``wi``'s fields and its KV block range (blocks no row sees are skipped: before the causal
+        diagonal, past the request, left of the sliding window): ``(b, row0, qo_len, kv_len, blk_lo, n_blk)``,
+        ``n_blk`` 0 for a padding row (``b < 0``)."""
         b = mWork[wi, W_BATCH]
         row0 = mWork[wi, W_ROW0]
         qo_len = mWork[wi, W_QO_LEN]
         kv_len = mWork[wi, W_KV_LEN]
-        blk_lo, n_blk = masks.kv_block_range(row0, qo_len, kv_len, Int32(-1), self.G, self.CTA_M, self.TN,
-                                             self.causal, False)
+        blk_lo, n_blk = masks.kv_block_range(row0, qo_len, kv_len, window_left, self.G, self.CTA_M, self.TN,
+                                             self.mask_causal, self.use_window)
         n_blk = cutlass.select_(b >= 0, n_blk, Int32(0))
         return b, row0, qo_len, kv_len, blk_lo, n_blk
 
@@ -269,21 +302,26 @@ class Sm100PrefillKernel:
     # ------------------------------------------------------------------ load warp
     @cute.jit
     def _load(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-              v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk):
-        """TMA Q once and the K / V blocks ``blk_lo + n_blk - 1 .. blk_lo`` (right to left) into their rings."""
+              v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk, storage, feat):
+        """TMA Q once and the K / V blocks ``blk_lo + n_blk - 1 .. blk_lo`` (right to left) into their rings (paged
+        K/V: one box per page, :meth:`_load_pages`)."""
         TM, TN, DQ, DV = self.TM, self.TN, self.DQ, self.DV
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
         gQ = cute.flat_divide(cute.domain_offset(((0, mWork[wi, W_Q_START]), 0, 0), tma_Q), (TM, DQ))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
                                            cute.group_modes(qk_thr.partition_A(gQ), 0, 3))
-        kv_start = mWork[wi, W_KV_START]
-        gK = cute.flat_divide(cute.domain_offset((kv_start, 0, 0), tma_K), (TN, DQ))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
-                                           cute.group_modes(qk_thr.partition_B(gK), 0, 3))
-        gV = cute.flat_divide(cute.domain_offset((0, kv_start, 0), tma_V), (DV, TN))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
-                                           cute.group_modes(pv_thr.partition_B(gV), 0, 3))
+        kv_start = mWork[wi, W_KV_START]  # (paged: the request's first entry of the page table)
+        if const_expr(not self.paged):
+            gK = cute.flat_divide(cute.domain_offset((kv_start, 0, 0), tma_K), (TN, DQ))
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+                                               cute.group_modes(qk_thr.partition_B(gK), 0, 3))
+            gV = cute.flat_divide(cute.domain_offset((0, kv_start, 0), tma_V), (DV, TN))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+                                               cute.group_modes(pv_thr.partition_B(gV), 0, 3))
+        else:
+            mIdx = self._features(feat)[3]
+            sK_rows, sV_rows = self._rows_view(storage.sK, DQ), self._rows_view(storage.sV, DV)
         for t in cutlass.range_constexpr(self.QT):
             q_state = state_at(self.QT, t, True)
             pipe_q.producer_acquire(q_state)
@@ -293,23 +331,104 @@ class Sm100PrefillKernel:
         for i in cutlass.range(n_blk, unroll=1):
             n = blk_lo + n_blk - 1 - i
             state = state_at(self.S, i, True)
-            pipe_k.producer_acquire(state)
-            cute.copy(tma_atom_K, tKgK[None, n, 0, kvh], tKsK[None, state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
-            if (i == 0) & (rows < TN):
-                # the tail block: land on v_bar, zero rows past the request, then complete the stage by an arrive
-                pipe_v.sync_object_empty.wait(state.index, state.phase)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(v_bar, self.v_bytes)
-                cute.copy(tma_atom_V, tVgV[None, 0, n, kvh], tVsV[None, state.index], tma_bar_ptr=v_bar)
-                cute.arch.mbarrier_wait(v_bar, 0)
-                self._zero_v_rows(sV, state.index, rows)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive(pipe_v.sync_object_full.get_barrier(state.index))
+            if const_expr(self.gather):
+                self._gather_block(pipe_k, state, tma_K, mIdx, storage.sK.data_ptr().toint(), DQ, kv_start, n * TN,
+                                   kv_len, kvh)
+                self._gather_block(pipe_v, state, tma_V, mIdx, storage.sV.data_ptr().toint(), DV, kv_start, n * TN,
+                                   kv_len, kvh)
             else:
-                pipe_v.producer_acquire(state)
-                cute.copy(tma_atom_V, tVgV[None, 0, n, kvh], tVsV[None, state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                pipe_k.producer_acquire(state)
+                if const_expr(self.paged):
+                    self._load_pages(tma_atom_K, tma_K, sK_rows, pipe_k.producer_get_barrier(state), mIdx, kv_start,
+                                     n * TN, kv_len, kvh, state.index)
+                else:
+                    cute.copy(tma_atom_K, tKgK[None, n, 0, kvh], tKsK[None, state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(state))
+                if (i == 0) & (rows < TN):
+                    # the tail block: land on v_bar, zero rows past the request, then complete the stage by an arrive
+                    pipe_v.sync_object_empty.wait(state.index, state.phase)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(v_bar, self.v_bytes)
+                    if const_expr(self.paged):
+                        self._load_pages(tma_atom_V, tma_V, sV_rows, v_bar, mIdx, kv_start, n * TN, kv_len, kvh,
+                                         state.index)
+                    else:
+                        cute.copy(tma_atom_V, tVgV[None, 0, n, kvh], tVsV[None, state.index], tma_bar_ptr=v_bar)
+                    cute.arch.mbarrier_wait(v_bar, 0)
+                    self._zero_v_rows(sV, state.index, rows)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive(pipe_v.sync_object_full.get_barrier(state.index))
+                else:
+                    pipe_v.producer_acquire(state)
+                    if const_expr(self.paged):
+                        self._load_pages(tma_atom_V, tma_V, sV_rows, pipe_v.producer_get_barrier(state), mIdx, kv_start,
+                                         n * TN, kv_len, kvh, state.index)
+                    else:
+                        cute.copy(tma_atom_V, tVgV[None, 0, n, kvh], tVsV[None, state.index],
+                                  tma_bar_ptr=pipe_v.producer_get_barrier(state))
+
+    # ------------------------------------------------------------------ paged K/V
+    def _paged_tma(self, mK, mV):
+        """TMA atoms of paged K and V (``[pages, page_size, kv_heads, D]``) viewed as (row in page, dim, kv_heads,
+        pages): one box is ``page_rows`` rows of one page, in the 128-byte-swizzled (tokens, dim) layout that
+        :meth:`_rows_view` gives a stage."""
+        R, TM, dt = self.page_rows, self.TM, self.dtype
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        out = []
+        for mX, D in ((mK, self.DQ), (mV, self.DV)):
+            mX_t = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
+            box = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TM, R, D), dt, 1)
+            out.extend(cpasync.make_tiled_tma_atom(g2s, mX_t, cute.select(box, mode=[0, 1]), (R, D), 1))
+        return tuple(out)
+
+    def _rows_view(self, buf, D):
+        """A K or V ring as (token, dim, stage): the same bytes as the MMA's view (both operands hold a token's
+        ``D`` values in 128-byte rows of 64, 8-row swizzle atoms down the tokens first, then the 64-wide column
+        blocks; the CPU tests check the two layouts agree element by element)."""
+        lay = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (self.TM, self.TN, D), self.dtype, self.S)
+        return buf.get_tensor(lay.outer, swizzle=lay.inner)
+
+    @cute.jit
+    def _gather_block(self, pipe, state, mX, mIdx, s_addr, D: cutlass.Constexpr, page_off, tok0, kv_len, kvh):
+        """cp.async the block of ``tile_n`` paged tokens from ``tok0`` into ring stage ``state`` (the load warp's 32
+        lanes, 16 bytes a copy through the page table: :func:`cutedsl_attn.common.paging.kv_chunk_offset`, zero
+        past the request), in the layout the MMA reads (:meth:`_rows_view`'s, 128-byte swizzle); then complete the
+        stage: the copies waited for, ordered before the MMA's async-proxy reads, one arrive (no bytes)."""
+        TN, PS = self.TN, self.page_size
+        cpr = D // 8  # 16-byte chunks of a token's row
+        lane = cute.arch.lane_idx()
+        pipe.sync_object_empty.wait(state.index, state.phase)
+        base = mX.iterator.toint()
+        dst = s_addr + state.index * (TN * D * 2)
+        # (rolled: unrolled, the page-id loads and 64-bit addresses outgrow the load warp's 32 or 48 registers)
+        for it in cutlass.range((TN * cpr) // 32, unroll=1):
+            idx = it * 32 + lane
+            r = idx // cpr
+            c = idx % cpr
+            goff, valid = paging.kv_chunk_offset(mX, mIdx, tok0 + r, kv_len, page_off, kvh, c, PS)
+            ptx.cp_async_16(dst + sw128_chunk_offset(r, c, TN), base + goff * 2, cutlass.select_(valid, 16, 0))
+        ptx.cp_async_commit()
+        ptx.cp_async_wait(0)
+        ptx.fence_proxy_async_shared()
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(pipe.sync_object_full.get_barrier(state.index))
+
+    @cute.jit
+    def _load_pages(self, tma_atom, tma_X, sX_rows, bar, mIdx, page_off, tok0, kv_len, kvh, stage):
+        """TMA the block of ``tile_n`` tokens from ``tok0`` into ring stage ``stage``, box ``j`` (``page_rows``
+        rows) from page ``mIdx[page_off + tok // page_size]`` into the stage's rows ``j * page_rows ..`` (1 KiB
+        aligned: ``page_rows`` is a multiple of 8); ``bar`` expects the block's bytes.  Boxes past the request read
+        its last page again (whole boxes keep the byte count; those rows are masked in S, zeroed in V)."""
+        R, PS, TN = self.page_rows, self.page_size, self.TN
+        for j in cutlass.range(TN // R, unroll=1):  # (rolled: unrolled, the boxes spill the load warp's registers)
+            tok = tok0 + j * R
+            page = mIdx[page_off + cutlass.min(tok, kv_len - 1) // PS]
+            gX = cute.local_tile(tma_X[None, None, kvh, page], (R, tma_X.shape[1]), (tok % PS // R, 0))
+            dst = cute.local_tile(sX_rows[None, None, stage], (R, sX_rows.shape[1]), (j, 0))
+            tXs, tXg = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
+                                             cute.group_modes(gX, 0, 2))
+            cute.copy(tma_atom, tXg, tXs, tma_bar_ptr=bar)
 
     @cute.jit
     def _zero_v_rows(self, sV, stage, rows):
@@ -400,96 +519,6 @@ class Sm100PrefillKernel:
         for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
             pv_mma.set(tcgen05.Field.ACCUMULATE, accumulate | (k != 0))
             cute.gemm(pv_mma, tOtO, tOrP[None, None, k], tOrV[None, None, k, v_stage], tOtO)
-
-    # ------------------------------------------------------------------ softmax warpgroup
-    @cute.jit
-    def _softmax(self, tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, row0, qo_len, kv_len,
-                 blk_lo, n_blk, tidx, t: cutlass.Constexpr):
-        """Softmax warpgroup of Q tile ``t``: thread ``tidx`` owns packed row ``row0 + 128 t + lane`` (TMEM lane
-        ``lane``): per block, its scores by ``tcgen05.ld``, masked where the block needs it, the online max and
-        sum, P = 2^(s - max) back to TMEM as 16-bit values 32 columns at a time; the rescale factor of O to the
-        correction warpgroup; at the end the row's sum and max."""
-        TM, TN, G, QT = self.TM, self.TN, self.G, self.QT
-        CW = 16  # P words (32 columns of 16-bit values) per tcgen05.st
-        qk_thr = qk_mma.get_slice(0)
-        tStS0 = self._tmem_S(tmem_ptr, qk_mma, "S0")
-        ld_atom = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
-        tiled_ld = tcgen05.make_tmem_copy(ld_atom, tStS0)
-        thr_ld = tiled_ld.get_slice(tidx)
-        tLtS0 = thr_ld.partition_S(tStS0)
-        s_cols, p_cols = self.tmem["S1"][0] - self.tmem["S0"][0], self.tmem["P1"][0] - self.tmem["P0"][0]
-        tLcS = thr_ld.partition_D(qk_thr.partition_C(cute.make_identity_tensor((TM, TN))))
-        tPc = cute.make_tensor(tmem_ptr + self.tmem["P0"][0],
-                               cute.composition(tStS0.layout, cute.make_layout((TM, CW))))
-        tiled_st = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(CW)), Float32), tPc)
-        thr_st = tiled_st.get_slice(tidx)
-        tStP0 = thr_st.partition_D(tPc)
-        tScP = thr_st.partition_S(cute.make_identity_tensor((TM, CW)))
-
-        scale_log2 = sm_scale * Float32(LOG2E)
-        row_max = Float32(NEG_INF)
-        row_sum = Float32(0.0)
-        row = tLcS[0][0]  # this thread's row of the tile: its TMEM lane
-        qpos = (row0 + t * TM + row) // G + kv_len - qo_len  # the row's bottom-right position
-        n_masked = masks.num_right_masked(blk_lo, n_blk, kv_len, row0 // G + kv_len - qo_len, TN,
-                                          causal=self.causal)
-        for i in cutlass.range(n_blk, unroll=1):
-            s_state = state_at(2, i * QT + t, False)
-            p_state = state_at(2, i * QT + t, True)
-            st_state = state_at(QT, i * QT + t, True)
-            rS = cute.make_rmem_tensor(tLcS.shape, Float32)
-            pipe_s.consumer_wait(s_state)
-            fence_after_sync()
-            cute.copy(tiled_ld, cute.make_tensor(tLtS0.iterator + s_state.index * s_cols, tLtS0.layout), rS)
-            cute.arch.fence_view_async_tmem_load()
-            fence_before_sync()
-            pipe_s.consumer_release(s_state)
-            if i < n_masked:
-                j0 = (blk_lo + n_blk - 1 - i) * TN
-                _, hi = masks.visible_range(j0, kv_len, qpos, Int32(-1), causal=self.causal, use_window=False)
-                for e in cutlass.range_constexpr(cute.size(rS)):
-                    rS[e] = Float32(cutlass.select_(tLcS[e][1] <= hi, rS[e], Float32(NEG_INF)))
-            m_new = cute.arch.fmax(row_max, rS.load().reduce(cute.ReductionOp.MAX, Float32(NEG_INF), 0))
-            if const_expr(self.rescale_threshold > 0):
-                # keep the running max while the block's max exceeds it by <= 2^threshold (P <= 2^threshold fits
-                # 16 bits): O's factor stays 1 and the correction warpgroup skips its TMEM round trip (a row that
-                # saw nothing yet, -inf, always takes the new max: the difference is +inf or NaN)
-                grow = (m_new - row_max) * scale_log2
-                m_new = Float32(cutlass.select_(grow <= Float32(self.rescale_threshold), row_max, m_new))
-            m_use = Float32(cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new))
-            alpha = ptx.ex2((row_max - m_use) * scale_log2)
-            pipe_stats.producer_acquire(st_state)  # (block 0's factor is not used: its P V starts O)
-            s_stats[t * TM + row, 0] = alpha
-            pipe_stats.producer_commit(st_state)
-            row_max = m_new
-            neg_m = -m_use * scale_log2
-            acc = (row_sum * alpha, Float32(0.0))
-            pipe_p.producer_acquire(p_state)  # the P V that read this P buffer last is done
-            fence_after_sync()
-            p_base = tStP0.iterator + p_state.index * p_cols
-            for c in cutlass.range_constexpr(TN // 32):
-                for e in cutlass.range_constexpr(32 * c, 32 * c + 32, 2):
-                    x0, x1 = cute.arch.fma_packed_f32x2((rS[e], rS[e + 1]), (scale_log2, scale_log2),
-                                                        (neg_m, neg_m))
-                    rS[e] = ptx.ex2(x0)
-                    rS[e + 1] = ptx.ex2(x1)
-                    acc = cute.arch.add_packed_f32x2(acc, (rS[e], rS[e + 1]))
-                rP = cute.make_rmem_tensor(tScP.shape, Float32)
-                rPw = cute.recast_tensor(rP, Int32)  # the same registers, as packed 16-bit pairs
-                for w in cutlass.range_constexpr(CW):
-                    rPw[w] = ptx.pack2(rS[32 * c + 2 * w], rS[32 * c + 2 * w + 1], self.dtype)
-                cute.copy(tiled_st, rP, cute.make_tensor(p_base + c * CW, tStP0.layout))
-            row_sum = acc[0] + acc[1]
-            cute.arch.fence_view_async_tmem_store()
-            fence_before_sync()
-            pipe_p.producer_commit(p_state)
-        # final message: the row's sum and its max in log2 units (-inf: no visible key)
-        st_state = state_at(QT, n_blk * QT + t, True)
-        pipe_stats.producer_acquire(st_state)
-        s_stats[t * TM + row, 0] = row_sum
-        s_stats[t * TM + row, 1] = row_max * scale_log2
-        pipe_stats.producer_commit(st_state)
 
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
