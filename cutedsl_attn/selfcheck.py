@@ -8,10 +8,14 @@ with ``name``, ``cfg``, ``problem``, ``tile_m`` and ``launch(PrefillArgs)``, as 
 the logic is exercised on any GPU with another kernel standing in for the candidate.
 
 The problem: two kv heads, four requests (query / KV lengths 37/300, 150/90, 0/50, 5/0: several KV blocks
-with a tail, causal rows that see no key, an empty request, a request with no KV), spare K/V rows past the
-batch and both outputs poisoned with NaN, an output scale of 0.75, random sinks when the configuration has
-them.  Tolerance: the GPU tests' relative Frobenius error of O (bf16 1e-2, fp16 4e-3), LSE within 2e-2 with
-the -inf pattern of rows that see no key, and those rows' O exactly 0.
+with a tail, causal rows that see no key, an empty request, a request with no KV), the configuration's head
+dims, spare K/V rows past the batch and both outputs poisoned with NaN, an output scale of 0.75, and the
+configuration's features: random sinks; a sliding window of ``window_left`` 50; a soft cap of 9 with q scaled by
+4 (logits the cap bends); a random custom mask (causal off, the first request's first rows seeing no key) packed
+per request little-endian, its bit offsets in the work table; the problem's ``score_mod``; paged K/V on shuffled
+pages of the problem's page size, three spare pages and the slots past each request NaN.  Tolerance: the GPU
+tests' relative Frobenius error of O (bf16 1e-2, fp16 4e-3), LSE within 2e-2 with the -inf pattern of rows that
+see no key, and those rows' O exactly 0.
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ _KV_LENS = (300, 90, 50, 0)
 _NUM_KV_HEADS = 2
 _SPARE_ROWS = 16
 _OUTPUT_SCALE = 0.75
+_WINDOW_LEFT = 50
+_SOFT_CAP = 9.0
+_SOFT_CAP_Q_SCALE = 4.0  # logits of std ~4 reach the cap's bend (tanh(s / 9) far from s / 9)
+_MASK_VISIBLE = 0.7  # share of visible (query, key) pairs of the custom mask
+_SPARE_PAGES = 3
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -82,30 +91,89 @@ def _indptr(lens) -> torch.Tensor:
 
 def prefill_refusal(problem) -> str | None:
     """Why the first-use prefill check cannot build ``problem``'s features, or None (dispatch keeps the portable
-    kernel for such a problem rather than admitting a tcgen05 kernel it cannot check)."""
+    kernel for such a problem rather than admitting a tcgen05 kernel it cannot check).  It builds every feature
+    of the module docstring; it refuses positional encodings (RoPE / ALiBi) and caches other than bfloat16 /
+    float16."""
     p = problem
-    for flag, what in ((p.page_size > 0, "paged K/V"), (p.use_custom_mask, "custom masks"),
-                       (p.use_window, "sliding windows"), (p.use_soft_cap, "soft caps"),
-                       (p.score_mod is not None, "score_mod"), (p.pos_encoding_mode != "NONE", "RoPE / ALiBi")):
-        if flag:
-            return (f"the prefill self-check builds ragged problems with causal / sinks only; {what} is not "
-                    "among them")
-    if p.dtype not in TOL:
-        return f"the prefill self-check covers bfloat16 / float16, got {p.dtype!r}"
+    if p.pos_encoding_mode != "NONE":
+        return (f"the prefill self-check builds problems without positional encodings; {p.pos_encoding_mode} "
+                "(RoPE / ALiBi) is not among them")
+    if p.dtype not in TOL or p.kv_dtype:
+        return (f"the prefill self-check covers bfloat16 / float16 q and K/V, got {p.dtype!r} with kv_dtype "
+                f"{p.kv_dtype!r}")
     return None
 
 
+def _paged(k, v, kv_lens, kv_ip, page_size, gen):
+    """The ragged ``k`` / ``v`` of the batch on shuffled pages (``_SPARE_PAGES`` spare, every unused slot NaN):
+    ``(k_pages, v_pages [pages, page_size, Hkv, D], page-list offsets [B], page ids int32)``."""
+    n_pages = [-(-n // page_size) for n in kv_lens]
+    total = sum(n_pages) + _SPARE_PAGES
+    page_ids = torch.randperm(total, generator=gen)[:sum(n_pages)].to(torch.int32)
+    pg_ip = _indptr(n_pages)
+    kp = torch.full((total, page_size, *k.shape[1:]), float("nan"), dtype=k.dtype)
+    vp = torch.full((total, page_size, *v.shape[1:]), float("nan"), dtype=v.dtype)
+    for b, n in enumerate(kv_lens):
+        tok = torch.arange(n)
+        pg = page_ids[int(pg_ip[b]) + tok // page_size].long()
+        kp[pg, tok % page_size] = k[int(kv_ip[b]):int(kv_ip[b]) + n]
+        vp[pg, tok % page_size] = v[int(kv_ip[b]):int(kv_ip[b]) + n]
+    return kp, vp, pg_ip[:-1], page_ids
+
+
+def _prefill_case(problem, seed: int) -> dict:
+    """The module docstring's problem for ``problem``'s features, on the CPU: the launch's inputs (``q``, ``k``,
+    ``v``, ``indices``, ``mask``, ``sinks``, the plan's ``kv_starts`` / ``mask_bit_offsets`` / ``causal``, the
+    scalars) and the oracle's ``o_ref`` / ``lse_ref`` (float64, O times the output scale)."""
+    from .api.quantization import segment_packbits
+
+    tdt = _DTYPES[problem.dtype]
+    group, hkv = problem.group_size, _NUM_KV_HEADS
+    hq, dqk, dvo = hkv * group, problem.head_dim_qk, problem.head_dim_vo
+    qo_ip, kv_ip = _indptr(_QO_LENS), _indptr(_KV_LENS)
+    tq, tk = int(qo_ip[-1]), int(kv_ip[-1])
+    g = torch.Generator().manual_seed(seed)
+    q_scale = _SOFT_CAP_Q_SCALE if problem.use_soft_cap else 1.0
+    q = (torch.randn(tq, hq, dqk, generator=g) * q_scale).to(tdt)
+    k = torch.randn(tk + _SPARE_ROWS, hkv, dqk, generator=g).to(tdt)
+    v = torch.randn(tk + _SPARE_ROWS, hkv, dvo, generator=g).to(tdt)
+    sinks = (torch.randn(hq, generator=g) * 2).float() if problem.use_sinks else None
+    causal = problem.causal and not problem.use_custom_mask  # a custom mask replaces causal
+    window_left = _WINDOW_LEFT if problem.use_window else -1
+    soft_cap = _SOFT_CAP if problem.use_soft_cap else 0.0
+    sm_scale = dqk ** -0.5
+    oracle_kw = dict(causal=causal, sm_scale=sm_scale, sinks=sinks, window_left=window_left,
+                     logits_soft_cap=soft_cap if problem.use_soft_cap else None, score_mod=problem.score_mod)
+    mask, bit_offsets = None, None
+    if problem.use_custom_mask:
+        n_elem = [a * b for a, b in zip(_QO_LENS, _KV_LENS)]
+        visible = torch.rand(sum(n_elem), generator=g) < _MASK_VISIBLE
+        visible[:n_elem[0] // 2] = False  # the first request's first rows see no key
+        mask, byte_ptr = segment_packbits(visible, _indptr(n_elem), bitorder="little")
+        bit_offsets = (byte_ptr[:-1].to(torch.int64) * 8).tolist()
+        oracle_kw["custom_mask"] = visible
+    o_ref, lse_ref = ref.ragged_prefill(q, k[:tk], v[:tk], qo_ip, kv_ip, **oracle_kw)
+    k[tk:], v[tk:] = float("nan"), float("nan")  # rows past the batch must never reach an output
+    indices, kv_starts = None, kv_ip[:-1]
+    if problem.page_size > 0:
+        k, v, kv_starts, indices = _paged(k[:tk], v[:tk], _KV_LENS, kv_ip, problem.page_size, g)
+    return dict(q=q, k=k, v=v, indices=indices, mask=mask, sinks=sinks, q_starts=qo_ip[:-1], kv_starts=kv_starts,
+                mask_bit_offsets=bit_offsets, causal=causal, window_left=window_left, soft_cap=soft_cap,
+                sm_scale=sm_scale, o_ref=o_ref * _OUTPUT_SCALE, lse_ref=lse_ref, total_q=tq, num_qo_heads=hq)
+
+
 def check_prefill(candidate, reference, *, seed: int = 0, device=None, timings: dict | None = None) -> Verdict:
-    """Run the module docstring's problem through ``candidate`` and ``reference`` (kernel choices of one
-    ``problem``: ``.problem``, ``.tile_m``, ``.launch(PrefillArgs)``; ``reference`` is the portable kernel) on
-    ``device`` (default: the current CUDA device) and compare both with the float64 oracle.
+    """Run the module docstring's problem (with the features of ``candidate.problem``) through ``candidate`` and
+    ``reference`` (kernel choices of one ``problem``: ``.problem``, ``.tile_m``, ``.launch(PrefillArgs)``;
+    ``reference`` is the portable kernel) on ``device`` (default: the current CUDA device; a CPU device serves
+    kernels emulated on the host) and compare both with the float64 oracle.
 
     Returns a :class:`~cutedsl_attn.compile.selfcheck.Verdict`: passed when the candidate meets every rule of
     :func:`compare`; its ``detail`` also says when the reference missed too (the check's inputs or the
-    device are then suspect).  Raises NotImplementedError before any launch for a problem outside the
-    docstring's (paged, masks, windows, soft caps, score_mod, positional encodings); ValueError when the two
-    choices hold different problems; the candidate's own errors from its launch.  ``timings`` (a dict): also
-    gets ``candidate_us``, the median of 10 candidate calls on the problem (CUDA events around each call).
+    device are then suspect).  Raises NotImplementedError before any launch for a problem
+    :func:`prefill_refusal` refuses (positional encodings, fp8 K/V); ValueError when the two choices hold
+    different problems; the candidate's own errors from its launch.  ``timings`` (a dict, CUDA devices only):
+    also gets ``candidate_us``, the median of 10 candidate calls on the problem (CUDA events around each call).
     """
     problem = candidate.problem
     if reference.problem != problem:
@@ -116,38 +184,28 @@ def check_prefill(candidate, reference, *, seed: int = 0, device=None, timings: 
     t0 = time.perf_counter()
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     tdt = _DTYPES[problem.dtype]
-    group, hkv = problem.group_size, _NUM_KV_HEADS
-    hq, dqk, dvo = hkv * group, problem.head_dim_qk, problem.head_dim_vo
-    qo_ip, kv_ip = _indptr(_QO_LENS), _indptr(_KV_LENS)
-    tq, tk = int(qo_ip[-1]), int(kv_ip[-1])
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(tq, hq, dqk, generator=g).to(tdt)
-    k = torch.randn(tk + _SPARE_ROWS, hkv, dqk, generator=g).to(tdt)
-    v = torch.randn(tk + _SPARE_ROWS, hkv, dvo, generator=g).to(tdt)
-    sinks = (torch.randn(hq, generator=g) * 2).float() if problem.use_sinks else None
-    sm_scale = dqk ** -0.5
-    o_ref, lse_ref = ref.ragged_prefill(q, k[:tk], v[:tk], qo_ip, kv_ip, causal=problem.causal, sm_scale=sm_scale,
-                                        sinks=sinks)
-    o_ref = o_ref * _OUTPUT_SCALE
-    k[tk:], v[tk:] = float("nan"), float("nan")  # rows past the batch must never reach an output
-    q_d, k_d, v_d = q.to(dev), k.to(dev), v.to(dev)
+    case = _prefill_case(problem, seed)
+    tq, hq, dvo = case["total_q"], case["num_qo_heads"], problem.head_dim_vo
+    q_d, k_d, v_d = case["q"].to(dev), case["k"].to(dev), case["v"].to(dev)
     dummy_f32 = torch.zeros(1, dtype=torch.float32, device=dev)
-    sinks_d = dummy_f32 if sinks is None else sinks.to(dev)
-    dummy_i32 = torch.zeros(1, dtype=torch.int32, device=dev)
-    dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=dev)
+    sinks_d = dummy_f32 if case["sinks"] is None else case["sinks"].to(dev)
+    idx_d = torch.zeros(1, dtype=torch.int32, device=dev) if case["indices"] is None else case["indices"].to(dev)
+    mask_d = torch.zeros(1, dtype=torch.uint8, device=dev) if case["mask"] is None else case["mask"].to(dev)
 
     def args_for(choice):
-        work, _ = plan_prefill(_QO_LENS, _KV_LENS, qo_ip[:-1], kv_ip[:-1], group_size=group, tile_m=choice.tile_m,
-                               causal=problem.causal)
+        work, _ = plan_prefill(_QO_LENS, _KV_LENS, case["q_starts"], case["kv_starts"], case["mask_bit_offsets"],
+                               group_size=problem.group_size, tile_m=choice.tile_m, causal=case["causal"],
+                               window_left=case["window_left"])
         out = torch.full((tq, hq, dvo), float("nan"), dtype=tdt, device=dev)
         lse = torch.full((tq, hq), float("nan"), dtype=torch.float32, device=dev)
-        return PrefillArgs(q_d, k_d, v_d, dummy_i32, work.to(dev), out, lse, dummy_u8, sinks_d, dummy_f32, sm_scale,
-                           0.0, -1, 1.0, 0.0, _OUTPUT_SCALE)
+        return PrefillArgs(q_d, k_d, v_d, idx_d, work.to(dev), out, lse, mask_d, sinks_d, dummy_f32, case["sm_scale"],
+                           case["soft_cap"], case["window_left"], 1.0, 0.0, _OUTPUT_SCALE)
 
     def run(choice, args):
         choice.launch(args)
-        torch.cuda.synchronize(dev)
-        return compare(args.out, args.lse, o_ref, lse_ref, TOL[problem.dtype])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return compare(args.out, args.lse, case["o_ref"], case["lse_ref"], TOL[problem.dtype])
 
     ref_err, ref_reason = run(reference, args_for(reference))
     cand_args = args_for(candidate)
@@ -159,7 +217,7 @@ def check_prefill(candidate, reference, *, seed: int = 0, device=None, timings: 
         detail += f" (the portable kernel also misses the oracle: {ref_reason})"
     return Verdict(passed=reason is None, detail=detail, candidate_err=err, reference_err=ref_err,
                    tolerance=TOL[problem.dtype], seconds=time.perf_counter() - t0,
-                   device=torch.cuda.get_device_name(dev))
+                   device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev))
 
 
 def admit_prefill(candidate, reference) -> bool:

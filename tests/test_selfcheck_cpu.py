@@ -4,7 +4,9 @@ The verdict store and decision logic (``cutedsl_attn.compile.selfcheck``): the r
 artifact and its format, the ``CUTEDSL_ATTN_SELFCHECK`` switch, one check per configuration, one warning per
 failed configuration, later processes reading the record.  The routing rule of ``dispatch.prefill_choice`` with
 ``device_arch`` patched to ``sm_100a`` and the check (``cutedsl_attn.selfcheck.check_prefill``) stubbed.  The
-oracle comparison rules of ``cutedsl_attn.selfcheck.compare``.
+oracle comparison rules of ``cutedsl_attn.selfcheck.compare``.  The check's problem per feature (window, soft cap,
+custom mask, ``score_mod``, paged K/V, head dims 256 and 192/128): ``check_prefill`` on the CPU with kernels
+emulated from their ``PrefillArgs`` (``Emulated``), which pass, and a wrong reading of each feature, which fails.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from cutedsl_attn.compile import cache as cache_mod
 from cutedsl_attn.compile import config_key
 from cutedsl_attn.compile import selfcheck as verdicts
 from cutedsl_attn.compile.selfcheck import Verdict
-from cutedsl_attn.planning.prefill import W_BATCH, W_ROW0
+from cutedsl_attn import ref
+from cutedsl_attn.planning.prefill import W_BATCH, W_KV_START, W_MASK_OFF, W_ROW0
 from cutedsl_attn.sm100 import prefill as sm100
 
 from _kernel_stubs import Recorder  # pytest puts tests/ on sys.path
@@ -212,6 +215,10 @@ def on_b200(monkeypatch):
     return install
 
 
+def _rel_bias_dispatch(score, batch_idx, head_idx, q_idx, kv_idx):
+    return score - 0.004 * (q_idx - kv_idx)
+
+
 def choose(**kw):
     kernel = kw.pop("kernel", "auto")
     positive_scale = kw.pop("positive_scale", True)
@@ -245,10 +252,36 @@ def test_a_failed_sinks_twin_keeps_the_portable_kernel(on_b200):
     assert len(stub.calls) == 2
 
 
+@pytest.mark.parametrize("kw", [dict(use_window=True), dict(use_soft_cap=True),
+                                dict(use_custom_mask=True, causal=False), dict(score_mod=_rel_bias_dispatch),
+                                dict(page_size=16),
+                                dict(head_dim_qk=256, head_dim_vo=256), dict(head_dim_qk=192, head_dim_vo=128)],
+                         ids=["window", "soft_cap", "custom_mask", "score_mod", "paged", "d256", "d192_128"])
+def test_each_feature_sm100_serves_is_checked_then_routed_to_it(on_b200, kw):
+    stub = on_b200()
+    c = choose(**kw)
+    assert c.name == "prefill_sm100" and c.problem == choose(kernel="sm100", **kw).problem
+    assert stub.calls == [("prefill_sm100", False, "prefill_portable"), ("prefill_sm100", True, "prefill_portable")]
+
+
+def test_a_failed_feature_check_keeps_that_feature_portable(on_b200):
+    stub = on_b200(passed=False)
+    with pytest.warns(RuntimeWarning, match="prefill_sm100 failed its first-use self-check"):
+        assert choose(use_window=True, page_size=16).name == "prefill_portable"
+    assert len(stub.calls) == 1
+
+
+def test_a_problem_the_check_cannot_build_stays_portable_unchecked(on_b200, monkeypatch):
+    stub = on_b200()
+    monkeypatch.setattr(sc, "prefill_refusal", lambda p: "not built" if p.use_window else None)
+    assert choose(use_window=True).name == "prefill_portable" and stub.calls == []
+    assert choose().name == "prefill_sm100" and len(stub.calls) == 2
+
+
 def test_the_portable_switch_and_problems_sm100_refuses_skip_the_check(on_b200, monkeypatch):
     stub = on_b200()
-    assert choose(use_window=True).name == "prefill_portable"  # served by sm100, not built by the check: portable
     assert choose(pos_encoding_mode="ROPE_LLAMA").name == "prefill_portable"  # sm100 refuses RoPE
+    assert choose(pos_encoding_mode="ALIBI").name == "prefill_portable"
     assert choose(head_dim_qk=256, head_dim_vo=256, page_size=16).name == "prefill_portable"  # paged d256
     assert choose(positive_scale=False).name == "prefill_portable"
     assert choose(kernel="portable").name == "prefill_portable"
@@ -334,15 +367,188 @@ def test_compare_rules():
 
 
 def test_check_prefill_refuses_problems_it_cannot_build_before_any_launch():
-    p = dispatch.prefill_problem(dtype=BF16, head_dim_qk=128, head_dim_vo=128, group_size=4, page_size=16,
-                                 arch="sm_90a")
-    c = dispatch.prefill_choice(p, kernel="portable")
-    with pytest.raises(NotImplementedError, match="paged K/V"):
-        sc.check_prefill(c, c)
+    for kw, what in ((dict(pos_encoding_mode="ROPE_LLAMA"), "ROPE_LLAMA"), (dict(pos_encoding_mode="ALIBI"), "ALIBI"),
+                     (dict(page_size=16, kv_dtype="float8_e4m3fn"), "float8_e4m3fn")):
+        p = dispatch.prefill_problem(dtype=BF16, head_dim_qk=128, head_dim_vo=128, group_size=4, arch="sm_90a", **kw)
+        c = Emulated(p)
+        with pytest.raises(NotImplementedError, match=what):
+            sc.check_prefill(c, c, device="cpu")
+        assert c.launches == 0
     other = dispatch.prefill_choice(dispatch.prefill_problem(dtype=BF16, head_dim_qk=64, head_dim_vo=64,
                                                              group_size=4, arch="sm_90a"), kernel="portable")
+    c = dispatch.prefill_choice(dispatch.prefill_problem(dtype=BF16, head_dim_qk=128, head_dim_vo=128, group_size=4,
+                                                         arch="sm_90a"), kernel="portable")
     with pytest.raises(ValueError, match="one problem"):
         sc.check_prefill(c, other)
+
+
+def test_prefill_refusal_refuses_only_positional_encodings_and_dtypes():
+    def refusal(**kw):
+        return sc.prefill_refusal(dispatch.prefill_problem(**dict(dict(dtype=BF16, head_dim_qk=128, head_dim_vo=128,
+                                                                       group_size=4, arch="sm_100a"), **kw)))
+
+    for kw in FEATURES.values():
+        assert refusal(**kw) is None, kw
+    assert refusal(page_size=16, use_window=True, use_soft_cap=True, use_sinks=True) is None
+    assert refusal(use_custom_mask=True, score_mod=_rel_bias, page_size=1, head_dim_qk=192) is None
+    assert "RoPE / ALiBi" in refusal(pos_encoding_mode="ROPE_LLAMA")
+    assert "RoPE / ALiBi" in refusal(pos_encoding_mode="ALIBI", use_window=True)
+    assert "bfloat16 / float16" in refusal(page_size=16, kv_dtype="float8_e4m3fn")
+
+
+# ----------------------------------------------------------------------------- the check's problem, per feature
+def _rel_bias(score, batch_idx, head_idx, q_idx, kv_idx):
+    """Python arithmetic only: a kernel traces it with the DSL's scalars, the oracle calls it on tensors."""
+    return score - 0.004 * (q_idx - kv_idx) + 0.2 * head_idx - 0.5 * batch_idx
+
+
+#: each feature the check builds, as ``prefill_problem`` keywords (on top of bf16 128/128, G4)
+FEATURES = {
+    "ragged": dict(causal=True),
+    "window": dict(causal=True, use_window=True),
+    "window_noncausal": dict(use_window=True, use_sinks=True),
+    "soft_cap": dict(causal=True, use_soft_cap=True),
+    "custom_mask": dict(use_custom_mask=True),
+    "score_mod": dict(causal=True, score_mod=_rel_bias),
+    "paged": dict(causal=True, page_size=16),
+    "paged_one_token_pages": dict(page_size=1, use_sinks=True),
+    "d256": dict(causal=True, head_dim_qk=256, head_dim_vo=256),
+    "d192_128": dict(causal=True, head_dim_qk=192, head_dim_vo=128),
+    "combined": dict(use_custom_mask=True, use_window=True, use_soft_cap=True, page_size=16, group_size=2),
+}
+
+
+def feature_problem(name, dtype=BF16):
+    return dispatch.prefill_problem(**dict(dict(dtype=dtype, head_dim_qk=128, head_dim_vo=128, group_size=4,
+                                                arch="sm_100a"), **FEATURES[name]))
+
+
+class Emulated:
+    """A prefill kernel choice emulated on the CPU from its ``PrefillArgs`` alone, as the kernel contract reads
+    them: each work row ``[b, row0, qo_len, kv_len, q_start, kv_start_or_page_off, mask_off, _]`` writes the
+    packed rows ``[row0, row0 + tile_m)`` (token ``r // G``, head ``kv_head * G + r % G``); paged K/V token ``t``
+    at ``k[indices[page_off + t // page_size], t % page_size]``; mask bit ``mask_off + i * kv_len + j`` of the
+    little-endian packed bytes; ``window_left`` / ``soft_cap`` / ``sm_scale`` / ``output_scale`` from the
+    arguments, causal / sinks / ``score_mod`` from the problem.  ``wrong`` breaks one reading: ``"window"``
+    ignores the window, ``"soft_cap"`` the cap, ``"mask"`` reads the bits big-endian, ``"paged"`` ignores the
+    page table (page ids in order), ``"score_mod"`` ignores it, ``"dims"`` uses half of head_dim_qk in Q K^T,
+    ``"scale"`` scales O by 1.05."""
+
+    def __init__(self, problem, *, tile_m=64, wrong=None, name="prefill_emulated"):
+        self.problem, self.tile_m, self.wrong, self.name = problem, tile_m, wrong, name
+        self.cfg, self.launches, self.args = None, 0, []
+
+    def _kv(self, a, kv0, kv):
+        ps = self.problem.page_size
+        if not ps:
+            return a.k[kv0:kv0 + kv], a.v[kv0:kv0 + kv]
+        tok = torch.arange(kv)
+        pages = (kv0 + tok // ps) if self.wrong == "paged" else a.indices[kv0 + tok // ps].long()
+        return a.k[pages, tok % ps], a.v[pages, tok % ps]
+
+    def _mask(self, a, moff, qo, kv):
+        if not self.problem.use_custom_mask:
+            return None
+        bit = moff + torch.arange(qo * kv)
+        shift = 7 - bit % 8 if self.wrong == "mask" else bit % 8
+        return ((a.mask[bit // 8].long() >> shift) & 1).bool().reshape(qo, kv)
+
+    def launch(self, a):
+        self.launches += 1
+        self.args.append(a)
+        p, G = self.problem, self.problem.group_size
+        done = {}
+        for b, row0, qo, kv, q0, kv0, moff, _ in a.work.tolist():
+            if b < 0:
+                continue
+            if b not in done:
+                k, v = self._kv(a, kv0, kv)
+                q = a.q[q0:q0 + qo]
+                if self.wrong == "dims":
+                    q, k = q[..., :p.head_dim_qk // 2], k[..., :p.head_dim_qk // 2]
+                done[b] = ref.attention(
+                    q, k, v, causal=p.causal, sm_scale=a.sm_scale, sinks=a.sinks if p.use_sinks else None,
+                    window_left=-1 if self.wrong == "window" else a.window_left,
+                    logits_soft_cap=None if self.wrong == "soft_cap" else a.soft_cap,
+                    custom_mask=self._mask(a, moff, qo, kv), batch_idx=b,
+                    score_mod=None if self.wrong == "score_mod" else p.score_mod)
+            o, lse = done[b]
+            scale = a.output_scale * (1.05 if self.wrong == "scale" else 1.0)
+            for r in range(row0, min(row0 + self.tile_m, qo * G)):
+                t = r // G
+                heads = torch.arange(a.q.shape[1] // G) * G + r % G
+                a.out[q0 + t, heads] = (o[t, heads] * scale).to(a.out.dtype)
+                a.lse[q0 + t, heads] = lse[t, heads].float()
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_each_feature_is_built_and_an_emulated_kernel_matches_the_oracle(feature):
+    p = feature_problem(feature)
+    cand, refc = Emulated(p, tile_m=128), Emulated(p, tile_m=64)
+    v = sc.check_prefill(cand, refc, device="cpu")
+    assert v.passed, v
+    assert v.detail == "matches the oracle" and v.candidate_err < 1e-2 and v.reference_err < 1e-2
+    assert cand.launches == refc.launches == 1
+    a = cand.args[0]
+    hq, tq = 2 * p.group_size, sum(sc._QO_LENS)
+    assert a.q.shape == (tq, hq, p.head_dim_qk) and a.out.shape == (tq, hq, p.head_dim_vo)
+    assert a.v.shape[-1] == p.head_dim_vo and a.k.shape[-1] == p.head_dim_qk
+    assert a.window_left == (50 if p.use_window else -1)
+    assert a.soft_cap == (9.0 if p.use_soft_cap else 0.0)
+    assert a.output_scale == 0.75 and math.isclose(a.sm_scale, p.head_dim_qk ** -0.5)
+    if p.use_soft_cap:  # q scaled up: logits the cap bends
+        assert a.q.float().std() > 3
+    work = a.work[a.work[:, W_BATCH] >= 0]
+    if p.use_custom_mask:
+        assert not p.causal
+        n_elem = [x * y for x, y in zip(sc._QO_LENS, sc._KV_LENS)]
+        starts = [0] + torch.tensor([(n + 7) // 8 * 8 for n in n_elem]).cumsum(0).tolist()
+        for b, moff in work[:, [W_BATCH, W_MASK_OFF]].tolist():
+            assert moff == starts[b]  # each request's mask starts on a byte, offsets in bits
+        assert a.mask.dtype == torch.uint8 and a.mask.numel() == starts[-1] // 8
+    else:
+        assert (work[:, W_MASK_OFF] == 0).all()
+    if p.page_size:
+        ps = p.page_size
+        n_pages = [-(-n // ps) for n in sc._KV_LENS]
+        assert a.k.shape == (sum(n_pages) + 3, ps, 2, p.head_dim_qk) and a.indices.dtype == torch.int32
+        ids = a.indices.tolist()
+        assert len(ids) == sum(n_pages) and len(set(ids)) == len(ids) and ids != sorted(ids)  # shuffled pages
+        live = torch.zeros(a.k.shape[:2], dtype=torch.bool)
+        for b, n in enumerate(sc._KV_LENS):
+            for t in range(n):
+                live[ids[sum(n_pages[:b]) + t // ps], t % ps] = True
+        assert torch.isnan(a.k[~live].float()).all() and torch.isnan(a.v[~live].float()).all()
+        assert not torch.isnan(a.k[live].float()).any()
+        offs = [0] + torch.tensor(n_pages).cumsum(0).tolist()
+        assert sorted(work[:, W_KV_START].tolist()) == sorted(offs[b] for b in work[:, W_BATCH].tolist())
+    else:
+        assert torch.isnan(a.k[sum(sc._KV_LENS):].float()).all()  # spare rows past the batch
+
+
+#: a wrong reading of each feature and the problem it breaks
+WRONG = [("window", "window"), ("window_noncausal", "window"), ("soft_cap", "soft_cap"),
+         ("custom_mask", "mask"), ("score_mod", "score_mod"), ("paged", "paged"),
+         ("paged_one_token_pages", "paged"), ("d256", "dims"), ("d192_128", "dims"), ("combined", "mask"),
+         ("combined", "window"), ("combined", "soft_cap"), ("combined", "paged"), ("ragged", "scale")]
+
+
+@pytest.mark.parametrize("feature,wrong", WRONG)
+def test_a_wrong_reading_of_each_feature_fails(feature, wrong):
+    p = feature_problem(feature)
+    v = sc.check_prefill(Emulated(p, tile_m=128, wrong=wrong), Emulated(p), device="cpu")
+    assert not v.passed and v.detail and "also misses" not in v.detail, v
+    assert v.reference_err < 1e-2
+
+
+def test_fp16_and_the_seed():
+    p = feature_problem("combined", dtype=torch.float16)
+    v = sc.check_prefill(Emulated(p), Emulated(p), device="cpu", seed=3)
+    assert v.passed and v.tolerance == sc.TOL["float16"] and v.candidate_err < 4e-3, v
+    a, b = (Emulated(p) for _ in range(2))
+    sc.check_prefill(a, a, device="cpu", seed=3)
+    sc.check_prefill(b, b, device="cpu", seed=4)
+    assert not torch.equal(a.args[0].q, b.args[0].q)
 
 
 # ----------------------------------------------------------------------------- python -m cutedsl_attn selfcheck

@@ -5,6 +5,9 @@ run (on a Blackwell GPU: the SM100 tcgen05 kernel), the portable kernel is the r
   compiled artifact and a later process reads the record instead of checking again;
 * broken stand-ins (the SM90 launch with its output scaled by 1.05, or with one work-table tile skipped) fail
   with one warning naming the configuration and a recorded verdict;
+* each feature the check builds (sliding window, soft cap, custom mask, ``score_mod``, paged K/V, head dims
+  256/256 and 192/128, and a mix of them): the SM90 kernel passes, and a stand-in that launches the feature
+  wrongly (no window, no cap, the mask's bits flipped, the page table rotated, no ``score_mod``, O scaled) fails;
 * through ``dispatch.prefill_choice``: the SM90 kernel dressed as ``prefill_sm100`` (and the real SM90 path
   turned off, as on a Blackwell GPU) serves the plan after passing, a plan through the public wrapper runs
   it and matches the oracle; a broken one routes the problem to the portable kernel.
@@ -12,6 +15,7 @@ run (on a Blackwell GPU: the SM100 tcgen05 kernel), the portable kernel is the r
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import warnings
 
@@ -62,18 +66,33 @@ def choices(p):
 
 class Broken:
     """A candidate that launches ``choice`` wrongly: ``"scale"`` multiplies its output by 1.05, ``"skip"`` marks
-    the work table's last tile as padding (its rows are never written)."""
+    the work table's last tile as padding (its rows are never written), ``"window"`` drops the window
+    (``window_left`` -1), ``"soft_cap"`` the cap, ``"mask"`` flips every bit of the packed custom mask,
+    ``"paged"`` rotates the page ids by one (each request reads another request's pages), ``"score_mod"``
+    launches the kernel built without the problem's ``score_mod``."""
 
     def __init__(self, choice, how):
         self.choice, self.how = choice, how
         self.name = f"{choice.name}_broken_{how}"
         self.cfg, self.problem, self.tile_m = choice.cfg, choice.problem, choice.tile_m
+        if how == "score_mod":
+            self.choice = dispatch.prefill_choice(dataclasses.replace(choice.problem, score_mod=None),
+                                                  kernel=choice.name.removeprefix("prefill_"))
+            self.tile_m = self.choice.tile_m  # the plan follows the kernel that runs
 
     def launch(self, args):
         if self.how == "skip":
             work = args.work.clone()
             work[-1, W_BATCH] = -1  # as a padding row of a CUDA-graph table
             args = args._replace(work=work)
+        elif self.how == "window":
+            args = args._replace(window_left=-1)
+        elif self.how == "soft_cap":
+            args = args._replace(soft_cap=0.0)
+        elif self.how == "mask":
+            args = args._replace(mask=torch.bitwise_not(args.mask))
+        elif self.how == "paged":
+            args = args._replace(indices=args.indices.roll(1))
         self.choice.launch(args)
         if self.how == "scale":
             args.out.mul_(1.05)
@@ -127,6 +146,50 @@ def test_a_broken_candidate_fails_once_with_a_warning_and_a_record(monkeypatch, 
     monkeypatch.setattr(sc, "check_prefill", no_check)
     with pytest.warns(RuntimeWarning, match="read from"):
         assert not sc.admit_prefill(bad, refc)
+
+
+# ----------------------------------------------------------------------------- the check, per feature
+def _rel_bias(score, batch_idx, head_idx, q_idx, kv_idx):
+    """Python arithmetic only: the kernel traces it with the DSL's scalars, the oracle calls it on tensors."""
+    return score - 0.004 * (q_idx - kv_idx) + 0.2 * head_idx - 0.5 * batch_idx
+
+
+#: each feature the check builds, as ``problem`` keywords (causal with sinks, bf16 128/128 G4, unless said)
+FEATURES = {
+    "window": dict(use_window=True),
+    "window_noncausal": dict(use_window=True, causal=False, use_sinks=False),
+    "soft_cap": dict(use_soft_cap=True),
+    "custom_mask": dict(use_custom_mask=True, causal=False),
+    "score_mod": dict(score_mod=_rel_bias, use_sinks=False),
+    "paged": dict(page_size=16),
+    "paged_one_token_pages": dict(page_size=1, causal=False),
+    "d256": dict(head_dim_qk=256, head_dim_vo=256),
+    "d192_128": dict(head_dim_qk=192, head_dim_vo=128),
+    "mixed": dict(use_window=True, use_soft_cap=True, use_custom_mask=True, causal=False, page_size=16,
+                  group_size=2, dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_sm90_passes_each_feature_against_the_oracle(feature):
+    cand, refc = choices(problem(**FEATURES[feature]))
+    assert cand.name == "prefill_sm90" and refc.name == "prefill_portable"
+    assert sc.prefill_refusal(cand.problem) is None
+    v = sc.check_prefill(cand, refc)
+    assert v.passed, v
+    assert v.candidate_err < v.tolerance and v.reference_err < v.tolerance and v.detail == "matches the oracle"
+
+
+@pytest.mark.parametrize("feature,how", [("window", "window"), ("window_noncausal", "window"),
+                                         ("soft_cap", "soft_cap"), ("custom_mask", "mask"), ("score_mod", "score_mod"),
+                                         ("paged", "paged"), ("paged_one_token_pages", "paged"), ("d256", "scale"),
+                                         ("d192_128", "scale"), ("mixed", "mask"), ("mixed", "paged"),
+                                         ("mixed", "window"), ("mixed", "soft_cap")])
+def test_a_stand_in_that_launches_a_feature_wrongly_fails(feature, how):
+    cand, refc = choices(problem(**FEATURES[feature]))
+    v = sc.check_prefill(Broken(cand, how), refc)
+    assert not v.passed and "also misses" not in v.detail, v
+    assert v.reference_err is not None and v.reference_err < v.tolerance  # the portable kernel was right
 
 
 # ----------------------------------------------------------------------------- through dispatch
@@ -186,6 +249,23 @@ def test_dispatch_falls_back_to_portable_for_a_candidate_that_fails(monkeypatch)
         assert dispatch.prefill_choice(p).name == "prefill_portable"
     monkeypatch.setenv("CUTEDSL_ATTN_PREFILL_KERNEL", "portable")
     assert dispatch.prefill_choice(problem(causal=False)).name == "prefill_portable"
+
+
+@pytest.mark.parametrize("feature", ["window", "paged", "custom_mask"])
+def test_dispatch_admits_a_feature_after_its_check_and_refuses_a_broken_one(monkeypatch, tmp_path, feature):
+    as_sm100(monkeypatch)
+    p = problem(**dict(FEATURES[feature], use_sinks=False))
+    c = dispatch.prefill_choice(p)
+    assert c.name == "prefill_sm100" and isinstance(c.cfg, sm90.Config)
+    for x in (c, c.with_sinks()):
+        v = verdicts.read_verdict(x.name, x.cfg)
+        assert v is not None and v.passed, v
+    verdicts.clear_verdicts()
+    dispatch._CHOICES.clear()
+    monkeypatch.setenv("CUTEDSL_ATTN_CACHE_DIR", str(tmp_path / "broken"))  # no record of the passing stand-in
+    as_sm100(monkeypatch, launch=scaled_launch)
+    with pytest.warns(RuntimeWarning, match="prefill_sm100 failed its first-use self-check"):
+        assert dispatch.prefill_choice(p).name == "prefill_portable"
 
 
 def test_the_switch_off_trusts_the_candidate(monkeypatch):
