@@ -423,3 +423,24 @@ def test_unsupported_reason_names_each_refused_feature(kw, needle):
 def test_unsupported_reason_type_error():
     with pytest.raises(TypeError):
         K.unsupported_reason(object())
+
+
+@pytest.mark.parametrize("kv_dtype,stages", [("float8_e4m3fn", 2), ("", 2), ("", 3)])
+def test_two_stage_ring_publishes_before_it_acquires(tmp_path, kv_dtype, stages):
+    """With two K/V stages block i reuses block i-2's stage, which the MMA warp frees only after consuming block
+    i-1: the loader must publish block i-1 (wait_group 0) before acquiring block i's stage, or both sides wait on
+    each other once an item has three blocks.  Three or more stages keep one block in flight (wait_group 1)."""
+    import glob
+
+    from cutedsl_attn.planning.decode import DecodeProblem
+    from cutedsl_attn.sm100 import decode as K
+
+    p = DecodeProblem(dtype="bfloat16", head_dim=128, page_size=16, group_size=4, kv_dtype=kv_dtype, arch="sm_100a")
+    cfg = K.Config(p, K.Tiles(kv_stages=stages))
+    K.compile(cfg, keep_ptx_dir=str(tmp_path))
+    (path,) = glob.glob(str(tmp_path / "*.ptx"))
+    ptx = open(path).read()
+    if stages == 2:
+        assert ptx.count("cp.async.wait_group 1") == 0 and ptx.count("cp.async.wait_group 0") == 2
+    else:
+        assert ptx.count("cp.async.wait_group 1") == 1 and ptx.count("cp.async.wait_group 0") == 1

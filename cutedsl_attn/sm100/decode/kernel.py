@@ -258,7 +258,8 @@ class Sm100DecodeKernel:
         zero-filled), then tokens ``r // 2`` and ``r // 2 + 64`` of every block ``i``: the even (``r`` even) or
         odd 16-byte pieces of their K and V rows by ``cp.async`` (zero-filled past ``t1``, the address clamped
         to the item's last token); block ``i`` is published once block ``i + 1`` is in flight
-        (``cp.async.wait_group 1``) and fenced for the MMA's async proxy."""
+        (``cp.async.wait_group 1``) and fenced for the MMA's async proxy; with two stages it is published before
+        block ``i + 1``'s stage is acquired (that stage is freed only after block ``i`` is consumed)."""
         D, G, TK, HN, S, PS = self.D, self.G, self.TK, self.HN, self.S, self.PS
         sQ_addr = storage.sQ.data_ptr().toint()
         sK_addr = storage.sK.data_ptr().toint()
@@ -281,6 +282,15 @@ class Sm100DecodeKernel:
         half = r % 2  # two threads per row, each every other 16-byte piece: a warp reads whole 32-byte sectors
         for i in cutlass.range(n_blk, unroll=1):
             state = state_at(S, i, True)
+            if const_expr(S == 2):
+                # two stages: block i reuses block i-2's stage, which the MMA warp frees only after block i-1 is
+                # published, so block i-1 goes out before this acquire (publishing after it would deadlock)
+                if i > 0:
+                    ptx.cp_async_wait(0)
+                    if const_expr(self.kv_fp8):
+                        self._widen(storage, sK_layout, sQ_layout, sV_layout, i - 1, r)
+                    ptx.fence_proxy_async_shared()
+                    pipe_kv.producer_commit(state_at(S, i - 1, True))
             pipe_kv.producer_acquire(state)
             for j in cutlass.range_constexpr(2):
                 row = r // 2 + 64 * j
@@ -305,7 +315,7 @@ class Sm100DecodeKernel:
                         ptx.cp_async_16(operand_addr(sV_addr, sV_layout, col, row, state.index),
                                         v_base + (voff + col) * 2, nbytes)
             ptx.cp_async_commit()
-            if i > 0:
+            if const_expr(S > 2) and i > 0:
                 ptx.cp_async_wait(1)
                 if const_expr(self.kv_fp8):
                     self._widen(storage, sK_layout, sQ_layout, sV_layout, i - 1, r)
