@@ -1162,3 +1162,14 @@ def test_decode_config_takes_the_fp8_cache_and_the_sm100_kernel():
         ci.config("decode", "sm_90a", kernel="sm100")
     with pytest.raises(ValueError, match="decode kernel"):
         ci.config("decode", "sm_90a", kernel="sm90")
+
+
+def test_cubin_resources_of_a_two_kernel_launch():
+    """The chunked GDN function launches two kernels: each is reported by name, and the summary takes the larger."""
+    import cutedsl_attn.inspect as ci
+
+    cubin = ci._cubin_cached(ci.config("gdn", "sm_90a", use_qk_l2norm=True))
+    per = ci.cubin_kernel_resources(cubin)
+    assert len(per) == 2 and {"prep", "main"} == {n for k in per for n in ("prep", "main") if f"_{n}_" in k}, per
+    assert all(v["stack_bytes"] == 0 and 0 < v["registers"] <= 255 for v in per.values())
+    assert ci.cubin_resources(cubin) == {k: max(v[k] for v in per.values()) for k in ("registers", "stack_bytes")}
