@@ -103,6 +103,48 @@ def decode_tensors(cfg, work_cols: int) -> tuple:
     return q, k, v, idx, work, o, lse, po, plse, cnt, sinks, alibi
 
 
+def gdn_chunked_tensors(io, state_dtype, head_dim_k: int, head_dim_v: int, chunk: int) -> tuple:
+    """The chunked GDN kernels' tensors, in their launch order: q / k ``[T, H, K]`` and v ``[T, H, V]`` (``io``,
+    strides multiples of 8 elements), g / beta fp32 ``[T, HO]``, cu_seqlens int32, the chunk table int32
+    ``[chunks, 4]`` and its offsets, initial / final states ``[*, HO, V, K]`` (``state_dtype``) with their
+    int32 row indices, o ``[T, HO, V]``, and the prep kernel's scratch: W ``[chunks, HO, chunk, K]``, U
+    ``[.., V]``, Aqk ``[.., chunk]`` (``io``) and the fp32 row factors ``[chunks, HO, 3, chunk]``."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+    K, V, C = head_dim_k, head_dim_v, chunk
+
+    def sym():
+        return cute.sym_int()
+
+    def s64(div=8):
+        return cute.sym_int64(divisibility=div)
+
+    def compact(dt, shape):
+        return make_fake_compact_tensor(dt, shape, stride_order=tuple(reversed(range(len(shape)))),
+                                        assumed_align=16)
+
+    T = sym()
+    q = make_fake_tensor(io, (T, sym(), K), (s64(), s64(), 1), assumed_align=16)
+    k = make_fake_tensor(io, (T, sym(), K), (s64(), s64(), 1), assumed_align=16)
+    v = make_fake_tensor(io, (T, sym(), V), (s64(), s64(), 1), assumed_align=16)
+    g = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
+    beta = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
+
+    def index():
+        return make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
+
+    cu = index()
+    chunks = compact(Int32, (sym(), 4))
+    chunk_off = index()
+    h0, h0_idx = compact(state_dtype, (sym(), sym(), V, K)), index()
+    ht, ht_idx = compact(state_dtype, (sym(), sym(), V, K)), index()
+    o = compact(io, (sym(), sym(), V))
+    nc, ho = sym(), sym()
+    w, u, aqk = (compact(io, (nc, ho, C, d)) for d in (K, V, C))
+    f = compact(Float32, (nc, ho, 3, C))
+    return q, k, v, g, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, w, u, aqk, f
+
+
 def vector_f32():
     """A symbolic-length fp32 vector (e.g. the ALiBi slopes ``[Hq]``)."""
     from cutlass.cute.runtime import make_fake_compact_tensor

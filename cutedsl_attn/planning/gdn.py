@@ -152,3 +152,20 @@ def plan_chunks(cu_seqlens, total_tokens: int, chunk: int = CHUNK):
     ntok = torch.where(cid < offsets[n], ntok, torch.zeros_like(ntok))
     chunks = torch.stack([seq, tok0, ntok, torch.zeros_like(ntok)], 1).to(torch.int32)
     return chunks, offsets.to(torch.int32)
+
+
+def chunked_launch_tensors(args: GdnArgs, head_dim_k: int, head_dim_v: int) -> tuple:
+    """``(chunks, chunk_offsets, W, U, Aqk, F)`` of a chunked GDN launch: :func:`plan_chunks` on the device and
+    the prep kernel's scratch (``W`` / ``U`` / ``Aqk`` ``[chunks, HO, CHUNK, K / V / CHUNK]`` in q's dtype, the
+    fp32 row factors ``F`` ``[chunks, HO, 3, CHUNK]``: about ``(2 K + 2 V + 2 CHUNK + 12) CHUNK`` bytes a chunk
+    and head), allocated on torch's current stream."""
+    import torch
+
+    chunks, chunk_off = plan_chunks(args.cu_seqlens, args.q.shape[0])
+    nc, ho = chunks.shape[0], args.output.shape[1]
+    kw = dict(device=args.q.device, dtype=args.q.dtype)
+    w = torch.empty(nc, ho, CHUNK, head_dim_k, **kw)
+    u = torch.empty(nc, ho, CHUNK, head_dim_v, **kw)
+    aqk = torch.empty(nc, ho, CHUNK, CHUNK, **kw)
+    f = torch.empty(nc, ho, 3, CHUNK, device=args.q.device, dtype=torch.float32)
+    return chunks, chunk_off, w, u, aqk, f

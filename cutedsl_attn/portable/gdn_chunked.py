@@ -44,10 +44,11 @@ from ..common import ptx
 from ..common.dtypes import element_type
 from ..common.gdn_prep import PREP_THREADS, GdnPrep
 from ..compile.arch import compile_options
+from ..compile.fake import gdn_chunked_tensors
 from ..compile.tiles import override_int_fields
 from ..planning.gdn import (
     CHUNK, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE, GdnArgs,
-    GdnProblem, plan_chunks,
+    GdnProblem, chunked_launch_tensors,
 )
 
 NAME = "gdn_chunked"
@@ -447,41 +448,10 @@ class GdnChunkedKernel(GdnPrep):
                                   ptx.pack2(st[4 * i + 2 * h], st[4 * i + 2 * h + 1], self.io))
 
 
-def _fake_args(cfg: Config) -> tuple:
-    """Fake tensors (symbolic sizes) in the compiled function's order."""
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
-
-    p = cfg.problem
-    io = element_type(p.dtype)
+def _fake_args(p: GdnProblem) -> tuple:
+    """Fake tensors in the compiled function's order (:func:`cutedsl_attn.compile.fake.gdn_chunked_tensors`)."""
     sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
-    K, V, C = p.head_dim_k, p.head_dim_v, CHUNK
-
-    def sym():
-        return cute.sym_int()
-
-    def s64(div=8):
-        return cute.sym_int64(divisibility=div)
-
-    T = sym()
-    q = make_fake_tensor(io, (T, sym(), K), (s64(), s64(), 1), assumed_align=16)
-    k = make_fake_tensor(io, (T, sym(), K), (s64(), s64(), 1), assumed_align=16)
-    v = make_fake_tensor(io, (T, sym(), V), (s64(), s64(), 1), assumed_align=16)
-    g = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
-    beta = make_fake_tensor(Float32, (sym(), sym()), (s64(1), 1), assumed_align=4)
-    cu = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
-    chunks = make_fake_compact_tensor(Int32, (sym(), 4), stride_order=(1, 0), assumed_align=16)
-    chunk_off = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
-    h0 = make_fake_compact_tensor(sdt, (sym(), sym(), V, K), stride_order=(3, 2, 1, 0), assumed_align=16)
-    h0_idx = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
-    ht = make_fake_compact_tensor(sdt, (sym(), sym(), V, K), stride_order=(3, 2, 1, 0), assumed_align=16)
-    ht_idx = make_fake_compact_tensor(Int32, (sym(),), assumed_align=4)
-    o = make_fake_compact_tensor(io, (sym(), sym(), V), stride_order=(2, 1, 0), assumed_align=16)
-    nc, ho = sym(), sym()
-    w = make_fake_compact_tensor(io, (nc, ho, C, K), stride_order=(3, 2, 1, 0), assumed_align=16)
-    u = make_fake_compact_tensor(io, (nc, ho, C, V), stride_order=(3, 2, 1, 0), assumed_align=16)
-    aqk = make_fake_compact_tensor(io, (nc, ho, C, C), stride_order=(3, 2, 1, 0), assumed_align=16)
-    f = make_fake_compact_tensor(Float32, (nc, ho, 3, C), stride_order=(3, 2, 1, 0), assumed_align=16)
-    return q, k, v, g, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, w, u, aqk, f
+    return gdn_chunked_tensors(element_type(p.dtype), sdt, p.head_dim_k, p.head_dim_v, CHUNK)
 
 
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
@@ -493,24 +463,16 @@ def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = 
     from cutlass.cute.runtime import make_fake_stream
 
     opts = compile_options(cfg.problem.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
-    return cute.compile(GdnChunkedKernel(cfg), *_fake_args(cfg), Float32(1.0), Int32(1), Int32(1), Int32(1),
-                        Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+    return cute.compile(GdnChunkedKernel(cfg), *_fake_args(cfg.problem), Float32(1.0), Int32(1), Int32(1),
+                        Int32(1), Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
 
 
 def launch(fn, cfg: Config, args: GdnArgs) -> None:
-    """Plan the chunks (:func:`~cutedsl_attn.planning.gdn.plan_chunks`, device tensors, no host sync), allocate
-    the scratch (``W``, ``U``, ``Aqk`` in the io dtype, the fp32 row factors: about ``(2 K + 2 V + 2 C + 12) C``
-    bytes a chunk and head) and launch ``fn`` on torch's current stream."""
-    import torch
-
-    chunks, chunk_off = plan_chunks(args.cu_seqlens, args.q.shape[0])
-    nc, ho = chunks.shape[0], args.output.shape[1]
+    """Plan the chunks and allocate the prep kernel's scratch
+    (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`: device tensors, no host sync), then launch ``fn``
+    on torch's current stream."""
     p = cfg.problem
-    dev, io = args.q.device, args.q.dtype
-    w = torch.empty(nc, ho, CHUNK, p.head_dim_k, device=dev, dtype=io)
-    u = torch.empty(nc, ho, CHUNK, p.head_dim_v, device=dev, dtype=io)
-    aqk = torch.empty(nc, ho, CHUNK, CHUNK, device=dev, dtype=io)
-    f = torch.empty(nc, ho, 3, CHUNK, device=dev, dtype=torch.float32)
+    chunks, chunk_off, w, u, aqk, f = chunked_launch_tensors(args, p.head_dim_k, p.head_dim_v)
     fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
        args.initial_state_indices, args.output_state, args.output_state_indices, args.output, w, u, aqk, f,
        args.scale, args.q_group, args.k_group, args.v_group, args.flags)
