@@ -3,48 +3,17 @@ for sm_90a; the kernel needs an H200 to run)."""
 
 import glob
 import re
-import struct
 
 import pytest
 
+from cutedsl_attn.compile.cubin import cubin_kernel_resources
 from cutedsl_attn.planning.gdn import CHUNK, GdnProblem
 
 sm90 = pytest.importorskip("cutedsl_attn.sm90.gdn_chunked")
 
-_REGCOUNT, _FRAME_SIZE = 0x2F, 0x11  # EIATTR_REGCOUNT, EIATTR_FRAME_SIZE of .nv.info
-
 
 def _problem(**kw):
     return GdnProblem(**{**dict(dtype="bfloat16", head_dim_k=128, head_dim_v=128), **kw})
-
-
-def _per_kernel_resources(cubin: bytes) -> dict:
-    """{kernel symbol: {"registers", "stack_bytes"}} from the cubin's .nv.info (keyed by symbol index)."""
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
-    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
-    names_off = heads[shstrndx][4]
-
-    def cstr(off):
-        return cubin[off: cubin.index(b"\0", off)].decode()
-
-    by_name = {cstr(names_off + h[0]): h for h in heads}
-    symtab, strtab = by_name[".symtab"], by_name[".strtab"]
-    out = {}
-    blob = cubin[by_name[".nv.info"][4]: by_name[".nv.info"][4] + by_name[".nv.info"][5]]
-    i = 0
-    while i + 2 <= len(blob):
-        fmt, attr = blob[i], blob[i + 1]
-        if fmt == 4:
-            n = struct.unpack_from("<H", blob, i + 2)[0]
-            payload, i = blob[i + 4: i + 4 + n], i + 4 + n
-            if n == 8 and attr in (_REGCOUNT, _FRAME_SIZE):
-                sym, val = struct.unpack("<II", payload)
-                name = cstr(strtab[4] + struct.unpack_from("<I", cubin, symtab[4] + 24 * sym)[0])
-                out.setdefault(name, {})["registers" if attr == _REGCOUNT else "stack_bytes"] = val
-        else:
-            i += 2 if fmt == 1 else 4
-    return out
 
 
 def test_unsupported_and_config_rules():
@@ -150,7 +119,7 @@ def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
     assert ("setmaxnreg.dec" in main and "setmaxnreg.inc" in main) == (tv == 128)
     assert ".local" not in ptx
     (cub,) = glob.glob(str(tmp_path / "*.cubin"))
-    res = _per_kernel_resources(open(cub, "rb").read())
+    res = cubin_kernel_resources(open(cub, "rb").read())
     assert len(res) == 2
     for name, r in res.items():
         assert r["stack_bytes"] == 0, (name, r)  # no spills
