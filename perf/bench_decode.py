@@ -407,7 +407,7 @@ def auto_row(B, L, ps, gen, ws, args, cudnn_reason):
     for k in fns:
         row[f"{k}_relerr"] = relerr(outs[k], outs["cute"])
     e2e = {k: [] for k in fns}
-    for r in range(3):  # three loops each, interleaved
+    for r in range(args.e2e_rounds):  # loops of each, interleaved
         for k in fns if r % 2 == 0 else list(fns)[::-1]:
             e2e[k].append(loop_time(fns[k], n=200))
     dev = {k: [statistics.median(c) for c in v] for k, v in _long_timer.interleaved(fns, args.rounds).items()}
@@ -443,6 +443,7 @@ def parse_args(argv=None):
     ap.add_argument("--only", default="", help=f"comma-separated sections of {SECTIONS} (default: all)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per median")
     ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds of the paired ratios")
+    ap.add_argument("--e2e-rounds", type=int, default=3, help="interleaved 200-call loops of each backend (auto A/B)")
     ap.add_argument("--variants", default="", help="extra 'warps,stages[,min_waves]' configs of our kernel, "
                                                    "e.g. '4,2;8,3,4' (main section)")
     args = ap.parse_args(argv)
