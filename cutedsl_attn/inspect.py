@@ -86,7 +86,8 @@ key                   values                                        default
 ``state_k_major``     bool (``[*, HO, K, V]`` state: recurrent)     False
 ``gate_per_channel``  bool (GDN-2, KDA: recurrent)                  False
 ``erase_write_gates`` bool (GDN-2; needs ``gate_per_channel``)      False
-``num_householder``   1..8 (Gated DeltaProduct: recurrent)          1
+``num_householder``   1..8 (Gated DeltaProduct: chunked on the      1
+                      expanded timeline)
 ``chains``            N * HO of the launch (the default tiles       None (many)
                       depend on it)
 ===================== ============================================= ===========

@@ -14,9 +14,15 @@ gates, o, the final state) at the measured read bandwidth.  ``--recurrent`` also
 recurrent kernel (the decode kernel) on the prefill rows.
 
 Usage: python perf/bench_gdn.py [--quick] [--out DIR] [--tiles "tv,warps,prefetch,lanes;..."] [--sm90 ["tv,stages;..."]]
+[--cp ["P,..."]] [--gdp]
 (peers are skipped cleanly when not importable; ``--tiles`` also times those recurrent-kernel tiles on the
 prefill rows, ``ours_<tiles>_ms``, next to the default's; ``--sm90`` times the opt-in SM90 chunked kernel,
 its default tiles or those given, ``sm90_<tile_v>x<stages>_ms``, and its output's error against the default's).
+``ours_ms`` is the plain launch (one chain a sequence and head); every row also records the segment count
+``use_cp="auto"`` takes (``cp_auto_segments``, 1: the plain launch).  ``--cp`` times the context-parallel path
+(``cp<P>_ms``) with the segments the forced path plans, or each count given, and its error against the plain
+launch (output and final state).  ``--gdp`` adds the Gated DeltaProduct row (f): n = 2, 32 heads, 4 x 8192,
+against fla's ``chunk_gated_delta_product`` (Triton) when importable.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's own Triton k
 
 from cutedsl_attn.api import gdn as api  # noqa: E402
 from cutedsl_attn.dispatch import gdn_choice, gdn_launch  # noqa: E402
+from cutedsl_attn.dispatch.gdn import gdn_cp_segments, gdn_launch_cp  # noqa: E402
+from cutedsl_attn.planning import gdn as pg  # noqa: E402
 from cutedsl_attn.compile import get_compiled  # noqa: E402
 from cutedsl_attn.portable import gdn_chunked as chk  # noqa: E402
 from cutedsl_attn.portable import gdn_recurrent as rec  # noqa: E402
@@ -98,7 +106,8 @@ def prefill_bytes(B, L, hqk, hv):
     return T * (2 * hqk * D * 2 + hv * D * 2 + hv * D * 2 + 2 * hv * 4) + B * hv * D * D * 4
 
 
-def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, chunked_tiles=(), sm90_tiles=()):
+def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, chunked_tiles=(), sm90_tiles=(),
+                  cp=None):
     rows = []
     for name in rows_wanted:
         B, L, hqk, hv = PREFILL[name]
@@ -117,6 +126,14 @@ def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, c
         module, cfg = gdn_choice(problem, chains=B * max(hqk, hv))
         row["kernel"] = f"{module.NAME} {cfg.tiles}"
         o_default = o.clone()
+        row["cp_auto_segments"] = gdn_cp_segments(problem, args, "auto")
+        if cp is not None:  # the context-parallel path: the planned segments, or each count asked for
+            st_default = st.clone()
+            for P in (cp or [gdn_cp_segments(problem, args, True)]):
+                row[f"cp{P}_ms"] = timer(lambda: gdn_launch_cp(problem, args, P), reps=10) * 1e3
+                row[f"rel_err_cp{P}_vs_plain_o"] = rel(o, o_default)
+                row[f"rel_err_cp{P}_vs_plain_state"] = rel(st, st_default)
+            gdn_launch(problem, args)  # the plain launch's outputs again for the peers' comparisons
         for tv, nw in chunked_tiles:
             c2 = chk.Config(problem, chk.Tiles(tile_v=tv, num_warps=nw))
             fn = get_compiled(chk.NAME, c2, chk.compile)
@@ -184,6 +201,56 @@ def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, c
     return rows
 
 
+GDP = (4, 8192, 32, 2)  # B, L, heads (q = k = v), num_householder
+
+
+def bench_gdp(timer, bw):
+    """Row (f): Gated DeltaProduct, n = 2 (k / v / beta on the expanded timeline), the chunked kernel."""
+    B, L, H, n = GDP
+    T = B * L
+    q = torch.randn(T, H, D, device=DEV).bfloat16()
+    k = torch.randn(T * n, H, D, device=DEV).bfloat16()
+    v = torch.randn(T * n, H, D, device=DEV).bfloat16()
+    g = torch.rand(T, H, device=DEV) * 0.1 + 0.9  # linear alpha
+    beta = torch.rand(T * n, H, device=DEV)
+    cu = torch.arange(0, T + 1, L, device=DEV, dtype=torch.int32)
+    o = torch.empty(T, H, D, device=DEV, dtype=torch.bfloat16)
+    st = torch.empty(B, H, D, D, device=DEV, dtype=torch.float32)
+    problem = pg.GdnProblem(dtype="bfloat16", head_dim_k=D, head_dim_v=D, use_qk_l2norm=True, num_householder=n,
+                            arch=api.gdn_arch(DEV))
+    flags = pg.FLAG_HAS_G | pg.FLAG_HAS_BETA | pg.FLAG_WRITE_STATE
+    args = api._prefill_args(q, k, v, g, beta, cu, None, st, None, o, 1 / math.sqrt(D), H, H, H, flags)
+    gdn_launch(problem, args)
+    torch.cuda.synchronize()
+    module, cfg = gdn_choice(problem, chains=B * H)
+    row = dict(row="f", B=B, L=L, T=T, heads=f"{H}/{H} GDP n={n}", kernel=f"{module.NAME} {cfg.tiles}",
+               ours_ms=timer(lambda: gdn_launch(problem, args), reps=10) * 1e3)
+    nbytes = T * (H * D * 2 * 2 + n * (2 * H * D * 2 + H * 4) + H * 4) + B * H * D * D * 4
+    row["hbm_bound_ms"] = nbytes / bw * 1e3
+    try:
+        from fla.ops.gated_delta_product import chunk_gated_delta_product as fla_gdp
+    except Exception as e:  # noqa: BLE001
+        print("fla chunk_gated_delta_product unavailable:", e)
+        fla_gdp = None
+    if fla_gdp is not None:
+        qf, kf, vf = q.view(B, L, H, D), k.view(B, L * n, H, D), v.view(B, L * n, H, D)
+        gf, bf = torch.log(g).view(B, L, H), beta.view(B, L * n, H)
+
+        def fla_call():
+            return fla_gdp(qf, kf, vf, gf, bf, num_householder=n, scale=1 / math.sqrt(D), output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+
+        try:
+            of, sf = fla_call()
+            row["fla_ms"] = timer(fla_call, reps=10) * 1e3
+            row["rel_err_vs_fla_o"] = rel(o.view(of.shape), of)
+            row["rel_err_vs_fla_state"] = rel(st, sf.transpose(-1, -2))
+        except Exception as e:  # noqa: BLE001
+            print("fla GDP row failed:", e)
+    print(row, flush=True)
+    return row
+
+
 def bench_decode(timer, found, batches):
     rows = []
     H = DECODE_H
@@ -220,12 +287,14 @@ def bench_decode(timer, found, batches):
 
 
 def table(prefill, decode):
-    lines = ["| row | B x L | heads qk/v | ours ms | Mtok/s | fla ms | FlashInfer ms | fla / ours | FlashInfer / ours"
-             " | HBM bound ms | bound / ours |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | B x L | heads qk/v | ours ms | CP ms (P) | Mtok/s | fla ms | FlashInfer ms | fla / ours"
+             " | FlashInfer / ours | HBM bound ms | bound / ours |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in prefill:
         tok = r["T"]
         fla, fi = r.get("fla_ms"), r.get("flashinfer_ms")
-        cells = [f"({r['row']})", f"{r['B']} x {r['L'] or 'varlen'}", r["heads"], f"{r['ours_ms']:.3f}",
+        cps = sorted((v, k[2:-3]) for k, v in r.items() if k.startswith("cp") and k.endswith("_ms"))
+        cp_cell = f"{cps[0][0]:.3f} ({cps[0][1]})" if cps else "-"
+        cells = [f"({r['row']})", f"{r['B']} x {r['L'] or 'varlen'}", r["heads"], f"{r['ours_ms']:.3f}", cp_cell,
                  f"{tok / r['ours_ms'] / 1e3:.2f}", f"{fla:.3f}" if fla else "-", f"{fi:.3f}" if fi else "-",
                  f"{fla / r['ours_ms']:.2f}x" if fla else "-", f"{fi / r['ours_ms']:.2f}x" if fi else "-",
                  f"{r['hbm_bound_ms']:.3f}", f"{r['hbm_bound_ms'] / r['ours_ms']:.1%}"]
@@ -248,8 +317,11 @@ def main():
     ap.add_argument("--recurrent", action="store_true", help="also time the recurrent kernel on rows (b), (c)")
     ap.add_argument("--sm90", nargs="?", const="default", default="",
                     help="also time the SM90 chunked kernel: its default tiles, or 'tile_v,num_stages;...'")
-    ap.add_argument("--rows", default="", help="prefill rows, e.g. 'a,c' (default: all)")
+    ap.add_argument("--rows", default="", help="prefill rows, e.g. 'a,c' (default: all; 'none': no GDN row)")
     ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--cp", nargs="?", const="plan", default="",
+                    help="also time the context-parallel path: its planned segments, or 'P,...' segment counts")
+    ap.add_argument("--gdp", action="store_true", help="add the Gated DeltaProduct row (f): n = 2, 32 heads, 4 x 8192")
     a = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in a.tiles.split(";") if v.strip()]
     ctiles = [tuple(int(x) for x in v.split(",")) for v in a.chunked_tiles.split(";") if v.strip()]
@@ -260,8 +332,11 @@ def main():
     bw = read_bandwidth(timer)
     print(f"read bandwidth {bw / 1e12:.3f} TB/s")
     found = peers()
-    rows = a.rows.split(",") if a.rows else (["c"] if a.quick else list(PREFILL))
-    prefill = bench_prefill(timer, found, rows, bw, variants, a.recurrent, ctiles, sm90)
+    rows = [] if a.rows == "none" else a.rows.split(",") if a.rows else (["c"] if a.quick else list(PREFILL))
+    cp = None if not a.cp else ([] if a.cp == "plan" else [int(x) for x in a.cp.split(",") if x.strip()])
+    prefill = bench_prefill(timer, found, rows, bw, variants, a.recurrent, ctiles, sm90, cp)
+    if a.gdp:
+        prefill.append(bench_gdp(timer, bw))
     decode = [] if a.no_decode else bench_decode(timer, found, DECODE_B[:1] if a.quick else DECODE_B)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench_gdn.json"), "w") as fh:
@@ -269,7 +344,7 @@ def main():
     print(table(prefill, decode))
     for r in prefill:  # the kernel chosen, tile variants and the recurrent kernel, if any
         extra = {k: round(v, 4) for k, v in r.items()
-                 if (k.startswith(("ours_", "chunked_", "sm90_", "recurrent")) or k.startswith("rel_err"))
+                 if (k.startswith(("ours_", "chunked_", "sm90_", "recurrent", "cp")) or k.startswith("rel_err"))
                  and k != "ours_ms"}
         print(f"({r['row']}) {r['kernel']} {r['ours_ms']:.3f} ms; {extra}")
 

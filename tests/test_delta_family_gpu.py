@@ -26,6 +26,7 @@ DEV = torch.device("cuda")
 TOL_O = 1e-2  # 16-bit output rounding
 TOL_S32 = 1e-3  # fp32 state
 TOL_S16 = 1e-2  # bf16 state rounding
+TOL_SC = 5e-3  # fp32 state of the chunked kernel (Gated DeltaProduct runs it): its MMAs take 16-bit state copies
 TOL_CUDNN = 5e-2  # cuDNN's chunked engines (16-bit MMA operands) against the serial oracle (FlashInfer's bound)
 LENS = [0, 1, 15, 16, 17, 63, 64, 65]
 LONG = [1000, 4097]
@@ -165,7 +166,7 @@ def test_gdn2_fixed_length_equals_one_sequence_and_auto_on_hopper():
 @pytest.mark.parametrize("heads", [(2, 2, 4), (4, 2, 2)])
 def test_gdp_vs_oracle(n, heads):
     kw = gdp_inputs(LENS + LONG[:1], n, *heads, l2norm=heads == (4, 2, 2))
-    assert "cute" in cross_check("chunk_gated_delta_product", kw)
+    assert "cute" in cross_check("chunk_gated_delta_product", kw, tol_s=TOL_SC)  # the chunked kernel's MMA state
 
 
 def test_gdp_long_and_bf16_state():

@@ -210,7 +210,7 @@ def test_valid_call_reaches_the_device_check():
 @pytest.mark.parametrize("over,exc,pattern", [
     (dict(backend="cudnn", state_indices=torch.tensor([0, 1])), NotImplementedError, "cudnn.*state_indices"),
     (dict(backend="triton"), ValueError, "backend"),
-    (dict(use_cp=True), NotImplementedError, "use_cp"),
+    (dict(use_cp=True), ValueError, CUDA_ONLY),  # served (context parallel): refused here only for CPU tensors
     (dict(use_cp="yes"), ValueError, "use_cp"),
     (dict(state_checkpoints=torch.zeros(1)), NotImplementedError, "checkpoint"),
     (dict(checkpoint_every_n_tokens=64), NotImplementedError, "checkpoint"),

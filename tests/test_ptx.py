@@ -1101,8 +1101,10 @@ def test_config_mla_and_gdn():
     assert g.problem == GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, arch="sm_90a")
     assert g == dispatch.gdn_choice(g.problem)[1]
     assert ci.config("gdn", "sm_90a", chains=4) == dispatch.gdn_choice(g.problem, chains=4)[1]
-    for keys in (dict(decode=True), dict(state_k_major=True), dict(gate_per_channel=True), dict(num_householder=2)):
+    for keys in (dict(decode=True), dict(state_k_major=True), dict(gate_per_channel=True)):
         assert isinstance(ci.config("gdn", "sm_100a", **keys), gdn_recurrent.Config), keys
+    gdp = ci.config("gdn", "sm_100a", num_householder=2)  # Gated DeltaProduct: GDN on the expanded timeline
+    assert isinstance(gdp, gdn_chunked.Config) and gdp.problem.num_householder == 1
 
 
 @pytest.mark.parametrize("op,kw,exc,match", [

@@ -2,12 +2,14 @@
 its public names).
 
 GDN prefill (scalar gates, a V-major state) runs the chunked kernel (:mod:`cutedsl_attn.portable.gdn_chunked`) on
-every arch; the decode step, GDN-2, Gated DeltaProduct, KDA and a K-major state run the token-serial recurrent
-kernel (its variants chosen by GdnProblem fields).  ``CUTEDSL_ATTN_GDN_KERNEL`` = ``auto`` (default) /
-``chunked`` / ``chunked_sm90`` / ``recurrent`` forces one (``chunked`` and ``chunked_sm90`` raise
-NotImplementedError naming what they serve when they cannot serve the problem); ``chunked_sm90`` is the opt-in
-SM90 wgmma main kernel (:mod:`cutedsl_attn.sm90.gdn_chunked`), never chosen by ``auto``.
-``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's tiles (its ``TUNING_FIELDS``).
+every arch, and so does Gated DeltaProduct, as GDN on its expanded timeline (:func:`gdn_launch`); the decode
+step, GDN-2, KDA and a K-major state run the token-serial recurrent kernel (its variants chosen by GdnProblem
+fields).  ``CUTEDSL_ATTN_GDN_KERNEL`` = ``auto`` (default) / ``chunked`` / ``chunked_sm90`` / ``recurrent``
+forces one (``chunked`` and ``chunked_sm90`` raise NotImplementedError naming what they serve when they cannot
+serve the problem); ``chunked_sm90`` is the opt-in SM90 wgmma main kernel (:mod:`cutedsl_attn.sm90.gdn_chunked`),
+never chosen by ``auto``.  ``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's tiles
+(its ``TUNING_FIELDS``).  Few long sequences on few heads take the context-parallel path
+(:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the chosen kernel run over segments of each sequence.
 Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked, cutedsl_attn::gdn_chunked_sm90 or
 cutedsl_attn::gdn_recurrent (by the kernel chosen); eager calls launch directly.
 """
@@ -21,7 +23,11 @@ import os
 import torch
 
 from ..compile import get_compiled, target_arch
-from ..planning.gdn import GdnArgs, GdnProblem
+from ..planning.gdn import (
+    FLAG_HAS_BETA, FLAG_HAS_G, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE,
+    HEAD_DIMS, GdnArgs, GdnProblem,
+)
+from ..planning.gdn_cp import cp_chain, cp_num_segments, cp_segment_offsets
 from ..portable import gdn_chunked as _chunked
 from ..portable import gdn_recurrent as _rec
 from ..sm90 import gdn_chunked as _chunked_sm90
@@ -29,15 +35,37 @@ from . import _override, _parse_tune, num_sms
 
 GDN_KERNEL_ENV = "CUTEDSL_ATTN_GDN_KERNEL"
 GDN_TUNE_ENV = "CUTEDSL_ATTN_GDN_TUNE"
-_GDN_KERNELS = ("auto", "chunked", "chunked_sm90", "recurrent")
+
+# A new kernel is one entry in _FORCED (its CUTEDSL_ATTN_GDN_KERNEL value; its custom op follows) and, when auto
+# may take it, one in _AUTO (before the kernels it should win over for the problems its unsupported_reason admits).
+#: the kernel each forced ``CUTEDSL_ATTN_GDN_KERNEL`` value names
+_FORCED = {"chunked": _chunked, "chunked_sm90": _chunked_sm90, "recurrent": _rec}
+#: what ``auto`` tries, in order, before the recurrent kernel (the first that serves the problem runs it)
+_AUTO = (_chunked,)
+_GDN_KERNELS = ("auto", *_FORCED)
+#: kernels that run Gated DeltaProduct as GDN on the expanded timeline (GdnProblem.num_householder = 1)
+_EXPANDS = (_chunked, _chunked_sm90)
 
 _GDN_FIELDS = tuple(f.name for f in dataclasses.fields(GdnProblem))
 
 
+def _served(module, problem: GdnProblem) -> GdnProblem:
+    """The problem ``module`` compiles for ``problem``: Gated DeltaProduct becomes GDN for the chunked kernels."""
+    if problem.num_householder > 1 and module in _EXPANDS:
+        return dataclasses.replace(problem, num_householder=1)
+    return problem
+
+
+def _reason(module, problem: GdnProblem) -> str | None:
+    return module.unsupported_reason(_served(module, problem))
+
+
 def gdn_choice(problem: GdnProblem, *, device_index: int | None = None, chains: int | None = None):
-    """``(kernel module, config)`` serving ``problem``: the chunked kernel where it applies (prefill of GDN), the
-    recurrent kernel otherwise, unless ``CUTEDSL_ATTN_GDN_KERNEL`` forces one (``chunked_sm90`` only that way).
-    ``chains``: N * HO of the launch (the default tiles depend on it; None: a large launch).
+    """``(kernel module, config)`` serving ``problem``: the first kernel of the auto list that serves it (the
+    chunked kernel: GDN prefill, and Gated DeltaProduct as GDN on the expanded timeline, its config then holding
+    ``num_householder=1``), the recurrent kernel otherwise, unless ``CUTEDSL_ATTN_GDN_KERNEL`` forces one
+    (``chunked_sm90`` only that way).  ``chains``: N * HO of the launch (the default tiles depend on it; None: a
+    large launch).
 
     Raises NotImplementedError naming what is served when no kernel (or not the forced one) serves the problem;
     ValueError for a bad ``CUTEDSL_ATTN_GDN_KERNEL`` / ``CUTEDSL_ATTN_GDN_TUNE``.
@@ -45,28 +73,20 @@ def gdn_choice(problem: GdnProblem, *, device_index: int | None = None, chains: 
     forced = os.environ.get(GDN_KERNEL_ENV, "auto") or "auto"
     if forced not in _GDN_KERNELS:
         raise ValueError(f"{GDN_KERNEL_ENV} must be one of {_GDN_KERNELS}, got {forced!r}")
-    module = None
-    if forced == "chunked_sm90":
-        reason = _chunked_sm90.unsupported_reason(problem)
-        if reason is not None:
-            raise NotImplementedError(f"gated delta rule ({GDN_KERNEL_ENV}=chunked_sm90): {reason}")
-        module = _chunked_sm90
-    elif forced != "recurrent":
-        reason = _chunked.unsupported_reason(problem)
-        if reason is None:
-            module = _chunked
-        elif forced == "chunked":
-            raise NotImplementedError(f"gated delta rule ({GDN_KERNEL_ENV}=chunked): {reason}")
-    if module is None:
-        reason = _rec.unsupported_reason(problem)
-        if reason is not None:
-            raise NotImplementedError(f"gated delta rule: {reason}")
-        module = _rec
-    tiles = module.default_tiles(problem, num_sms=num_sms(device_index), chains=chains)
+    if forced == "auto":
+        module = next((m for m in _AUTO if _reason(m, problem) is None), _rec)
+    else:
+        module = _FORCED[forced]
+    reason = _reason(module, problem)
+    if reason is not None:
+        where = "" if module is _rec else f" ({GDN_KERNEL_ENV}={forced})"
+        raise NotImplementedError(f"gated delta rule{where}: {reason}")
+    served = _served(module, problem)
+    tiles = module.default_tiles(served, num_sms=num_sms(device_index), chains=chains)
     tune = os.environ.get(GDN_TUNE_ENV, "")
     if tune.strip():
         tiles = _override(module, GDN_TUNE_ENV, tune, tiles, _parse_tune(GDN_TUNE_ENV, tune, module.TUNING_FIELDS))
-    return module, module.Config(problem, tiles)
+    return module, module.Config(served, tiles)
 
 
 def _gdn_launch_direct(module, cfg, args: GdnArgs) -> None:
@@ -92,7 +112,7 @@ def _gdn_fake(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices
 # the state pool may be both initial_state and output_state (an in-place update): both are declared mutated
 _MUTATES = ("initial_state", "output_state", "output")
 _OPS = {}
-for _name in ("gdn_recurrent", "gdn_chunked", "gdn_chunked_sm90"):
+for _name in (m.NAME for m in _FORCED.values()):
     _OPS[_name] = torch.library.custom_op(f"cutedsl_attn::{_name}", _gdn_op, mutates_args=_MUTATES)
     _OPS[_name].register_fake(_gdn_fake)
 
@@ -110,14 +130,171 @@ def _chains(cu_seqlens, output) -> int:
     return (cu_seqlens.shape[0] - 1) * output.shape[1]
 
 
-def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None = None) -> None:
-    """Compile (cached in memory and on disk) the chosen kernel and launch it on the current stream."""
+def _run(problem: GdnProblem, args: GdnArgs, device_index) -> None:
+    """One launch of the kernel :func:`gdn_choice` picks (``problem`` as that kernel serves it)."""
     chains = _chains(args.cu_seqlens, args.output)
+    module, cfg = gdn_choice(problem, device_index=device_index, chains=chains)
     if torch.compiler.is_compiling():
-        module, _ = gdn_choice(problem, device_index=device_index, chains=chains)
-        _OPS[module.NAME](*args, _gdn_problem_key(problem))
+        _OPS[module.NAME](*args, _gdn_problem_key(cfg.problem))
         return
-    _gdn_launch_direct(*gdn_choice(problem, device_index=device_index, chains=chains), args)
+    _gdn_launch_direct(module, cfg, args)
+
+
+def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None = None) -> None:
+    """Compile (cached in memory and on disk) the chosen kernel and launch it on the current stream.
+
+    Gated DeltaProduct (``problem.num_householder`` n > 1) on a chunked kernel runs as GDN on the expanded
+    timeline of ``T n`` rows: q at row ``t n + n - 1`` (zeros elsewhere, which the l2 norm keeps zero), the gate
+    at row ``t n`` (identity elsewhere), ``cu_seqlens * n``, the output read back from rows ``n - 1 :: n``
+    (scratch ``[T n, Hq, K]`` and ``[T n, HO, V]`` in q's dtype, allocated on the current stream).
+    """
+    module, cfg = gdn_choice(problem, device_index=device_index, chains=_chains(args.cu_seqlens, args.output))
+    if cfg.problem.num_householder != problem.num_householder:
+        _launch_expanded(problem, cfg.problem, args, device_index)
+        return
+    _run(problem, args, device_index)
+
+
+def _launch_expanded(problem: GdnProblem, served: GdnProblem, args: GdnArgs, device_index) -> None:
+    n = problem.num_householder
+    q, out = args.q, args.output
+    T, ho, V = q.shape[0], out.shape[1], out.shape[2]
+    q_e = q.new_zeros(T * n, q.shape[1], q.shape[2])
+    q_e[n - 1::n] = q  # the readout follows the token's last update
+    g_e = args.g
+    if args.flags & FLAG_HAS_G:
+        identity = 1.0 if problem.gate_domain == "linear" else 0.0
+        g_e = torch.full((T * n, ho), identity, device=q.device, dtype=torch.float32)
+        g_e[0::n] = args.g  # the decay acts before the token's first update only
+    o_e = torch.empty(T * n, ho, V, device=q.device, dtype=out.dtype)
+    _run(served, args._replace(q=q_e, g=g_e, cu_seqlens=args.cu_seqlens * n, output=o_e), device_index)
+    out.copy_(o_e[n - 1::n])
+
+
+# ---------------------------------------------------------------------------- context parallel
+def _cp_reason(problem: GdnProblem) -> str | None:
+    if problem.decode or problem.state_k_major or problem.gate_per_channel or problem.erase_write_gates or \
+            problem.num_householder != 1:
+        return "the context-parallel path serves GDN prefill (scalar gates, one update a token, a V-major state)"
+    return None
+
+
+def _cp_shared_run(problem: GdnProblem) -> bool:
+    """Whether one run yields both the transition and the offset (width K + V served: K = V = 64)."""
+    return problem.head_dim_k + problem.head_dim_v in HEAD_DIMS
+
+
+def gdn_cp_segments(problem: GdnProblem, args: GdnArgs, use_cp, *, device_index: int | None = None) -> int:
+    """Segments a sequence for the context-parallel path of a GDN prefill launch (1: the plain launch), from
+    host-known shapes only (N, HO, T, the SM count: no sync).
+
+    ``use_cp`` (FlashInfer's): ``False`` never; ``True`` always (at least 2 segments); ``"auto"`` when FlashInfer's
+    SM90 rule holds (``N * HO * 2 < num_SMs``) and a one-wave split gives each sequence more segments than the
+    path makes kernel runs (:func:`cutedsl_attn.planning.gdn_cp.cp_num_segments`).
+
+    Raises NotImplementedError for ``use_cp=True`` on a problem the path does not serve (the decode step, the
+    rest of the delta-rule family, a K-major state) or a batch too large to split; ValueError for a ``use_cp``
+    other than ``"auto"``, True, False.
+    """
+    if not (use_cp is False or use_cp is True or use_cp == "auto"):
+        raise ValueError(f"use_cp must be 'auto', True or False, got {use_cp!r}")
+    if use_cp is False:
+        return 1
+    reason = _cp_reason(problem)
+    if reason is not None:
+        if use_cp is True:
+            raise NotImplementedError(f"use_cp=True: {reason}")
+        return 1
+    n_seq, ho, T = args.cu_seqlens.shape[0] - 1, args.output.shape[1], args.q.shape[0]
+    sms = num_sms(device_index)
+    V = problem.head_dim_v
+    chosen = []  # the kernel, looked up only once a split is considered
+
+    def ctas_of_chains(chains: int) -> int:
+        if not chosen:
+            chosen.append(gdn_choice(problem, device_index=device_index, chains=n_seq * ho)[0])
+        return chains * -(-V // chosen[0].default_tiles(problem, num_sms=sms, chains=chains).tile_v)
+
+    runs = 2 if _cp_shared_run(problem) else 3
+    return cp_num_segments(n_seq, ho, T, num_sms=sms, ctas_of_chains=ctas_of_chains, runs=runs,
+                           forced=use_cp is True)
+
+
+def gdn_launch_cp(problem: GdnProblem, args: GdnArgs, segments: int, *, device_index: int | None = None) -> None:
+    """GDN prefill, context parallel: each of the N sequences cut into ``segments`` = P runs of whole chunks
+    (:func:`~cutedsl_attn.planning.gdn_cp.cp_segment_offsets`, on the device), then
+
+    1. the kernel over the N P segments as independent sequences: from the identity with ``v = 0`` (the
+       transition ``M`` ``[K, K]``) and from zeros (the offset ``B`` ``[V, K]``), fp32 states; one run with
+       ``v`` widened to ``[0 | v]`` where the kernel serves width K + V (K = V = 64), two runs otherwise;
+    2. the chain ``H_in(j) = H_in(j - 1) M(j - 1) + B(j - 1)`` in float64 (small batched matmuls);
+    3. the kernel over the segments from their true starting states (fp32), writing ``args.output``; each
+       sequence's final state is the chain's last, written to ``args.output_state`` (its pool rows with
+       ``FLAG_OUTPUT_INDICES``) in its dtype when ``FLAG_WRITE_STATE``.
+
+    ``args`` as :func:`gdn_launch`'s for a GDN prefill problem.  No host sync (CUDA-graph safe); scratch (the
+    segment states, ``[N P, HO, K, K]`` and ``[N P, HO, V, K]`` fp32, a zero ``v`` ``[T, 1, K]``, an output
+    ``[T, HO, K]`` when K != V) allocated on the current stream.  The kernel's state MMAs take 16-bit copies of
+    ``M`` as they do of the state (the identity is exact), so outputs and final states agree with the float64
+    oracle as the plain launch does (about 5e-3 relative in bf16), within 1e-2.
+
+    Raises NotImplementedError for a problem the path does not serve; ValueError for ``segments`` < 1.
+    """
+    reason = _cp_reason(problem)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    P = segments
+    q, k, v, out = args.q, args.k, args.v, args.output
+    dev, f32 = q.device, torch.float32
+    T, K = q.shape[0], q.shape[2]
+    n_seq, ho, V = args.cu_seqlens.shape[0] - 1, out.shape[1], out.shape[2]
+    seg_cu = cp_segment_offsets(args.cu_seqlens, P)
+    ns = n_seq * P
+    gates = args.flags & (FLAG_HAS_G | FLAG_HAS_BETA)
+    fp32_state = dataclasses.replace(problem, state_dtype="float32")
+    i32 = torch.empty(1, device=dev, dtype=torch.int32)
+    both = FLAG_HAS_INITIAL_STATE | FLAG_WRITE_STATE
+
+    def seg_args(v_run, state, o_run, v_group, flags):  # one state tensor in and out: each CTA owns its rows
+        return GdnArgs(q, k, v_run, args.g, args.beta, seg_cu, state, i32, state, i32, o_run, args.scale,
+                       args.q_group, args.k_group, v_group, flags)
+
+    if _cp_shared_run(problem):  # one run: rows [0, K) of the state give M, rows [K, K + V) give B
+        w = K + V
+        v_run = torch.cat([v.new_zeros(T, v.shape[1], K), v], dim=-1)
+        st = torch.zeros(ns, ho, w, K, device=dev, dtype=f32)
+        st[:, :, :K].diagonal(dim1=-2, dim2=-1).fill_(1.0)
+        o_run = torch.empty(T, ho, w, device=dev, dtype=out.dtype)
+        _run(dataclasses.replace(fp32_state, head_dim_v=w), seg_args(v_run, st, o_run, args.v_group, gates | both),
+             device_index)
+        trans, offs = st[:, :, :K], st[:, :, K:]
+    else:
+        trans = torch.zeros(ns, ho, K, K, device=dev, dtype=f32)
+        trans.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+        v_zero = v.new_zeros(T, 1, K)  # one zero head, read by every output head (v_group = HO)
+        o_m = out if K == V else torch.empty(T, ho, K, device=dev, dtype=out.dtype)  # overwritten by phase 3
+        _run(dataclasses.replace(fp32_state, head_dim_v=K), seg_args(v_zero, trans, o_m, ho, gates | both),
+             device_index)
+        offs = torch.empty(ns, ho, V, K, device=dev, dtype=f32)
+        _run(fp32_state, seg_args(v, offs, out, args.v_group, gates | FLAG_WRITE_STATE), device_index)
+
+    if args.flags & FLAG_HAS_INITIAL_STATE:
+        h0 = args.initial_state
+        h0 = (h0.index_select(0, args.initial_state_indices.to(torch.int64)) if args.flags & FLAG_INITIAL_INDICES
+              else h0[:n_seq])
+    else:
+        h0 = torch.zeros(n_seq, ho, V, K, device=dev, dtype=f32)
+    starts, final = cp_chain(h0, trans.reshape(n_seq, P, ho, K, K), offs.reshape(n_seq, P, ho, V, K))
+
+    s3 = starts.reshape(ns, ho, V, K).to(f32)
+    _run(fp32_state, seg_args(v, s3, out, args.v_group, gates | FLAG_HAS_INITIAL_STATE), device_index)
+    if args.flags & FLAG_WRITE_STATE:
+        ht = args.output_state
+        fin = final.to(ht.dtype)
+        if args.flags & FLAG_OUTPUT_INDICES:
+            ht.index_copy_(0, args.output_state_indices.to(torch.int64), fin)
+        else:
+            ht[:n_seq].copy_(fin)
 
 
 def gdn_arch(device=None) -> str:

@@ -1,0 +1,105 @@
+"""Context-parallel (split-sequence) plan of GDN prefill: segments, their count, and the affine chaining.
+
+A run of the delta rule over a segment is affine in the state it starts from.  In this package's V-major form
+(``H [V, K]``, ``H_t = a_t H_{t-1} (I - b_t k_t k_t^T) + b_t v_t k_t^T``)::
+
+    H_out = H_in M + B,    M = prod_t a_t (I - b_t k_t k_t^T)  (K x K, in token order),
+                           B = the segment's final state from a zero state  (V x K)
+
+so the segments of one sequence can run at once from known states (``M`` from the identity with ``v = 0``,
+``B`` from zeros), then be chained (``H_in`` of segment ``j`` = ``H_out`` of ``j - 1``), then rerun from their
+true starting states for the outputs.  Segments start on chunk (64-token) boundaries of their sequence, so each
+segment's chunking is the whole sequence's.
+
+Pure Python and torch (imported lazily, as :func:`cutedsl_attn.planning.gdn.plan_chunks` does); every tensor
+is built on the device of its input, from shapes only (no host read-back: CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+from .gdn import CHUNK, MAX_SEQS
+
+#: a context-parallel segment spans at least this many chunks (shorter ones spend more on the extra runs than
+#: they gain on the state chain)
+CP_MIN_SEGMENT_CHUNKS = 16
+#: at most this many segments a sequence
+CP_MAX_SEGMENTS = 64
+
+
+def cp_segment_offsets(cu_seqlens, segments: int, chunk: int = CHUNK):
+    """The offsets of the ``N * segments`` segments of the context-parallel path, on ``cu_seqlens``' device.
+
+    ``cu_seqlens``: int ``[N + 1]`` token offsets (device or host); ``segments`` = P >= 1.  Sequence ``n`` of
+    ``C_n = ceil(len_n / chunk)`` chunks is cut into P runs of whole chunks, segment ``j`` starting at chunk
+    ``floor(j C_n / P)`` (balanced to one chunk; segments of a sequence shorter than P chunks may be empty).
+    Returns int32 ``[N P + 1]``: segment ``n P + j`` is tokens ``[out[n P + j], out[n P + j + 1])``, so every
+    segment but the last of its sequence is a multiple of ``chunk`` tokens and the segments tile the tokens in
+    order.
+
+    Raises ValueError for ``segments`` < 1 or ``cu_seqlens`` not 1-D with at least 2 entries.
+    """
+    import torch
+
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments must be an int >= 1, got {segments!r}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N + 1], got {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(torch.int64)
+    lens = cu[1:] - cu[:-1]
+    n_chunks = (lens + chunk - 1) // chunk
+    j = torch.arange(segments, dtype=torch.int64, device=cu.device)
+    first_chunk = (j[None, :] * n_chunks[:, None]) // segments  # [N, P]
+    starts = cu[:-1, None] + torch.minimum(first_chunk * chunk, lens[:, None])
+    return torch.cat([starts.reshape(-1), cu[-1:]]).to(torch.int32)
+
+
+def cp_num_segments(n_seq: int, heads: int, total_tokens: int, *, num_sms: int, ctas_of_chains, runs: int,
+                    forced: bool) -> int:
+    """Segments a sequence (P) of the context-parallel path; 1: the plain launch.
+
+    ``n_seq`` N, ``heads`` HO, ``total_tokens`` T (host-known shapes: the lengths are not read back);
+    ``ctas_of_chains(chains)``: the CTAs a launch of that many (sequence, head) chains takes (its V-slices);
+    ``runs``: kernel runs the path makes (3, or 2 when the transition and the offset share one run).  P is the
+    largest count whose launch fits one wave (``ctas_of_chains(N P HO) <= num_sms``), at most
+    :data:`CP_MAX_SEGMENTS`, the average sequence giving each segment :data:`CP_MIN_SEGMENT_CHUNKS` chunks.
+    Unforced (``use_cp="auto"``): FlashInfer's SM90 rule first (``N HO 2 < num_sms``), then P must exceed
+    ``runs`` (each run costs a pass over all the tokens; the serial chain shrinks P-fold), else 1.
+    ``forced`` (``use_cp=True``): at least 2 segments, whatever the sizes.
+
+    Raises NotImplementedError when ``forced`` and 2 segments a sequence exceed the launch's sequence limit.
+    """
+    if forced and 2 * n_seq > MAX_SEQS:
+        raise NotImplementedError(f"use_cp=True: {n_seq} sequences split in two exceed the {MAX_SEQS} sequences a "
+                                  "launch serves")
+    if not forced and not (n_seq * heads * 2 < num_sms):
+        return 1
+    avg_chunks = total_tokens // max(n_seq, 1) // CHUNK
+    cap = min(CP_MAX_SEGMENTS, MAX_SEQS // max(n_seq, 1), max(avg_chunks // CP_MIN_SEGMENT_CHUNKS, 1))
+    best = 1
+    for p in range(2, cap + 1):
+        if ctas_of_chains(n_seq * p * heads) <= num_sms:
+            best = p
+    if forced:
+        return max(best, 2)
+    return best if best > runs else 1
+
+
+def cp_chain(h0, transition, offset):
+    """Chain the segments: the state each segment starts from, and each sequence's final state, in float64.
+
+    ``h0`` ``[N, HO, V, K]`` (any float dtype, the sequences' initial states); ``transition`` ``[N, P, HO, K, K]``
+    (``M``) and ``offset`` ``[N, P, HO, V, K]`` (``B``) of each segment.  Returns ``(starts, final)``:
+    ``starts`` float64 ``[N, P, HO, V, K]`` (``starts[:, 0] = h0``, ``starts[:, j] = starts[:, j-1] M_{j-1} +
+    B_{j-1}``) and ``final`` float64 ``[N, HO, V, K]`` (the last segment's end state).  P - 1 + 1 small batched
+    matmuls; float64 so no TF32 setting can round the chain.
+    """
+    import torch
+
+    s = h0.to(torch.float64)
+    m = transition.to(torch.float64)
+    b = offset.to(torch.float64)
+    starts = []
+    for j in range(m.shape[1]):
+        starts.append(s)
+        s = torch.matmul(s, m[:, j]) + b[:, j]
+    return torch.stack(starts, 1), s
