@@ -63,7 +63,8 @@ def test_dispatch_env(monkeypatch):
     from cutedsl_attn.dispatch import gdn_choice
     from cutedsl_attn.portable import gdn_recurrent as rec
 
-    p = _problem()
+    assert gdn_choice(_problem())[0].NAME == "gdn_chunked_sm90"  # sm_90a: the wgmma main kernel
+    p = _problem(arch="sm_100a")
     assert gdn_choice(p)[0] is chk
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "recurrent")
     assert gdn_choice(p)[0] is rec

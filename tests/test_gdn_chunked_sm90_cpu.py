@@ -59,7 +59,8 @@ def test_dispatch_opt_in(monkeypatch):
 
     p = _problem()
     monkeypatch.delenv("CUTEDSL_ATTN_GDN_KERNEL", raising=False)
-    assert gdn_choice(p)[0] is chk  # never the default
+    assert gdn_choice(p)[0] is sm90  # the default on sm_90a
+    assert gdn_choice(_problem(arch="sm_100a"))[0] is chk
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "chunked_sm90")
     module, cfg = gdn_choice(p, chains=1000)
     assert module is sm90 and isinstance(cfg, sm90.Config) and cfg.tiles == sm90.Tiles(tile_v=128)

@@ -185,7 +185,7 @@ def test_cp_through_the_api_matches_the_oracle(launches, heads, dims, state):
     assert s.dtype == state and rel(o, o_ref) < 1e-2 and rel(s, s_ref) < (1e-2 if state == torch.bfloat16 else 1e-5)
     runs = [(name, p) for name, p, _ in launches]
     shared = K + V in pg.HEAD_DIMS
-    assert len(runs) == (2 if shared else 3) and all(name == "gdn_chunked" for name, _ in runs)
+    assert len(runs) == (2 if shared else 3) and all(name == "gdn_chunked_sm90" for name, _ in runs)
     widths = [p.head_dim_v for _, p in runs]
     assert widths == ([K + V, V] if shared else [K, V, V])
     assert all(p.state_dtype == "float32" for _, p in runs)
@@ -222,7 +222,7 @@ def test_cp_auto_and_false_choose_as_documented(launches):
     T = 65536
     args = pg.GdnArgs(torch.empty(T, 2, 128), None, None, None, None, torch.zeros(2, dtype=torch.int32), None, None,
                       None, None, torch.empty(T, 8, 128), 1.0, 4, 4, 1, 0)
-    assert d.gdn_cp_segments(problem, args, "auto") == 4  # row (d) on 132 SMs
+    assert d.gdn_cp_segments(problem, args, "auto") == 8  # row (d) on 132 SMs: 8 chains x 2 CTAs (64-row SM90 tiles) x 8
     assert d.gdn_cp_segments(problem, args, False) == 1
     with pytest.raises(NotImplementedError, match="use_cp=True"):
         d.gdn_cp_segments(pg.GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, decode=True), args, True)
@@ -249,7 +249,7 @@ def test_gdp_runs_the_chunked_kernel_on_the_expanded_timeline(launches, monkeypa
     o_ref, s_ref = ref.chunk_gated_delta_product(**kw)
     assert rel(o, o_ref) < 1e-2 and rel(s, s_ref) < 1e-5
     (name, p, a), = launches
-    assert name == "gdn_chunked" and p.num_householder == 1
+    assert name == "gdn_chunked_sm90" and p.num_householder == 1
     assert a.q.shape[0] == T * n and a.output.shape[0] == T * n
     assert torch.equal(a.cu_seqlens, cu_of(lens) * n)
     if n > 1:

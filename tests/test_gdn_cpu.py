@@ -1,6 +1,7 @@
 """CPU tests of the gated delta rule: the oracles against each other and an independent loop, the API's
 validation (every rule raises before a launch), planning, and the recurrent kernel's PTX for sm_90a / sm_100a."""
 
+import dataclasses
 import glob
 import math
 import re
@@ -469,8 +470,10 @@ def test_problem_and_config_rules():
                              num_sms=132).prefetch == 1
     from cutedsl_attn.dispatch import gdn_choice
     from cutedsl_attn.portable import gdn_chunked as chk
-    mod, cfg = gdn_choice(p)  # prefill of GDN: the chunked kernel
-    assert mod is chk and cfg.problem == p
+    mod, cfg = gdn_choice(p)  # prefill of GDN: a chunked kernel (on sm_90a the wgmma one)
+    assert mod.NAME == ("gdn_chunked_sm90" if p.arch == "sm_90a" else "gdn_chunked") and cfg.problem == p
+    p100 = dataclasses.replace(p, arch="sm_100a")
+    assert gdn_choice(p100)[0] is chk
     pd = GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, decode=True)
     mod, cfg = gdn_choice(pd)  # the decode step: the recurrent kernel
     assert mod is rec and cfg.problem == pd and cfg.tiles == rec.default_tiles(pd, num_sms=132)
@@ -719,7 +722,8 @@ def test_prefill_kernel_choice_as_documented(emulated, monkeypatch):
     api.gated_delta_rule_decode_pretranspose(**decode_inputs())
     pdec = planned[-1][0]
     monkeypatch.delenv("CUTEDSL_ATTN_GDN_KERNEL", raising=False)
-    assert gdn_choice(p0)[0] is chk and gdn_choice(pdec)[0] is recur
+    assert gdn_choice(p0)[0].NAME == "gdn_chunked_sm90" and gdn_choice(pdec)[0] is recur  # p0 on sm_90a
+    assert gdn_choice(dataclasses.replace(p0, arch="sm_100a"))[0] is chk
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "recurrent")
     assert gdn_choice(p0)[0] is recur
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "chunked")

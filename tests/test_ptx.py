@@ -1097,7 +1097,8 @@ def test_config_mla_and_gdn():
     assert m8.problem.q_fp8 and m8.problem.kv_fp8 and (m8.problem.page_size, m8.problem.causal) == (1, True)
     assert ci.config("mla", "sm_90a", kv_dtype="float8_e4m3fn").problem.kv_dtype == "float8_e4m3fn"
     g = ci.config("gdn", "sm_90a")
-    assert isinstance(g, gdn_chunked.Config)  # GDN prefill: the chunked kernel
+    assert g.__class__.__module__ == "cutedsl_attn.sm90.gdn_chunked"  # GDN prefill on sm_90a: the wgmma kernel
+    assert isinstance(ci.config("gdn", "sm_100a"), gdn_chunked.Config)  # elsewhere the portable one
     assert g.problem == GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, arch="sm_90a")
     assert g == dispatch.gdn_choice(g.problem)[1]
     assert ci.config("gdn", "sm_90a", chains=4) == dispatch.gdn_choice(g.problem, chains=4)[1]

@@ -199,16 +199,17 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
                            gate_domain="linear"):
     """Gated delta rule prefill over packed variable-length sequences (FlashInfer 0.7.2 / 0.7.4 signature).
 
-    Kernels (``backend="auto"`` / ``"cute"``): prefill runs the chunked kernel
-    (:mod:`cutedsl_attn.portable.gdn_chunked`, the WY / UT form over 64-token chunks, on every arch).  Its
+    Kernels (``backend="auto"`` / ``"cute"``): prefill runs a chunked kernel (the WY / UT form over 64-token
+    chunks): on ``sm_90a`` the wgmma one (:mod:`cutedsl_attn.sm90.gdn_chunked`), elsewhere the portable one
+    (:mod:`cutedsl_attn.portable.gdn_chunked`, ``mma.sync``, every arch; the two agree bit for bit).  Their
     tensor-core MMAs take the state rounded to 16 bits (q's dtype), so final states agree with a float64
     reference to about 5e-3 relative, the tolerance FlashInfer's tests allow (the state is accumulated in fp32;
     only its MMA operand copy is rounded).  The token-serial recurrent kernel serves the decode step
     (:func:`gated_delta_rule_decode_pretranspose`, :func:`gated_delta_rule_decode`) and the rest of the
     delta-rule family.  ``CUTEDSL_ATTN_GDN_KERNEL`` forces one: ``auto`` (the default, as above), ``chunked``
-    (NotImplementedError naming what it serves where it cannot serve the problem) or ``recurrent`` (this prefill
-    token by token on the recurrent kernel); ``chunked_sm90`` opts in to the SM90 wgmma main kernel (never run
-    on a GPU yet, so never chosen by ``auto``; see :mod:`cutedsl_attn.dispatch.gdn`).
+    (the portable chunked kernel) or ``chunked_sm90`` (NotImplementedError naming what they serve where they
+    cannot serve the problem) or ``recurrent`` (this prefill token by token on the recurrent kernel); see
+    :mod:`cutedsl_attn.dispatch.gdn`.
     ``max_seqlen`` is checked and reaches neither kernel: both plan from ``cu_seqlens``.
 
     Context parallel (``use_cp``, FlashInfer's): few long sequences on few heads leave most SMs idle on one

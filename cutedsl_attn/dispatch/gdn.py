@@ -1,14 +1,14 @@
 """Kernel choice and launch of the gated delta rule family (part of :mod:`cutedsl_attn.dispatch`, which re-exports
 its public names).
 
-GDN prefill (scalar gates, a V-major state) runs the chunked kernel (:mod:`cutedsl_attn.portable.gdn_chunked`) on
-every arch, and so does Gated DeltaProduct, as GDN on its expanded timeline (:func:`gdn_launch`); the decode
-step, GDN-2, KDA and a K-major state run the token-serial recurrent kernel (its variants chosen by GdnProblem
-fields).  ``CUTEDSL_ATTN_GDN_KERNEL`` = ``auto`` (default) / ``chunked`` / ``chunked_sm90`` / ``recurrent``
-forces one (``chunked`` and ``chunked_sm90`` raise NotImplementedError naming what they serve when they cannot
-serve the problem); ``chunked_sm90`` is the opt-in SM90 wgmma main kernel (:mod:`cutedsl_attn.sm90.gdn_chunked`),
-never chosen by ``auto``.  ``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's tiles
-(its ``TUNING_FIELDS``).  Few long sequences on few heads take the context-parallel path
+GDN prefill (scalar gates, a V-major state) runs a chunked kernel: on ``sm_90a`` the SM90 wgmma main kernel
+(:mod:`cutedsl_attn.sm90.gdn_chunked`), elsewhere the portable one (:mod:`cutedsl_attn.portable.gdn_chunked`), and so
+does Gated DeltaProduct, as GDN on its expanded timeline (:func:`gdn_launch`); the decode step, GDN-2, KDA and a
+K-major state run the token-serial recurrent kernel (its variants chosen by GdnProblem fields).
+``CUTEDSL_ATTN_GDN_KERNEL`` = ``auto`` (default) / ``chunked`` (the portable chunked kernel) / ``chunked_sm90`` /
+``recurrent`` forces one (``chunked`` and ``chunked_sm90`` raise NotImplementedError naming what they serve when
+they cannot serve the problem).  ``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's
+tiles (its ``TUNING_FIELDS``).  Few long sequences on few heads take the context-parallel path
 (:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the chosen kernel run over segments of each sequence.
 Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked, cutedsl_attn::gdn_chunked_sm90 or
 cutedsl_attn::gdn_recurrent (by the kernel chosen); eager calls launch directly.
@@ -41,7 +41,7 @@ GDN_TUNE_ENV = "CUTEDSL_ATTN_GDN_TUNE"
 #: the kernel each forced ``CUTEDSL_ATTN_GDN_KERNEL`` value names
 _FORCED = {"chunked": _chunked, "chunked_sm90": _chunked_sm90, "recurrent": _rec}
 #: what ``auto`` tries, in order, before the recurrent kernel (the first that serves the problem runs it)
-_AUTO = (_chunked,)
+_AUTO = (_chunked_sm90, _chunked)  # the SM90 kernel refuses other archs
 _GDN_KERNELS = ("auto", *_FORCED)
 #: kernels that run Gated DeltaProduct as GDN on the expanded timeline (GdnProblem.num_householder = 1)
 _EXPANDS = (_chunked, _chunked_sm90)
@@ -63,8 +63,8 @@ def _reason(module, problem: GdnProblem) -> str | None:
 def gdn_choice(problem: GdnProblem, *, device_index: int | None = None, chains: int | None = None):
     """``(kernel module, config)`` serving ``problem``: the first kernel of the auto list that serves it (the
     chunked kernel: GDN prefill, and Gated DeltaProduct as GDN on the expanded timeline, its config then holding
-    ``num_householder=1``), the recurrent kernel otherwise, unless ``CUTEDSL_ATTN_GDN_KERNEL`` forces one
-    (``chunked_sm90`` only that way).  ``chains``: N * HO of the launch (the default tiles depend on it; None: a
+    ``num_householder=1``; on ``sm_90a`` the SM90 chunked kernel), the recurrent kernel otherwise, unless
+    ``CUTEDSL_ATTN_GDN_KERNEL`` forces one.  ``chains``: N * HO of the launch (the default tiles depend on it; None: a
     large launch).
 
     Raises NotImplementedError naming what is served when no kernel (or not the forced one) serves the problem;
