@@ -19,6 +19,7 @@ from cutedsl_attn.api import delta_family as dapi
 from cutedsl_attn.api import gdn as api
 from cutedsl_attn.dispatch import gdn as d
 from cutedsl_attn.planning import gdn as pg
+from cutedsl_attn.planning import gdn_cp as pcp
 from cutedsl_attn.planning.gdn_cp import cp_chain, cp_num_segments, cp_segment_offsets
 
 LENS = [0, 1, 63, 64, 65, 1000, 4097]
@@ -61,8 +62,10 @@ def _ctas(v=128):
     return lambda chains: chains * (v // (32 if chains * 2 < 132 else 64))
 
 
-def test_segment_count_rule():
+def test_segment_count_rule(monkeypatch):
     kw = dict(num_sms=132, ctas_of_chains=_ctas(), runs=3)
+    assert cp_num_segments(1, 8, 65536, forced=False, **kw) == 1  # CP_AUTO off: auto keeps the plain launch
+    monkeypatch.setattr(pcp, "CP_AUTO", True)  # the rule auto applies once the path pays
     assert cp_num_segments(1, 8, 65536, forced=False, **kw) == 4  # row (d): 4 x 8 chains x 4 slices = 128 CTAs
     assert cp_num_segments(1, 8, 65536, forced=True, **kw) == 4
     assert cp_num_segments(8, 16, 65536, forced=False, **kw) == 1  # N * HO * 2 >= num_SMs: no split
@@ -213,7 +216,7 @@ def test_cp_with_a_state_pool_in_place(launches):
     assert torch.equal(pool[others], before[others])  # rows no sequence owns are untouched
 
 
-def test_cp_auto_and_false_choose_as_documented(launches):
+def test_cp_auto_and_false_choose_as_documented(launches, monkeypatch):
     kw = _bf([300], 1, 1, 1, 64, 64)
     api.chunk_gated_delta_rule(**kw)  # auto: 5 chunks cannot make segments of 16 chunks
     api.chunk_gated_delta_rule(**kw, use_cp=False)
@@ -222,7 +225,9 @@ def test_cp_auto_and_false_choose_as_documented(launches):
     T = 65536
     args = pg.GdnArgs(torch.empty(T, 2, 128), None, None, None, None, torch.zeros(2, dtype=torch.int32), None, None,
                       None, None, torch.empty(T, 8, 128), 1.0, 4, 4, 1, 0)
-    assert d.gdn_cp_segments(problem, args, "auto") == 8  # row (d) on 132 SMs: 8 chains x 2 CTAs (64-row SM90 tiles) x 8
+    assert d.gdn_cp_segments(problem, args, "auto") == 1  # CP_AUTO off: the plain launch
+    monkeypatch.setattr(pcp, "CP_AUTO", True)
+    assert d.gdn_cp_segments(problem, args, "auto") >= 4  # row (d) on 132 SMs: a one-wave split of 8 chains
     assert d.gdn_cp_segments(problem, args, False) == 1
     with pytest.raises(NotImplementedError, match="use_cp=True"):
         d.gdn_cp_segments(pg.GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, decode=True), args, True)

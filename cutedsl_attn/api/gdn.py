@@ -219,9 +219,8 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     B``), the segments are chained in float64, and the kernel reruns them from their true starting states for
     the output; the final state is the chain's.  Three kernel runs (two at K = V = 64) for a P-fold shorter
     serial chain; the errors match the plain launch's (about 5e-3 relative in bf16, within 1e-2).
-    ``use_cp="auto"`` takes it when ``N * HO * 2 < num_SMs`` (FlashInfer's SM90 rule) and a one-wave split
-    gives each sequence more segments than the path makes runs (each segment at least 16 chunks of the
-    average sequence); True always; False never.
+    ``use_cp="auto"`` takes the plain launch for now: the three runs (each with the prep) measured slower than
+    one plain run on few long sequences (:data:`cutedsl_attn.planning.gdn_cp.CP_AUTO`); True always; False never.
 
     Args:
         q: ``[T, Hq, K]`` (or ``[1, T, Hq, K]``) bfloat16 / float16 CUDA tensor, last dim contiguous, other

@@ -24,6 +24,10 @@ from .gdn import CHUNK, MAX_SEQS
 CP_MIN_SEGMENT_CHUNKS = 16
 #: at most this many segments a sequence
 CP_MAX_SEGMENTS = 64
+#: whether ``use_cp="auto"`` may take the path: off, because its three full kernel runs (each with the prep) were
+#: slower than the plain launch at every split of the one benchmark row the SM rule admits (perf/RESULTS.md,
+#: "Gated delta rule family"); sharing one prep among the runs is what would make it pay
+CP_AUTO = False
 
 
 def cp_segment_offsets(cu_seqlens, segments: int, chunk: int = CHUNK):
@@ -62,7 +66,7 @@ def cp_num_segments(n_seq: int, heads: int, total_tokens: int, *, num_sms: int, 
     ``runs``: kernel runs the path makes (3, or 2 when the transition and the offset share one run).  P is the
     largest count whose launch fits one wave (``ctas_of_chains(N P HO) <= num_sms``), at most
     :data:`CP_MAX_SEGMENTS`, the average sequence giving each segment :data:`CP_MIN_SEGMENT_CHUNKS` chunks.
-    Unforced (``use_cp="auto"``): FlashInfer's SM90 rule first (``N HO 2 < num_sms``), then P must exceed
+    Unforced (``use_cp="auto"``): 1 while :data:`CP_AUTO` is off; else FlashInfer's SM90 rule first (``N HO 2 < num_sms``), then P must exceed
     ``runs`` (each run costs a pass over all the tokens; the serial chain shrinks P-fold), else 1.
     ``forced`` (``use_cp=True``): at least 2 segments, whatever the sizes.
 
@@ -71,7 +75,7 @@ def cp_num_segments(n_seq: int, heads: int, total_tokens: int, *, num_sms: int, 
     if forced and 2 * n_seq > MAX_SEQS:
         raise NotImplementedError(f"use_cp=True: {n_seq} sequences split in two exceed the {MAX_SEQS} sequences a "
                                   "launch serves")
-    if not forced and not (n_seq * heads * 2 < num_sms):
+    if not forced and not (CP_AUTO and n_seq * heads * 2 < num_sms):
         return 1
     avg_chunks = total_tokens // max(n_seq, 1) // CHUNK
     cap = min(CP_MAX_SEGMENTS, MAX_SEQS // max(n_seq, 1), max(avg_chunks // CP_MIN_SEGMENT_CHUNKS, 1))
