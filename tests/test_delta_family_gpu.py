@@ -26,7 +26,7 @@ DEV = torch.device("cuda")
 TOL_O = 1e-2  # 16-bit output rounding
 TOL_S32 = 1e-3  # fp32 state
 TOL_S16 = 1e-2  # bf16 state rounding
-TOL_SC = 5e-3  # fp32 state of the chunked kernel (Gated DeltaProduct runs it): its MMAs take 16-bit state copies
+TOL_SC = 5e-3  # fp32 state of the chunked kernels (GDP, GDN-2, KDA prefill): their MMAs take 16-bit state copies
 TOL_CUDNN = 5e-2  # cuDNN's chunked engines (16-bit MMA operands) against the serial oracle (FlashInfer's bound)
 LENS = [0, 1, 15, 16, 17, 63, 64, 65]
 LONG = [1000, 4097]
@@ -131,7 +131,7 @@ def cross_check(op, kw, *, tol_o=TOL_O, tol_s=TOL_S32):
 def test_gdn2_vs_oracle(heads, dims):
     K, V = dims
     kw = gdn2_inputs(LENS + LONG[:1], *heads, K=K, V=V, l2norm=heads == (4, 2, 2))
-    assert "cute" in cross_check("chunk_gated_delta_rule2", kw)
+    assert "cute" in cross_check("chunk_gated_delta_rule2", kw, tol_s=TOL_SC)
 
 
 def test_gdn2_long_bf16_state_and_16bit_gates():
@@ -197,7 +197,7 @@ def test_kda_prefill_vs_oracle_in_place(heads, state_dtype):
     o, s = api.recurrent_kda(**kw, output=out)
     assert o is out and s is None  # the state is advanced in place; only the return is gated
     assert rel(o, o_ref) < TOL_O
-    assert rel(h0, ref_state) < (TOL_S32 if state_dtype == torch.float32 else TOL_S16)
+    assert rel(h0, ref_state) < (TOL_SC if state_dtype == torch.float32 else TOL_S16)
     assert rel(h0.transpose(-1, -2), ref_state) > 0.1
 
 
@@ -208,7 +208,7 @@ def test_kda_k_not_v(dims):
     ref_state = kw["initial_state"].double()
     o_ref, _ = rd.recurrent_kda(**{**kw, "initial_state": ref_state})
     o, _ = api.recurrent_kda(**kw)
-    assert rel(o, o_ref) < TOL_O and rel(kw["initial_state"], ref_state) < TOL_S32
+    assert rel(o, o_ref) < TOL_O and rel(kw["initial_state"], ref_state) < TOL_SC
 
 
 def test_kda_safe_gate_logits_and_no_state():
@@ -219,7 +219,7 @@ def test_kda_safe_gate_logits_and_no_state():
     kw.pop("initial_state")
     o, fin = api.recurrent_kda(**kw, **extra, output_final_state=True)
     o_ref, f_ref = rd.recurrent_kda(**kw, **extra, output_final_state=True)
-    assert fin.dtype == torch.float32 and rel(o, o_ref) < TOL_O and rel(fin, f_ref) < TOL_S32
+    assert fin.dtype == torch.float32 and rel(o, o_ref) < TOL_O and rel(fin, f_ref) < TOL_SC
     o2, _ = api.recurrent_kda(**kw, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True)  # softplus gate
     o2_ref, _ = rd.recurrent_kda(**kw, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True)
     assert rel(o2, o2_ref) < TOL_O

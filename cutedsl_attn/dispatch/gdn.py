@@ -3,14 +3,16 @@ its public names).
 
 GDN prefill (scalar gates, a V-major state) runs a chunked kernel: on ``sm_90a`` the SM90 wgmma main kernel
 (:mod:`cutedsl_attn.sm90.gdn_chunked`), elsewhere the portable one (:mod:`cutedsl_attn.portable.gdn_chunked`), and so
-does Gated DeltaProduct, as GDN on its expanded timeline (:func:`gdn_launch`); the decode step, GDN-2, KDA and a
-K-major state run the token-serial recurrent kernel (its variants chosen by GdnProblem fields).
+does Gated DeltaProduct, as GDN on its expanded timeline (:func:`gdn_launch`); KDA and GDN-2 prefill (per-channel
+log gates) run the chunked kernel's per-channel variant (:mod:`cutedsl_attn.portable.kda_chunked`); the decode
+step and a K-major state run the token-serial recurrent kernel (its variants chosen by GdnProblem fields).
 ``CUTEDSL_ATTN_GDN_KERNEL`` = ``auto`` (default) / ``chunked`` (the portable chunked kernel) / ``chunked_sm90`` /
-``recurrent`` forces one (``chunked`` and ``chunked_sm90`` raise NotImplementedError naming what they serve when
+``kda_chunked`` / ``recurrent`` forces one (``chunked`` and ``chunked_sm90`` raise NotImplementedError naming what they serve when
 they cannot serve the problem).  ``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's
 tiles (its ``TUNING_FIELDS``).  Few long sequences on few heads take the context-parallel path
 (:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the chosen kernel run over segments of each sequence.
-Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked, cutedsl_attn::gdn_chunked_sm90 or
+Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked, cutedsl_attn::gdn_chunked_sm90,
+cutedsl_attn::kda_chunked or
 cutedsl_attn::gdn_recurrent (by the kernel chosen); eager calls launch directly.
 """
 
@@ -30,6 +32,7 @@ from ..planning.gdn import (
 from ..planning.gdn_cp import cp_chain, cp_num_segments, cp_segment_offsets
 from ..portable import gdn_chunked as _chunked
 from ..portable import gdn_recurrent as _rec
+from ..portable import kda_chunked as _kda_chunked
 from ..sm90 import gdn_chunked as _chunked_sm90
 from . import _override, _parse_tune, num_sms
 
@@ -39,9 +42,9 @@ GDN_TUNE_ENV = "CUTEDSL_ATTN_GDN_TUNE"
 # A new kernel is one entry in _FORCED (its CUTEDSL_ATTN_GDN_KERNEL value; its custom op follows) and, when auto
 # may take it, one in _AUTO (before the kernels it should win over for the problems its unsupported_reason admits).
 #: the kernel each forced ``CUTEDSL_ATTN_GDN_KERNEL`` value names
-_FORCED = {"chunked": _chunked, "chunked_sm90": _chunked_sm90, "recurrent": _rec}
+_FORCED = {"chunked": _chunked, "chunked_sm90": _chunked_sm90, "kda_chunked": _kda_chunked, "recurrent": _rec}
 #: what ``auto`` tries, in order, before the recurrent kernel (the first that serves the problem runs it)
-_AUTO = (_chunked_sm90, _chunked)  # the SM90 kernel refuses other archs
+_AUTO = (_chunked_sm90, _chunked, _kda_chunked)  # the SM90 kernel refuses other archs, kda_chunked scalar gates
 _GDN_KERNELS = ("auto", *_FORCED)
 #: kernels that run Gated DeltaProduct as GDN on the expanded timeline (GdnProblem.num_householder = 1)
 _EXPANDS = (_chunked, _chunked_sm90)

@@ -28,7 +28,9 @@ One launch of :func:`compile`'s function runs two kernels on the stream:
 A sequence of length 0 writes its initial state (zeros without one) as its final state.  Each main CTA reads
 its state slice before it writes it and no two CTAs share one, so an in-place pool update is race-free.
 Served: GDN with a scalar gate per token and head (linear alpha or log alpha), K and V in 64 / 128, a V-major
-fp32 / bf16 state; the rest of the family runs the recurrent kernel.
+fp32 / bf16 state.  The per-channel members (KDA, GDN-2) run this main kernel behind their own prep
+(:mod:`cutedsl_attn.portable.kda_chunked`: a compile-time branch decays the state per K column); the rest of the
+family runs the recurrent kernel.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common import ptx
 from ..common.dtypes import element_type
-from ..common.gdn_prep import PREP_THREADS, GdnPrep
+from ..common.gdn_prep import PREP_THREADS, GdnPrep, _ld_shared_v2_f32
 from ..compile.arch import compile_options
 from ..compile.fake import gdn_chunked_tensors
 from ..compile.tiles import override_int_fields
@@ -219,6 +221,9 @@ class GdnChunkedKernel(GdnPrep):
         self.NS = self.K // self.WN  # state columns a warp owns
         self.log_gate = p.gate_domain == "log"
         self.l2norm = p.use_qk_l2norm
+        # the per-channel subclass (portable.kda_chunked) decays the state per K column; F grows by K gates
+        self.per_channel = False
+        self.F_BYTES = 3 * CHUNK * 4
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -353,10 +358,16 @@ class GdnChunkedKernel(GdnPrep):
                         ptx.st_global_u32(row_addr + (i * 8 + 2 * t) * 2,
                                           ptx.pack2(accy[4 * i + 2 * h], accy[4 * i + 2 * h + 1], io))
 
-            # S = gamma_last S + V'd^T K
-            gl = ptx.ld_shared_f32(sF + 2 * C * 4)
-            for i in cutlass.range_constexpr(NT8 * 4):
-                st[i] = st[i] * gl
+            # S = gamma_last S + V'd^T K (per channel: S D(2^G_last) + V'd^T Kd)
+            if const_expr(self.per_channel):
+                for i in cutlass.range_constexpr(NT8):
+                    gl2 = _ld_shared_v2_f32(sF + (2 * C + wn * self.NS + i * 8 + 2 * t) * 4)
+                    for e in cutlass.range_constexpr(4):
+                        st[4 * i + e] = st[4 * i + e] * gl2[e % 2]
+            else:
+                gl = ptx.ld_shared_f32(sF + 2 * C * 4)
+                for i in cutlass.range_constexpr(NT8 * 4):
+                    st[i] = st[i] * gl
             self._gemm_tn(st, sVd, RBV, wm * 16, sK, RK, wn * self.NS, NT8, C // 16, lane)
             self._state_to_smem(sS, st, wm, wn, g, t)
             cute.arch.sync_threads()
@@ -385,8 +396,8 @@ class GdnChunkedKernel(GdnPrep):
         self._copy_block(mW.iterator.toint() + blk * (C * K * 2), K, 0, sW, RK, K, tidx)
         self._copy_block(mU.iterator.toint() + blk * (C * V * 2), V, v0, sU, RBV, BV, tidx)
         self._copy_block(mAqk.iterator.toint() + blk * (C * C * 2), C, 0, sAqk, RC, C, tidx)
-        if tidx < (3 * C * 4) // 16:
-            ptx.cp_async_16(sF + tidx * 16, mF.iterator.toint() + blk * (3 * C * 4) + tidx * 16, 16)
+        if tidx < self.F_BYTES // 16:
+            ptx.cp_async_16(sF + tidx * 16, mF.iterator.toint() + blk * self.F_BYTES + tidx * 16, 16)
 
     @cute.jit
     def _copy_block(self, g_base, ld: cutlass.Constexpr, col0, s_dst, RB: cutlass.Constexpr, D: cutlass.Constexpr,
