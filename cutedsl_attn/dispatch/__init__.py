@@ -33,9 +33,11 @@ from ..planning.decode import DecodeArgs, DecodeProblem, max_items, occupancy, p
 from ..planning.prefill import PrefillArgs, PrefillProblem
 from ..portable import gdn_chunked as _gdn_chunked
 from ..portable import gdn_recurrent as _rec
+from ..portable import kda_chunked as _kda_chunked
 from ..portable import mla_decode as _mla_portable
 from ..portable import paged_decode as _paged_decode
 from ..portable import prefill as _prefill_portable
+from ..sm90 import gdn_chunked as _gdn_chunked_sm90
 from ..sm90 import prefill as _prefill_sm90
 from ..sm100 import decode as _decode_sm100
 from ..sm100 import prefill as _prefill_sm100
@@ -73,6 +75,8 @@ KERNEL_MODULES = {
     "paged_decode_sm100": _decode_sm100,
     "gdn_recurrent": _rec,
     "gdn_chunked": _gdn_chunked,
+    "gdn_chunked_sm90": _gdn_chunked_sm90,
+    "kda_chunked": _kda_chunked,
     "mla_decode_portable": _mla_portable,
 }
 
