@@ -14,7 +14,11 @@ entry point plans on the host per call (it reads ``seq_lens``), so an fp8 row pl
 launch of that plan with the same timer.  fp8 bytes count 1 per cached / fp8-query element and 2 per output
 element; FLOPs as above.
 
-Usage:  python perf/bench_mla.py [--out DIR] [--quick]
+``--kernel`` picks our bf16 kernel (``CUTEDSL_ATTN_MLA_KERNEL``): ``portable`` (the default), ``sm90`` or
+``both`` (each timed on the same inputs; ``ours_*`` columns are the first of them, ``<kernel>_*`` columns each,
+``sm90_vs_portable_relerr`` the difference of their outputs).  fp8 rows always run the portable kernel.
+
+Usage:  python perf/bench_mla.py [--out DIR] [--quick] [--kernel portable|sm90|both]
 Prints a Markdown table (the last thing printed) and writes JSON to DIR.
 """
 
@@ -30,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import read_ceiling, timed  # noqa: E402
+from mla_peers import FI_BACKENDS, flashinfer_mla  # noqa: E402
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16
@@ -103,14 +108,14 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--variants", default="", help="extra tiles of our kernel, ';'-separated "
                     "CUTEDSL_ATTN_MLA_TUNE values, e.g. 'tile_n=16,num_stages=4;tile_n=32,num_stages=3'")
+    ap.add_argument("--kernel", choices=("portable", "sm90", "both"), default="portable",
+                    help="our bf16 MLA kernel (CUTEDSL_ATTN_MLA_KERNEL); both: time each on the same inputs")
     args = ap.parse_args()
     from cutedsl_attn.api.mla import BatchMLAPagedAttentionWrapper
 
-    try:
-        import flashinfer
-    except Exception as e:  # noqa: BLE001
-        flashinfer = None
-        print("flashinfer unavailable:", e)
+    kernels = ("portable", "sm90") if args.kernel == "both" else (args.kernel,)
+    env_before = os.environ.get("CUTEDSL_ATTN_MLA_KERNEL")
+
     gen = torch.Generator().manual_seed(0)
     rd, cp = read_ceiling()
     print(f"read ceiling {rd:.3f} TB/s, copy {cp:.3f} TB/s")
@@ -120,13 +125,25 @@ def main():
         q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens = make(B, L, H, gen)
         fl, nb = flops_bytes(B, L, H)
         row = dict(row=tag, heads=H, batch=B, kv_len=L, page=PS, q="bf16", kv="bf16")
-        w = BatchMLAPagedAttentionWrapper(ws)
-        w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, H, DC, DR, PS, False, SM_SCALE, DT, DT)
-        out = torch.empty((B, H, DC), dtype=DT, device=DEV)
-        t = timed(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out))
-        row.update(ours_us=t * 1e6, ours_tflops=fl / t / 1e12, ours_tbs=nb / t / 1e12,
-                   ours_split_tokens=w._plan["split_tokens"], ours_work=w._plan["num_work"])
-        ref_o = out.clone()
+        outs = {}
+        for kname in kernels:
+            os.environ["CUTEDSL_ATTN_MLA_KERNEL"] = kname
+            w = BatchMLAPagedAttentionWrapper(ws)
+            w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, H, DC, DR, PS, False, SM_SCALE, DT, DT)
+            out = torch.empty((B, H, DC), dtype=DT, device=DEV)
+            t = timed(lambda: w.run(q_nope, q_pe, ckv, kpe, out=out))
+            row.update({f"{kname}_us": t * 1e6, f"{kname}_tflops": fl / t / 1e12, f"{kname}_tbs": nb / t / 1e12,
+                        f"{kname}_split_tokens": w._plan["split_tokens"], f"{kname}_work": w._plan["num_work"],
+                        f"{kname}_module": w._plan["module"].NAME})
+            if not outs:
+                row.update(ours_kernel=kname, ours_us=t * 1e6, ours_tflops=fl / t / 1e12, ours_tbs=nb / t / 1e12,
+                           ours_split_tokens=w._plan["split_tokens"], ours_work=w._plan["num_work"])
+            outs[kname] = out.clone()
+        if len(outs) == 2:
+            a, b = outs["sm90"].float(), outs["portable"].float()
+            row["sm90_vs_portable_relerr"] = ((a - b).norm() / b.norm()).item()
+        ref_o = outs[kernels[0]]
+        os.environ["CUTEDSL_ATTN_MLA_KERNEL"] = kernels[0]  # (the --variants below tune the first kernel)
         for var in [v for v in args.variants.split(";") if v]:
             os.environ["CUTEDSL_ATTN_MLA_TUNE"] = var
             try:
@@ -139,25 +156,23 @@ def main():
             tv = timed(lambda: wv.run(q_nope, q_pe, ckv, kpe, out=ov))
             row[f"v[{var}]_us"] = tv * 1e6
             row[f"v[{var}]_tflops"] = fl / tv / 1e12
-        if flashinfer is not None:
-            for be in ("fa3", "fa2"):
-                try:
-                    fw = flashinfer.mla.BatchMLAPagedAttentionWrapper(ws, backend=be)
-                    fw.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, H, DC, DR, PS, False, SM_SCALE, DT, DT)
-                    fo = fw.run(q_nope, q_pe, ckv, kpe)
-                    row[f"fi_{be}_relerr"] = ((fo.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
-                    tf = timed(lambda: fw.run(q_nope, q_pe, ckv, kpe, out=fo))
-                    row[f"fi_{be}_us"] = tf * 1e6
-                    row[f"fi_{be}_tflops"] = fl / tf / 1e12
-                    row[f"fi_{be}_tbs"] = nb / tf / 1e12
-                except Exception as e:  # noqa: BLE001
-                    row[f"fi_{be}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        for be in FI_BACKENDS:  # FlashInfer fa3 / fa2 MLA, its own workspace; the reason is kept when absent
+            frun, why = flashinfer_mla(be, q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_lens,
+                                       sm_scale=SM_SCALE, causal=False)
+            if frun is None:
+                row[f"fi_{be}_error"] = why
+                continue
+            fo = frun()
+            row[f"fi_{be}_relerr"] = ((fo.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
+            tf = timed(lambda: frun(out=fo))
+            row.update({f"fi_{be}_us": tf * 1e6, f"fi_{be}_tflops": fl / tf / 1e12, f"fi_{be}_tbs": nb / tf / 1e12})
         row["read_ceiling_tbs"] = rd
         results.append(row)
         print(row, flush=True)
         del q_nope, q_pe, ckv, kpe
         torch.cuda.empty_cache()
 
+    os.environ["CUTEDSL_ATTN_MLA_KERNEL"] = "portable"  # fp8 rows: the portable kernel serves them either way
     bf16_us = {(r["heads"], r["batch"], r["kv_len"]): r["ours_us"] for r in results}
     for (tag, H, B, L, q_dtype) in FP8_ROWS[:1] if args.quick else FP8_ROWS:
         fl, _ = flops_bytes(B, L, H)
@@ -172,10 +187,16 @@ def main():
         print(row, flush=True)
         torch.cuda.empty_cache()
 
+    if env_before is None:
+        os.environ.pop("CUTEDSL_ATTN_MLA_KERNEL", None)
+    else:
+        os.environ["CUTEDSL_ATTN_MLA_KERNEL"] = env_before
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_mla.json"), "w") as f:
         json.dump(dict(read_ceiling_tbs=rd, copy_tbs=cp, rows=results), f, indent=1)
-    cols = ["row", "heads", "batch", "kv_len", "q", "kv", "ours_us", "ours_tflops", "ours_tbs", "read_ceiling_tbs",
+    cols = ["row", "heads", "batch", "kv_len", "q", "kv", "ours_kernel", "ours_us", "ours_tflops", "ours_tbs",
+            *(["portable_tflops", "sm90_tflops", "sm90_vs_portable_relerr"] if len(kernels) == 2 else []),
+            "read_ceiling_tbs",
             "bf16_over_fp8_time", "fp8_vs_bf16_relerr", "fi_fa3_us", "fi_fa3_tflops", "fi_fa2_us", "fi_fa2_tflops"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

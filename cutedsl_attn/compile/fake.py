@@ -103,6 +103,46 @@ def decode_tensors(cfg, work_cols: int) -> tuple:
     return q, k, v, idx, work, o, lse, po, plse, cnt, sinks, alibi
 
 
+def mla_tensors(cfg, work_cols: int) -> tuple:
+    """``(q_nope, q_pe, ckv, kpe, indices, work, o, lse, part_o, part_lse, counters)`` for an MLA decode problem
+    (``cfg``: anything with a ``problem`` holding the fields of :class:`cutedsl_attn.planning.mla.MlaProblem`
+    and ``cutlass_dtype`` (o), ``q_cutlass_dtype`` and ``kv_cutlass_dtype``; the MLA kernels' ``Config``).
+
+    q_nope ``[T, H, head_dim_ckv]``, q_pe ``[T, H, head_dim_kpe]``; ckv / kpe ``[pages, page_size, head_dim]``;
+    indices int32 page ids; work ``[W, work_cols]`` int32 (:mod:`cutedsl_attn.planning.mla`'s
+    ``MLA_WORK_COLS``); o ``[T, H, head_dim_ckv]``; lse ``[T, H]`` fp32; part_o ``[parts, rows, head_dim_ckv]``
+    and part_lse ``[parts, rows]`` fp32, contiguous; counters int32.  Every size is symbolic but the head dims
+    and the page size; last dims contiguous, strides multiples of 16 bytes (8 elements, 16 for fp8 q or caches).
+    """
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+    dt = cfg.cutlass_dtype
+    q_dt, kv_dt = cfg.q_cutlass_dtype, cfg.kv_cutlass_dtype  # fp8 tensors reach tvm-ffi as DLPack float8_e4m3fn
+    qd, kvd = (16 if cfg.problem.q_fp8 else 8), (16 if cfg.problem.kv_fp8 else 8)  # 16-byte strides, in elements
+    PS = cfg.problem.page_size
+    Dc, Dr = cfg.problem.head_dim_ckv, cfg.problem.head_dim_kpe
+
+    def sym():
+        return cute.sym_int()
+
+    def s64(div=8):
+        return cute.sym_int64(divisibility=div)
+
+    T, H, P, NNZ, W, NP, R, NC = (sym() for _ in range(8))
+    qn = make_fake_tensor(q_dt, (T, H, Dc), (s64(qd), s64(qd), 1), assumed_align=16)
+    qp = make_fake_tensor(q_dt, (T, H, Dr), (s64(qd), s64(qd), 1), assumed_align=16)
+    ckv = make_fake_tensor(kv_dt, (P, PS, Dc), (s64(kvd), s64(kvd), 1), assumed_align=16)
+    kpe = make_fake_tensor(kv_dt, (P, PS, Dr), (s64(kvd), s64(kvd), 1), assumed_align=16)
+    idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
+    work = make_fake_compact_tensor(Int32, (W, work_cols), stride_order=(1, 0), assumed_align=8)
+    o = make_fake_tensor(dt, (T, H, Dc), (s64(), s64(), 1), assumed_align=16)
+    lse = make_fake_compact_tensor(Float32, (T, H), stride_order=(1, 0), assumed_align=4)
+    po = make_fake_compact_tensor(Float32, (NP, R, Dc), stride_order=(2, 1, 0), assumed_align=16)
+    plse = make_fake_compact_tensor(Float32, (NP, R), stride_order=(1, 0), assumed_align=4)
+    cnt = make_fake_compact_tensor(Int32, (NC,), assumed_align=4)
+    return qn, qp, ckv, kpe, idx, work, o, lse, po, plse, cnt
+
+
 def gdn_chunked_tensors(io, state_dtype, head_dim_k: int, head_dim_v: int, chunk: int) -> tuple:
     """The chunked GDN kernels' tensors, in their launch order: q / k ``[T, H, K]`` and v ``[T, H, V]`` (``io``,
     strides multiples of 8 elements), g / beta fp32 ``[T, HO]``, cu_seqlens int32, the chunk table int32

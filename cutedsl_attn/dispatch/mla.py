@@ -1,8 +1,11 @@
 """Kernel choice and launch of MLA (part of :mod:`cutedsl_attn.dispatch`, which re-exports its public names).
 
-One kernel serves every MLA problem on every arch today: the portable decode kernel (query heads x qo_len rows
-packed into 16-row mma.sync tiles; multi-token rows bottom-right causal; 16-bit or fp8 e4m3 caches).  Under torch.compile the launch is
-the custom op cutedsl_attn::mla_decode_portable.
+The portable decode kernel (query heads x qo_len rows packed into 16-row mma.sync tiles; multi-token rows
+bottom-right causal; 16-bit or fp8 e4m3 caches) serves every MLA problem on every arch by default.
+``CUTEDSL_ATTN_MLA_KERNEL=sm90`` opts in to the SM90 kernel (:mod:`cutedsl_attn.sm90.mla`: wgmma, 64-row tiles,
+16-bit caches, page size 64) where it serves the problem (the portable kernel serves the rest); ``=portable``
+(the default) forces the portable kernel.  Under torch.compile the launch is the custom op
+cutedsl_attn::mla_decode_portable or cutedsl_attn::mla_decode_sm90.
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import torch
 
 from ..compile import get_compiled, target_arch
 from ..planning.mla import MlaArgs, MlaProblem
+from ..planning.mla import TILE_M as _PLAN_TILE_M
 from ..portable import mla_decode as _mla_portable
+from ..sm90 import mla as _mla_sm90
 from . import _dtype_name, _override, _parse_tune, num_sms
 
 MLA_TUNE_ENV = "CUTEDSL_ATTN_MLA_TUNE"  # "key=value,..." over the MLA kernel's Tiles fields: tuning experiments
+MLA_KERNEL_ENV = "CUTEDSL_ATTN_MLA_KERNEL"  # "portable" (default) or "sm90" (opt-in until verified on the H200)
+_MLA_KERNELS = ("portable", "sm90")
 
 _MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
 
@@ -35,12 +42,18 @@ def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512,
 
 
 def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
-    """``(kernel module, config)`` serving ``problem``; ``CUTEDSL_ATTN_MLA_TUNE`` (``"key=value,..."`` over the
+    """``(kernel module, config)`` serving ``problem``: the portable kernel, or with ``CUTEDSL_ATTN_MLA_KERNEL=sm90``
+    the SM90 kernel where it serves the problem; ``CUTEDSL_ATTN_MLA_TUNE`` (``"key=value,..."`` over the chosen
     kernel's ``Tiles`` fields, tuning experiments) overrides the default tiles.
 
     Raises NotImplementedError naming what is served when no kernel serves the problem; ValueError naming the
-    variable for a malformed item or a refused combination."""
+    variable for a bad ``CUTEDSL_ATTN_MLA_KERNEL``, a malformed item or a refused combination."""
+    forced = os.environ.get(MLA_KERNEL_ENV, "").strip() or "portable"
+    if forced not in _MLA_KERNELS:
+        raise ValueError(f"{MLA_KERNEL_ENV} must be one of {_MLA_KERNELS}, got {forced!r}")
     m = _mla_portable
+    if forced == "sm90" and _mla_sm90.unsupported_reason(problem) is None:
+        m = _mla_sm90
     reason = m.unsupported_reason(problem)
     if reason is not None:
         raise NotImplementedError(f"MLA: {reason}")
@@ -55,9 +68,12 @@ def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
 
 
 def mla_limits(module, cfg) -> dict:
-    """What the MLA planner needs of a choice: ``max_splits_per_request`` and ``ctas_per_sm``."""
-    return {"max_splits_per_request": cfg.max_splits_per_request,
-            "ctas_per_sm": max(1, (228 * 1024) // (cfg.smem_bytes + 1024))}
+    """What the MLA planner needs of a choice: ``max_splits_per_request`` and ``ctas_per_sm`` (the planner's
+    16-row tiles one SM holds at once: the SM90 kernel's one CTA per SM runs four of them)."""
+    ctas = max(1, (228 * 1024) // (cfg.smem_bytes + 1024))
+    if module is _mla_sm90:
+        ctas *= cfg.tile_m // _PLAN_TILE_M
+    return {"max_splits_per_request": cfg.max_splits_per_request, "ctas_per_sm": ctas}
 
 
 def _mla_launch_direct(module, cfg, args: MlaArgs) -> None:
@@ -81,9 +97,30 @@ def _(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counter
     return None
 
 
+@torch.library.custom_op("cutedsl_attn::mla_decode_sm90", mutates_args=("out", "lse", "part_o", "part_lse",
+                                                                         "counters"))
+def _mla_sm90_op(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+                 indices: torch.Tensor, work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor,
+                 part_lse: torch.Tensor, counters: torch.Tensor, sm_scale: float, num_row_tiles: int,
+                 output_scale: float, key: str) -> None:
+    problem = MlaProblem(**{n: ast.literal_eval(v) for n, v in (kv.split("=", 1) for kv in key.split(";"))})
+    module, cfg = mla_choice(problem, device_index=q_nope.device.index)
+    if module is not _mla_sm90:  # (traced under the opt-in; the variable changed since: the kernel stays)
+        cfg = _mla_sm90.Config(problem, _mla_sm90.default_tiles(problem, num_sms=num_sms(q_nope.device.index)))
+    _mla_launch_direct(_mla_sm90, cfg, MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse,
+                                               counters, sm_scale, num_row_tiles, output_scale))
+
+
+@_mla_sm90_op.register_fake
+def _(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, num_row_tiles,
+      output_scale, key) -> None:
+    return None
+
+
 def mla_launch(module, cfg, args: MlaArgs) -> None:
     """Compile (cached in memory and on disk) the chosen MLA kernel and launch it on the current stream."""
     if torch.compiler.is_compiling():
-        _mla_op(*args, ";".join(f"{n}={getattr(cfg.problem, n)!r}" for n in _MLA_FIELDS))
+        op = _mla_sm90_op if module is _mla_sm90 else _mla_op
+        op(*args, ";".join(f"{n}={getattr(cfg.problem, n)!r}" for n in _MLA_FIELDS))
         return
     _mla_launch_direct(module, cfg, args)

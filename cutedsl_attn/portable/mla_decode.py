@@ -52,6 +52,7 @@ from ..common import ptx, splitkv
 from ..common import softmax as sm
 from ..common.constants import LOG2E, NEG_INF
 from ..compile.arch import SUPPORTED_ARCHS, compile_options
+from ..compile.fake import mla_tensors
 from ..planning.decode import (
     W_BATCH, W_KV_LEN, W_NUM_SPLITS, W_PAGE_OFF, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START,
 )
@@ -619,35 +620,8 @@ class MlaDecodeKernel:
 
 
 def fake_tensors(cfg: Config) -> tuple:
-    """The symbolic tensors :func:`compile` builds against: every size dynamic but the head dims and the page
-    size; last dims contiguous, strides multiples of 16 bytes (8 elements, 16 for fp8 q or caches)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
-
-    dt = cfg.cutlass_dtype
-    q_dt, kv_dt = cfg.q_cutlass_dtype, cfg.kv_cutlass_dtype  # fp8 tensors reach tvm-ffi as DLPack float8_e4m3fn
-    qd, kvd = (16 if cfg.problem.q_fp8 else 8), (16 if cfg.problem.kv_fp8 else 8)  # 16-byte strides, in elements
-    PS = cfg.problem.page_size
-    Dc, Dr = HEAD_DIM_CKV, HEAD_DIM_KPE
-
-    def sym():
-        return cute.sym_int()
-
-    def s64(div=8):
-        return cute.sym_int64(divisibility=div)
-
-    T, H, P, NNZ, W, NP, R, NC = (sym() for _ in range(8))
-    qn = make_fake_tensor(q_dt, (T, H, Dc), (s64(qd), s64(qd), 1), assumed_align=16)
-    qp = make_fake_tensor(q_dt, (T, H, Dr), (s64(qd), s64(qd), 1), assumed_align=16)
-    ckv = make_fake_tensor(kv_dt, (P, PS, Dc), (s64(kvd), s64(kvd), 1), assumed_align=16)
-    kpe = make_fake_tensor(kv_dt, (P, PS, Dr), (s64(kvd), s64(kvd), 1), assumed_align=16)
-    idx = make_fake_compact_tensor(Int32, (NNZ,), assumed_align=4)
-    work = make_fake_compact_tensor(Int32, (W, MLA_WORK_COLS), stride_order=(1, 0), assumed_align=8)
-    o = make_fake_tensor(dt, (T, H, Dc), (s64(), s64(), 1), assumed_align=16)
-    lse = make_fake_compact_tensor(Float32, (T, H), stride_order=(1, 0), assumed_align=4)
-    po = make_fake_compact_tensor(Float32, (NP, R, Dc), stride_order=(2, 1, 0), assumed_align=16)
-    plse = make_fake_compact_tensor(Float32, (NP, R), stride_order=(1, 0), assumed_align=4)
-    cnt = make_fake_compact_tensor(Int32, (NC,), assumed_align=4)
-    return qn, qp, ckv, kpe, idx, work, o, lse, po, plse, cnt
+    """The symbolic tensors :func:`compile` builds against (:func:`cutedsl_attn.compile.fake.mla_tensors`)."""
+    return mla_tensors(cfg, MLA_WORK_COLS)
 
 
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):

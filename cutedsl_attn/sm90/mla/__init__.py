@@ -1,0 +1,55 @@
+"""The SM90 (Hopper) MLA decode kernel: TMA + wgmma, a producer and two consumer warpgroups splitting O.
+
+The kernel contract (what dispatch uses): :data:`NAME`, :class:`Tiles`, :class:`Config` (``Config(problem,
+tiles)``, the compile key), :func:`unsupported_reason`, :func:`default_tiles`, :func:`override_tiles` with
+:data:`TUNING_FIELDS`, :func:`compile` and :func:`launch`.  Modules: ``config`` (the dataclasses), ``kernel``
+(roles, main loop, epilogue, split-KV merge).
+
+Conventions (FlashInfer's MLA, as the portable kernel): logits ``sm_scale * (q_nope . ckv + q_pe . kpe)``, LSE
+base 2, causal bottom-right, empty rows give O = 0 and LSE = -inf, ``output_scale`` applied in fp32 before the
+16-bit rounding; page offsets are 64-bit products.  The work table is :func:`cutedsl_attn.planning.mla.plan_mla`'s
+(16-row tiles); this kernel runs 64-row tiles, ``ceil(16 * num_row_tiles / 64)`` of them per work item.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int32
+import cutlass.cute as cute
+
+from ...compile.arch import compile_options
+from ...compile.fake import mla_tensors
+from ...planning.mla import TILE_M as PLAN_TILE_M
+from ...planning.mla import MLA_WORK_COLS, MlaArgs
+from .config import (NAME, TILE_M, TUNING_FIELDS, Config, Tiles, default_tiles, override_tiles,
+                     unsupported_reason)
+from .kernel import MlaSm90Kernel
+
+__all__ = ["NAME", "Tiles", "Config", "unsupported_reason", "default_tiles", "override_tiles", "TUNING_FIELDS",
+           "compile", "launch", "num_tiles"]
+
+
+def num_tiles(num_row_tiles: int) -> int:
+    """This kernel's 64-row tiles over the plan's ``num_row_tiles`` 16-row tiles (the grid's x extent)."""
+    return max(1, -(-num_row_tiles * PLAN_TILE_M // TILE_M))
+
+
+def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile the kernel for ``cfg`` from fake tensors (no GPU needed); tensor-free, so one build serves every
+    batch, head count, length and page count.  ``keep_ptx_dir`` / ``keep_cubin``: keep the PTX / cubin there
+    (ValueError for ``keep_cubin`` without a dir).  Returns the tvm-ffi callable :func:`launch` calls."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
+    return cute.compile(MlaSm90Kernel(cfg), *mla_tensors(cfg, MLA_WORK_COLS), Float32(1.0), Float32(1.0), Int32(1),
+                        make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+
+
+def launch(fn, cfg: Config, args: MlaArgs) -> None:
+    """Launch ``fn`` (:func:`compile` of ``cfg``) on torch's current stream over ``num_tiles(args.num_row_tiles)``
+    x ``args.work.shape[0]`` CTAs; the only code that knows its argument order.  ``args``: an
+    :class:`~cutedsl_attn.planning.mla.MlaArgs` (``part_o`` / ``part_lse`` rows, ``counters`` as the plan sized
+    them: this kernel's tiles cover no more rows or counters than the plan's); ``counters`` must read 0."""
+    (q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, num_row_tiles,
+     output_scale) = args
+    fn(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, output_scale,
+       num_tiles(num_row_tiles))

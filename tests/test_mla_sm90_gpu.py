@@ -1,0 +1,326 @@
+"""GPU tests of the SM90 MLA decode kernel (``CUTEDSL_ATTN_MLA_KERNEL=sm90``) against the float64 oracle.
+
+Through ``BatchMLAPagedAttentionWrapper`` with the opt-in (every test asserts the plan chose the SM90 kernel),
+through ``trtllm_batch_decode_with_kv_cache_mla`` (one combined cache: strided ckv / kpe views), and by a direct
+launch of the compiled kernel.  Fresh random inputs every run; outputs and LSE poisoned with NaN before each
+launch; NaN in every page slot no request owns; relative Frobenius error of O and absolute error of the base-2
+LSE against ``cutedsl_attn.ref.mla_paged_attention`` on the same 16-bit inputs.  Needs an sm_90 GPU.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the SM90 MLA kernel needs an sm_90 GPU", allow_module_level=True)
+
+from cutedsl_attn import ref  # noqa: E402
+from cutedsl_attn.api.mla import BatchMLAPagedAttentionWrapper  # noqa: E402
+
+DEV = torch.device("cuda")
+DC, DR = 512, 64
+PS = 64
+TOL_O = 1e-2  # 16-bit P and output rounding
+TOL_LSE = 2e-2
+SM_SCALE = 1.0 / math.sqrt(128 + 64)  # DeepSeek's pre-absorption head dim
+_WS = None
+
+
+@pytest.fixture(autouse=True)
+def sm90_opt_in(monkeypatch):
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE", raising=False)
+
+
+def workspace():
+    global _WS
+    if _WS is None:
+        _WS = torch.empty(512 << 20, dtype=torch.int8, device=DEV)
+    return _WS
+
+
+def rel(x, y):
+    x, y = x.double(), y.double()
+    assert torch.isfinite(x).all(), "non-finite values (a NaN-poisoned element was not written, or NaN leaked)"
+    return ((x - y).norm() / max(y.norm().item(), 1e-30)).item()
+
+
+def make(qo_lens, kv_lens, H, *, dtype=torch.bfloat16, spare_pages=5, page_base=0, ckv=None, kpe=None):
+    """Random q, 64-token paged caches with NaN in every slot no request owns (spare pages included), the CSR
+    arrays (int32, GPU); pages are a random permutation of ``page_base + [0, n)``."""
+    B = len(kv_lens)
+    npages = [-(-L // PS) for L in kv_lens]
+    n = sum(npages) + spare_pages
+    ids = (torch.randperm(n, device=DEV) + page_base).to(torch.int32)
+    kv_indptr = torch.tensor([0] + torch.tensor(npages, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32,
+                             device=DEV)
+    kv_indices = ids[: int(kv_indptr[-1])].contiguous()
+    qo_indptr = torch.tensor([0] + torch.tensor(qo_lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32,
+                             device=DEV)
+    T = int(qo_indptr[-1])
+    q_nope = torch.randn(T, H, DC, device=DEV).to(dtype)
+    q_pe = torch.randn(T, H, DR, device=DEV).to(dtype)
+    if ckv is None:
+        ckv = torch.full((page_base + n, PS, DC), float("nan"), device=DEV, dtype=dtype)
+        kpe = torch.full((page_base + n, PS, DR), float("nan"), device=DEV, dtype=dtype)
+    for b in range(B):
+        L = kv_lens[b]
+        if L == 0:
+            continue
+        pg = kv_indices[int(kv_indptr[b]): int(kv_indptr[b + 1])].long()
+        c = torch.randn(len(pg) * PS, DC, device=DEV)
+        r = torch.randn(len(pg) * PS, DR, device=DEV)
+        c[L:] = float("nan")  # the tail of the last page: no request owns it
+        r[L:] = float("nan")
+        ckv[pg] = c.view(-1, PS, DC).to(dtype)
+        kpe[pg] = r.view(-1, PS, DR).to(dtype)
+    return q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, torch.tensor(kv_lens, dtype=torch.int32,
+                                                                                   device=DEV)
+
+
+def _compare(o, l, o_ref, lse_ref):
+    assert rel(o, o_ref) < TOL_O
+    empty = torch.isinf(lse_ref)
+    assert torch.equal(torch.isinf(l) & (l < 0), empty), "LSE -inf exactly on the rows that see no key"
+    assert (o[empty] == 0).all()
+    if (~empty).any():
+        assert (l.double()[~empty] - lse_ref[~empty]).abs().max().item() < TOL_LSE
+
+
+def check(case, H, *, causal=False, dtype=torch.bfloat16, sm_scale=SM_SCALE, expect_split=None):
+    q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len_arr = case
+    w = BatchMLAPagedAttentionWrapper(workspace())
+    w.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, H, DC, DR, PS, causal, sm_scale, dtype, dtype)
+    assert w._plan["module"].NAME == "mla_decode_sm90", "the opt-in did not choose the SM90 kernel"
+    if expect_split is not None:
+        assert (w._plan["split_tokens"] > 0) == expect_split, w._plan["split_tokens"]
+    T = q_nope.shape[0]
+    out = torch.full((T, H, DC), float("nan"), dtype=dtype, device=DEV)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=DEV)
+    o, l = w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True)
+    assert o is out and l is lse
+    o_ref, lse_ref = ref.mla_paged_attention(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len_arr,
+                                             sm_scale=sm_scale, causal=causal)
+    _compare(o, l, o_ref, lse_ref)
+    return w, out, lse
+
+
+@pytest.mark.parametrize("H", [64, 128])
+def test_decode_lengths(H):
+    # page boundaries, one token, an empty request, a partial last page (NaN tail), long contexts
+    lens = [1, 63, 64, 65, 0, 127, 128, 129, 4096, 8192, 1000]
+    check(make([1] * len(lens), lens, H), H)
+
+
+@pytest.mark.parametrize("B", [1, 2, 3, 64, 131, 132])
+@pytest.mark.parametrize("H", [64, 128])
+def test_batch_sweep(B, H):
+    g = torch.Generator().manual_seed(B * 7 + H)
+    lens = torch.randint(1, 4097, (B,), generator=g).tolist()
+    if B > 2:
+        lens[1] = 0  # an empty request in the batch
+    check(make([1] * B, lens, H), H)
+
+
+@pytest.mark.parametrize("B,H", [(64, 128), (132, 128)])
+@pytest.mark.parametrize("L", [4096, 8192])
+def test_benchmark_shapes(B, H, L):
+    """The compute-bound benchmark rows: every request at the same length."""
+    check(make([1] * B, [L] * B, H, spare_pages=3), H)
+
+
+@pytest.mark.parametrize("H", [64, 128])
+@pytest.mark.parametrize("lens", [[32768], [16384, 100], [8192, 8191, 65], [32767, 0, 4097]])
+def test_split_kv(H, lens):
+    """Few requests, long contexts: the planner splits them (pieces start inside pages) and the last CTA of a
+    (request, row tile) merges the partials in the same launch."""
+    check(make([1] * len(lens), lens, H), H, expect_split=True)
+
+
+@pytest.mark.parametrize("H", [16, 32, 96])
+def test_head_counts_off_the_tile(H):
+    """Head counts that leave rows of the 64-row tile unused (served, with idle MMA rows)."""
+    check(make([1] * 5, [1, 64, 65, 3000, 0], H), H)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("qo_lens,kv_lens,H", [([2, 3, 4], [9, 100, 4096], 128), ([2] * 8, [512] * 8, 64),
+                                               ([4, 1, 2], [3, 64, 1], 32), ([2, 4], [1, 2], 128)])
+def test_multi_token_rows(qo_lens, kv_lens, H, causal):
+    """Rows of several query tokens packed (token-major) into the 64-row tiles; causal bottom-right (the last
+    case has rows that see no key: O = 0, LSE = -inf)."""
+    check(make(qo_lens, kv_lens, H), H, causal=causal)
+
+
+def test_float16_and_negative_scale():
+    case = make([1, 1, 2], [70, 3, 4000], 128, dtype=torch.float16)
+    check(case, 128, dtype=torch.float16, causal=True)
+    check(case, 128, dtype=torch.float16, sm_scale=-0.05)
+
+
+def test_rerun_reuses_counters():
+    """Split-KV counters are reset by the merging CTA: a second run of the same plan is right too."""
+    case = make([1, 1], [20000, 9000], 128)
+    w, out, lse = check(case, 128, expect_split=True)
+    out2 = torch.full_like(out, float("nan"))
+    lse2 = torch.full_like(lse, float("nan"))
+    w.run(*case[:4], out=out2, lse=lse2, return_lse=True)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+
+
+def test_matches_portable_kernel(monkeypatch):
+    """The same batch through both kernels: both within tolerance of each other (and of the oracle above)."""
+    case = make([1] * 6, [5, 64, 700, 4096, 0, 129], 128)
+    _, out, lse = check(case, 128)
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "portable")
+    w = BatchMLAPagedAttentionWrapper(workspace())
+    w.plan(*case[4:], 128, DC, DR, PS, False, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    assert w._plan["module"].NAME == "mla_decode_portable"
+    o_p, l_p = w.run(*case[:4], return_lse=True)
+    assert rel(out, o_p) < TOL_O
+    fin = torch.isfinite(l_p)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - l_p[fin]).abs().max().item() < TOL_LSE
+
+
+def test_direct_launch():
+    """The kernel module's own compile / launch on a hand-built plan (the custom op's path without the API)."""
+    from cutedsl_attn.compile import get_compiled
+    from cutedsl_attn.dispatch import mla_choice, mla_limits, mla_problem
+    from cutedsl_attn.planning.mla import MlaArgs, plan_mla
+    from cutedsl_attn.sm90 import mla as sm90
+
+    H = 128
+    lens = [4096, 1, 0, 200, 32000]
+    q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len_arr = make([1] * len(lens), lens, H)
+    module, cfg = mla_choice(mla_problem(dtype=torch.bfloat16, page_size=PS, causal=False))
+    assert module is sm90
+    lim = mla_limits(module, cfg)
+    qo_h, kv_h = qo_indptr.cpu(), kv_indptr.cpu()
+    wp = plan_mla(qo_h[1:] - qo_h[:-1], kv_len_arr.cpu(), qo_h[:-1], kv_h[:-1], num_heads=H, page_size=PS,
+                  num_sms=torch.cuda.get_device_properties(0).multi_processor_count, **lim)
+    assert wp.num_partials > 0  # the long request is split
+    T = q_nope.shape[0]
+    out = torch.full((T, H, DC), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=DEV)
+    part_o = torch.full((wp.num_partials, wp.rows, DC), float("nan"), device=DEV)
+    part_lse = torch.full((wp.num_partials, wp.rows), float("nan"), device=DEV)
+    counters = torch.zeros(len(lens) * wp.row_tiles, dtype=torch.int32, device=DEV)
+    fn = get_compiled(module.NAME, cfg, module.compile)
+    module.launch(fn, cfg, MlaArgs(q_nope, q_pe, ckv, kpe, kv_indices, wp.work.to(DEV), out, lse, part_o, part_lse,
+                                   counters, SM_SCALE, wp.row_tiles, 0.5))
+    torch.cuda.synchronize()
+    assert (counters == 0).all(), "the merging CTA resets its counter"
+    o_ref, lse_ref = ref.mla_paged_attention(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len_arr,
+                                             sm_scale=SM_SCALE)
+    _compare(out, lse, o_ref * 0.5, lse_ref)  # output_scale multiplies O, not the LSE
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_trtllm_entry(q_len):
+    """``trtllm_batch_decode_with_kv_cache_mla``: one combined ``[pages, 64, 576]`` cache (ckv / kpe are strided
+    views of it: the TMA boxes read 1152-byte rows), fused bmm scales, block tables padded with -1."""
+    from cutedsl_attn.api.mla_trtllm import trtllm_batch_decode_with_kv_cache_mla
+
+    H, D = 128, DC + DR
+    seq_lens = [1, 64, 65, 0, 5000, 20000]
+    B = len(seq_lens)
+    npages = [-(-L // PS) for L in seq_lens]
+    n = sum(npages) + 3
+    ids = torch.randperm(n, device=DEV).to(torch.int32)
+    bt = torch.full((B, max(npages) + 1), -1, dtype=torch.int32, device=DEV)
+    kv = torch.full((n, PS, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    pos = 0
+    for b, L in enumerate(seq_lens):
+        if L:
+            pg = ids[pos: pos + npages[b]]
+            pos += npages[b]
+            bt[b, : npages[b]] = pg
+            rows = torch.randn(npages[b] * PS, D, device=DEV)
+            rows[L:] = float("nan")
+            kv[pg.long()] = rows.view(-1, PS, D).to(torch.bfloat16)
+    query = torch.randn(B, q_len, H, D, device=DEV).to(torch.bfloat16)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    out = torch.full((B, q_len, H, DC), float("nan"), dtype=torch.bfloat16, device=DEV)
+    bmm1, bmm2 = 0.04, 1.5
+    o = trtllm_batch_decode_with_kv_cache_mla(query, kv, workspace(), 128, 512, 64, bt, sl, max(seq_lens), out=out,
+                                              bmm1_scale=bmm1, bmm2_scale=bmm2)
+    o = o[0] if isinstance(o, tuple) else o
+    kv_indptr = torch.tensor([0] + torch.tensor(npages).cumsum(0).tolist(), dtype=torch.int32)
+    kv_indices = torch.cat([bt[b, : npages[b]].cpu() for b in range(B)])
+    q = query.reshape(B * q_len, H, D)
+    o_ref, _ = ref.mla_paged_attention(q[..., :DC], q[..., DC:], kv[..., :DC], kv[..., DC:],
+                                       torch.arange(B + 1, dtype=torch.int32) * q_len, kv_indptr, kv_indices,
+                                       sl.cpu(), sm_scale=bmm1, causal=q_len > 1)
+    assert rel(o.reshape(B * q_len, H, DC), o_ref.to(DEV) * bmm2) < TOL_O
+
+
+def test_page_ids_past_32_bit_offsets():
+    """Page ids whose ``page_id * page_stride`` passes 2^32 elements (TMA coordinates and gather addresses)."""
+    stride = PS * DC
+    base = (1 << 32) // stride + 7
+    lens = [100, 4096, 33]
+    n = sum(-(-L // PS) for L in lens) + 2
+    need = (base + n) * PS * (DC + DR) * 2
+    free, _ = torch.cuda.mem_get_info()
+    if need + (4 << 30) > min(free, 40 << 30):
+        pytest.skip(f"needs {need / 2**30:.1f} GiB for the caches; {free / 2**30:.1f} GiB free (limit 40 GiB)")
+    ckv = torch.empty((base + n, PS, DC), dtype=torch.bfloat16, device=DEV)
+    kpe = torch.empty((base + n, PS, DR), dtype=torch.bfloat16, device=DEV)
+    ckv[base:] = float("nan")
+    kpe[base:] = float("nan")
+    q_nope, q_pe, _, _, qo_indptr, kv_indptr, kv_indices, kv_len_arr = make([1, 1, 1], lens, 128, page_base=base,
+                                                                            spare_pages=2, ckv=ckv, kpe=kpe)
+    assert int(kv_indices.min()) * stride >= 1 << 32
+    w = BatchMLAPagedAttentionWrapper(workspace())
+    w.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, 128, DC, DR, PS, False, SM_SCALE, torch.bfloat16,
+           torch.bfloat16)
+    assert w._plan["module"].NAME == "mla_decode_sm90"
+    out = torch.full((3, 128, DC), float("nan"), dtype=torch.bfloat16, device=DEV)
+    w.run(q_nope, q_pe, ckv, kpe, out=out)
+    o_ref, _ = ref.mla_paged_attention(q_nope, q_pe, ckv[base:], kpe[base:], qo_indptr, kv_indptr,
+                                       kv_indices - base, kv_len_arr, sm_scale=SM_SCALE)
+    assert rel(out, o_ref) < TOL_O
+
+
+def test_cuda_graph_replay_after_replan():
+    """CUDA-graph mode: a fixed grid (padding work rows exit at once), re-planned lengths replayed, split-KV
+    counters left at 0 by the merging CTAs."""
+    B, H, max_pages = 8, 128, 8 * 130
+    i32 = dict(dtype=torch.int32, device=DEV)
+    bufs = dict(qo_indptr=torch.zeros(B + 1, **i32), kv_indptr=torch.zeros(B + 1, **i32),
+                kv_indices=torch.zeros(max_pages, **i32), kv_len_arr=torch.zeros(B, **i32))
+    w = BatchMLAPagedAttentionWrapper(workspace(), use_cuda_graph=True, **bufs)
+    g = torch.Generator().manual_seed(12)
+    lens1 = torch.randint(1, 4000, (B,), generator=g).tolist()
+    case = make([1] * B, lens1, H, spare_pages=max_pages)
+    q_nope, q_pe, ckv, kpe = case[:4]
+    ckv.nan_to_num_(0.0)  # later page maps own any slot; the NaN-tail rule is tested without graphs
+    kpe.nan_to_num_(0.0)
+    w.plan(*case[4:], H, DC, DR, PS, False, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    assert w._plan["module"].NAME == "mla_decode_sm90"
+    out = torch.empty(B, H, DC, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(B, H, dtype=torch.float32, device=DEV)
+    w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse)  # warm-up: compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse)
+    for lens in (lens1, [8000, 1, 0, 64, 65, 3000, 8100, 2], [0] * 7 + [8192]):
+        npages = [-(-L // PS) for L in lens]
+        kv_indptr = torch.tensor([0] + torch.tensor(npages).cumsum(0).tolist(), **i32)
+        kv_indices = torch.randperm(ckv.shape[0], device=DEV)[: int(kv_indptr[-1])].to(torch.int32)
+        kv_len_arr = torch.tensor(lens, **i32)
+        qo_indptr = torch.arange(B + 1, **i32)
+        w.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, H, DC, DR, PS, False, SM_SCALE, torch.bfloat16,
+               torch.bfloat16)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref, lse_ref = ref.mla_paged_attention(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices,
+                                                 kv_len_arr, sm_scale=SM_SCALE)
+        _compare(out, lse, o_ref, lse_ref)
