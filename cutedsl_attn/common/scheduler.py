@@ -3,7 +3,9 @@
 A tile is one (work row, kv head) pair, numbered ``t = work row + W * kv head`` for ``W`` work rows (work row
 fastest: the CTAs in flight share one kv head's K/V through L2), or by sections of kv heads (``section_tokens``).
 One CTA per tile, or a persistent grid whose CTAs claim tiles from an atomic counter in the table's
-``W_SCHED`` column. Device code only (called while a kernel is traced), except :meth:`TileScheduler.grid`.
+``W_SCHED`` column, or take every ``gridDim.x``-th tile (:meth:`TileScheduler.next_static`: no claims, every
+warp of a CTA derives the same sequence). Device code only (called while a kernel is traced), except
+:meth:`TileScheduler.grid`.
 """
 
 from __future__ import annotations
@@ -21,19 +23,24 @@ class TileScheduler:
 
     A persistent grid has at most ``persistent_ctas`` CTAs (:meth:`grid`): CTA ``i`` starts with tile ``i`` and then
     claims the next unclaimed one (:meth:`claim_begin` / :meth:`claim_end`), so tiles start in the same order as with
-    one CTA per tile. ``section_tokens > 0``: tiles go out in sections of ``S = section_tokens // kv_tokens``
-    kv heads (clamped to ``[1, kv heads]``, the remainder heads joining the last section), rows of a section in
-    the table's order with its heads fastest (:meth:`coords`); ragged K only, whose rows are its token count.
+    one CTA per tile; or, statically, runs tiles ``i + k * gridDim.x`` (:meth:`next_static`).
+    ``section_tokens > 0``: tiles go out in sections of ``S = section_tokens // kv_tokens`` kv heads (clamped to
+    ``[1, kv heads]``, the remainder heads joining the last section), rows of a section in the table's order with
+    its heads fastest (:meth:`coords`); ragged K only, whose rows are its token count.
     """
 
-    def __init__(self, mWork, mK, *, paged: bool, section_tokens: int = 0):
+    def __init__(self, mWork, mK, *, paged: bool, section_tokens: int = 0, num_kv_heads=None):
         self.mK, self.paged = mK, paged
+        self._num_kv_heads = num_kv_heads  # (given: a kernel that holds no plain K tensor, only its TMA view)
         self.W = mWork.shape[0]
         self.num_tiles = self.W * self.num_kv_heads()
         self.section_tokens = section_tokens
 
     def num_kv_heads(self):
-        """K's kv-head count (``mK``: ragged ``[tokens, kv heads, D]``, paged ``[pages, page_size, kv heads, D]``)."""
+        """K's kv-head count (``mK``: ragged ``[tokens, kv heads, D]``, paged ``[pages, page_size, kv heads, D]``),
+        or the ``num_kv_heads`` given."""
+        if self._num_kv_heads is not None:
+            return self._num_kv_heads
         return self.mK.shape[2 if self.paged else 1]
 
     # immutable to the DSL's dynamic control flow (which treats a method call as a write): its values are
@@ -55,6 +62,12 @@ class TileScheduler:
     def first_tile(self, bx, by):
         """The CTA's first tile (``blockIdx.x + W * blockIdx.y``)."""
         return bx + self.W * by
+
+    @staticmethod
+    def next_static(t):
+        """Static persistent schedule: the CTA's tile after ``t``, ``t + gridDim.x`` (CTA ``i`` runs tiles ``i``,
+        ``i + G``, ``i + 2 G``, .. of a grid of ``G``: the first wave is the one-CTA-per-tile order)."""
+        return t + cute.arch.grid_dim()[0]
 
     @cute.jit
     def claim_begin(self, mWork):

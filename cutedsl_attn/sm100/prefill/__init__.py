@@ -27,13 +27,14 @@ TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))  # the keys ove
 
 
 def default_tiles(problem: PrefillProblem, *, num_sms: int) -> Tiles:
-    """The tiles for ``problem`` (``num_sms`` is unused: one CTA per work row and kv head).
+    """The tiles for ``problem`` (``num_sms`` is unused: one CTA per work row and kv head, ``num_ctas=0``).
 
     Not measured (no Blackwell GPU yet): 128-token KV blocks and a rescale threshold of 8 as FlashAttention-4's
     SM100 kernel; three K/V stages at head_dim 64, two at 128 (three fit, with 1 KiB to spare: untried) and
     192/128; head_dim 256: 64-token blocks (the TMEM plan) and two stages of 64 KiB beside Q's 64 KiB; one Q
     tile per CTA (``q_tiles=2``, FA4's two softmax warpgroups with P aliased in S, is built and checked the same
-    way but has more to go wrong on a first run).
+    way but has more to go wrong on a first run); the persistent grid (``num_ctas > 0``) likewise, so it is not
+    the default either.
     ``problem`` must be one the kernel serves (:func:`unsupported_reason` is None).
     """
     if default_tile_n(problem) == 64:  # S, P and O of 256 columns fit TMEM with 64-token blocks only (tmem_plan)

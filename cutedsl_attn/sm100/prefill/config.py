@@ -27,9 +27,11 @@ class Roles:
     Softmax warpgroup ``t`` owns Q tile ``t``; the correction warpgroup serves every tile; the MMA and load warps
     share a warpgroup with idle warps (setmaxnreg acts per warpgroup).  Warp ``w`` reaches TMEM lanes
     ``32 (w % 4) ..``, so softmax warp ``4 t + k`` and correction warp ``k`` own the same rows of their tiles.
+    ``persistent``: the roles of a persistent grid (``Tiles.num_ctas > 0``), whose budgets may differ.
     """
 
     q_tiles: int
+    persistent: bool = False
 
     @property
     def softmax_warps(self) -> tuple[int, ...]:
@@ -63,8 +65,12 @@ class Roles:
     def registers(self) -> dict[str, int]:
         """softmax / correction / other registers per thread: the softmax row (tile_n fp32 scores) needs the most;
         the warpgroups' sum (x 128 threads) must fit the register file (two softmax warpgroups: FA4's budget)."""
+        # (a persistent grid carries its tile loop's counts through every role: ptxas spills them in the correction
+        # warpgroup at 112 / 64, in the MMA and load warps at 32 with two Q tiles)
         if self.q_tiles == 1:
-            return {"softmax": 224, "correction": 112, "other": 48}
+            return {"softmax": 224, "correction": 128 if self.persistent else 112, "other": 48}
+        if self.persistent:
+            return {"softmax": 200, "correction": 72, "other": 40}
         return {"softmax": 208, "correction": 64, "other": 32}
 
 
@@ -83,13 +89,17 @@ class Tiles:
     tensor core, FlashAttention-4's layout);
     ``rescale_threshold`` (log2 units, 0..15; 0: the exact running max): a row's max is only raised when a block's
     max exceeds it by more than this, so O is rescaled rarely (FlashAttention-4's conditional rescaling; P then
-    reaches up to ``2^threshold``, which 16 bits hold for threshold <= 15).
+    reaches up to ``2^threshold``, which 16 bits hold for threshold <= 15);
+    ``num_ctas``: 0 for one CTA per (work row, kv head) tile, else a persistent grid of ``min(num_ctas, tiles)``
+    CTAs, CTA ``i`` running tiles ``i, i + grid, i + 2 grid, ..`` (a static schedule: every role of the CTA derives
+    the same sequence) with its TMEM allocated once and every pipeline's count carried from tile to tile.
     """
 
     tile_n: int = 128
     kv_stages: int = 2
     rescale_threshold: int = 8
     q_tiles: int = 1
+    num_ctas: int = 0
 
 
 def tmem_plan(tile_n: int, head_dim_vo: int, q_tiles: int = 1) -> dict[str, tuple[int, int]]:
@@ -189,6 +199,8 @@ def _tiles_reason(p: PrefillProblem, t: Tiles) -> str | None:
         return f"kv_stages must be 2 or 3, got {t.kv_stages}"
     if t.q_tiles not in (1, 2):
         return f"q_tiles must be 1 or 2, got {t.q_tiles}"
+    if t.num_ctas < 0:
+        return f"num_ctas must be >= 0 (0: one CTA per tile), got {t.num_ctas}"
     if not 0 <= t.rescale_threshold <= 15:
         return f"rescale_threshold must be in 0..15 (P <= 2^threshold must fit 16 bits), got {t.rescale_threshold}"
     if t.q_tiles == 2 and p.head_dim_qk > 128:
@@ -232,7 +244,7 @@ class Config:
     @property
     def roles(self) -> Roles:
         """The warp roles and their register budgets."""
-        return Roles(self.tiles.q_tiles)
+        return Roles(self.tiles.q_tiles, self.tiles.num_ctas > 0)
 
     @property
     def positive_scale_only(self) -> bool:

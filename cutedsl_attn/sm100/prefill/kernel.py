@@ -4,7 +4,9 @@ One CTA per (work row, kv head): ``128 * q_tiles`` packed query rows of one requ
 :mod:`cutedsl_attn.planning.prefill`; packed row ``r`` is token ``r // group`` of query head
 ``kv_head * group + r % group``), the KV blocks some row of it sees (``masks.kv_block_range``: none right of
 the causal diagonal or the request's end, none left of the sliding window) right to left (the masked ones
-first).  Roles
+first).  With ``Tiles.num_ctas > 0`` a persistent grid instead: CTA ``i`` runs tiles ``i, i + gridDim.x, ..``
+(:class:`~cutedsl_attn.common.scheduler.TileScheduler`, static), each role looping over them with its TMEM and
+barriers set up once and every pipeline's use count carried from tile to tile.  Roles
 (:class:`~cutedsl_attn.sm100.prefill.config.Roles`):
 
 * load warp: TMA of the Q tiles (once) and of the K and V blocks into two rings (``PipelineTmaUmma`` each; paged
@@ -44,6 +46,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ...common import masks, paging, ptx
 from ...common import softmax as sm
+from ...common.scheduler import TileScheduler
 from ...common.constants import LOG2E, NEG_INF
 from ...common.tcgen05 import fence_after_sync, fence_before_sync, state_at
 from ...compile.arch import compile_options
@@ -51,7 +54,7 @@ from ...compile.fake import prefill_tensors
 from ...planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0, WORK_COLS
 from . import config as C
 from .config import Config
-from .softmax import SoftmaxWarpgroup
+from .softmax import SoftmaxWarpgroup, _plus
 
 
 def sw128_chunk_offset(r, c, rows: int):
@@ -80,6 +83,7 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
         self.paged, self.page_size, self.page_rows = p.page_size > 0, p.page_size, cfg.page_rows
         self.gather = self.paged and self.page_rows == 0  # pages that no whole TMA box fits: cp.async
         self.rescale_threshold = t.rescale_threshold
+        self.num_ctas = t.num_ctas
         self.tmem = cfg.tmem
         self.tmem_cols = cfg.tmem_cols
 
@@ -156,8 +160,9 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
         self.kernel(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mWork, mO, mLSE, mSinks, sm_scale,
                     output_scale, qk_mma, pv_mma, qk_mma1, pv_mma1, sQ_layout, sK_layout, sV_layout,
                     tP_layout, feat).launch(
-            grid=(mWork.shape[0], hkv, 1), block=(self.roles.num_threads, 1, 1), smem=SharedStorage.size_in_bytes(),
-            stream=stream, min_blocks_per_mp=1)  # (.minnctapersm: without it ptxas ignores setmaxnreg)
+            grid=TileScheduler.grid(mWork.shape[0], hkv, self.num_ctas), block=(self.roles.num_threads, 1, 1),
+            # (.minnctapersm: without it ptxas ignores setmaxnreg)
+            smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mWork, mO, mLSE, mSinks,
@@ -165,8 +170,9 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
                qk_mma1: cute.TiledMma, pv_mma1: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
                feat):
-        """Device entry: one CTA per (work row ``blockIdx.x``, kv head ``blockIdx.y``); ``feat``: the custom
-        mask, soft cap, window and page-table arguments the problem uses, in that order."""
+        """Device entry: one CTA per (work row ``blockIdx.x``, kv head ``blockIdx.y``), or a persistent CTA
+        (:meth:`_tiles`); ``feat``: the custom mask, soft cap, window and page-table arguments the problem uses,
+        in that order."""
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         wi, kvh, _ = cute.arch.block_idx()
@@ -223,47 +229,106 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         s_stats = storage.s_stats.get_tensor(cute.make_layout((self.TM * QT, 2), stride=(1, self.TM * QT)))
 
-        b, row0, qo_len, kv_len, blk_lo, n_blk = self._tile(mWork, wi, self._features(feat)[2])
+        window_left = self._features(feat)[2]
+        tile = None  # (one CTA per tile: this CTA's, read once for every role)
+        if const_expr(self.num_ctas == 0):
+            tile = (wi, kvh, *self._tile(mWork, wi, window_left))
+        hkv = tma_K.shape[2]  # (the kv heads in every K view: ragged, paged, gathered)
         regs = R.registers
         if warp < R.correction_warps[0]:
             cute.arch.setmaxregister_increase(regs["softmax"])
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            if b >= 0:
-                sm_args = (tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, feat, mWork, wi, b, kvh,
-                           row0, qo_len, kv_len, blk_lo, n_blk)
-                if const_expr(QT == 1):
-                    self._softmax(*sm_args, tidx, 0)
-                else:
-                    wg = warp // 4
-                    if wg == 0:
-                        self._softmax(*sm_args, tidx, 0)
-                    else:
-                        self._softmax(*sm_args, tidx - 128, 1)
+            self._tiles("softmax", tile, hkv, mWork, window_left, (
+                tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, feat, mWork, warp), tidx)
         elif warp < R.mma_warp:
             cute.arch.setmaxregister_decrease(regs["correction"])
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            if b >= 0:
-                self._correction(tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, wi, kvh, mO, mLSE, mSinks,
-                                 output_scale, row0, qo_len, n_blk, tidx - 128 * QT)
+            self._tiles("correction", tile, hkv, mWork, window_left, (
+                tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, mO, mLSE, mSinks, output_scale), tidx)
             free_bar.arrive_and_wait()
         else:  # the MMA and load warps (traced last: the MMA mutates the tiled MMAs inside its loop)
             cute.arch.setmaxregister_decrease(regs["other"])
             if warp == R.load_warp:
-                if n_blk > 0:
-                    self._load(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k,
-                               pipe_v, v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk, storage, feat)
+                self._tiles("load", tile, hkv, mWork, window_left, (
+                    tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v, v_bar,
+                    qk_mma, pv_mma, mWork, storage, feat), tidx)
             if warp == R.mma_warp:
                 tmem.allocate(self.tmem_cols)
                 tmem.wait_for_alloc()
                 tmem_ptr = tmem.retrieve_ptr(Float32)
                 tmem.relinquish_alloc_permit()
-                if n_blk > 0:
-                    self._mma(tmem_ptr, (qk_mma, qk_mma1), (pv_mma, pv_mma1), tP_layout, sQ, sK, sV, pipe_q, pipe_k,
-                              pipe_v, pipe_s, pipe_p, pipe_o, n_blk)
+                self._tiles("mma", tile, hkv, mWork, window_left, (
+                    tmem_ptr, (qk_mma, qk_mma1), (pv_mma, pv_mma1), tP_layout, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                    pipe_s, pipe_p, pipe_o), tidx)
                 free_bar.arrive_and_wait()
                 tmem.free(tmem_ptr)
+
+    # ------------------------------------------------------------------ tiles of a CTA
+    @cute.jit
+    def _tiles(self, role: cutlass.Constexpr, tile, hkv, mWork, window_left, args, tidx):
+        """Run ``role`` on the CTA's tile (``tile``: (work row, kv head, :meth:`_tile`'s fields)), or, on a
+        persistent grid (``hkv`` kv heads), on tiles ``blockIdx.x, + gridDim.x, ..`` with the pipeline counts
+        carried over, ``cnt`` = (KV blocks so far, tiles whose Q was loaded, softmax messages per Q tile, V tail
+        blocks): each role derives them from the same tiles, so producers and consumers agree on every stage and
+        phase."""
+        if const_expr(self.num_ctas == 0):
+            self._role(role, args, tile, (0, 0, 0, 0), tidx)
+        else:
+            per_thread = role in ("softmax", "correction")
+            # (made here, after the role's setmaxnreg: the tile count computed in the prologue stays live into
+            # every role, and ptxas spills it for the low-budget ones)
+            sched = TileScheduler(mWork, None, paged=self.paged, num_kv_heads=hkv)
+            bx, _, _ = cute.arch.block_idx()
+            t = sched.first_tile(bx, 0)
+            nb, nq, ns, nt = Int32(0), Int32(0), Int32(0), Int32(0)
+            while t < sched.num_tiles:
+                wi, kvh = sched.coords(t)
+                # (the tile's fields are warp-uniform: ptxas may keep them in uniform registers)
+                b, row0, qo_len, kv_len, blk_lo, n_blk = (
+                    cute.arch.make_warp_uniform(x) for x in self._tile(mWork, wi, window_left))
+                # (softmax / correction: the thread index opaque per tile, so LLVM does not hoist the per-thread
+                # TMEM and global addresses out of the tile loop and keep them live through it)
+                tid = ptx.opaque_i32(tidx) if const_expr(per_thread) else tidx
+                self._role(role, args, (wi, kvh, b, row0, qo_len, kv_len, blk_lo, n_blk), (nb, nq, ns, nt), tid)
+                tail = (n_blk > 0) & (kv_len - (blk_lo + n_blk - 1) * self.TN < self.TN)
+                nq = nq + cutlass.select_(n_blk > 0, Int32(1), Int32(0))
+                ns = ns + cutlass.select_(b >= 0, n_blk + 1, Int32(0))
+                nt = nt + cutlass.select_(tail, Int32(1), Int32(0))
+                nb = nb + n_blk
+                t = sched.next_static(t)
+
+    @cute.jit
+    def _role(self, role: cutlass.Constexpr, args, tile, cnt, tidx):
+        """One tile of ``role`` (``"softmax"``, ``"correction"``, ``"load"``, ``"mma"``; ``args``: the kernel's
+        values it reads, as :meth:`kernel` packs them; ``tidx``: the thread index); a padding row (``b < 0``) or a
+        tile of no KV block runs only the roles that still write its output."""
+        wi, kvh, b, row0, qo_len, kv_len, blk_lo, n_blk = tile
+        if const_expr(role == "softmax"):
+            tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, feat, mWork, warp = args
+            if b >= 0:
+                sm_args = (tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, feat, mWork, wi, b, kvh,
+                           row0, qo_len, kv_len, blk_lo, n_blk)
+                if const_expr(self.QT == 1):
+                    self._softmax(*sm_args, tidx, 0, cnt)
+                else:
+                    wg = warp // 4
+                    if wg == 0:
+                        self._softmax(*sm_args, tidx, 0, cnt)
+                    else:
+                        self._softmax(*sm_args, tidx - 128, 1, cnt)
+        if const_expr(role == "correction"):
+            tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, mO, mLSE, mSinks, output_scale = args
+            if b >= 0:
+                self._correction(tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, wi, kvh, mO, mLSE, mSinks,
+                                 output_scale, row0, qo_len, n_blk, tidx - 128 * self.QT, cnt)
+        if const_expr(role == "load"):
+            if n_blk > 0:
+                self._load(*args[:16], wi, kvh, kv_len, blk_lo, n_blk, *args[16:], cnt)
+        if const_expr(role == "mma"):
+            if n_blk > 0:
+                self._mma(*args, n_blk, cnt)
 
     @cute.jit
     def _tile(self, mWork, wi, window_left):
@@ -302,9 +367,10 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
     # ------------------------------------------------------------------ load warp
     @cute.jit
     def _load(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-              v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk, storage, feat):
+              v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk, storage, feat, cnt):
         """TMA Q once and the K / V blocks ``blk_lo + n_blk - 1 .. blk_lo`` (right to left) into their rings (paged
-        K/V: one box per page, :meth:`_load_pages`)."""
+        K/V: one box per page, :meth:`_load_pages`); ``cnt``: the counts before this tile (:meth:`_tiles`)."""
+        nb, nq, _, nt = cnt
         TM, TN, DQ, DV = self.TM, self.TN, self.DQ, self.DV
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
@@ -322,15 +388,13 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
         else:
             mIdx = self._features(feat)[3]
             sK_rows, sV_rows = self._rows_view(storage.sK, DQ), self._rows_view(storage.sV, DV)
-        for t in cutlass.range_constexpr(self.QT):
-            q_state = state_at(self.QT, t, True)
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ[None, mWork[wi, W_ROW0] // TM + t, 0, kvh], tQsQ[None, t],
-                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_args = (pipe_q, tma_atom_Q, tQgQ, tQsQ, mWork, wi, kvh, nq)
+        if const_expr(self.num_ctas == 0):
+            self._load_q(*q_args)
         rows = kv_len - (blk_lo + n_blk - 1) * TN  # rows of the first (rightmost) block inside the request
         for i in cutlass.range(n_blk, unroll=1):
             n = blk_lo + n_blk - 1 - i
-            state = state_at(self.S, i, True)
+            state = state_at(self.S, _plus(nb, i), True)
             if const_expr(self.gather):
                 self._gather_block(pipe_k, state, tma_K, mIdx, storage.sK.data_ptr().toint(), DQ, kv_start, n * TN,
                                    kv_len, kvh)
@@ -354,7 +418,7 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
                                          state.index)
                     else:
                         cute.copy(tma_atom_V, tVgV[None, 0, n, kvh], tVsV[None, state.index], tma_bar_ptr=v_bar)
-                    cute.arch.mbarrier_wait(v_bar, 0)
+                    cute.arch.mbarrier_wait(v_bar, nt & 1)  # (the tile's tail: one per tile that has one)
                     self._zero_v_rows(sV, state.index, rows)
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive(pipe_v.sync_object_full.get_barrier(state.index))
@@ -366,6 +430,21 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
                     else:
                         cute.copy(tma_atom_V, tVgV[None, 0, n, kvh], tVsV[None, state.index],
                                   tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            if const_expr(self.num_ctas > 0):
+                # persistent: Q waits for the previous tile's last MMA to free its stage; the first K / V block
+                # goes out before it, while that tile still computes
+                if i == 0:
+                    self._load_q(*q_args)
+
+    @cute.jit
+    def _load_q(self, pipe_q, tma_atom_Q, tQgQ, tQsQ, mWork, wi, kvh, nq):
+        """TMA work row ``wi``'s Q tiles into their stages once the MMA released them (``nq``: the tiles whose Q
+        this CTA loaded before)."""
+        for t in cutlass.range_constexpr(self.QT):
+            q_state = state_at(self.QT, nq * self.QT + t, True)
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ[None, mWork[wi, W_ROW0] // self.TM + t, 0, kvh], tQsQ[None, t],
+                      tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
     # ------------------------------------------------------------------ paged K/V
     def _paged_tma(self, mK, mV):
@@ -448,11 +527,12 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
     # ------------------------------------------------------------------ MMA warp
     @cute.jit
     def _mma(self, tmem_ptr, qk_mmas, pv_mmas, tP_layout, sQ, sK, sV, pipe_q, pipe_k, pipe_v, pipe_s, pipe_p,
-             pipe_o, n_blk):
+             pipe_o, n_blk, cnt):
         """One Q tile: S_i = Q K_i^T into S buffer ``i % 2``, then O += P_{i-1} V_{i-1} (the next block's scores are
         computed while the softmax warpgroup works on this one's).  Two Q tiles, per block ``i``: for ``t`` = 0, 1,
         O_t += P_t(i-1) V_{i-1}, then S_t = Q_t K_i^T (tile ``t``'s P lives in S_t, so its P V goes first; the
-        tensor core works on one tile while the other tile's softmax runs)."""
+        tensor core works on one tile while the other tile's softmax runs).  ``cnt``: the counts before this tile
+        (:meth:`_tiles`)."""
         QT = self.QT
         qk_mma, pv_mma = qk_mmas[0], pv_mmas[0]
         qk_thr = qk_mma.get_slice(0)
@@ -464,11 +544,13 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
         tOrP0 = self._tmem_P_operand(tmem_ptr, pv_mma, tP_layout, "P0")
         tOtO = [self._tmem_O(tmem_ptr, pv_mma, t) for t in range(QT)]
         s_cols, p_cols = self.tmem["S1"][0] - self.tmem["S0"][0], self.tmem["P1"][0] - self.tmem["P0"][0]
+        nb, nq, _, _ = cnt
+        q0 = nq * QT
         for t in cutlass.range_constexpr(QT):
-            pipe_q.consumer_wait(state_at(QT, t, False))
+            pipe_q.consumer_wait(state_at(QT, q0 + t, False))
         for i in cutlass.range(n_blk + 1, unroll=1):
-            k_state = state_at(self.S, i, False)
-            v_state = state_at(self.S, i - 1, False)
+            k_state = state_at(self.S, _plus(nb, i), False)
+            v_state = state_at(self.S, _plus(nb, i - 1), False)
             if i < n_blk:
                 pipe_k.consumer_wait(k_state)
             if i > 0:
@@ -476,10 +558,11 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
             for t in cutlass.range_constexpr(QT):
                 if const_expr(QT == 1):
                     if i < n_blk:
-                        self._issue_qk(qk_mmas[0], pipe_s, state_at(2, i, True), tStS0, s_cols, tSrQ, tSrK, k_state, 0)
+                        self._issue_qk(qk_mmas[0], pipe_s, state_at(2, _plus(nb, i), True), tStS0, s_cols, tSrQ,
+                                       tSrK, k_state, 0)
                 if i > 0:
-                    p_state = state_at(2, (i - 1) * QT + t, False)
-                    o_state = state_at(QT, (i - 1) * QT + t, True)
+                    p_state = state_at(2, _plus(nb, i - 1) * QT + t, False)
+                    o_state = state_at(QT, _plus(nb, i - 1) * QT + t, True)
                     pipe_p.consumer_wait(p_state)
                     pipe_o.producer_acquire(o_state)
                     fence_after_sync()
@@ -490,14 +573,14 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
                     pipe_p.consumer_release(p_state)
                 if const_expr(QT == 2):
                     if i < n_blk:
-                        self._issue_qk(qk_mmas[t], pipe_s, state_at(2, i * QT + t, True), tStS0, s_cols, tSrQ, tSrK,
-                                       k_state, t)
+                        self._issue_qk(qk_mmas[t], pipe_s, state_at(2, _plus(nb, i) * QT + t, True), tStS0, s_cols,
+                                       tSrQ, tSrK, k_state, t)
             if i < n_blk:
                 pipe_k.consumer_release(k_state)
             if i > 0:
                 pipe_v.consumer_release(v_state)
         for t in cutlass.range_constexpr(QT):
-            pipe_q.consumer_release(state_at(QT, t, False))
+            pipe_q.consumer_release(state_at(QT, q0 + t, False))
 
     @cute.jit
     def _issue_qk(self, qk_mma, pipe_s, s_state, tStS0, s_cols, tSrQ, tSrK, k_state, q_stage: cutlass.Constexpr):
@@ -523,10 +606,12 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
     def _correction(self, tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, wi, kvh, mO, mLSE, mSinks,
-                    output_scale, row0, qo_len, n_blk, ctid):
+                    output_scale, row0, qo_len, n_blk, ctid, cnt):
         """Thread ``ctid`` owns TMEM lane ``lane``, i.e. packed row ``row0 + 128 t + lane`` of every Q tile ``t``:
         between P V GEMMs it scales the row of O_t by the softmax warpgroup's factor (skipped when the whole
-        warp's factors are 1), then normalises it and stores O (16-bit) and the base-2 LSE."""
+        warp's factors are 1), then normalises it and stores O (16-bit) and the base-2 LSE (``cnt``: the counts
+        before this tile, :meth:`_tiles`)."""
+        nb, _, ns, _ = cnt
         TM, DV, QT = self.TM, self.DV, self.QT
         CH = self.CH
         tOtO0 = self._tmem_O(tmem_ptr, pv_mma, 0)
@@ -547,26 +632,28 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
         row = tLcO[0][0]  # this thread's TMEM lane
         for i in cutlass.range(n_blk, unroll=1):
             for t in cutlass.range_constexpr(QT):
-                st_state = state_at(QT, i * QT + t, False)
+                st_state = state_at(QT, _plus(ns, i) * QT + t, False)
                 pipe_stats.consumer_wait(st_state)
                 alpha = s_stats[t * TM + row, 0]
                 pipe_stats.consumer_release(st_state)
                 if i > 0:
-                    self._rescale(pipe_o, state_at(QT, (i - 1) * QT + t, False), alpha, tiled_ld, tiled_st,
+                    self._rescale(pipe_o, state_at(QT, _plus(nb, i - 1) * QT + t, False), alpha, tiled_ld,
+                                  tiled_st,
                                   cute.make_tensor(tLtO.iterator + t * o_cols, tLtO.layout),
                                   cute.make_tensor(tStO.iterator + t * o_cols, tStO.layout), tLcO)
         for t in cutlass.range_constexpr(QT):
             self._epilogue(pipe_o, pipe_stats, s_stats, mWork, wi, kvh, mO, mLSE, mSinks, output_scale, row0, qo_len,
-                           n_blk, row, t, tiled_ld, cute.make_tensor(tLtO.iterator + t * o_cols, tLtO.layout), tLcO)
+                           n_blk, row, t, tiled_ld, cute.make_tensor(tLtO.iterator + t * o_cols, tLtO.layout), tLcO,
+                           nb, ns)
 
     @cute.jit
     def _epilogue(self, pipe_o, pipe_stats, s_stats, mWork, wi, kvh, mO, mLSE, mSinks, output_scale, row0, qo_len,
-                  n_blk, row, t: cutlass.Constexpr, tiled_ld, tLtO, tLcO):
+                  n_blk, row, t: cutlass.Constexpr, tiled_ld, tLtO, tLcO, nb, ns):
         """Normalise Q tile ``t``'s row (sinks folded in, output scale in fp32), store it (16-byte stores) and its
         LSE; a row past the request is not written."""
         TM, DV, G, QT = self.TM, self.DV, self.G, self.QT
         CH = self.CH
-        st_state = state_at(QT, n_blk * QT + t, False)
+        st_state = state_at(QT, _plus(ns, n_blk) * QT + t, False)
         pipe_stats.consumer_wait(st_state)
         l = s_stats[t * TM + row, 0]
         m = s_stats[t * TM + row, 1]
@@ -582,7 +669,7 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
         tok = mWork[wi, W_Q_START] + pr // G
         hq = mO.shape[1]
         row_addr = mO.iterator.toint() + ((Int64(tok) * hq + head) * DV) * 2
-        o_state = state_at(QT, (n_blk - 1) * QT + t, False)
+        o_state = state_at(QT, _plus(nb, n_blk - 1) * QT + t, False)
         if n_blk > 0:
             pipe_o.consumer_wait(o_state)  # the last P V is done
             fence_after_sync()

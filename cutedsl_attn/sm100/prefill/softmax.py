@@ -22,6 +22,11 @@ from ...common.tcgen05 import fence_after_sync, fence_before_sync, state_at
 from ...planning.prefill import W_MASK_OFF
 
 
+def _plus(base, x):
+    """``base + x``; ``x`` itself for a base of trace-time 0 (one CTA per tile: that build's code is unchanged)."""
+    return x if isinstance(base, int) and base == 0 else base + x
+
+
 class SoftmaxWarpgroup:
     """The softmax warpgroup of one Q tile (:meth:`_softmax`) and its per-block logits and masks."""
 
@@ -38,11 +43,13 @@ class SoftmaxWarpgroup:
 
     @cute.jit
     def _softmax(self, tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, feat, mWork, wi, b, kvh,
-                 row0, qo_len, kv_len, blk_lo, n_blk, tidx, t: cutlass.Constexpr):
+                 row0, qo_len, kv_len, blk_lo, n_blk, tidx, t: cutlass.Constexpr, cnt):
         """Softmax warpgroup of Q tile ``t``: thread ``tidx`` owns packed row ``row0 + 128 t + lane`` (TMEM lane
         ``lane``): per block, its scores by ``tcgen05.ld``, the soft cap or ``score_mod``, masked where the block
         needs it, the online max and sum, P = 2^(s - max) back to TMEM as 16-bit values 32 columns at a time; the
-        rescale factor of O to the correction warpgroup; at the end the row's sum and max."""
+        rescale factor of O to the correction warpgroup; at the end the row's sum and max.  ``cnt``: the kernel's
+        pipeline counts before this tile (``_tiles``)."""
+        nb, _, ns, _ = cnt
         TM, TN, G, QT = self.TM, self.TN, self.G, self.QT
         CW = 16  # P words (32 columns of 16-bit values) per tcgen05.st
         qk_thr = qk_mma.get_slice(0)
@@ -89,9 +96,9 @@ class SoftmaxWarpgroup:
         if const_expr(self.score_mod is not None):  # score_mod's batch, query head and query position
             row_info = (b, kvh * G + pr % G, qpos)
         for i in cutlass.range(n_blk, unroll=1):
-            s_state = state_at(2, i * QT + t, False)
-            p_state = state_at(2, i * QT + t, True)
-            st_state = state_at(QT, i * QT + t, True)
+            s_state = state_at(2, _plus(nb, i) * QT + t, False)
+            p_state = state_at(2, _plus(nb, i) * QT + t, True)
+            st_state = state_at(QT, _plus(ns, i) * QT + t, True)
             mbits = None
             if const_expr(self.use_custom_mask):  # (read while the MMA computes S: only TN / 32 words stay live)
                 mbits = self._mask_bits(mMask, row_bit, kv_len, (blk_lo + n_blk - 1 - i) * TN)
@@ -145,7 +152,7 @@ class SoftmaxWarpgroup:
             fence_before_sync()
             pipe_p.producer_commit(p_state)
         # final message: the row's sum and its max in log2 units (-inf: no visible key)
-        st_state = state_at(QT, n_blk * QT + t, True)
+        st_state = state_at(QT, _plus(ns, n_blk) * QT + t, True)
         pipe_stats.producer_acquire(st_state)
         s_stats[t * TM + row, 0] = row_sum
         s_stats[t * TM + row, 1] = row_max * scale_log2
