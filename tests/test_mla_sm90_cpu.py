@@ -46,10 +46,12 @@ def test_unsupported_and_config_rules():
     cfg = sm90.Config(_problem(), sm90.Tiles())
     assert cfg.smem_bytes <= 227 * 1024 and cfg.num_threads == 384 and cfg.tile_m == 64
     c, p = cfg.registers
-    assert 256 * c + 128 * p <= 65536 and c % 8 == 0 and p % 8 == 0 and p >= 24
-    for regs in (216, 224, 232, 240):
+    # setmaxnreg moves registers within the CTA's launch pool (168 x 384): an inc beyond it blocks forever
+    assert 256 * c + 128 * p <= 168 * 384 and c % 8 == 0 and p % 8 == 0 and p >= 24
+    assert (c, p) == (232, 40)
+    for regs, prod in ((216, 56), (224, 56), (232, 40), (240, 24)):
         c, p = sm90.Config(_problem(), sm90.Tiles(consumer_registers=regs)).registers
-        assert c == regs and 256 * c + 128 * p <= 65536
+        assert (c, p) == (regs, prod) and 256 * c + 128 * p <= 168 * 384
     # the plan's 16-row tiles -> this kernel's 64-row tiles
     assert [sm90.num_tiles(n) for n in (1, 4, 5, 8, 16)] == [1, 1, 2, 2, 4]
 
@@ -158,6 +160,8 @@ def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
     (r,) = res.values()
     assert r["stack_bytes"] == 0, r  # no spills
     assert r["registers"] <= 65536 // cfg.num_threads  # launchable before setmaxnreg
+    # setmaxnreg redistributes the CTA's launch pool: the budgets must fit it, or an inc waits forever
+    assert 256 * c + 128 * pr <= r["registers"] * cfg.num_threads, (c, pr, r["registers"])
     tool = _nvdisasm()
     if tool is None:
         pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm) for the SASS checks")

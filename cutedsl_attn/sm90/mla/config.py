@@ -21,13 +21,18 @@ V_HALF = HEAD_DIM_CKV // 2  # 256 columns of O per consumer warpgroup
 NUM_GROUPS = 3  # release groups of a stage: ckv left half, ckv right half, kpe / P
 GROUP_CHUNKS = ((0, 1, 2, 3), (4, 5, 6, 7), (8,))
 PAGE_SIZES = (64,)
+#: registers a thread launches with (384 threads share the 64 Ki file in multiples of 8): setmaxnreg moves registers
+#: within the CTA's 168 x 384 pool, so the warpgroups' budgets must sum to it, not to 64 Ki (an inc that cannot be
+#: met blocks forever)
+LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
 
 
 @dataclass(frozen=True)
 class Tiles:
     """What the kernel chooses: ``num_stages`` KV blocks resident (2: Q's 72 KiB and two 72 KiB blocks fill the
     227 KiB of shared memory; one block per consumer warpgroup), ``consumer_registers`` per consumer thread after
-    ``setmaxnreg`` (the producer warpgroup gets what is left of the 64 Ki register file, at most 56).
+    ``setmaxnreg`` (the producer warpgroup gets what is left of the CTA's launch pool, ``LAUNCH_REGISTERS`` x 384,
+    at most 56).
 
     Raises TypeError for a non-int field, ValueError for a value out of range.
     """
@@ -122,9 +127,10 @@ class Config:
 
     @property
     def registers(self) -> tuple[int, int]:
-        """(consumer, producer) registers per thread after ``setmaxnreg`` (multiples of 8, within 64 Ki)."""
+        """(consumer, producer) registers per thread after ``setmaxnreg`` (multiples of 8, within the CTA's launch
+        pool of ``LAUNCH_REGISTERS`` x 384)."""
         c = self.tiles.consumer_registers
-        return c, min(56, (65536 - 256 * c) // 128 // 8 * 8)
+        return c, min(56, (LAUNCH_REGISTERS * 384 - 256 * c) // 128 // 8 * 8)
 
     @property
     def tile_m(self) -> int:
