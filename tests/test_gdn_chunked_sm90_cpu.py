@@ -44,6 +44,8 @@ def test_unsupported_and_config_rules():
     assert sm90.TUNING_FIELDS == ("tile_v", "num_stages")
     assert sm90.default_tiles(_problem(), num_sms=132, chains=256) == sm90.Tiles(tile_v=128)
     assert sm90.default_tiles(_problem(), num_sms=132, chains=8) == sm90.Tiles(tile_v=64)
+    for chains, tv in ((128, 128), (99, 128), (98, 64), (32, 64)):  # 128 rows from 3/4 of a wave of chains
+        assert sm90.default_tiles(_problem(), num_sms=132, chains=chains) == sm90.Tiles(tile_v=tv), chains
     assert sm90.default_tiles(_problem(head_dim_v=64), num_sms=132) == sm90.Tiles(tile_v=64)
     assert sm90.default_tiles(_problem(head_dim_k=64), num_sms=132) == sm90.Tiles(tile_v=64)
     for tv in (64, 128):

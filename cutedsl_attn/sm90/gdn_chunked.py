@@ -158,18 +158,21 @@ class Config:
 
 
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
-    """The default tiles for ``chains`` = N * HO (sequence, head) chains on ``num_sms`` SMs (None: many).  Not
-    yet measured; the rule sizes the CTA to the parallelism:
+    """The default tiles for ``chains`` = N * HO (sequence, head) chains on ``num_sms`` SMs (None: many).
+    Measured on the H200 (K = V = 128):
 
     ====================================  =====================================================================
     ``head_dim_v == 64``                  64 state rows (one consumer warpgroup)
     ``head_dim_k == 64``                  64 rows: two warpgroups spill a few registers at K = 64 (ptxas drops
                                           the setmaxnreg rebalancing and keeps 168 a thread)
-    ``chains >= num_sms``                 128 rows (two consumer warpgroups share the chunk's loads)
-    fewer chains                          64 rows: twice the CTAs of a chain
+    ``4 chains >= 3 num_sms``             128 rows: two consumer warpgroups share the chunk's loads, and three
+                                          quarters of a wave of them already keeps the memory system busy
+    fewer chains                          64 rows: twice the CTAs of a chain (faster with one long sequence
+                                          of few heads)
     ====================================  =====================================================================
     """
-    if 64 in (problem.head_dim_k, problem.head_dim_v) or (chains is not None and chains < num_sms):
+    # the measurements: perf/RESULTS.md, "Gated delta rule family"
+    if 64 in (problem.head_dim_k, problem.head_dim_v) or (chains is not None and chains * 4 < num_sms * 3):
         return Tiles(tile_v=64, num_stages=2)
     return Tiles(tile_v=128, num_stages=2)
 
