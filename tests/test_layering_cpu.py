@@ -57,3 +57,28 @@ def test_bottom_layers_import_nothing_above(sub):
     for path in _modules(sub):
         bad = _imports(path) & above
         assert not bad, f"{path.relative_to(PKG)} imports {sorted(bad)}"
+
+
+# device helpers whose one home is common/: a kernel module defines none of these names (with or without a
+# leading underscore) nor another 128-byte-swizzle offset function ("sw128" in its name); it imports them
+SHARED_HELPER_MODULES = ("smem",)
+# copies still to be replaced by imports of common.smem (removing one removes its entry)
+KNOWN_COPIES: set[tuple[str, str]] = set()
+
+
+def _function_names(path: pathlib.Path) -> set[str]:
+    return {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.FunctionDef,
+                                                                                   ast.AsyncFunctionDef))}
+
+
+def test_common_helpers_have_no_copies_in_kernel_packages():
+    shared = set()
+    for mod in SHARED_HELPER_MODULES:
+        shared |= {n for n in _function_names(PKG / "common" / f"{mod}.py") if not n.startswith("_")}
+    assert {"sw128_offset", "transpose_view"} <= shared
+    for pkg in KERNEL_PKGS:
+        for path in _modules(pkg):
+            rel = path.relative_to(PKG).as_posix()
+            copies = {n for n in _function_names(path) if n.lstrip("_") in shared or "sw128" in n}
+            copies -= {n for p, n in KNOWN_COPIES if p == rel}
+            assert not copies, f"{rel} defines {sorted(copies)}: import them from cutedsl_attn.common instead"

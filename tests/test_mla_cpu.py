@@ -10,7 +10,10 @@ import torch
 
 from cutedsl_attn import ref
 from cutedsl_attn.api import mla as api
-from cutedsl_attn.planning.mla import MLA_WORK_COLS, W_QO_LEN, W_Q_START, MlaProblem, plan_mla
+from cutedsl_attn.planning.decode import WORK_COLS, plan_paged_decode
+from cutedsl_attn.planning.mla import (
+    MLA_WORK_COLS, W_QO_LEN, W_Q_START, MlaProblem, kernel_row_tiles, max_work_rows, plan_mla, row_tiles,
+)
 from cutedsl_attn.portable import mla_decode as md
 
 DC, DR = 512, 64
@@ -304,6 +307,103 @@ def test_plan_mla_multirow_tiles_and_padding():
     with pytest.raises(ValueError, match="row tiles"):
         plan_mla(torch.tensor([4]), torch.tensor([8]), torch.tensor([0]), torch.tensor([0]), num_heads=16,
                  page_size=4, fixed_row_tiles=3)
+
+
+def _batch(B, H, PS, max_q, seed):
+    """A random batch's ``(qo_lens, kv_lens, q_starts, page_offsets)`` (CPU int64)."""
+    g = torch.Generator().manual_seed(seed)
+    qo = torch.randint(1, max_q + 1, (B,), generator=g)
+    kv = torch.tensor([0, 1, 63, 100, 777, 4096, 20000])[torch.randint(0, 7, (B,), generator=g)]
+    pages = (kv + PS - 1) // PS
+    return qo, kv, torch.cumsum(qo, 0) - qo, torch.cumsum(pages, 0) - pages
+
+
+PLAN_GRID = [(B, H, PS, max_q, sms, cps) for B in (1, 3, 37) for H in (8, 16, 64, 128) for PS in (1, 64)
+             for max_q in (1, 4) for sms, cps in ((132, 1), (132, 4), (78, 2))]
+
+
+def _same_plan(a, b):
+    return torch.equal(a.work, b.work) and all(getattr(a, f) == getattr(b, f) for f in
+                                               ("num_work", "num_partials", "split_tokens", "row_tiles", "rows"))
+
+
+def test_plan_mla_16_row_tiles_plan_the_16_row_tiles():
+    """The default ``tile_m`` (16, the portable kernel's) plans the table of the paged-decode planner with one
+    "kv head" per 16-row tile, plus each item's q_start / qo_len: the portable kernel's plans."""
+    for i, (B, H, PS, max_q, sms, cps) in enumerate(PLAN_GRID):
+        qo, kv, qs, po = _batch(B, H, PS, max_q, seed=i)
+        for dis in (False, True):
+            kw = dict(num_heads=H, page_size=PS, num_sms=sms, ctas_per_sm=cps, disable_split_kv=dis)
+            wp = plan_mla(qo, kv, qs, po, **kw)
+            assert _same_plan(wp, plan_mla(qo, kv, qs, po, tile_m=16, **kw))
+            rt = row_tiles(int(qo.max()), H)
+            ref_plan = plan_paged_decode(kv, po, num_kv_heads=rt, page_size=PS, num_sms=sms, ctas_per_sm=cps,
+                                         disable_split_kv=dis)
+            assert torch.equal(wp.work[:, :WORK_COLS], ref_plan.work), (B, H, PS, max_q, sms, cps, dis)
+            assert (wp.num_work, wp.num_partials, wp.split_tokens) == (
+                ref_plan.num_work, ref_plan.num_partials, ref_plan.split_tokens)
+            assert wp.row_tiles == rt and wp.rows == 16 * rt
+            b = wp.work[:, 0].long()
+            assert torch.equal(wp.work[:, W_Q_START].long(), qs[b]) and torch.equal(wp.work[:, W_QO_LEN].long(), qo[b])
+
+
+def test_plan_mla_tile_m_counts_the_kernels_ctas():
+    """``tile_m`` 64 (the SM90 kernel's) splits as if each work item were ``ceil(rows / 64)`` CTAs: where the
+    rows are whole 64-row tiles that is the 16-row plan over 4x the CTA slots (the same plan), and below 64 rows
+    a work item is one CTA, not four, so it splits less; the table and its 16-row units are unchanged."""
+    for i, (B, H, PS, max_q, sms, cps) in enumerate(PLAN_GRID):
+        qo, kv, qs, po = _batch(B, H, PS, max_q, seed=100 + i)
+        kw = dict(num_heads=H, page_size=PS, num_sms=sms)
+        wp = plan_mla(qo, kv, qs, po, ctas_per_sm=cps, tile_m=64, **kw)
+        rt = row_tiles(int(qo.max()), H)
+        ref_plan = plan_paged_decode(kv, po, num_kv_heads=-(-rt // 4), page_size=PS, num_sms=sms, ctas_per_sm=cps)
+        assert torch.equal(wp.work[:, :WORK_COLS], ref_plan.work) and wp.split_tokens == ref_plan.split_tokens
+        assert wp.row_tiles == rt and wp.rows == 16 * rt and kernel_row_tiles(rt, 64) == -(-rt // 4)
+        if rt % 4 == 0:  # whole 64-row tiles
+            assert _same_plan(wp, plan_mla(qo, kv, qs, po, ctas_per_sm=4 * cps, **kw))
+    # 8 requests of 16 heads on 132 SMs: one 64-row CTA per piece, so the split fills one wave of 132 CTAs
+    # (counting four 16-row tiles per SM would fill 4 x 132 slots with those CTAs)
+    qo, kv = torch.ones(8, dtype=torch.int64), torch.full((8,), 8192)
+    qs, po = torch.arange(8), torch.arange(8) * 128
+    sm90 = plan_mla(qo, kv, qs, po, num_heads=16, page_size=64, num_sms=132, ctas_per_sm=1, tile_m=64)
+    x4 = plan_mla(qo, kv, qs, po, num_heads=16, page_size=64, num_sms=132, ctas_per_sm=4)
+    assert 66 < sm90.num_work <= 132 < x4.num_work
+
+
+@pytest.mark.parametrize("tile_m", [16, 64])
+def test_max_work_rows_bounds_the_plan(tile_m):
+    for i, (B, H, PS, max_q, sms, cps) in enumerate(PLAN_GRID):
+        qo, kv, qs, po = _batch(B, H, PS, max_q, seed=200 + i)
+        rt = row_tiles(max_q, H)  # the CUDA-graph plan's fixed extent: the batch's longest possible request
+        n = max_work_rows(B, rt, num_sms=sms, ctas_per_sm=cps, tile_m=tile_m)
+        wp = plan_mla(qo, kv, qs, po, num_heads=H, page_size=PS, num_sms=sms, ctas_per_sm=cps, tile_m=tile_m,
+                      num_rows=n, fixed_row_tiles=rt)
+        assert wp.work.shape == (n, MLA_WORK_COLS) and wp.num_work <= n and wp.row_tiles == rt
+
+
+@pytest.mark.parametrize("tile_m, exc", [(0, ValueError), (-64, ValueError), (24, ValueError), (8, ValueError),
+                                         (64.0, TypeError), (True, TypeError), ("64", TypeError)])
+def test_plan_mla_tile_m_errors(tile_m, exc):
+    qo, kv, qs, po = _batch(2, 16, 64, 1, seed=0)
+    with pytest.raises(exc, match="tile_m"):
+        plan_mla(qo, kv, qs, po, num_heads=16, page_size=64, tile_m=tile_m)
+    with pytest.raises(exc, match="tile_m"):
+        max_work_rows(2, 1, num_sms=132, ctas_per_sm=1, tile_m=tile_m)
+
+
+def test_mla_limits_name_the_kernels_tile():
+    """dispatch.mla_limits gives the planner each kernel's own CTAs per SM and query rows per CTA."""
+    from cutedsl_attn import dispatch as d
+    from cutedsl_attn.sm90 import mla as mla90
+
+    p = MlaProblem(dtype="bfloat16", page_size=64)
+    cfg = md.Config(p, md.default_tiles(p, num_sms=132))
+    lim = d.mla_limits(md, cfg)
+    assert lim["tile_m"] == 16 and lim["ctas_per_sm"] == max(1, 228 * 1024 // (cfg.smem_bytes + 1024))
+    cfg90 = mla90.Config(p, mla90.Tiles())
+    lim90 = d.mla_limits(mla90, cfg90)
+    assert lim90["tile_m"] == 64 and lim90["ctas_per_sm"] == 1  # one 64-row CTA per SM by shared memory
+    assert lim90["max_splits_per_request"] == cfg90.max_splits_per_request
 
 
 def test_problem_and_tiles_errors():

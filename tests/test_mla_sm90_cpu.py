@@ -70,7 +70,8 @@ def test_dispatch_opt_in(monkeypatch):
     module, cfg = d.mla_choice(p)
     assert module is sm90 and isinstance(cfg, sm90.Config) and cfg.tiles == sm90.Tiles()
     lim = d.mla_limits(module, cfg)
-    assert lim["ctas_per_sm"] == 4 and lim["max_splits_per_request"] == cfg.max_splits_per_request >= 128
+    assert lim["ctas_per_sm"] == 1 and lim["tile_m"] == 64  # one 64-row CTA per SM
+    assert lim["max_splits_per_request"] == cfg.max_splits_per_request >= 128
     # what the SM90 kernel does not serve stays on the portable kernel
     assert d.mla_choice(_problem(causal=True))[0] is sm90
     for kw in (dict(page_size=16), dict(page_size=1), dict(kv_dtype="float8_e4m3fn"), dict(arch="sm_100a")):

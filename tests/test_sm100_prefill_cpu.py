@@ -27,7 +27,7 @@ import pytest
 from cutedsl_attn.planning.prefill import PrefillArgs, PrefillProblem
 from cutedsl_attn.sm100 import prefill as K
 from cutedsl_attn.sm100.prefill import config as C
-from cutedsl_attn.sm100.prefill.kernel import sw128_chunk_offset
+from cutedsl_attn.common.smem import sw128_offset
 
 ARCHS = ("sm_100a", "sm_103a")
 _DUMP = tempfile.TemporaryDirectory(prefix="sm100_prefill_")  # PTX / cubin of the session's builds (removed at exit)
@@ -359,7 +359,7 @@ def _ring_layouts_agree(tn, d, stages):
                     # the gather's byte offset of the chunk: the 128-byte swizzle (S<3,4,3> on byte addresses)
                     # of the unswizzled offset
                     x = 2 * cute.crd2idx((r, c // 8 * 8, 0), rows.outer)
-                    g = sw128_chunk_offset(r, c // 8, tn)
+                    g = sw128_offset(r, c // 8, tn)
                     if cutlass.const_expr(k != want or v != want or g != x ^ ((x >> 3) & 0x70)):
                         bad.append((st, r, c, k, v, want, g, x))
 
@@ -371,7 +371,7 @@ def _ring_layouts_agree(tn, d, stages):
 @pytest.mark.parametrize("tn,d", ((128, 64), (128, 128), (64, 128), (128, 192), (64, 192)))
 def test_page_boxes_land_where_the_mma_reads(tn, d):
     """The paged loads write K and V through a (token, dim, stage) view of the rings (``_rows_view``; the gather
-    through :func:`sw128_chunk_offset`, its swizzled byte offsets); it must be the MMA operands' own layout,
+    through :func:`cutedsl_attn.common.smem.sw128_offset`, its swizzled byte offsets); it must be the MMA operands' own layout,
     element for element (192 stands for the K ring of 192/128)."""
     assert _ring_layouts_agree(tn, d, 2) == []
 

@@ -18,8 +18,7 @@ import torch
 
 from ..common.constants import LN2 as _LN2
 from ..dispatch import mla_choice, mla_launch, mla_limits, mla_problem, num_sms
-from ..planning.decode import max_items
-from ..planning.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MlaArgs, plan_mla
+from ..planning.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MlaArgs, max_work_rows, plan_mla
 from ._common import canonical_dtype, check_bool, check_int, check_last_dim_contiguous, check_tensor, indptr_host
 from ._graph import FixedBuffers, check_graph_buffer
 
@@ -207,9 +206,10 @@ class BatchMLAPagedAttentionWrapper:
                     raise ValueError(f"in CUDA-graph mode a re-plan must keep the first plan's {', '.join(changed)}")
                 sig = self._graph_sig
             fixed_tiles = sig["row_tiles"]
-            num_rows = max_items(B, fixed_tiles, sms * lim["ctas_per_sm"])
+            num_rows = max_work_rows(B, fixed_tiles, num_sms=sms, ctas_per_sm=lim["ctas_per_sm"],
+                                     tile_m=lim["tile_m"])
         wp = plan_mla(qo_lens, lens, qo_h[:-1], kv_h[:-1], num_heads=num_heads, page_size=page_size, num_sms=sms,
-                      ctas_per_sm=lim["ctas_per_sm"], num_rows=num_rows,
+                      ctas_per_sm=lim["ctas_per_sm"], tile_m=lim["tile_m"], num_rows=num_rows,
                       max_splits_per_request=lim["max_splits_per_request"], fixed_row_tiles=fixed_tiles)
         n_part = wp.work.shape[0] if self._use_cuda_graph else max(1, wp.num_partials)
         R = wp.rows

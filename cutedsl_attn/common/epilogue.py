@@ -16,6 +16,7 @@ from cutlass import Float32, Int64, const_expr
 from . import ptx
 from . import softmax as sm
 from .constants import LOG2E, NEG_INF
+from .smem import sw128_offset
 
 
 @cute.jit
@@ -83,7 +84,7 @@ def staged_offset(r, c):
     chunks XOR-swizzled by ``r % 8`` -- the K-major 128-byte-swizzled layout that a TMA box of 16 x 64 reads
     (staging base 1 KiB aligned), conflict-free for ``stmatrix`` and 16-byte loads (plain ints or DSL
     integers, so the layout can be replayed on the host)."""
-    return (c // 8) * 2048 + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+    return sw128_offset(r, c, 16)
 
 
 def stmatrix_row(lane, dd: int):

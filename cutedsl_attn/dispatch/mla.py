@@ -68,12 +68,13 @@ def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
 
 
 def mla_limits(module, cfg) -> dict:
-    """What the MLA planner needs of a choice: ``max_splits_per_request`` and ``ctas_per_sm`` (the planner's
-    16-row tiles one SM holds at once: the SM90 kernel's one CTA per SM runs four of them)."""
+    """What the MLA planner needs of a choice (keyword arguments of
+    :func:`~cutedsl_attn.planning.mla.plan_mla`): ``max_splits_per_request``, ``ctas_per_sm`` (the kernel's
+    CTAs one SM holds at once, by shared memory) and ``tile_m`` (query rows of one of them: the SM90 kernel's
+    64, the portable kernel's 16)."""
     ctas = max(1, (228 * 1024) // (cfg.smem_bytes + 1024))
-    if module is _mla_sm90:
-        ctas *= cfg.tile_m // _PLAN_TILE_M
-    return {"max_splits_per_request": cfg.max_splits_per_request, "ctas_per_sm": ctas}
+    tile_m = cfg.tile_m if module is _mla_sm90 else _PLAN_TILE_M
+    return {"max_splits_per_request": cfg.max_splits_per_request, "ctas_per_sm": ctas, "tile_m": tile_m}
 
 
 def _mla_launch_direct(module, cfg, args: MlaArgs) -> None:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .decode import WORK_COLS, plan_paged_decode
+from .decode import WORK_COLS, max_items, plan_paged_decode
 
 MLA_WORK_COLS = WORK_COLS + 2
 W_Q_START, W_QO_LEN = WORK_COLS, WORK_COLS + 1
@@ -150,6 +150,28 @@ def row_tiles(max_qo_len: int, num_heads: int) -> int:
     return max(1, -(-max_qo_len * num_heads // TILE_M))
 
 
+def _check_tile_m(tile_m) -> int:
+    if isinstance(tile_m, bool) or not isinstance(tile_m, int):
+        raise TypeError(f"tile_m must be an int, got {tile_m!r}")
+    if tile_m <= 0 or tile_m % TILE_M:
+        raise ValueError(f"tile_m must be a positive multiple of {TILE_M}, got {tile_m}")
+    return tile_m
+
+
+def kernel_row_tiles(num_row_tiles: int, tile_m: int = TILE_M) -> int:
+    """The ``tile_m``-row tiles (one CTA each per work item) covering ``num_row_tiles`` 16-row tiles.  Raises
+    TypeError / ValueError for a ``tile_m`` that is not a positive int multiple of 16."""
+    return max(1, -(-num_row_tiles * TILE_M // _check_tile_m(tile_m)))
+
+
+def max_work_rows(batch_size: int, num_row_tiles: int, *, num_sms: int, ctas_per_sm: int,
+                  tile_m: int = TILE_M) -> int:
+    """The most work items :func:`plan_mla`'s split heuristic makes for ``batch_size`` requests of at most
+    ``num_row_tiles`` 16-row tiles (CUDA-graph buffers: pass it as ``num_rows``), with the same ``num_sms``,
+    ``ctas_per_sm`` and ``tile_m`` as the plan.  Raises like :func:`kernel_row_tiles`."""
+    return max_items(batch_size, kernel_row_tiles(num_row_tiles, tile_m), max(1, num_sms * ctas_per_sm))
+
+
 def plan_mla(
     qo_lens: torch.Tensor,
     kv_lens: torch.Tensor,
@@ -164,6 +186,7 @@ def plan_mla(
     num_rows: int | None = None,
     max_splits_per_request: int | None = None,
     fixed_row_tiles: int | None = None,
+    tile_m: int = TILE_M,
 ) -> MlaWorkPlan:
     """Build the MLA work table: :func:`~cutedsl_attn.planning.decode.plan_paged_decode`'s split-KV items (the
     row tiles play the kv heads' part: each tile of a request sees the same pieces) plus each item's
@@ -173,13 +196,20 @@ def plan_mla(
       qo_lens, kv_lens, q_starts, page_offsets: ``[B]`` (CPU, any int dtype): query rows, KV tokens, first
         query row and first ``kv_indices`` entry of each request.
       num_heads, page_size: the problem's.
-      num_sms, ctas_per_sm: CTAs one wave holds (the split heuristic fills it).
+      num_sms, ctas_per_sm: CTAs one wave holds (the split heuristic fills it); ``ctas_per_sm`` counts CTAs
+        of the kernel that runs the plan.
       disable_split_kv: one work item per request.
       num_rows: pad the table to this many rows (CUDA-graph mode); ValueError if the plan needs more.
       max_splits_per_request: the kernel's merge limit (ValueError above it).
       fixed_row_tiles: the grid's x extent (CUDA-graph mode keeps the first plan's); ValueError when the
         batch's longest request needs more.
+      tile_m: query rows of one CTA of the kernel that runs the plan (a positive multiple of 16; 16: the
+        portable kernel's): the split heuristic counts ``ceil(row_tiles * 16 / tile_m)`` CTAs per work item.
+        The table, ``row_tiles`` and ``rows`` stay in 16-row tiles whatever it is.
+
+    Raises TypeError / ValueError for a bad ``tile_m``, and the ValueErrors above.
     """
+    _check_tile_m(tile_m)
     qo = qo_lens.to(torch.int64).cpu()
     qs = q_starts.to(torch.int64).cpu()
     max_q = int(qo.max()) if qo.numel() else 1
@@ -189,9 +219,10 @@ def plan_mla(
             raise ValueError(f"the plan needs {tiles} row tiles (qo_len {max_q} x {num_heads} heads) but the "
                              f"CUDA-graph plan was captured with {fixed_row_tiles}")
         tiles = fixed_row_tiles
-    wp = plan_paged_decode(kv_lens, page_offsets, num_kv_heads=tiles, page_size=page_size, num_sms=num_sms,
-                           ctas_per_sm=ctas_per_sm, disable_split_kv=disable_split_kv, num_rows=num_rows,
-                           max_splits_per_request=max_splits_per_request)
+    # the row tiles play the kv heads' part in the split heuristic: count the CTAs the kernel launches
+    wp = plan_paged_decode(kv_lens, page_offsets, num_kv_heads=kernel_row_tiles(tiles, tile_m), page_size=page_size,
+                           num_sms=num_sms, ctas_per_sm=ctas_per_sm, disable_split_kv=disable_split_kv,
+                           num_rows=num_rows, max_splits_per_request=max_splits_per_request)
     b = wp.work[:, 0].to(torch.int64)
     real = b >= 0
     bi = b.clamp(min=0)

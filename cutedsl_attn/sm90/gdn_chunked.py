@@ -42,6 +42,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ptx
 from ..common.dtypes import element_type
+from ..common.smem import sw128_offset, transpose_view
 from ..common.gdn_prep import PREP_THREADS, GdnPrep, prep_smem_bytes, row_pitches
 from ..compile.arch import compile_options
 from ..compile.fake import gdn_chunked_tensors
@@ -207,19 +208,6 @@ def _st_b16(addr, v):
     _inline("{ .reg .b16 h; cvt.u16.u32 h, {$r1}; st.global.b16 [{$r0}], h; }", read_only_args=[Int64(addr), Int32(v)])
 
 
-def _sw128(r, c):
-    """Byte offset of 16-byte chunk ``c`` of row ``r`` in a ``C``-row tile of 16-bit elements laid out as the
-    K_SW128 wgmma atom (8 rows x 64 elements, tiled down the rows, then along the row; 1 KiB aligned)."""
-    return (c // 8) * (CHUNK * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
-
-
-def _transpose_view(t):
-    """(A, B, ...) smem tensor viewed as (B, A, ...) (swizzle kept)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
-
-
 class GdnChunkedSm90Kernel(GdnPrep):
     """CuTe DSL SM90 chunked GDN (the shared prep kernel + the wgmma main kernel); see the module docstring.
     Build with :func:`compile`."""
@@ -258,7 +246,7 @@ class GdnChunkedSm90Kernel(GdnPrep):
         # the state update: (64 state rows, K) over the chunk's tokens; B = the K rows read MN-major
         mma_s = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
                                                   tiler_mn=(64, K), a_source=rmem)
-        # (C, K) and (C, C) row-major tiles, the K_SW128 atom (as _sw128 writes them), one per stage
+        # (C, K) and (C, C) row-major tiles, the K_SW128 atom (as sw128_offset writes them), one per stage
         s_ck = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, C, K), dt, S)
         s_cc = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, C, C), dt, S)
 
@@ -366,7 +354,7 @@ class GdnChunkedSm90Kernel(GdnPrep):
             ok = r < ln
             tok = cutlass.select_(ok, t0 + r, t0)
             goff = Int64(tok) * mX.stride[0] + Int64(head) * mX.stride[1] + col * 8
-            ptx.cp_async_16(s_dst + _sw128(r, col), base + goff * 2, cutlass.select_(ok, 16, 0))
+            ptx.cp_async_16(s_dst + sw128_offset(r, col, CHUNK), base + goff * 2, cutlass.select_(ok, 16, 0))
 
     @cute.jit
     def _load_tile(self, g_base, D: cutlass.Constexpr, s_dst, tid):
@@ -376,7 +364,7 @@ class GdnChunkedSm90Kernel(GdnPrep):
             idx = it * 128 + tid
             r = idx // cpr
             col = idx % cpr
-            ptx.cp_async_16(s_dst + _sw128(r, col), g_base + (Int64(r) * D + col * 8) * 2, 16)
+            ptx.cp_async_16(s_dst + sw128_offset(r, col, CHUNK), g_base + (Int64(r) * D + col * 8) * 2, 16)
 
     @cute.jit
     def _gemm(self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr):
@@ -414,7 +402,7 @@ class GdnChunkedSm90Kernel(GdnPrep):
         tXrW = thr_x.make_fragment_B(thr_x.partition_B(sW))
         tXrQ = thr_x.make_fragment_B(thr_x.partition_B(sQ))
         tXrA = thr_x.make_fragment_B(thr_x.partition_B(sAqk))
-        tSrK = thr_s.make_fragment_B(thr_s.partition_B(_transpose_view(sK)))
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(transpose_view(sK)))
         acc_S = cute.make_rmem_tensor(thr_s.partition_shape_C((64, K)), Float32)
         acc_X = cute.make_rmem_tensor(thr_x.partition_shape_C((64, C)), Float32)
         acc_O = cute.make_rmem_tensor(thr_x.partition_shape_C((64, C)), Float32)

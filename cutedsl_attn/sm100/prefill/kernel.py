@@ -47,6 +47,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ...common import masks, paging, ptx
 from ...common import softmax as sm
 from ...common.scheduler import TileScheduler
+from ...common.smem import sw128_offset
 from ...common.constants import LOG2E, NEG_INF
 from ...common.tcgen05 import fence_after_sync, fence_before_sync, state_at
 from ...compile.arch import compile_options
@@ -55,13 +56,6 @@ from ...planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_L
 from . import config as C
 from .config import Config
 from .softmax import SoftmaxWarpgroup, _plus
-
-
-def sw128_chunk_offset(r, c, rows: int):
-    """Byte offset of 16-byte chunk ``c`` of token ``r`` in a ``rows``-token K or V stage of 16-bit elements (the
-    MMA operands' layout, :meth:`Sm100PrefillKernel._rows_view`): 64-column blocks of ``rows`` 128-byte rows, the
-    chunk index XOR-ed with ``r % 8`` within its row (the 128-byte swizzle; the stage is 1 KiB aligned)."""
-    return (c // 8) * (rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
 
 
 class Sm100PrefillKernel(SoftmaxWarpgroup):
@@ -485,7 +479,7 @@ class Sm100PrefillKernel(SoftmaxWarpgroup):
             r = idx // cpr
             c = idx % cpr
             goff, valid = paging.kv_chunk_offset(mX, mIdx, tok0 + r, kv_len, page_off, kvh, c, PS)
-            ptx.cp_async_16(dst + sw128_chunk_offset(r, c, TN), base + goff * 2, cutlass.select_(valid, 16, 0))
+            ptx.cp_async_16(dst + sw128_offset(r, c, TN), base + goff * 2, cutlass.select_(valid, 16, 0))
         ptx.cp_async_commit()
         ptx.cp_async_wait(0)
         ptx.fence_proxy_async_shared()

@@ -36,6 +36,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ...common import ptx, splitkv
 from ...common.constants import LOG2E, NEG_INF
+from ...common.smem import sw128_offset, transpose_view
 from ...planning.decode import (
     W_BATCH, W_KV_LEN, W_NUM_SPLITS, W_PAGE_OFF, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START,
 )
@@ -59,19 +60,6 @@ def _mul_pinned(a, b):
     GEMMs)."""
     return cute.arch.inline_ptx("mul.f32 {$w0}, {$r0}, {$r1};", write_only_types=[Float32],
                                 read_only_args=[Float32(a), Float32(b)])
-
-
-def sw128_chunk_offset(r, c16):
-    """Byte offset of 16-byte piece ``c16`` of row ``r`` in a 64-row tile of 64-column 128-byte-swizzled chunks
-    (the layout TMA writes and wgmma reads: chunk ``c16 // 8``, row ``r``, piece XOR ``r % 8``)."""
-    return (c16 // 8) * CHUNK_BYTES + r * 128 + (((c16 % 8) ^ (r % 8)) * 16)
-
-
-def _transpose_view(t):
-    """(A, B, ...) smem tensor viewed as (B, A, ...) (swizzle kept): the (tokens, dims) tile as P V's B."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
 class MlaSm90Kernel:
@@ -214,7 +202,7 @@ class MlaSm90Kernel:
             src = Int64(cutlass.select_(
                 nope, qn + (Int64(tok) * mQn.stride[0] + Int64(h) * mQn.stride[1]) * 2 + c16 * 16,
                 qp + (Int64(tok) * mQp.stride[0] + Int64(h) * mQp.stride[1]) * 2 + (c16 - HEAD_DIM_CKV // 8) * 16))
-            ptx.cp_async_16(sQ_addr + sw128_chunk_offset(r, c16), src, cutlass.select_(pr < rows, 16, 0))
+            ptx.cp_async_16(sQ_addr + sw128_offset(r, c16, TILE_M), src, cutlass.select_(pr < rows, 16, 0))
         cute.arch.cp_async_mbarrier_arrive_noinc(q_bar)
 
     @cute.jit
@@ -276,7 +264,7 @@ class MlaSm90Kernel:
             ok = r < valid_rows
             r_c = Int32(cutlass.select_(ok, r, 0))
             src = base + Int64(r_c) * mX.stride[1] * 2 + (p + (col0 if const_expr(ckv) else 0)) * 16
-            ptx.cp_async_16(s_stage + sw128_chunk_offset(r, col0 + p), src, cutlass.select_(ok, 16, 0))
+            ptx.cp_async_16(s_stage + sw128_offset(r, col0 + p, BLOCK_N), src, cutlass.select_(ok, 16, 0))
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
@@ -298,7 +286,7 @@ class MlaSm90Kernel:
         tSrQ = sl_qk.make_fragment_A(sl_qk.partition_A(sQ))
         tSrK = sl_qk.make_fragment_B(sl_qk.partition_B(sK))
         # this warpgroup's 256 columns of V (= ckv) in both stages, as P V's (dims, tokens) B operand
-        sVt = cute.local_tile(_transpose_view(sK), (V_HALF, BLOCK_N, self.S), (w, 0, 0))
+        sVt = cute.local_tile(transpose_view(sK), (V_HALF, BLOCK_N, self.S), (w, 0, 0))
         tOrV_rs = sl_rs.make_fragment_B(sl_rs.partition_B(sVt))
         tOrV_ss = sl_ss.make_fragment_B(sl_ss.partition_B(sVt))
         # the other warpgroup's P: its block's kpe chunk, rows = query rows, columns = tokens

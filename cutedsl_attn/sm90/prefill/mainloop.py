@@ -15,15 +15,9 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ...common import masks
 from ...common import softmax as sm
+from ...common.smem import transpose_view
 from ...planning.prefill import W_BATCH, W_KV_LEN, W_MASK_OFF, W_QO_LEN, W_ROW0
 from .barriers import Barrier, barrier_id
-
-
-def _transpose_view(t):
-    """(A, B, ...) smem tensor viewed as (B, A, ...) (swizzle kept)."""
-    shape = (t.shape[1], t.shape[0], *t.shape[2:])
-    order = (1, 0, *range(2, cute.rank(t)))
-    return cute.composition(t, cute.make_ordered_layout(shape, order=order))
 
 
 class Mainloop:
@@ -50,7 +44,7 @@ class Mainloop:
         if const_expr(self.QS > 1):
             tSrQ = tSrQ[None, None, None, q_state.index]
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(_transpose_view(sV)))
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(transpose_view(sV)))
         acc_S = cute.make_rmem_tensor(wg_mma_qk.partition_shape_C((TM, TN)), Float32)
         acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((TM, DV)), Float32)
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((TM, TN)))

@@ -17,17 +17,11 @@ from cutlass import const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from ...common import paging, ptx
+from ...common.smem import sw128_offset
 from ...planning.prefill import W_BATCH, W_KV_LEN, W_MASK_OFF, W_Q_START, W_QO_LEN, W_ROW0
 
 # work-table fields the producer copies next to the tile index with TileInfo.SMEM* (7 fit the 8-int slot)
 INFO_COLS = (W_BATCH, W_ROW0, W_QO_LEN, W_KV_LEN, W_Q_START, W_MASK_OFF)
-
-
-def sw128_offset(r, c, rows: int):
-    """Byte offset of 16-byte chunk ``c`` of row ``r`` in a ``rows``-row tile of 16-bit elements laid out as
-    the K_SW128 wgmma/TMA atom (8 rows x 64 elements, tiled down the rows first, then along the row):
-    the chunk index within a 128-byte row segment is XOR-ed with ``r % 8`` (the buffer is 1 KiB aligned)."""
-    return (c // 8) * (rows * 128) + r * 128 + (((c % 8) ^ (r % 8)) * 16)
 
 
 class Producer:
