@@ -20,8 +20,9 @@ Roles (384 threads, one CTA per (64-row tile, work item), registers rebalanced b
 Each stage has three release groups (ckv columns 0..255, 256..511, kpe / P), each a full and an empty mbarrier;
 a group is reloaded once its last reader is done (half ``w`` after warpgroup ``w``'s P V, the kpe / P chunk
 after the other warpgroup's).  Tokens outside ``[tok_start, tok_end)`` of the work item (a page shared with
-the neighbouring split) are masked in S, and so are keys past a row's bottom-right causal limit.  Split items write fp32 partials; the last CTA of a (request, row
-tile) merges them in the same launch (:func:`cutedsl_attn.common.splitkv.last_to_arrive` elects it).
+the neighbouring split) are masked in S, and so are keys past a row's bottom-right causal limit.  Split items
+write fp32 partials; the last CTA of a (request, row tile) merges them in the same launch
+(:func:`cutedsl_attn.common.splitkv.last_to_arrive` elects it).
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ class MlaSm90Kernel:
         n_blk = Int32(cutlass.select_(t1 > t0, (t1 - 1) // BLOCK_N - pg0 + 1, 0))
         self._produce(mCkv, mKpe, mIdx, tma_atom_c, tma_c, tma_atom_p, tma_p, sK, sK_addr, full, empty,
                       mWork[wi, W_PAGE_OFF], pg0, n_blk, mWork[wi, W_KV_LEN], tid)
+        ptx.cp_async_wait(0)  # no producer thread leaves with its tail-page copies still in flight
 
     @cute.jit
     def _load_q(self, mQn, mQp, sQ_addr, q_bar, q_start, row0, rows, H, tid):
