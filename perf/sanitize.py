@@ -72,9 +72,17 @@ CASES = (
     # GDN prefill runs the chunked kernel by default: the recurrent one is forced here to keep it in the sweep
     Case("gdn_prefill", "gated delta rule (recurrent)", "_gdn_prefill",
          env=(("CUTEDSL_ATTN_GDN_KERNEL", "recurrent"),)),
+    # on sm_90a the chunked GDN main kernel is the wgmma one; the portable twin is forced in the next case
     Case("gdn_prefill_chunked", "gated delta rule (chunked: prep + main kernel)", "_gdn_prefill_chunked"),
-    Case("kda_prefill", "KDA (recurrent, per-channel decay)", "_kda_prefill"),
+    Case("gdn_prefill_chunked_portable", "gated delta rule (chunked, portable main kernel)", "_gdn_prefill_chunked",
+         env=(("CUTEDSL_ATTN_GDN_KERNEL", "chunked"),)),
+    Case("kda_prefill", "KDA (chunked, per-channel decay: prep + main kernel)", "_kda_prefill"),
+    Case("kda_prefill_recurrent", "KDA (recurrent, per-channel decay)", "_kda_prefill",
+         env=(("CUTEDSL_ATTN_GDN_KERNEL", "recurrent"),)),
     Case("mla_decode", "MLA decode (portable)", "_mla_decode"),
+    # the SM90 MLA kernel is opt-in (never run before this sweep's first run): page 64, the sizes it serves
+    Case("mla_decode_sm90", "MLA decode (SM90 wgmma, opt-in)", "_mla_decode_p64",
+         env=(("CUTEDSL_ATTN_MLA_KERNEL", "sm90"),)),
     Case("mla_decode_fp8", "MLA decode (portable), fp8 e4m3 cache (trtllm MLA, q_len 2)", "_mla_decode_fp8"),
 )
 
@@ -322,6 +330,24 @@ def _mla_decode():
     import cutedsl_attn as ca
 
     lens, H, ps = (100, 300), 16, 16
+    npages = [(n + ps - 1) // ps for n in lens]
+    total = sum(npages)
+    ckv, kpe = _randn(total, ps, 512), _randn(total, ps, 64)
+    w = ca.BatchMLAPagedAttentionWrapper(_workspace())
+    w.plan(_indptr((1, 1)), _indptr(npages), torch.randperm(total, device=_dev()).to(torch.int32),
+           torch.tensor(lens, dtype=torch.int32, device=_dev()), H, 512, 64, ps, False, 1.0 / (192 ** 0.5),
+           torch.bfloat16, torch.bfloat16)
+    return w.run(_randn(2, H, 512), _randn(2, H, 64), ckv, kpe, return_lse=True)
+
+
+def _mla_decode_p64():
+    # 2 requests of 1 query over 100 / 300 latent tokens (a partial last page each), 64 heads, page 64, pages
+    # shuffled
+    import torch
+
+    import cutedsl_attn as ca
+
+    lens, H, ps = (100, 300), 64, 64
     npages = [(n + ps - 1) // ps for n in lens]
     total = sum(npages)
     ckv, kpe = _randn(total, ps, 512), _randn(total, ps, 64)
