@@ -168,7 +168,12 @@ def _gdn_rows():
     o_ref, s_ref = ref.chunk_gated_delta_rule(**kw, output_final_state=True)
     # prefill runs the chunked kernel (its MMAs take the state rounded to 16 bits: a looser state bound); the
     # recurrent one (the decode kernel) is forced through the dispatch switch on the same problem
-    for kernel, s_tol in (("gdn_chunked", 5e-3), ("gdn_recurrent", 1e-3)):
+    from .compile import device_arch
+
+    for kernel, s_tol in (("gdn_chunked_sm90", 5e-3), ("gdn_chunked", 5e-3), ("gdn_recurrent", 1e-3)):
+        if kernel.endswith("sm90") and device_arch() != "sm_90a":
+            yield Row("gdn", kernel, "bf16 K=V=128 GVA 4/4/8", "skip", note="an sm_90a kernel")
+            continue
         saved = os.environ.get("CUTEDSL_ATTN_GDN_KERNEL")
         os.environ["CUTEDSL_ATTN_GDN_KERNEL"] = kernel[4:]
         try:
@@ -185,6 +190,36 @@ def _gdn_rows():
             else:
                 os.environ["CUTEDSL_ATTN_GDN_KERNEL"] = saved
         yield Row("gdn", kernel, "bf16 K=V=128 GVA 4/4/8", status, err, first, us, note)
+
+
+def _kda_rows():
+    import cutedsl_attn as ca
+
+    from . import ref
+
+    dev = torch.device("cuda")
+    lens, hk, hv, d = (1, 17, 300), 2, 4, 128
+    g = torch.Generator().manual_seed(0)
+    T = sum(lens)
+    kw = dict(q=torch.randn(1, T, hk, d, generator=g).to(BF16), k=torch.randn(1, T, hk, d, generator=g).to(BF16),
+              v=torch.randn(1, T, hv, d, generator=g).to(BF16), g=-torch.rand(1, T, hv, d, generator=g) * 0.3,
+              beta=torch.rand(1, T, hv, generator=g),
+              cu_seqlens=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32),
+              initial_state=torch.randn(len(lens), hv, d, d, generator=g) * 0.1)
+    kw_d = {n: t.to(dev) for n, t in kw.items()}
+    # recurrent_kda advances initial_state in place: each call gets its own copy
+    o_ref, s_ref = ref.recurrent_kda(**dict(kw, initial_state=kw["initial_state"].clone()), output_final_state=True)
+
+    def call():
+        return ca.recurrent_kda(**dict(kw_d, initial_state=kw_d["initial_state"].clone()), output_final_state=True)
+
+    t0 = time.perf_counter()
+    o, s = call()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    err, s_err = _rel(o, o_ref), _rel(s, s_ref)
+    status, note = _verdict(err, 1e-2, None if s_err < 5e-3 else f"state rel err {s_err:.2e}")
+    yield Row("gdn", "kda_chunked", "KDA bf16 K=V=128 GVA 2/4", status, err, first, _call_us(call), note)
 
 
 def _mla_rows():
@@ -236,6 +271,7 @@ def gpu_matrix(only: str = ""):
     kernels = _prefill_kernels(arch)
     groups = [("prefill", f"prefill_{k}", lambda k=k: _prefill_rows(arch, k)) for k in kernels if k != "sm100"]
     groups += [("decode", "paged_decode", _decode_rows), ("gdn", "gdn_chunked", _gdn_rows),
+               ("gdn", "kda_chunked", _kda_rows),
                ("mla", "mla_decode_portable", _mla_rows)]
     groups += [("prefill", "prefill_sm100", lambda: _prefill_rows(arch, "sm100")) for k in kernels if k == "sm100"]
     for op, kernel, make in groups:

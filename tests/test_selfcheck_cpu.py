@@ -591,6 +591,7 @@ def test_cli_gpu_matrix_runs_every_kernel_and_sm100_last(monkeypatch):
         selfcheck_cli.Row("prefill", f"prefill_{k}", arch, "pass")]))
     monkeypatch.setattr(selfcheck_cli, "_decode_rows", rows("decode", "paged_decode"))
     monkeypatch.setattr(selfcheck_cli, "_gdn_rows", rows("gdn", "gdn_recurrent"))
+    monkeypatch.setattr(selfcheck_cli, "_kda_rows", rows("gdn", "kda_chunked"))
 
     def raises():
         raise RuntimeError("no MLA here")
@@ -598,7 +599,7 @@ def test_cli_gpu_matrix_runs_every_kernel_and_sm100_last(monkeypatch):
 
     monkeypatch.setattr(selfcheck_cli, "_mla_rows", raises)
     got = list(selfcheck_cli.gpu_matrix())
-    assert [r.kernel for r in got] == ["prefill_portable", "paged_decode", "gdn_recurrent", "mla_decode_portable",
-                                       "prefill_sm100"]
-    assert got[3].status == "error" and "no MLA here" in got[3].note and got[-1].case == "sm_100a"
+    assert [r.kernel for r in got] == ["prefill_portable", "paged_decode", "gdn_recurrent", "kda_chunked",
+                                       "mla_decode_portable", "prefill_sm100"]
+    assert got[4].status == "error" and "no MLA here" in got[4].note and got[-1].case == "sm_100a"
     assert [r.kernel for r in selfcheck_cli.gpu_matrix(only="prefill")] == ["prefill_portable", "prefill_sm100"]
