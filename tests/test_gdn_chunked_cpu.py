@@ -69,8 +69,10 @@ def test_dispatch_env(monkeypatch):
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "recurrent")
     assert gdn_choice(p)[0] is rec
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "chunked")
-    with pytest.raises(NotImplementedError, match="decode"):
-        gdn_choice(_problem(decode=True))
+    assert gdn_choice(_problem(decode=True))[0] is rec  # outside the chunked kernel's family: automatic
+    assert gdn_choice(_problem(gate_per_channel=True, gate_domain="log"))[0].NAME == "kda_chunked"
+    with pytest.raises(NotImplementedError, match="V-major"):
+        gdn_choice(_problem(state_k_major=True))
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "fast")
     with pytest.raises(ValueError, match="CUTEDSL_ATTN_GDN_KERNEL"):
         gdn_choice(p)

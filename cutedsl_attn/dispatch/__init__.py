@@ -38,6 +38,7 @@ from ..portable import mla_decode as _mla_portable
 from ..portable import paged_decode as _paged_decode
 from ..portable import prefill as _prefill_portable
 from ..sm90 import gdn_chunked as _gdn_chunked_sm90
+from ..sm90 import kda_chunked as _kda_chunked_sm90
 from ..sm90 import mla as _mla_sm90
 from ..sm90 import prefill as _prefill_sm90
 from ..sm100 import decode as _decode_sm100
@@ -78,6 +79,7 @@ KERNEL_MODULES = {
     "gdn_chunked": _gdn_chunked,
     "gdn_chunked_sm90": _gdn_chunked_sm90,
     "kda_chunked": _kda_chunked,
+    "kda_chunked_sm90": _kda_chunked_sm90,
     "mla_decode_portable": _mla_portable,
     "mla_decode_sm90": _mla_sm90,
 }

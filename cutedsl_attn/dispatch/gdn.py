@@ -7,13 +7,15 @@ does Gated DeltaProduct, as GDN on its expanded timeline (:func:`gdn_launch`); K
 log gates) run the chunked kernel's per-channel variant (:mod:`cutedsl_attn.portable.kda_chunked`); the decode
 step and a K-major state run the token-serial recurrent kernel (its variants chosen by GdnProblem fields).
 ``CUTEDSL_ATTN_GDN_KERNEL`` = ``auto`` (default) / ``chunked`` (the portable chunked kernel) / ``chunked_sm90`` /
-``kda_chunked`` / ``recurrent`` forces one (``chunked`` and ``chunked_sm90`` raise NotImplementedError naming what they serve when
-they cannot serve the problem).  ``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's
-tiles (its ``TUNING_FIELDS``).  Few long sequences on few heads take the context-parallel path
-(:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the chosen kernel run over segments of each sequence.
+``kda_chunked`` / ``kda_chunked_sm90`` (the SM90 per-channel kernel, opt-in: not run on a GPU yet) /
+``recurrent`` forces one for the problems of its family (the chunked GDN kernels: GDN and GDP
+prefill; ``kda_chunked``: KDA and GDN-2 prefill; ``recurrent``: all), raising NotImplementedError naming what it
+serves when it cannot serve such a problem; other problems keep the automatic choice.
+``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's tiles (its ``TUNING_FIELDS``).  Few
+long sequences on few heads may take the context-parallel path (:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the
+chosen kernel run over segments of each sequence (``use_cp=True``; ``"auto"`` keeps the plain launch for now).
 Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked, cutedsl_attn::gdn_chunked_sm90,
-cutedsl_attn::kda_chunked or
-cutedsl_attn::gdn_recurrent (by the kernel chosen); eager calls launch directly.
+cutedsl_attn::kda_chunked, cutedsl_attn::kda_chunked_sm90 or cutedsl_attn::gdn_recurrent (by the kernel chosen); eager calls launch directly.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from ..portable import gdn_chunked as _chunked
 from ..portable import gdn_recurrent as _rec
 from ..portable import kda_chunked as _kda_chunked
 from ..sm90 import gdn_chunked as _chunked_sm90
+from ..sm90 import kda_chunked as _kda_chunked_sm90
 from . import _override, _parse_tune, num_sms
 
 GDN_KERNEL_ENV = "CUTEDSL_ATTN_GDN_KERNEL"
@@ -42,7 +45,8 @@ GDN_TUNE_ENV = "CUTEDSL_ATTN_GDN_TUNE"
 # A new kernel is one entry in _FORCED (its CUTEDSL_ATTN_GDN_KERNEL value; its custom op follows) and, when auto
 # may take it, one in _AUTO (before the kernels it should win over for the problems its unsupported_reason admits).
 #: the kernel each forced ``CUTEDSL_ATTN_GDN_KERNEL`` value names
-_FORCED = {"chunked": _chunked, "chunked_sm90": _chunked_sm90, "kda_chunked": _kda_chunked, "recurrent": _rec}
+_FORCED = {"chunked": _chunked, "chunked_sm90": _chunked_sm90, "kda_chunked": _kda_chunked,
+           "kda_chunked_sm90": _kda_chunked_sm90, "recurrent": _rec}  # kda_chunked_sm90: opt-in, never run yet
 #: what ``auto`` tries, in order, before the recurrent kernel (the first that serves the problem runs it)
 _AUTO = (_chunked_sm90, _chunked, _kda_chunked)  # the SM90 kernel refuses other archs, kda_chunked scalar gates
 _GDN_KERNELS = ("auto", *_FORCED)
@@ -63,23 +67,36 @@ def _reason(module, problem: GdnProblem) -> str | None:
     return module.unsupported_reason(_served(module, problem))
 
 
+def _forced_applies(name: str, problem: GdnProblem) -> bool:
+    """Whether a ``CUTEDSL_ATTN_GDN_KERNEL`` value applies to ``problem``: ``recurrent`` to every problem, the
+    per-channel kernels (``kda_*``) to prefill with per-channel gates (KDA, GDN-2), the other chunked kernels to
+    prefill with scalar gates (GDN, GDP); problems outside a forced kernel's family keep the automatic choice."""
+    if name == "recurrent":
+        return True
+    if problem.decode:
+        return False
+    return problem.gate_per_channel == name.startswith("kda")
+
+
 def gdn_choice(problem: GdnProblem, *, device_index: int | None = None, chains: int | None = None):
     """``(kernel module, config)`` serving ``problem``: the first kernel of the auto list that serves it (the
     chunked kernel: GDN prefill, and Gated DeltaProduct as GDN on the expanded timeline, its config then holding
     ``num_householder=1``; on ``sm_90a`` the SM90 chunked kernel), the recurrent kernel otherwise, unless
-    ``CUTEDSL_ATTN_GDN_KERNEL`` forces one.  ``chains``: N * HO of the launch (the default tiles depend on it; None: a
+    ``CUTEDSL_ATTN_GDN_KERNEL`` forces one for the problems of its family (:func:`_forced_applies`; e.g.
+    ``chunked`` leaves the decode step and KDA on their automatic kernels).  ``chains``: N * HO of the launch (the default tiles depend on it; None: a
     large launch).
 
-    Raises NotImplementedError naming what is served when no kernel (or not the forced one) serves the problem;
+    Raises NotImplementedError naming what is served when no kernel (or not the forced one, for a problem of its
+    family: ``chunked_sm90`` off sm_90a, a K-major state forced onto a chunked kernel) serves the problem;
     ValueError for a bad ``CUTEDSL_ATTN_GDN_KERNEL`` / ``CUTEDSL_ATTN_GDN_TUNE``.
     """
     forced = os.environ.get(GDN_KERNEL_ENV, "auto") or "auto"
     if forced not in _GDN_KERNELS:
         raise ValueError(f"{GDN_KERNEL_ENV} must be one of {_GDN_KERNELS}, got {forced!r}")
-    if forced == "auto":
-        module = next((m for m in _AUTO if _reason(m, problem) is None), _rec)
-    else:
+    if forced != "auto" and _forced_applies(forced, problem):
         module = _FORCED[forced]
+    else:
+        module = next((m for m in _AUTO if _reason(m, problem) is None), _rec)
     reason = _reason(module, problem)
     if reason is not None:
         where = "" if module is _rec else f" ({GDN_KERNEL_ENV}={forced})"

@@ -23,7 +23,8 @@ mbarriers) and ``tile_v / 64`` consumer warpgroups; one CTA per (V-slice of ``ti
 sequence).  A sequence of length 0 writes its initial state (zeros without one) as its final state.  Each CTA
 reads its state slice before it writes it and no two CTAs share one, so an in-place pool update is race-free.
 Served: what the portable chunked kernel serves (GDN, scalar gates, K and V in 64 / 128, a V-major fp32 / bf16
-state), compiled for ``sm_90a`` only.
+state), compiled for ``sm_90a`` only.  The per-channel members (KDA, GDN-2) run this main kernel behind their own
+prep (:mod:`cutedsl_attn.sm90.kda_chunked`: a compile-time branch decays the state per K column).
 """
 
 from __future__ import annotations
@@ -226,6 +227,9 @@ class GdnChunkedSm90Kernel(GdnPrep):
         self.NWG = cfg.num_wg
         self.S = cfg.tiles.num_stages
         self.RU = cfg.row_u
+        # the per-channel subclass (sm90.kda_chunked) decays the state per K column; F grows by K gates
+        self.per_channel = False
+        self.F_BYTES = 3 * CHUNK * 4
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -236,6 +240,14 @@ class GdnChunkedSm90Kernel(GdnPrep):
         self.prep(mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
                   flags).launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
                                 smem=prep_smem_bytes(self.K, self.V), stream=stream)
+        self._launch_main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
+                          flags, stream)
+
+    @cute.jit
+    def _launch_main(self, mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
+                     flags, stream):
+        """Launch the main kernel (traced inside ``__call__``): the MMAs, the swizzled stage layouts, the shared
+        storage; ``mQ`` / ``mK`` are the q / k the chunk products read (the per-channel prep's Qg / Kd there)."""
         C, K, S, dt = self.C, self.K, self.S, self.io
         K_MAJOR = cute.nvgpu.OperandMajorMode.K
         MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
@@ -258,7 +270,7 @@ class GdnChunkedSm90Kernel(GdnPrep):
             sW: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s_ck)], 1024]
             sAqk: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(s_cc)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[cutlass.Int8, S * C * self.RU], 16]
-            sF: cute.struct.Align[cute.struct.MemRange[Float32, S * 3 * C], 16]
+            sF: cute.struct.Align[cute.struct.MemRange[Float32, S * (self.F_BYTES // 4)], 16]
 
         self.shared_storage = SharedStorage
         self.main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group, flags,
@@ -337,9 +349,9 @@ class GdnChunkedSm90Kernel(GdnPrep):
             r = idx // cpr
             col = idx % cpr
             ptx.cp_async_16(u_dst + r * RU + col * 16, u_src + (Int64(r) * V + col * 8) * 2, 16)
-        if tid < (3 * C * 4) // 16:
-            ptx.cp_async_16(storage.sF.data_ptr().toint() + stage * (3 * C * 4) + tid * 16,
-                            mF.iterator.toint() + blk * (3 * C * 4) + tid * 16, 16)
+        if tid < self.F_BYTES // 16:
+            ptx.cp_async_16(storage.sF.data_ptr().toint() + stage * self.F_BYTES + tid * 16,
+                            mF.iterator.toint() + blk * self.F_BYTES + tid * 16, 16)
 
     @cute.jit
     def _load_qk_rows(self, mX, s_dst, t0, ln, head, tid):
@@ -437,7 +449,7 @@ class GdnChunkedSm90Kernel(GdnPrep):
             self._gemm(mma_x, acc_O, tXrS, tXrQ[None, None, None, idx], True)
             warpgroup.wait_group(1)
             sU = sU_base + idx * (C * RU)
-            sF = sF_base + idx * (3 * C * 4)
+            sF = sF_base + idx * self.F_BYTES
             # V'^T = U^T - X^T (-> A of O^T) and V'^T diag(kf) (-> A of the state update)
             for jj in cutlass.range_constexpr(C // 8):
                 s0 = jj * 8 + 2 * t
@@ -458,10 +470,19 @@ class GdnChunkedSm90Kernel(GdnPrep):
                     for e in cutlass.range_constexpr(2):
                         fO[4 * jj + 2 * h + e] = fO[4 * jj + 2 * h + e] * qf[e]
             self._gemm(mma_x, acc_O, tOrP, tXrA[None, None, None, idx], False)
-            # S = gamma_last S + (V'^T diag(kf)) K
-            gl = ptx.ld_shared_f32(sF + 2 * C * 4)
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                fS[i] = fS[i] * gl
+            # S = gamma_last S + (V'^T diag(kf)) K   (per channel: S D(2^G_last) + (V'^T diag(kf)) Kd)
+            if const_expr(self.per_channel):
+                # S [V, K] sits untransposed in acc_S (M = state rows, N = K columns): element 4 j + 2 h + e is
+                # K column 8 j + 2 t + e, so D(2^G_last) on the right scales each element by its column's factor
+                for jj in cutlass.range_constexpr(K // 8):
+                    gl2 = _ld_shared_v2_f32(sF + (2 * C + jj * 8 + 2 * t) * 4)
+                    for h in cutlass.range_constexpr(2):
+                        for e in cutlass.range_constexpr(2):
+                            fS[4 * jj + 2 * h + e] = fS[4 * jj + 2 * h + e] * gl2[e]
+            else:
+                gl = ptx.ld_shared_f32(sF + 2 * C * 4)
+                for i in cutlass.range_constexpr(cute.size(acc_S)):
+                    fS[i] = fS[i] * gl
             self._gemm(mma_s, acc_S, tSrP, tSrK[None, None, None, idx], False)
             warpgroup.wait_group(0)
             pipe.consumer_release(state)

@@ -1,0 +1,246 @@
+"""Chunked per-channel-decay delta rule prefill (KDA ``recurrent_kda``, GDN-2 ``chunk_gated_delta_rule2``) for SM90
+(Hopper): the per-channel prep kernel, then the SM90 chunked GDN main kernel on ``wgmma``.
+
+Per token (V-major state ``H [V, K]``, ``D(x) = Diag(x)``), with the erase key ``e_t`` and written value
+``x_t`` (KDA: ``beta_t k_t``, ``beta_t v_t``; GDN-2: ``b_t * k_t``, ``w_t * v_t``)::
+
+    u_t = x_t - H_{t-1} D(exp g_t) e_t,      H_t = H_{t-1} D(exp g_t) + u_t k_t^T,      o_t = scale H_t q_t
+
+Per chunk of ``C = 64`` tokens (``G`` the cumulative log2 decay per key channel from the chunk's start)::
+
+    V'  = U - W S^T        O = scale Qg S^T + Aqk V'        S <- S D(2^G_last) + V'^T Kd
+
+One launch of :func:`compile`'s function runs two kernels on the stream:
+
+* **prep** (:mod:`cutedsl_attn.common.kda_prep`, shared with the portable per-channel kernel), one CTA per
+  (chunk, output head): ``W = T (e 2^G)``, ``U = T x``, ``Aqk``, ``Qg = q 2^G``, ``Kd = k 2^(G_last - G)``
+  (token-major, per output head) and the row factors ``F``: ``scale`` and 1 per token (0 past the sequence's
+  end) and ``2^G_last`` per key channel (``G_last`` at the chunk's last token, the sequence's last in a ragged
+  final chunk);
+* **main**: the SM90 chunked GDN main kernel (:mod:`cutedsl_attn.sm90.gdn_chunked`) with its per-channel branch:
+  its producer loads ``Qg`` / ``Kd`` in place of q / k (zero past the sequence's end, group 1: they are per
+  output head already) and the ``(2 C + K)`` fp32 factors of ``F``; its consumers, which hold ``S`` untransposed
+  as the wgmma accumulator (M = 64 state rows, N = K), scale each accumulator element by its K column's
+  ``2^G_last`` before the update's wgmma accumulates ``(V'^T diag(kf)) Kd`` onto it.
+
+Exact for any gate the API accepts (``g <= 0``, ``-inf`` included; the prep's factors never exceed the io
+dtype's range).  A sequence of length 0 writes its initial state (zeros without one) as its final state; each
+main CTA reads its state slice before it writes it and no two CTAs share one, so an in-place pool update is
+race-free.  Served: per-channel log gates (KDA's scalar beta, or GDN-2's erase / write gates), K and V in
+64 / 128, a V-major fp32 / bf16 state, prefill, compiled for ``sm_90a`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..common.dtypes import element_type
+from ..common.kda_prep import DIAG_LIMIT, IO_MAX, PREP_THREADS, KdaPrep, prep_smem_bytes
+from ..compile.arch import compile_options
+from ..compile.fake import gdn_chunked_tensors
+from ..planning.gdn import CHUNK, FLAG_HAS_G, GdnArgs, GdnProblem, plan_chunks
+from . import gdn_chunked as _gdn
+
+NAME = "kda_chunked_sm90"
+ARCH = _gdn.ARCH
+SMEM_LIMIT = _gdn.SMEM_LIMIT
+
+Tiles = _gdn.Tiles  # the main kernel is the SM90 chunked GDN one: the same tile choices
+TUNING_FIELDS = _gdn.TUNING_FIELDS
+override_tiles = _gdn.override_tiles
+
+
+def unsupported_reason(problem: GdnProblem) -> str | None:
+    """Why the SM90 chunked per-channel kernel cannot serve ``problem``, or None.  It serves KDA and GDN-2 prefill
+    (``gate_per_channel`` log gates, with or without ``erase_write_gates``) with a V-major state, K and V in
+    64 / 128, on ``sm_90a``; the portable chunked per-channel kernel serves the same problems on every arch,
+    scalar gates run the chunked GDN kernels, the decode step and a K-major state the recurrent kernel.
+
+    Raises TypeError when ``problem`` is not a GdnProblem.
+    """
+    if not isinstance(problem, GdnProblem):
+        raise TypeError(f"problem must be a GdnProblem, got {type(problem).__name__}")
+    if problem.arch != ARCH:
+        return (f"arch {problem.arch}: the SM90 chunked per-channel kernel is built for {ARCH} only (the portable "
+                "chunked per-channel kernel serves KDA / GDN-2 prefill on every arch)")
+    if not problem.gate_per_channel:
+        return "the SM90 chunked per-channel kernel serves KDA and GDN-2 (per-channel gates) only"
+    if problem.gate_domain != "log":
+        return "the SM90 chunked per-channel kernel takes log gates (KDA, GDN-2) only"
+    if problem.state_k_major:
+        return "the SM90 chunked per-channel kernel reads and writes a V-major state only"
+    if problem.decode:
+        return "the decode step (a few tokens a sequence) runs the recurrent kernel"
+    if problem.head_dim_k not in (64, 128) or problem.head_dim_v not in (64, 128):
+        return f"head dims {problem.head_dim_k}/{problem.head_dim_v}: served K, V in 64, 128"
+    return None
+
+
+@dataclass(frozen=True)
+class Config:
+    """The SM90 chunked per-channel kernel's compile key: ``Config(problem, tiles)``.
+
+    Raises TypeError for a ``tiles`` of another type, ValueError with :func:`unsupported_reason`'s reason, when
+    ``tile_v`` does not divide ``head_dim_v`` or the ring exceeds shared memory.
+    """
+
+    problem: GdnProblem
+    tiles: Tiles
+
+    def __post_init__(self):
+        if not isinstance(self.tiles, Tiles):
+            raise TypeError(f"tiles must be a gdn_chunked_sm90 Tiles, got {type(self.tiles).__name__}")
+        reason = unsupported_reason(self.problem)
+        if reason is not None:
+            raise ValueError(f"the SM90 chunked KDA / GDN-2 kernel cannot serve this problem: {reason}")
+        if self.problem.head_dim_v % self.tiles.tile_v:
+            raise ValueError(f"tile_v {self.tiles.tile_v} must divide head_dim_v {self.problem.head_dim_v}")
+        if self.main_smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"tile_v {self.tiles.tile_v} x num_stages {self.tiles.num_stages} needs "
+                             f"{self.main_smem_bytes} B of shared memory (> {SMEM_LIMIT})")
+
+    @property
+    def arch(self) -> str:
+        return self.problem.arch
+
+    @property
+    def num_wg(self) -> int:
+        """Consumer warpgroups: 64 state rows each."""
+        return self.tiles.tile_v // 64
+
+    @property
+    def row_u(self) -> int:
+        """Bytes per shared row of U's V-slice (16-byte pad, as the GDN kernel's)."""
+        return 2 * self.tiles.tile_v + 16
+
+    @property
+    def f_bytes(self) -> int:
+        """Bytes of a chunk's row factors: ``scale`` and 1 per token, ``2^G_last`` per key channel."""
+        return (2 * CHUNK + self.problem.head_dim_k) * 4
+
+    @property
+    def prep_smem_bytes(self) -> int:
+        return prep_smem_bytes(self.problem.head_dim_k, self.problem.head_dim_v)
+
+    @property
+    def stage_bytes(self) -> int:
+        c, k = CHUNK, self.problem.head_dim_k
+        return 3 * c * k * 2 + c * c * 2 + c * self.row_u + self.f_bytes
+
+    @property
+    def main_smem_bytes(self) -> int:
+        """The ring (each swizzled buffer 1 KiB aligned), the mbarriers and the allocator's alignment slack."""
+        return self.tiles.num_stages * self.stage_bytes + 2 * 1024
+
+
+def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
+    """The SM90 chunked GDN kernel's defaults (the same main kernel; the per-channel decay adds K / 8 shared
+    loads a chunk): 128 state rows when ``chains`` = N * HO fill three quarters of a wave and K = V = 128,
+    64 rows otherwise."""
+    return _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
+
+
+class KdaChunkedSm90Kernel(KdaPrep, _gdn.GdnChunkedSm90Kernel):
+    """CuTe DSL SM90 chunked KDA / GDN-2 (the per-channel prep + the SM90 chunked GDN main kernel); see the module
+    docstring.  Build with :func:`compile`."""
+
+    def __init__(self, cfg: Config):
+        _gdn.GdnChunkedSm90Kernel.__init__(self, cfg)
+        p = cfg.problem
+        self.per_channel = True
+        self.F_BYTES = cfg.f_bytes
+        self.erase_write = p.erase_write_gates
+        self.diag_limit = DIAG_LIMIT[p.dtype]
+        self.io_max = IO_MAX[p.dtype]
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+                 mCu: cute.Tensor, mChunks: cute.Tensor, mChunkOff: cute.Tensor, mH0: cute.Tensor,
+                 mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mQg: cute.Tensor,
+                 mKd: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor,
+                 scale: Float32, q_group: Int32, k_group: Int32, v_group: Int32, flags: Int32, stream):
+        self.prep(mQ, mK, mV, mG, mBeta, mChunks, mQg, mKd, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                  flags).launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
+                                smem=self.cfg.prep_smem_bytes, stream=stream)
+        # Qg / Kd are per output head already: group 1
+        self._launch_main(mQg, mKd, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, Int32(1),
+                          Int32(1), flags, stream)
+
+
+def _fake_args(p: GdnProblem) -> tuple:
+    """Fake tensors in the compiled function's order (the portable per-channel kernel's): the chunked GDN ones
+    (:func:`gdn_chunked_tensors`) with g ``[T, HO, K]`` fp32, beta ``[T, HO]`` (KDA) or ``[T, HO, K + V]``
+    (GDN-2), the token-major Qg / Kd ``[T, HO, K]`` and F ``[chunks, HO, 2 C + K]``."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    io = element_type(p.dtype)
+    sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
+    K, V = p.head_dim_k, p.head_dim_v
+    q, k, v, _, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, w, u, aqk, _ = gdn_chunked_tensors(
+        io, sdt, K, V, CHUNK)
+
+    def compact(dt, last):
+        return make_fake_compact_tensor(dt, (cute.sym_int(), cute.sym_int(), last), stride_order=(2, 1, 0),
+                                        assumed_align=16)
+
+    g = compact(Float32, K)
+    if p.erase_write_gates:
+        beta = compact(Float32, K + V)
+    qg, kd = compact(io, K), compact(io, K)
+    f = compact(Float32, 2 * CHUNK + K)
+    return q, k, v, g, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, qg, kd, w, u, aqk, f
+
+
+def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile :class:`KdaChunkedSm90Kernel` (prep + main kernels, one function) for ``cfg`` from fake tensors (no
+    GPU needed).  Returns the tvm-ffi callable; call it through :func:`launch`.  Raises ValueError for
+    ``keep_cubin`` without a ``keep_ptx_dir``."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    opts = compile_options(cfg.problem.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
+    return cute.compile(KdaChunkedSm90Kernel(cfg), *_fake_args(cfg.problem), Float32(1.0), Int32(1), Int32(1),
+                        Int32(1), Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+
+
+def launch_tensors(args: GdnArgs, cfg: Config) -> tuple:
+    """``(chunks, chunk_offsets, Qg, Kd, W, U, Aqk, F)``: the chunk plan (:func:`plan_chunks`, on the device, no
+    host sync) and the prep kernel's scratch on torch's current stream, as the portable per-channel kernel's:
+    Qg / Kd ``[T, HO, K]``, W / U / Aqk ``[chunks, HO, C, K / V / C]`` (q's dtype), F ``[chunks, HO, 2 C + K]``
+    fp32 -- about ``(4 K + 2 V + 2 C + 8) C + 4 K`` bytes a chunk and head.
+
+    Raises ValueError when g / beta do not have the per-channel shapes (:class:`GdnArgs`).
+    """
+    import torch
+
+    p = cfg.problem
+    T, ho, K, V = args.q.shape[0], args.output.shape[1], p.head_dim_k, p.head_dim_v
+    if args.flags & FLAG_HAS_G and (tuple(args.g.shape) != (T, ho, K) or not args.g.is_contiguous()):
+        raise ValueError(f"g must be a contiguous [T, HO, K] = [{T}, {ho}, {K}] fp32 tensor, got "
+                         f"{tuple(args.g.shape)}")
+    want_b = (T, ho, K + V) if p.erase_write_gates else (T, ho)
+    if tuple(args.beta.shape) != want_b or not args.beta.is_contiguous():
+        raise ValueError(f"beta must be a contiguous {list(want_b)} fp32 tensor, got {tuple(args.beta.shape)}")
+    chunks, chunk_off = plan_chunks(args.cu_seqlens, T)
+    nc = chunks.shape[0]
+    kw = dict(device=args.q.device, dtype=args.q.dtype)
+    qg = torch.empty(T, ho, K, **kw)
+    kd = torch.empty(T, ho, K, **kw)
+    w = torch.empty(nc, ho, CHUNK, K, **kw)
+    u = torch.empty(nc, ho, CHUNK, V, **kw)
+    aqk = torch.empty(nc, ho, CHUNK, CHUNK, **kw)
+    f = torch.empty(nc, ho, 2 * CHUNK + K, device=args.q.device, dtype=torch.float32)
+    return chunks, chunk_off, qg, kd, w, u, aqk, f
+
+
+def launch(fn, cfg: Config, args: GdnArgs) -> None:
+    """Plan the chunks and allocate the scratch (:func:`launch_tensors`), then launch ``fn`` on torch's current
+    stream.  ``args``: KDA / GDN-2 :class:`GdnArgs` (``g`` ``[T, HO, K]``, ``beta`` ``[T, HO]`` or
+    ``[T, HO, K + V]``)."""
+    chunks, chunk_off, qg, kd, w, u, aqk, f = launch_tensors(args, cfg)
+    fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
+       args.initial_state_indices, args.output_state, args.output_state_indices, args.output, qg, kd, w, u, aqk,
+       f, args.scale, args.q_group, args.k_group, args.v_group, args.flags)

@@ -1,0 +1,154 @@
+"""CPU tests of the SM90 chunked KDA / GDN-2 kernel: its contract and its PTX / cubin (cross-compiled for sm_90a;
+the kernel needs an H200 to run), and that the per-channel branch leaves the SM90 GDN main kernel's code alone."""
+
+import glob
+import re
+
+import pytest
+
+from cutedsl_attn.compile.cubin import cubin_kernel_resources
+from cutedsl_attn.planning.gdn import CHUNK, GdnProblem
+
+kda90 = pytest.importorskip("cutedsl_attn.sm90.kda_chunked")
+gdn90 = pytest.importorskip("cutedsl_attn.sm90.gdn_chunked")
+
+
+def _problem(**kw):
+    base = dict(dtype="bfloat16", head_dim_k=128, head_dim_v=128, gate_domain="log", gate_per_channel=True,
+                use_qk_l2norm=True)
+    return GdnProblem(**{**base, **kw})
+
+
+def test_unsupported_and_config_rules():
+    assert kda90.NAME == "kda_chunked_sm90"
+    assert kda90.unsupported_reason(_problem()) is None
+    assert kda90.unsupported_reason(_problem(erase_write_gates=True, head_dim_k=64, state_dtype="bfloat16")) is None
+    assert "portable chunked per-channel kernel" in kda90.unsupported_reason(_problem(arch="sm_100a"))
+    for kw, word in ((dict(gate_per_channel=False), "per-channel"), (dict(gate_domain="linear"), "log gates"),
+                     (dict(decode=True), "decode"), (dict(state_k_major=True), "V-major")):
+        assert word in kda90.unsupported_reason(_problem(**kw)), kw
+    with pytest.raises(TypeError):
+        kda90.unsupported_reason("kda")
+    with pytest.raises(ValueError, match="cannot serve"):
+        kda90.Config(_problem(gate_per_channel=False), kda90.Tiles())
+    with pytest.raises(ValueError, match="tile_v 128 must divide head_dim_v 64"):
+        kda90.Config(_problem(head_dim_v=64), kda90.Tiles(tile_v=128))
+    with pytest.raises(TypeError):
+        kda90.Config(_problem(), object())
+    assert kda90.Tiles is gdn90.Tiles and kda90.TUNING_FIELDS == ("tile_v", "num_stages")
+    assert kda90.override_tiles(kda90.Tiles(), {"num_stages": "3"}).num_stages == 3
+    # the GDN kernel's tile rules (the same main kernel)
+    for chains, tv in ((256, 128), (99, 128), (98, 64), (8, 64)):
+        assert kda90.default_tiles(_problem(), num_sms=132, chains=chains) == kda90.Tiles(tile_v=tv), chains
+    assert kda90.default_tiles(_problem(head_dim_k=64), num_sms=132) == kda90.Tiles(tile_v=64)
+    for K in (64, 128):
+        for tv in (64, 128):
+            for st in (2, 3):
+                cfg = kda90.Config(_problem(head_dim_k=K), kda90.Tiles(tile_v=tv, num_stages=st))
+                assert cfg.main_smem_bytes <= 227 * 1024 and cfg.num_wg == tv // 64
+                assert cfg.f_bytes == (2 * CHUNK + K) * 4
+                gcfg = gdn90.Config(_problem(head_dim_k=K, gate_per_channel=False), cfg.tiles)
+                assert cfg.stage_bytes == gcfg.stage_bytes + (K - CHUNK) * 4  # F: K gates in place of C
+
+
+VARIANTS = {
+    "kda_k128_l2norm_128x2": (dict(), (128, 2)),
+    "gdn2_k128_bf16state_64x3": (dict(erase_write_gates=True, state_dtype="bfloat16"), (64, 3)),
+    "kda_k64_v64_fp16_64x2": (dict(dtype="float16", head_dim_k=64, head_dim_v=64, use_qk_l2norm=False), (64, 2)),
+    "gdn2_k64_v128_64x3": (dict(erase_write_gates=True, head_dim_k=64), (64, 3)),
+    "kda_k128_128x3": (dict(use_qk_l2norm=False), (128, 3)),
+}
+
+
+def _compile(module, cfg, tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    module.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
+    (path,) = glob.glob(str(tmp_path / "*.ptx"))
+    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
+    return open(path).read(), cubin_kernel_resources(open(cub, "rb").read())
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_sm90_kda_kernel_ptx_and_cubin(tmp_path, variant):
+    kw, (tv, st) = VARIANTS[variant]
+    p = _problem(**kw)
+    ptx, res = _compile(kda90, kda90.Config(p, kda90.Tiles(tile_v=tv, num_stages=st)), tmp_path)
+    assert re.search(r"\.target\s+sm_90a", ptx)
+    entries = re.findall(r"\.entry\s+(\S+)\(", ptx)
+    assert len(entries) == 2 and "prep" in entries[0] and "main" in entries[1]  # one function, two kernels
+    prep, main = ptx.split(".entry")[1], ptx.split(".entry")[2]
+    ab = "bf16" if p.dtype == "bfloat16" else "f16"
+    K, C = p.head_dim_k, CHUNK
+    # the GDN SM90 kernel's wgmma counts (one rolled chunk loop: the static count is the count per chunk)
+    n64 = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.{ab}\.{ab}", main))
+    nk = len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{K}k16\.f32\.{ab}\.{ab}", main))
+    if K == 64:
+        assert n64 == 2 * (K // 16) + 2 * (C // 16) and nk == n64
+    else:
+        assert n64 == 2 * (K // 16) + C // 16 and nk == C // 16
+    assert "wgmma" not in prep and "mma.sync.aligned.m16n8k16" in prep  # the per-channel prep on mma.sync
+    assert "mma.sync" not in main
+    assert sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", main)) == ["0", "0", "1"]
+    assert "cp.async.cg.shared.global" in main and "cp.async.mbarrier.arrive.noinc" in main
+    assert "fence.proxy.async" in main
+    # qf and kf (C / 8 pairs each), then 2^G_last per K column pair of the thread (K / 8 pairs)
+    assert len(re.findall(r"ld\.shared\.v2\.f32", main)) == 2 * (C // 8) + K // 8
+    assert ("setmaxnreg.dec" in main and "setmaxnreg.inc" in main) == (tv == 128)
+    assert ".local" not in ptx
+    assert len(res) == 2
+    for name, r in res.items():
+        assert r["stack_bytes"] == 0, (name, r)  # no spills
+    main_res = [r for n, r in res.items() if "main" in n][0]
+    assert main_res["registers"] <= 65536 // (128 * (1 + tv // 64))  # launchable before setmaxnreg
+
+
+@pytest.mark.parametrize("K", [64, 128])
+def test_gdn_main_kernel_keeps_the_scalar_decay(tmp_path, K):
+    """The per-channel branch is compile-time: the GDN main kernel still decays by one scalar a chunk and loads a
+    3 C-float F; the KDA main kernel differs from it only where F and the decay are handled."""
+    tiles = kda90.Tiles(tile_v=64, num_stages=2)
+    gdn_ptx, _ = _compile(gdn90, gdn90.Config(_problem(head_dim_k=K, gate_per_channel=False), tiles),
+                          tmp_path / "gdn")
+    kda_ptx, _ = _compile(kda90, kda90.Config(_problem(head_dim_k=K), tiles), tmp_path / "kda")
+    g_main, k_main = gdn_ptx.split(".entry")[2], kda_ptx.split(".entry")[2]
+    C = CHUNK
+    assert len(re.findall(r"ld\.shared\.v2\.f32", g_main)) == 2 * (C // 8)
+    assert len(re.findall(r"ld\.shared\.v2\.f32", k_main)) == 2 * (C // 8) + K // 8
+    wg = r"wgmma\.mma_async[^;]*;"
+    assert [re.sub(r"%\w+", "", x) for x in re.findall(wg, g_main)] == \
+           [re.sub(r"%\w+", "", x) for x in re.findall(wg, k_main)]  # the same GEMMs in the same order
+
+
+@pytest.mark.parametrize("gdn2", [False, True])
+def test_launch_tensors_mirror_the_portable_kernels(gdn2):
+    import torch
+
+    from cutedsl_attn.planning.gdn import FLAG_HAS_BETA, FLAG_HAS_G, GdnArgs
+    from cutedsl_attn.portable import kda_chunked as chk
+
+    lens, ho, K, V = [0, 65, 3], 4, 64, 128
+    T = sum(lens)
+    cu = torch.tensor([0, 0, 65, 68], dtype=torch.int32)
+    q, k = torch.zeros(T, 2, K, dtype=torch.bfloat16), torch.zeros(T, 2, K, dtype=torch.bfloat16)
+    v = torch.zeros(T, ho, V, dtype=torch.bfloat16)
+    g = torch.zeros(T, ho, K)
+    beta = torch.zeros(T, ho, K + V) if gdn2 else torch.zeros(T, ho)
+    s = torch.zeros(3, ho, V, K)
+    i32 = torch.zeros(1, dtype=torch.int32)
+
+    def args(g, beta):
+        return GdnArgs(q, k, v, g, beta, cu, s, i32, s, i32, torch.empty(T, ho, V, dtype=torch.bfloat16), 0.125,
+                       2, 2, 1, FLAG_HAS_G | FLAG_HAS_BETA)
+
+    p = _problem(head_dim_k=K, erase_write_gates=gdn2)
+    cfg = kda90.Config(p, kda90.Tiles(tile_v=64))
+    mine = kda90.launch_tensors(args(g, beta), cfg)
+    theirs = chk.launch_tensors(args(g, beta), chk.Config(p, chk.Tiles()))
+    assert [tuple(x.shape) for x in mine] == [tuple(x.shape) for x in theirs]
+    assert [x.dtype for x in mine] == [x.dtype for x in theirs]
+    assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])  # the same chunk plan
+    assert tuple(mine[-1].shape[-1:]) == (cfg.f_bytes // 4,)
+    with pytest.raises(ValueError, match="g must be"):
+        kda90.launch_tensors(args(torch.zeros(T, ho), beta), cfg)
+    with pytest.raises(ValueError, match="beta must be"):
+        kda90.launch_tensors(args(g, torch.zeros(T, ho, 3)), cfg)
