@@ -1,6 +1,9 @@
 """CPU tests of the trtllm / xqa entry points (``cutedsl_attn.api.trtllm``): signatures against FlashInfer 0.7.2's,
-every validation error before any launch, and the scale table (what reaches the kernel's ``DecodeArgs`` /
-``PrefillArgs``: ``sm_scale`` and ``output_scale``), through the compiled-kernel recorder of ``_kernel_stubs``.
+every validation error before any launch, and the scale table of every decode entry point (trtllm / xqa, the decode
+wrapper's ``run(q_scale, k_scale, v_scale)`` on either backend, ``single_decode_with_kv_cache``, prims_ts'
+``bmm1_scale`` / ``bmm2_scale``, ``cudnn_batch_decode_with_kv_cache``: what reaches the kernel's ``DecodeArgs`` /
+``PrefillArgs``, ``sm_scale`` and ``output_scale``, through the compiled-kernel recorder of ``_kernel_stubs``, or
+the cuDNN graph key's ``sm_scale``).
 """
 
 from __future__ import annotations
@@ -138,27 +141,133 @@ def ctx_case(layout="HND"):
 
 
 # ----------------------------------------------------------------------------- the scale table
-# the module docstring's table, row by row: (entry point, its scale arguments, kernel sm_scale, output_scale)
+# the scale table of every decode entry point, row by row: (entry point, its scale arguments, the kernel's sm_scale,
+# its output_scale).  What the launch receives is read off the recorded DecodeArgs / PrefillArgs (the CuTe DSL
+# kernels) or off the cuDNN graph key (``attn_scale``; cuDNN's graph has no output scale: 1).
+WRAPPER_SCALES = dict(sm_scale=0.2, q_scale=2.0, k_scale=3.0, v_scale=1.5)
 SCALE_TABLE = [
     ("trtllm_decode", dict(bmm1_scale=0.05, bmm2_scale=1.5), 0.05, 1.5),
+    ("trtllm_decode_multirow", dict(bmm1_scale=0.05, bmm2_scale=1.5), 0.05, 1.5),
     ("trtllm_context", dict(bmm1_scale=0.05, bmm2_scale=1.5), 0.05, 1.5),
     ("xqa_16bit", dict(q_scale=2.0, kv_scale=3.0), 2.0 / math.sqrt(D), 1.0),
     ("xqa_fp8", dict(q_scale=2.0, kv_scale=3.0), 6.0 / math.sqrt(D), 3.0),
+    # plan(sm_scale), run(q_scale, k_scale, v_scale): sm_scale * q_scale * k_scale, v_scale
+    ("wrapper_run", WRAPPER_SCALES, 1.2, 1.5),
+    ("wrapper_run_fp8", WRAPPER_SCALES, 1.2, 1.5),
+    ("wrapper_run_multirow", WRAPPER_SCALES, 1.2, 1.5),
+    ("wrapper_run_default", {}, 1 / math.sqrt(D), 1.0),
+    ("wrapper_cudnn", dict(sm_scale=0.2, q_scale=2.0, k_scale=3.0), 1.2, 1.0),
+    ("single_decode", WRAPPER_SCALES, 1.2, 1.5),
+    ("single_decode_fp8", WRAPPER_SCALES, 1.2, 1.5),
+    ("single_decode_default", {}, 1 / math.sqrt(D), 1.0),
+    ("prims_ts", dict(bmm1_scale=0.05, bmm2_scale=1.5), 0.05, 1.5),
+    ("prims_ts_multirow", dict(bmm1_scale=0.05, bmm2_scale=1.5), 0.05, 1.5),
+    ("prims_ts_default", {}, 1 / math.sqrt(D), 1.0),
+    ("prims_ts_wrapper", dict(bmm1_scale=0.05, bmm2_scale=1.5), 0.05, 1.5),
+    ("cudnn_decode", dict(scale=0.3), 0.3, 1.0),
 ]
 
 
-@pytest.mark.parametrize("entry,scales,sm,out_scale", SCALE_TABLE, ids=[r[0] for r in SCALE_TABLE])
-def test_scale_table(rec, entry, scales, sm, out_scale):
-    if entry == "trtllm_decode":
-        out = decode(**scales)
-    elif entry == "trtllm_context":
-        out = trtllm_batch_context_with_kv_cache(**{**ctx_case(), **scales})
-    else:
+class GraphRecorder:
+    """Stands in for ``cutedsl_attn.cudnn.decode.run_graph``: records each graph key, writes O = 1 (the graph has
+    no output scale) and natural-log Stats of 0.5."""
+
+    def __init__(self):
+        self.keys = []
+
+    def __call__(self, key, *, out, stats, **_):
+        self.keys.append(key)
+        out.fill_(1.0)
+        if stats is not None:
+            stats.fill_(0.5)
+
+
+@pytest.fixture
+def graph_rec(monkeypatch):
+    import types
+
+    from cutedsl_attn.api import _decode_cudnn
+    from cutedsl_attn.cudnn import decode as cd
+
+    g = GraphRecorder()
+    monkeypatch.setattr(cd, "run_graph", g)
+    monkeypatch.setattr(cd, "require_cudnn", lambda: types.SimpleNamespace())  # no frontend: the graph is never built
+    monkeypatch.setattr(_decode_cudnn, "_on_cuda", lambda t: True)
+    return g
+
+
+def _csr_plan_args(lens, page_size=PS):
+    npg = [-(-L // page_size) for L in lens]
+    indptr = torch.tensor([0] + torch.tensor(npg).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([L - (n - 1) * page_size for L, n in zip(lens, npg)], dtype=torch.int32)
+    return indptr, torch.randperm(PAGES)[:int(indptr[-1])].to(torch.int32), last
+
+
+def _scale_entry(entry, scales, graph_rec):
+    """Run ``entry`` with ``scales``; returns ``(sm_scale, output_scale, out)`` as the launch received them."""
+    from cutedsl_attn.api import cudnn_decode
+    from cutedsl_attn.api.decode import BatchDecodeWithPagedKVCacheWrapper
+    from cutedsl_attn.api.single_decode import single_decode_with_kv_cache
+    from cutedsl_attn.attention import prims_ts
+
+    if entry in ("trtllm_decode", "trtllm_decode_multirow"):
+        return None, None, decode(q_len=4 if entry.endswith("multirow") else 1, **scales)
+    if entry == "trtllm_context":
+        return None, None, trtllm_batch_context_with_kv_cache(**{**ctx_case(), **scales})
+    if entry.startswith("xqa"):
         c = xqa_case(kv_dtype=FP8 if entry == "xqa_fp8" else BF16)
         xqa(**c, **scales)
-        out = c["output"]
-    a = rec.last[1]
-    assert a["sm_scale"] == pytest.approx(sm, rel=1e-12) and a["output_scale"] == pytest.approx(out_scale, rel=1e-12)
+        return None, None, c["output"]
+    plan_kw = {k: v for k, v in scales.items() if k == "sm_scale"}
+    run_kw = {k: v for k, v in scales.items() if k != "sm_scale"}
+    if entry.startswith("wrapper"):
+        q_len = 4 if entry == "wrapper_run_multirow" else 1
+        kv_dt = FP8 if entry == "wrapper_run_fp8" else BF16
+        cache = torch.randn(PAGES, 2, PS, HKV, D).to(kv_dt)
+        w = BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=True,
+                                               backend="cudnn" if entry == "wrapper_cudnn" else "cute")
+        w.plan(*_csr_plan_args([max(L, q_len) for L in LENS]), HQ, HKV, D, PS, q_data_type=BF16, kv_data_type=kv_dt,
+               q_len_per_req=q_len, **plan_kw)
+        out = w.run(torch.randn(B * q_len, HQ, D).to(BF16), cache, **run_kw)
+        if entry == "wrapper_cudnn":
+            return graph_rec.keys[-1].sm_scale, 1.0, out
+        return None, None, out
+    if entry.startswith("single_decode"):
+        kv_dt = FP8 if entry.endswith("fp8") else BF16
+        k, v = (torch.randn(50, HKV, D).to(kv_dt) for _ in range(2))
+        return None, None, single_decode_with_kv_cache(torch.randn(HQ, D).to(BF16), k, v, **plan_kw, **run_kw)
+    if entry.startswith("prims_ts"):
+        cache = torch.randn(PAGES, 2, HKV, PS, D).to(BF16)
+        lens = torch.tensor([max(L, 3) for L in LENS], dtype=torch.int32)
+        if entry == "prims_ts_wrapper":
+            w = prims_ts.BatchDecodePagedTSWrapper()
+            w.plan("cpu", B, HQ, HKV, D, PS, 64, q_data_type=BF16)
+            return None, None, w.run(torch.randn(B, HQ, D).to(BF16), cache, lens, table(), **scales)
+        sq = 3 if entry == "prims_ts_multirow" else 1
+        q = torch.randn((B, HQ, D) if sq == 1 else (B, sq, HQ, D)).to(BF16)
+        return None, None, prims_ts.batch_decode_with_paged_kv_cache(q, cache, table(), lens, seq_len_q=sq,
+                                                                     mask_type="causal", **scales)
+    assert entry == "cudnn_decode"
+    # the public function's body short of its CUDA-device check: every validation, then the graph's execution
+    p = dec_case()
+    k, v = p["kv_cache"][:, 0], p["kv_cache"][:, 1]  # HND [pages, Hkv, page_size, D]
+    call = cudnn_decode.prepare_call(
+        p["query"], k, v, scales["scale"], p["workspace_buffer"], max_sequence_kv=64, actual_seq_lens_kv=p["seq_lens"],
+        block_tables=p["block_tables"], is_cuda_graph_compatible=False, batch_offsets_q=None, batch_offsets_o=None,
+        batch_offsets_k=None, batch_offsets_v=None, out=None, return_lse=False, lse=None, q_len_per_req=1,
+        window_left=-1, sinks=None)
+    out = cudnn_decode.execute_call(call)
+    return graph_rec.keys[-1].sm_scale, 1.0, out
+
+
+@pytest.mark.parametrize("entry,scales,sm,out_scale", SCALE_TABLE, ids=[r[0] for r in SCALE_TABLE])
+def test_scale_table(rec, graph_rec, entry, scales, sm, out_scale):
+    got_sm, got_out, out = _scale_entry(entry, scales, graph_rec)
+    if got_sm is None:  # a CuTe DSL kernel: the recorded launch arguments
+        cfg, a = rec.last
+        got_sm, got_out = a["sm_scale"], a["output_scale"]
+        assert cfg.name == ("paged_decode" if entry.split("_")[-1] not in ("multirow", "context") else "prefill_sm90")
+    assert got_sm == pytest.approx(sm, rel=1e-6) and got_out == pytest.approx(out_scale, rel=1e-12)
     assert (out.float() == torch.tensor(out_scale).to(out.dtype).float()).all()  # written once, in the kernel
 
 

@@ -24,7 +24,9 @@ from ._graph import to_device
 DECLINED = object()
 
 _UNSERVED = {"rope": "pos_encoding_mode='ROPE_LLAMA'", "alibi": "pos_encoding_mode='ALIBI'",
-             "soft_cap": "logits_soft_cap", "fp8_kv": "an fp8 KV cache"}
+             "soft_cap": "logits_soft_cap", "fp8_kv": "an fp8 KV cache",
+             # cudnn_batch_decode_with_kv_cache refuses them too: an empty request's row is not defined by the graph
+             "empty_request": "a request with no KV (kv length 0)"}
 
 
 @dataclasses.dataclass
@@ -57,8 +59,8 @@ def check_features(features) -> None:
     bad = [_UNSERVED[f] for f in features if f in _UNSERVED]
     if bad:
         raise NotImplementedError(
-            f"backend='cudnn' does not serve {', '.join(bad)} (cuDNN's decode graph has no RoPE, ALiBi, soft cap or "
-            f"fp8 KV; {cd.versions()}); served by {cd.SERVED_BY}")
+            f"backend='cudnn' does not serve {', '.join(bad)} (cuDNN's decode graph has no RoPE, ALiBi, soft cap, "
+            f"fp8 KV or empty requests; {cd.versions()}); served by {cd.SERVED_BY}")
 
 
 def resolve(wrapper, kv_lens, num_kv_heads, head_dim, q_dt, kv_dt, pos_encoding_mode, cap, window_left, q_len,

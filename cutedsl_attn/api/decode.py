@@ -101,7 +101,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         int32 CUDA buffers (CUDA-graph mode): ``[B+1]``, ``[max_pages]``, ``[B]``.
       backend: ``"cute"`` (the CuTe DSL kernel), ``"cudnn"`` (cuDNN's paged decode graph, as
         ``cudnn_batch_decode_with_kv_cache``: CSR or block tables, ``q_len_per_req >= 1``, windows, return_lse;
-        no RoPE, ALiBi, soft cap, fp8 KV or ``v_scale``; needs cudnn-frontend; with ``q_len_per_req > 1`` cuDNN
+        no RoPE, ALiBi, soft cap, fp8 KV, empty requests or ``v_scale``; needs cudnn-frontend; with ``q_len_per_req > 1`` cuDNN
         reads K/V slots past a request's length up to the next 128 keys, which must hold finite values) or
         ``"auto"``: the CuTe DSL kernel, or cuDNN where ``dispatch.decode_backend`` measured it faster (one row
         per request, large batch and long KV, no sinks / window / soft cap / RoPE / ALiBi / fp8; in CUDA-graph
@@ -267,7 +267,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
           NotImplementedError: mixed dtypes other than an e4m3 cache, head_dim, group > 16, window_right != 0,
             soft cap together with ALIBI (q_len_per_req > 1 runs the prefill kernel, which serves
             ROPE_LLAMA and ALIBI too); with backend="cudnn" (unless fixed_split_size / disable_split_kv
-            keep the CuTe DSL kernel): RoPE, ALiBi, a soft cap, an fp8 cache, or no cudnn-frontend.
+            keep the CuTe DSL kernel): RoPE, ALiBi, a soft cap, an fp8 cache, a request with no KV, or no
+            cudnn-frontend.
         """
         if args:
             if len(args) > len(_PLAN_POSITIONAL):
