@@ -6,6 +6,10 @@ Subcommands::
          print the PTX of a kernel config, cross-compiled for --arch (no GPU needed)
     sass decode [same options]
          print its SASS (needs cuobjdump or nvdisasm from a CUDA toolkit)
+    resources decode [same options]
+         print its resources: registers and stack bytes per thread of each kernel in its cubin (the DSL's own
+         assembler; no GPU, no CUDA toolkit), the shared memory and TMEM columns its config plans, and the
+         setmaxnreg budget of each warp role where the kernel rebalances registers
     demo [--cpu] [...]
          run the demo (cutedsl_attn._demo: Llama-3-8B-shaped decode step + real-model check on a
          GPU; cross-compile + instruction summary without one)
@@ -24,8 +28,9 @@ import sys
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=["decode", "prefill", "mla", "gdn"],
                    help="kernel family (decode: the paged-decode kernel; prefill: the prefill kernel dispatch picks "
-                        "for --arch, see --kernel; mla: the portable MLA decode kernel; gdn: the GDN prefill kernel "
-                        "dispatch picks, chunked)")
+                        "for --arch, see --kernel; mla: the MLA decode kernel dispatch picks (CUTEDSL_ATTN_MLA_KERNEL); "
+                        "gdn: the GDN prefill kernel dispatch picks (on sm_90a the SM90 chunked one; other GDN "
+                        "problems through cutedsl_attn.inspect's keywords)")
     p.add_argument("--arch", default=os.environ.get("CUTEDSL_ATTN_ARCH") or "sm_90a",
                    help="target architecture: sm_90a, sm_100a, sm_103a, hopper, blackwell (default: "
                         "$CUTEDSL_ATTN_ARCH when set, else sm_90a)")
@@ -58,9 +63,9 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m cutedsl_attn",
-        description="cutedsl_attn tools: inspect compiled kernels (ptx, sass) and run the demo.",
+        description="cutedsl_attn tools: inspect compiled kernels (ptx, sass, resources) and run the demo.",
     )
-    sub = ap.add_subparsers(dest="command", metavar="{ptx,sass,demo,selfcheck}")
+    sub = ap.add_subparsers(dest="command", metavar="{ptx,sass,resources,demo,selfcheck}")
     sub.required = True
     p = sub.add_parser("ptx", help="print the PTX of a kernel config (cross-compiles; no GPU needed)",
                        description="Print the PTX of a kernel config compiled for --arch (no GPU needed).")
@@ -68,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sass", help="print the SASS of a kernel config (needs cuobjdump/nvdisasm)",
                        description="Print the SASS of a kernel config (cuobjdump/nvdisasm on its cubin).")
     _add_kernel_args(s)
+    r = sub.add_parser("resources", help="print the registers, stack, shared memory and TMEM of a kernel config",
+                       description="Print the resources of a kernel config compiled for --arch (no GPU needed): "
+                                   "registers and stack bytes per thread of each kernel of its cubin, the shared "
+                                   "memory and TMEM columns its config plans, its warp roles' setmaxnreg budgets.")
+    _add_kernel_args(r)
     sub.add_parser("demo", help="run the demo (GPU: Llama-3-8B decode step + real-model check; "
                                 "no GPU: cross-compile and summarise the PTX)", add_help=False)
     sub.add_parser("selfcheck", help="run every kernel of this GPU against the oracle (pass/fail table with "
@@ -125,6 +135,32 @@ def _emit(text: str, output) -> None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
+def format_resources(op: str, arch: str, **config_kw) -> str:
+    """The text ``resources`` prints: :func:`cutedsl_attn.inspect.resources` (the largest over the cubin's kernels;
+    zero ``stack_bytes`` = no spills), each kernel's registers and stack, and from the config the planned shared
+    memory (``smem_bytes``), TMEM columns (``tmem_cols``) and per-role ``setmaxnreg`` budgets where it has them.
+    Raises as :func:`cutedsl_attn.inspect.resources`."""
+    from . import inspect as ci
+
+    cfg = ci.config(op, arch, **config_kw)
+    res = ci.resources(op, arch, **config_kw)
+    lines = [f"{k}: {v}" for k, v in res.items()]
+    for name in ("smem_bytes", "tmem_cols"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            lines.append(f"{name}: {value}")
+    roles = getattr(cfg, "roles", None)
+    budgets = getattr(roles, "registers", None)
+    if isinstance(budgets, dict):  # the SM100 prefill kernel's setmaxnreg per warp role
+        lines += [f"setmaxnreg {role}: {n}" for role, n in budgets.items()]
+    if roles is not None and hasattr(roles, "num_threads"):
+        lines.append(f"threads: {roles.num_threads}")
+    lines.append("kernels:")
+    per = ci.cubin_kernel_resources(ci._cubin_cached(cfg))  # (the cubin resources() compiled, memoised)
+    lines += [f"  {sym}: registers {v['registers']}, stack_bytes {v['stack_bytes']}" for sym, v in per.items()]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     """Entry point; returns the process exit status (0 ok, 1 demo failure, 2 usage/tool error)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -142,17 +178,19 @@ def main(argv=None) -> int:
     from . import inspect as ci
 
     try:
-        if args.command in ("ptx", "sass"):
-            _kernel_config(args)  # validates the flags for the op
-        if args.command == "sass" and args.summary:
-            raise ValueError("--summary applies to ptx only (sass prints the disassembly)")
+        _kernel_config(args)  # validates the flags for the op
+        if args.command in ("sass", "resources") and args.summary:
+            raise ValueError(f"--summary applies to ptx only ({args.command} prints its own report)")
         # the kernel and tiles the dispatch layer chose, on stderr (stdout stays the PTX / SASS)
-        print(f"config: {ci.config(args.op, args.arch, **_kernel_config(args))!r}", file=sys.stderr)
+        cfg = ci.config(args.op, args.arch, **_kernel_config(args))
+        print(f"config: {type(cfg).__module__} {cfg!r}", file=sys.stderr)  # the module names the kernel
         if args.command == "ptx":
             text = ci.ptx(args.op, args.arch, **_kernel_config(args))
             if args.summary:
                 text = ci.format_summary(ci.instruction_summary(text), nonzero_only=True)
             _emit(text, args.output)
+        elif args.command == "resources":
+            _emit(format_resources(args.op, args.arch, **_kernel_config(args)), args.output)
         else:  # sass
             _emit(ci.sass(args.op, args.arch, **_kernel_config(args)), args.output)
     except (ValueError, TypeError, RuntimeError) as e:

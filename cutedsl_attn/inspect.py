@@ -80,11 +80,13 @@ key                   values                                        default
 ``head_dim_k``        64, 128                                       128
 ``head_dim_v``        64, 128                                       128
 ``state_dtype``       ``"float32"``, ``"bfloat16"``                 ``float32``
-``gate_domain``       ``"linear"`` (alpha), ``"log"`` (log alpha)   ``linear``
+``gate_domain``       ``"linear"`` (alpha), ``"log"`` (log alpha)   ``linear`` (``log`` with
+                                                                    ``gate_per_channel``)
 ``use_qk_l2norm``     bool                                          False
 ``decode``            bool (the decode step: recurrent kernel)      False
 ``state_k_major``     bool (``[*, HO, K, V]`` state: recurrent)     False
-``gate_per_channel``  bool (GDN-2, KDA: recurrent)                  False
+``gate_per_channel``  bool (GDN-2, KDA: the per-channel chunked     False
+                      kernel for prefill)
 ``erase_write_gates`` bool (GDN-2; needs ``gate_per_channel``)      False
 ``num_householder``   1..8 (Gated DeltaProduct: chunked on the      1
                       expanded timeline)
@@ -132,7 +134,7 @@ DEFAULTS = {
     ),
     "mla": dict(dtype="bfloat16", kv_dtype="", page_size=64, causal=False),
     "gdn": dict(
-        dtype="bfloat16", head_dim_k=128, head_dim_v=128, state_dtype="float32", gate_domain="linear",
+        dtype="bfloat16", head_dim_k=128, head_dim_v=128, state_dtype="float32", gate_domain=None,
         use_qk_l2norm=False, decode=False, state_k_major=False, gate_per_channel=False, erase_write_gates=False,
         num_householder=1, chains=None,
     ),
@@ -177,9 +179,11 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
       op: kernel family, one of :data:`OPS` (``"decode"``: the paged-decode kernel;
         ``"prefill"``: the prefill kernel the dispatch layer picks for ``arch`` (the SM90 TMA + wgmma
         kernel on ``sm_90a`` where it applies, else the portable one, which also serves an fp8
-        ``kv_dtype``; ``kernel="portable"`` or ``"sm90"`` forces one); ``"mla"``: the portable MLA decode
-        kernel; ``"gdn"``: the gated-delta-rule kernel dispatch picks (chunked for GDN prefill, recurrent
-        for the rest), keys as :data:`DEFAULTS`).
+        ``kv_dtype``; ``kernel="portable"`` or ``"sm90"`` forces one); ``"mla"``: the MLA decode kernel
+        dispatch picks (the portable one; the SM90 one under ``CUTEDSL_ATTN_MLA_KERNEL=sm90``); ``"gdn"``:
+        the gated-delta-rule kernel dispatch picks (a chunked kernel for GDN / GDP prefill, the per-channel
+        chunked one for KDA / GDN-2 prefill, recurrent for the decode step and a K-major state), keys as
+        :data:`DEFAULTS`).
       arch: target architecture, any spelling accepted by
         :func:`cutedsl_attn.compile.normalize_arch` (``"sm_90a"``, ``"sm_100a"``,
         ``"sm_103a"``, ``"hopper"``, ``"blackwell"``, ...).  Always explicit: the
@@ -293,6 +297,8 @@ def _gdn_config(dispatch, arch: str, merged: dict):
     chains = merged.pop("chains")
     if chains is not None and (isinstance(chains, bool) or not isinstance(chains, int) or chains < 1):
         raise ValueError(f"chains must be a positive int or None, got {chains!r}")
+    if merged["gate_domain"] is None:  # the API's: GDN-2 and KDA take log gates, GDN and GDP linear alphas
+        merged["gate_domain"] = "log" if merged["gate_per_channel"] else "linear"
     problem = GdnProblem(**dict(merged, dtype=_dtype_name(merged["dtype"])), arch=arch)
     try:
         return dispatch.gdn_choice(problem, chains=chains)[1]

@@ -5,7 +5,10 @@ With a GPU: prefill (each prefill kernel of the arch: SM90 on ``sm_90a``, the tc
 :func:`cutedsl_attn.selfcheck.check_prefill`), paged decode, the gated delta rule and MLA (through the public
 API), each case compared with the oracle; a table of pass / FAIL with the relative error of O, the first
 call's seconds (the compile or the disk-cache load included) and the median time of a call (CUDA events
-around the call: kernel and host launch cost).  The SM100 rows run last, so a device fault there cannot hide
+around the call: kernel and host launch cost).  The prefill and decode rows also time the peers installed here
+on the same inputs (:func:`installed_peers`: FlashInfer's ragged prefill and paged decode wrappers,
+FlashAttention-4's ``flash_attn.cute`` varlen forward for prefill), ``-`` where none is; a peer that raises is
+reported in the row's note, never fails the row.  The SM100 rows run last, so a device fault there cannot hide
 the other results.  Exit status 1 when any case fails or raises, else 0.
 
 Without a GPU nothing can run: the command says so, cross-compiles the prefill and decode kernels of the
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import statistics
 import sys
@@ -23,7 +27,8 @@ import time
 
 import torch
 
-__all__ = ["Row", "format_table", "gpu_matrix", "cross_compile_matrix", "main"]
+__all__ = ["Row", "Peers", "PEER_MODULES", "installed_peers", "format_table", "gpu_matrix", "cross_compile_matrix",
+           "main"]
 
 BF16, FP16 = torch.bfloat16, torch.float16
 _O_TOL = {BF16: 1e-2, FP16: 4e-3}
@@ -42,7 +47,10 @@ DECODE_CASES = (("bf16 d128 G4 page16", BF16, 128, 4, 16, (1, 77, 1000, 4097)),
 class Row:
     """One line of the table: ``status`` is ``pass``, ``FAIL``, ``error``, ``built`` (cross-compiled) or
     ``skip``; ``err``: relative error of O; ``first_s``: seconds of the first call (compile or load included);
-    ``call_us``: median microseconds of a call; ``note``: why it failed or was skipped."""
+    ``call_us``: median microseconds of a call; ``note``: why it failed or was skipped (and a peer's error);
+    ``peers``: the installed peers' median microseconds per call on the same inputs (``"flashinfer 12.3 fa4
+    9.8"``; ``name n/a``: the peer cannot express the case, ``name error``: it raised), ``-`` where no peer of
+    the op is installed, empty for the ops peers are not timed on."""
 
     op: str
     kernel: str
@@ -52,14 +60,15 @@ class Row:
     first_s: float | None = None
     call_us: float | None = None
     note: str = ""
+    peers: str = ""
 
 
 def format_table(rows) -> str:
     """The rows as an aligned text table."""
-    head = ("op", "kernel", "case", "result", "O rel err", "first call s", "us / call", "note")
+    head = ("op", "kernel", "case", "result", "O rel err", "first call s", "us / call", "peers us / call", "note")
     cells = [head] + [(r.op, r.kernel, r.case, r.status, "" if r.err is None else f"{r.err:.2e}",
                        "" if r.first_s is None else f"{r.first_s:.2f}",
-                       "" if r.call_us is None else f"{r.call_us:.1f}", r.note) for r in rows]
+                       "" if r.call_us is None else f"{r.call_us:.1f}", r.peers, r.note) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head) - 1)]
     return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(len(widths))) + "  " + c[-1] for c in cells)
 
@@ -76,6 +85,130 @@ def _call_us(fn, reps: int = 10) -> float:
         b.synchronize()
         ts.append(a.elapsed_time(b) * 1e3)
     return statistics.median(ts)
+
+
+#: The peer libraries timed beside the prefill / decode rows: table name -> module imported.
+PEER_MODULES = {"flashinfer": "flashinfer", "fa4": "flash_attn.cute"}
+
+
+def installed_peers() -> dict:
+    """Table name -> module of each :data:`PEER_MODULES` entry importable here; an import that fails other than
+    with ImportError (a broken install) maps to its exception, which the rows then report.  Absent ones are
+    left out."""
+    found = {}
+    for name, module in PEER_MODULES.items():
+        try:
+            found[name] = importlib.import_module(module)
+        except ImportError:
+            continue
+        except Exception as e:  # noqa: BLE001 - reported in the rows, not fatal
+            found[name] = e
+    return found
+
+
+@dataclasses.dataclass
+class Peers:
+    """The installed peers (:func:`installed_peers`) and the prefill cells already timed (``case label ->
+    (cell, note)``: every prefill kernel's row of a case shows the one timing)."""
+
+    modules: dict
+    prefill_cells: dict = dataclasses.field(default_factory=dict)
+
+
+def _peer_cell(makers: dict) -> tuple[str, str]:
+    """``(cell, note)`` of the peers of one row: ``makers`` maps a peer's name to None (it cannot express the
+    case) or to a callable that plans the peer and returns its no-argument call, timed with :func:`_call_us`.
+    A peer raising (its import, plan or call) gives ``name error`` and its message in the note."""
+    if not makers:
+        return "-", ""
+    cells, notes = [], []
+    for name, make in makers.items():
+        if make is None:
+            cells.append(f"{name} n/a")
+            continue
+        try:
+            cells.append(f"{name} {_call_us(make()):.1f}")
+        except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not the row's
+            cells.append(f"{name} error")
+            notes.append(f"peer {name}: {type(e).__name__}: {str(e)[:120]}")
+    return " ".join(cells), "; ".join(notes)
+
+
+def _guarded_cell(build) -> tuple[str, str]:
+    """:func:`_peer_cell` of ``build()``'s makers; ``build`` raising (the peers' inputs) gives ``error`` and its
+    message, not a lost row."""
+    try:
+        return _peer_cell(build())
+    except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not the row's
+        return "error", f"peers: {type(e).__name__}: {str(e)[:120]}"
+
+
+def _raises(e: BaseException):
+    def make():
+        raise e
+    return make
+
+
+def _prefill_peer_makers(modules: dict, problem, dev) -> dict:
+    """Peer makers (:func:`_peer_cell`) on the prefill self-check's problem for ``problem`` (seed 0: the inputs
+    :func:`cutedsl_attn.selfcheck.check_prefill` runs): FlashInfer's ragged prefill wrapper (no sinks in its
+    API: ``n/a`` with sinks) and FlashAttention-4's varlen forward."""
+    from . import selfcheck as sc
+
+    case = sc._prefill_case(problem, 0)  # (the check's own inputs)
+    qo_ip, kv_ip = sc._indptr(sc._QO_LENS), sc._indptr(sc._KV_LENS)
+    tk = int(kv_ip[-1])
+    hq, hkv = case["num_qo_heads"], case["k"].shape[1]
+    dqk, dvo, dtype = problem.head_dim_qk, problem.head_dim_vo, case["q"].dtype
+    q, k, v = case["q"].to(dev), case["k"][:tk].to(dev), case["v"][:tk].to(dev)
+    qo_d, kv_d = qo_ip.to(dev), kv_ip.to(dev)
+    sinks = None if case["sinks"] is None else case["sinks"].to(dev)
+    makers = {}
+    fi = modules.get("flashinfer")
+    if isinstance(fi, BaseException):
+        makers["flashinfer"] = _raises(fi)
+    elif fi is not None:
+        def fi_prefill():
+            w = fi.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=dev), "NHD")
+            w.plan(qo_d, kv_d, hq, hkv, dqk, head_dim_vo=dvo, causal=case["causal"], sm_scale=case["sm_scale"],
+                   q_data_type=dtype, kv_data_type=dtype)
+            return lambda: w.run(q, k, v)
+
+        makers["flashinfer"] = None if sinks is not None else fi_prefill
+    fa4 = modules.get("fa4")
+    if isinstance(fa4, BaseException):
+        makers["fa4"] = _raises(fa4)
+    elif fa4 is not None:
+        def fa4_prefill():
+            kw = dict(cu_seqlens_q=qo_d, cu_seqlens_k=kv_d, max_seqlen_q=max(sc._QO_LENS),
+                      max_seqlen_k=max(sc._KV_LENS), softmax_scale=case["sm_scale"], causal=case["causal"])
+            if sinks is not None:
+                kw["learnable_sink"] = sinks
+            return lambda: fa4.flash_attn_varlen_func(q, k, v, **kw)
+
+        makers["fa4"] = fa4_prefill
+    return makers
+
+
+def _decode_peer_makers(modules: dict, plan_args: tuple, plan_kw: dict, q, cache) -> dict:
+    """Peer makers (:func:`_peer_cell`) of a decode row: FlashInfer's paged decode wrapper planned with the
+    row's own ``plan`` arguments and run on its ``q`` / ``cache`` (device tensors)."""
+    fi = modules.get("flashinfer")
+    if isinstance(fi, BaseException):
+        return {"flashinfer": _raises(fi)}
+    if fi is None:
+        return {}
+
+    def fi_decode():
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device=q.device), "NHD")
+        w.plan(*plan_args, **plan_kw)
+        return lambda: w.run(q, cache)
+
+    return {"flashinfer": fi_decode}
+
+
+def _with(note: str, extra: str) -> str:
+    return "; ".join(x for x in (note, extra) if x)
 
 
 def _rel(x, y) -> float:
@@ -98,7 +231,7 @@ def _prefill_kernels(arch: str) -> tuple[str, ...]:
             "sm_103a": ("portable", "sm100")}.get(arch, ("portable",))
 
 
-def _prefill_rows(arch: str, kernel: str):
+def _prefill_rows(arch: str, kernel: str, peers: Peers | None = None):
     from . import dispatch
     from .selfcheck import check_prefill
 
@@ -114,11 +247,17 @@ def _prefill_rows(arch: str, kernel: str):
         first = time.perf_counter() - t0
         timings: dict = {}
         v = check_prefill(choice, dispatch.prefill_choice(p, kernel="portable"), timings=timings)
+        cell, peer_note = "", ""
+        if peers is not None:
+            if label not in peers.prefill_cells:
+                peers.prefill_cells[label] = _guarded_cell(
+                    lambda: _prefill_peer_makers(peers.modules, p, torch.device("cuda")))
+            cell, peer_note = peers.prefill_cells[label]
         yield Row("prefill", choice.name, label, "pass" if v.passed else "FAIL", v.candidate_err, first,
-                  timings.get("candidate_us"), "" if v.passed else v.detail)
+                  timings.get("candidate_us"), _with("" if v.passed else v.detail, peer_note), cell)
 
 
-def _decode_rows():
+def _decode_rows(peers: Peers | None = None):
     import cutedsl_attn as ca
 
     from . import ref
@@ -135,7 +274,8 @@ def _decode_rows():
         cache = torch.randn(pool, 2, ps, hkv, d, generator=g).to(dtype)
         q = torch.randn(len(lens), hkv * group, d, generator=g).to(dtype)
         w = ca.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=dev), "NHD")
-        w.plan(indptr.to(dev), indices.to(dev), last.to(dev), hkv * group, hkv, d, ps, q_data_type=dtype)
+        plan_args = (indptr.to(dev), indices.to(dev), last.to(dev), hkv * group, hkv, d, ps)
+        w.plan(*plan_args, q_data_type=dtype)
         q_d, cache_d = q.to(dev), cache.to(dev)
         t0 = time.perf_counter()
         out, lse = w.run(q_d, cache_d, return_lse=True)
@@ -146,7 +286,12 @@ def _decode_rows():
         d_lse = (lse.double().cpu() - lse_ref.double()).abs().max().item()
         status, note = _verdict(err, _O_TOL[dtype], None if d_lse < _LSE_TOL else f"LSE abs err {d_lse:.2e}")
         kernel = getattr(w._plan.get("choice"), "name", "paged_decode")  # the kernel dispatch took
-        yield Row("decode", kernel, label, status, err, first, _call_us(lambda: w.run(q_d, cache_d)), note)
+        us = _call_us(lambda: w.run(q_d, cache_d))
+        cell, peer_note = "", ""
+        if peers is not None:
+            cell, peer_note = _guarded_cell(lambda: _decode_peer_makers(
+                peers.modules, plan_args, dict(q_data_type=dtype, kv_data_type=dtype), q_d, cache_d))
+        yield Row("decode", kernel, label, status, err, first, us, _with(note, peer_note), cell)
 
 
 def _gdn_rows():
@@ -263,21 +408,31 @@ def _guarded(op: str, kernel: str, rows):
         yield Row(op, kernel, "-", "error", note=f"{type(e).__name__}: {str(e)[:200]}")
 
 
-def gpu_matrix(only: str = ""):
-    """Yields the :class:`Row` of every case on the current GPU (``only``: rows whose op or kernel contain it)."""
+def gpu_matrix(only: str = "", peers: bool = True):
+    """Yields the :class:`Row` of every case on the current GPU (``only``: rows whose op or kernel contain it;
+    ``peers``: time the installed peers beside the prefill and decode rows)."""
     from .compile import device_arch
 
     arch = device_arch()
     kernels = _prefill_kernels(arch)
-    groups = [("prefill", f"prefill_{k}", lambda k=k: _prefill_rows(arch, k)) for k in kernels if k != "sm100"]
-    groups += [("decode", "paged_decode", _decode_rows), ("gdn", "gdn_chunked", _gdn_rows),
-               ("gdn", "kda_chunked", _kda_rows),
-               ("mla", "mla_decode_portable", _mla_rows)]
-    groups += [("prefill", "prefill_sm100", lambda: _prefill_rows(arch, "sm100")) for k in kernels if k == "sm100"]
-    for op, kernel, make in groups:
-        if only and only not in op and only not in kernel:
-            continue
-        yield from _guarded(op, kernel, make())
+    found = None  # (the peers are imported only when a prefill or decode row runs)
+    # (op, the kernels its rows name, the rows): ``only`` keeps a group naming a matching op or kernel, then the
+    # rows whose op or kernel match
+    groups = [("prefill", (f"prefill_{k}",), lambda k=k: _prefill_rows(arch, k, found))
+              for k in kernels if k != "sm100"]
+    groups += [("decode", ("paged_decode",), lambda: _decode_rows(found)),
+               ("gdn", ("gdn_chunked_sm90", "gdn_chunked", "gdn_recurrent"), _gdn_rows),
+               ("gdn", ("kda_chunked",), _kda_rows),
+               ("mla", ("mla_decode_portable",), _mla_rows)]
+    groups += [("prefill", ("prefill_sm100",), lambda: _prefill_rows(arch, "sm100", found))
+               for k in kernels if k == "sm100"]
+    groups = [g for g in groups if not only or only in g[0] or any(only in k for k in g[1])]
+    if peers and any(op in ("prefill", "decode") for op, _, _ in groups):
+        found = Peers(installed_peers())
+    for op, names, make in groups:
+        for row in _guarded(op, names[0], make()):
+            if not only or only in row.op or only in row.kernel:
+                yield row
 
 
 def cross_compile_matrix(arch: str, only: str = ""):
@@ -305,12 +460,26 @@ def cross_compile_matrix(arch: str, only: str = ""):
     from .planning.gdn import GdnProblem
     from .planning.mla import MlaProblem
 
+    from .portable import gdn_chunked, kda_chunked
+    from .sm90 import gdn_chunked as gdn_chunked_sm90
+
     gp = GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, use_qk_l2norm=True, arch=arch)
-    if not only or only in "gdn" or only in "gdn_chunked":
-        yield _build_module("gdn", "gdn_chunked", "bf16 K=V=128 l2norm", lambda: dispatch.gdn_choice(gp))
+    kp = dataclasses.replace(gp, gate_domain="log", gate_per_channel=True)
+    gdn_kernels = [(gdn_chunked, gp, "bf16 K=V=128 l2norm"), (kda_chunked, kp, "KDA bf16 K=V=128 l2norm")]
+    if arch == "sm_90a":
+        gdn_kernels.insert(0, (gdn_chunked_sm90, gp, "bf16 K=V=128 l2norm"))
+    for mod, prob, label in gdn_kernels:  # each chunked kernel this arch builds, not only dispatch's pick
+        if not only or only in "gdn" or only in mod.NAME:
+            yield _build_module("gdn", mod.NAME, label, lambda m=mod, p=prob: (
+                m, m.Config(p, m.default_tiles(p, num_sms=132))))
+    from .portable import mla_decode
+    from .sm90 import mla as mla_sm90
+
     mp = MlaProblem(dtype="bfloat16", page_size=64, causal=False, arch=arch)
-    if not only or only in "mla" or only in "mla_decode_portable":
-        yield _build_module("mla", "mla_decode_portable", "bf16 page64", lambda: dispatch.mla_choice(mp))
+    for mod in (mla_decode,) + ((mla_sm90,) if arch == "sm_90a" else ()):  # the SM90 one: opt-in, built here
+        if not only or only in "mla" or only in mod.NAME:
+            yield _build_module("mla", mod.NAME, "bf16 page64", lambda m=mod: (
+                m, m.Config(mp, m.default_tiles(mp, num_sms=132))))
 
 
 def _build(op, kernel, label, choose) -> Row:
@@ -344,11 +513,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m cutedsl_attn selfcheck",
         description="Run every kernel of this GPU against the float64 oracle on a short matrix and print a "
-                    "pass/fail table with timings.  Without a GPU: say so, cross-compile the prefill and decode "
-                    "(and decode, GDN, MLA) kernels of the matrix for --arch and exit 0 when every build succeeds.")
+                    "pass/fail table with timings (and the installed peers' on the prefill and decode cases: "
+                    "FlashInfer, FlashAttention-4).  Without a GPU: say so, cross-compile the prefill and decode "
+                    "kernels of the matrix, the chunked GDN / KDA kernels and the MLA kernels for --arch and exit "
+                    "0 when every build succeeds.")
     ap.add_argument("--arch", default="sm_100a",
                     help="without a GPU: the architecture to cross-compile for (default sm_100a); ignored with one")
     ap.add_argument("--only", default="", help="only the rows whose op or kernel name contains this text")
+    ap.add_argument("--no-peers", action="store_true",
+                    help="with a GPU: do not time the installed peers (FlashInfer, FlashAttention-4)")
     return ap
 
 
@@ -372,7 +545,7 @@ def main(argv=None) -> int:
     else:
         print(f"{torch.cuda.get_device_name()} ({dev}): every kernel of this GPU against the float64 oracle",
               flush=True)
-        source = gpu_matrix(args.only)
+        source = gpu_matrix(args.only, peers=not args.no_peers)
     for row in source:
         rows.append(row)
         print(f"  {row.op} {row.kernel} {row.case}: {row.status}", file=sys.stderr, flush=True)

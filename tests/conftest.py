@@ -15,3 +15,19 @@ def cross_compile_sm90(monkeypatch):
 def rec(monkeypatch):
     """Every kernel launch recorded instead of run (:class:`_kernel_stubs.Recorder`)."""
     return Recorder().install(monkeypatch)
+
+
+@pytest.fixture
+def selfcheck_isolated(monkeypatch, tmp_path):
+    """A fresh disk cache, no self-check verdict or kernel choice left from another test, the check on."""
+    from cutedsl_attn import dispatch
+    from cutedsl_attn.compile import selfcheck as verdicts
+
+    monkeypatch.setenv("CUTEDSL_ATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("CUTEDSL_ATTN_DISABLE_DISK_CACHE", raising=False)
+    monkeypatch.delenv("CUTEDSL_ATTN_SELFCHECK", raising=False)
+    monkeypatch.delenv("CUTEDSL_ATTN_PREFILL_KERNEL", raising=False)
+    monkeypatch.setattr(dispatch, "_CHOICES", {})
+    verdicts.clear_verdicts()
+    yield
+    verdicts.clear_verdicts()

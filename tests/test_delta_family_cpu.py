@@ -373,6 +373,9 @@ def test_state_aliasing_errors():
     (dict(backend="cudnn", ssm_state_indices=torch.tensor([0, 1, 2])), NotImplementedError,
      "cudnn.*ssm_state_indices"),
     (dict(backend="cudnn", disable_state_update=True), NotImplementedError, "cudnn.*disable_state_update"),
+    # a reshape of a strided output would be a copy that cuDNN writes instead of the caller's tensor
+    (dict(backend="cudnn", output=torch.empty(3, 1, 64, 4).bfloat16().transpose(2, 3)), ValueError,
+     "output must be contiguous"),
 ])
 def test_kda_argument_errors(over, exc, pattern):
     with pytest.raises(exc, match=pattern):

@@ -218,6 +218,9 @@ def test_valid_call_reaches_the_device_check():
     (dict(_cp_chunk_len=64), NotImplementedError, "_cp_chunk_len"),
     (dict(gate_domain="exp"), ValueError, "gate_domain"),
     (dict(q=[1, 2]), TypeError, "q must be a torch.Tensor"),
+    (dict(state_indices=torch.tensor([0, 1])), ValueError, "state_indices needs initial_state or output_state"),
+    (dict(g=torch.full((8, 4), 0.5), gate_domain="log"), ValueError, "log-space decay <= 0"),
+    (dict(g=torch.full((8, 4), float("nan")), gate_domain="log"), ValueError, "log-space decay <= 0"),
 ])
 def test_argument_errors(over, exc, pattern):
     with pytest.raises(exc, match=pattern):

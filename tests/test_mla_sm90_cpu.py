@@ -82,6 +82,8 @@ def test_dispatch_opt_in(monkeypatch):
     with pytest.raises(ValueError, match="CUTEDSL_ATTN_MLA_TUNE"):
         d.mla_choice(p)
     monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE")
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "auto")  # the verified portable kernel, as unset
+    assert d.mla_choice(p)[0].NAME == "mla_decode_portable"
     monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "fa3")
     with pytest.raises(ValueError, match="CUTEDSL_ATTN_MLA_KERNEL"):
         d.mla_choice(p)

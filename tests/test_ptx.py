@@ -1102,8 +1102,10 @@ def test_config_mla_and_gdn():
     assert g.problem == GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, arch="sm_90a")
     assert g == dispatch.gdn_choice(g.problem)[1]
     assert ci.config("gdn", "sm_90a", chains=4) == dispatch.gdn_choice(g.problem, chains=4)[1]
-    for keys in (dict(decode=True), dict(state_k_major=True), dict(gate_per_channel=True)):
+    for keys in (dict(decode=True), dict(state_k_major=True), dict(gate_per_channel=True, gate_domain="linear")):
         assert isinstance(ci.config("gdn", "sm_100a", **keys), gdn_recurrent.Config), keys
+    kda = ci.config("gdn", "sm_100a", gate_per_channel=True)  # KDA / GDN-2 take log gates: the chunked kernel
+    assert kda.problem.gate_domain == "log" and kda.__class__.__module__ == "cutedsl_attn.portable.kda_chunked"
     gdp = ci.config("gdn", "sm_100a", num_householder=2)  # Gated DeltaProduct: GDN on the expanded timeline
     assert isinstance(gdp, gdn_chunked.Config) and gdp.problem.num_householder == 1
 
@@ -1129,8 +1131,9 @@ def test_gdn_forced_kernel_refusal_is_a_value_error(monkeypatch):
     from cutedsl_attn.dispatch import gdn
 
     monkeypatch.setenv(gdn.GDN_KERNEL_ENV, "chunked")
-    with pytest.raises(ValueError, match="chunked"):
-        ci.config("gdn", "sm_90a", decode=True)
+    with pytest.raises(ValueError, match="chunked"):  # a problem of its family it cannot serve
+        ci.config("gdn", "sm_90a", state_k_major=True)
+    assert ci.config("gdn", "sm_90a", decode=True).__class__.__module__.endswith("gdn_recurrent")  # outside it
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -11,8 +11,10 @@ emulated from their ``PrefillArgs`` (``Emulated``), which pass, and a wrong read
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import types
 import warnings
 
 import pytest
@@ -34,17 +36,7 @@ from _kernel_stubs import Recorder  # pytest puts tests/ on sys.path
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path):
-    """A fresh disk cache, no verdict or choice left from another test, the check on."""
-    monkeypatch.setenv("CUTEDSL_ATTN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("CUTEDSL_ATTN_DISABLE_DISK_CACHE", raising=False)
-    monkeypatch.delenv("CUTEDSL_ATTN_SELFCHECK", raising=False)
-    monkeypatch.delenv("CUTEDSL_ATTN_PREFILL_KERNEL", raising=False)
-    monkeypatch.setattr(dispatch, "_CHOICES", {})
-    verdicts.clear_verdicts()
-    yield
-    verdicts.clear_verdicts()
+pytestmark = pytest.mark.usefixtures("selfcheck_isolated")  # tests/conftest.py: a fresh cache, no verdicts
 
 
 def sm100_cfg(**kw):
@@ -549,57 +541,3 @@ def test_fp16_and_the_seed():
     sc.check_prefill(a, a, device="cpu", seed=3)
     sc.check_prefill(b, b, device="cpu", seed=4)
     assert not torch.equal(a.args[0].q, b.args[0].q)
-
-
-# ----------------------------------------------------------------------------- python -m cutedsl_attn selfcheck
-def test_cli_without_a_gpu_cross_compiles_and_reports(monkeypatch, capsys):
-    from cutedsl_attn import __main__ as cli
-    from cutedsl_attn import selfcheck_cli
-
-    seen = []
-
-    def fake_matrix(arch, only=""):
-        seen.append((arch, only))
-        yield selfcheck_cli.Row("prefill", "prefill_sm100", "bf16 d128 G4 causal", "built", first_s=1.5)
-
-    monkeypatch.setattr(selfcheck_cli, "cross_compile_matrix", fake_matrix)
-    assert cli.main(["selfcheck", "--arch", "blackwell", "--only", "sm100"]) == 0
-    out = capsys.readouterr().out
-    assert seen == [("sm_100a", "sm100")] and "no CUDA GPU" in out and "prefill_sm100" in out and "built" in out
-
-    def failing(arch, only=""):
-        yield selfcheck_cli.Row("decode", "paged_decode", "bf16", "error", note="RuntimeError: boom")
-
-    monkeypatch.setattr(selfcheck_cli, "cross_compile_matrix", failing)
-    assert cli.main(["selfcheck"]) == 1 and "RuntimeError: boom" in capsys.readouterr().out
-    assert cli.main(["selfcheck", "--arch", "sm_77"]) == 2
-    monkeypatch.setattr(selfcheck_cli, "cross_compile_matrix", lambda arch, only="": iter(()))
-    assert cli.main(["selfcheck", "--only", "nosuchkernel"]) == 2  # an empty selection is not a pass
-    assert "no case matches" in capsys.readouterr().err
-
-
-def test_cli_gpu_matrix_runs_every_kernel_and_sm100_last(monkeypatch):
-    from cutedsl_attn import compile as compile_pkg
-    from cutedsl_attn import selfcheck_cli
-
-    monkeypatch.setattr(compile_pkg, "device_arch", lambda device=None: "sm_100a")
-
-    def rows(op, kernel):
-        return lambda *a: iter([selfcheck_cli.Row(op, kernel, "case", "pass")])
-
-    monkeypatch.setattr(selfcheck_cli, "_prefill_rows", lambda arch, k: iter([
-        selfcheck_cli.Row("prefill", f"prefill_{k}", arch, "pass")]))
-    monkeypatch.setattr(selfcheck_cli, "_decode_rows", rows("decode", "paged_decode"))
-    monkeypatch.setattr(selfcheck_cli, "_gdn_rows", rows("gdn", "gdn_recurrent"))
-    monkeypatch.setattr(selfcheck_cli, "_kda_rows", rows("gdn", "kda_chunked"))
-
-    def raises():
-        raise RuntimeError("no MLA here")
-        yield  # a generator
-
-    monkeypatch.setattr(selfcheck_cli, "_mla_rows", raises)
-    got = list(selfcheck_cli.gpu_matrix())
-    assert [r.kernel for r in got] == ["prefill_portable", "paged_decode", "gdn_recurrent", "kda_chunked",
-                                       "mla_decode_portable", "prefill_sm100"]
-    assert got[4].status == "error" and "no MLA here" in got[4].note and got[-1].case == "sm_100a"
-    assert [r.kernel for r in selfcheck_cli.gpu_matrix(only="prefill")] == ["prefill_portable", "prefill_sm100"]

@@ -7,9 +7,10 @@ with contiguous grouping, the state V-major ``[N, HO, V, K]`` float32 or bfloat1
 after the token's update.  Gates: GDN-2 and KDA natural-log decay per key channel, GDP linear alpha per head.
 
 Backends (``backend`` in ``"auto"``, ``"cute"``, ``"cudnn"``): ``"cute"`` is this package's CuTe DSL kernels
-(Gated DeltaProduct: the chunked GDN kernel of :mod:`cutedsl_attn.portable.gdn_chunked` on the expanded
-timeline; GDN-2 and KDA: the token-serial recurrent kernel of :mod:`cutedsl_attn.portable.gdn_recurrent`, its
-per-channel / erase-write variants; ``CUTEDSL_ATTN_GDN_KERNEL=recurrent`` runs GDP on its sub-token variant);
+(Gated DeltaProduct: the chunked GDN kernels on the expanded timeline; GDN-2 and KDA prefill: the per-channel
+chunked kernel of :mod:`cutedsl_attn.portable.kda_chunked`; the KDA decode step: the token-serial recurrent kernel
+of :mod:`cutedsl_attn.portable.gdn_recurrent`; ``CUTEDSL_ATTN_GDN_KERNEL=recurrent`` runs all of them on the
+recurrent kernel, GDP on its sub-token variant);
 ``"cudnn"`` the cuDNN frontend graphs of :mod:`cutedsl_attn.api.cudnn_linear`.  ``"auto"``
 never picks cuDNN for KDA; for GDN-2 and GDP (which FlashInfer serves only through cuDNN) it picks cuDNN where
 cuDNN's engines run them (an SM100-family GPU with cudnn-frontend >= 1.29, K = V = 128) and our kernels
@@ -73,15 +74,16 @@ def _inputs(op, q, k, v, n_h=1):
     return q3, k3, v3, nd, T, hq, hk, hv, K, V, max(hq, hv)
 
 
-def _fgate(op, name, t, shape, nd, dev, dtypes=_FLOATS):
+def _fgate(op, name, t, shape, nd, dev, dtypes=_FLOATS, given=None):
     """A gate of ``shape`` (a leading 1 dropped for 4-D inputs), a float dtype of ``dtypes``, last dim
-    contiguous; None stays None."""
+    contiguous; None stays None.  ``given``: the caller's shape, for the message, when ``t`` is a reshaped view."""
     if t is None:
         return None
     _g._tensor(name, t)
     x = t[0] if (nd == 4 and t.dim() == len(shape) + 1 and t.shape[0] == 1) else t
     if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{op}: {name} must be {list(shape)}, got {tuple(t.shape)}")
+        flat = "" if given is None else " (batch and time flattened)"
+        raise ValueError(f"{op}: {name} must be {list(shape)}{flat}, got {tuple(t.shape if given is None else given)}")
     if x.dtype not in dtypes:
         raise ValueError(f"{op}: {name} must be one of {[str(d).replace('torch.', '') for d in dtypes]}, got "
                          f"{x.dtype}")
@@ -416,7 +418,9 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
         from .cudnn_linear import cudnn_recurrent_kda
         flat = [x.reshape(1, -1, *x.shape[-2:]) if x.dim() == 4 else x for x in (q, k, v, g)]
         b_flat = beta.reshape(1, -1, beta.shape[-1]) if beta.dim() == 3 else beta
-        o_flat = None if output is None else output.reshape(flat[2].shape)
+        if output is not None and not output.is_contiguous():  # a reshape would copy: cuDNN would write the copy
+            raise ValueError(f"{op}: output must be contiguous with backend='cudnn', got strides {output.stride()}")
+        o_flat = None if output is None else output.view(flat[2].shape)
         cu = cu_seqlens.to(q.device) if cu_seqlens is not None else None
         o, st = cudnn_recurrent_kda(*flat, b_flat, A_log, dt_bias, scale, initial_state, output_final_state,
                                     use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, cu, beta_is_logit,
@@ -435,8 +439,9 @@ def recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initia
         raise ValueError(f"{op}: HV must be a multiple of H (KDA shares q / k heads across value heads), got "
                          f"H={H}, HV={hv}")
     _head_dims(op, K, V)
-    g3 = _fgate(op, "g", g.reshape(-1, *g.shape[-2:]) if g.dim() == 4 else g, (T, hv, K), 3, dev)
-    b2 = _fgate(op, "beta", beta.reshape(-1, beta.shape[-1]) if beta.dim() == 3 else beta, (T, hv), 3, dev)
+    g3 = _fgate(op, "g", g.reshape(-1, *g.shape[-2:]) if g.dim() == 4 else g, (T, hv, K), 3, dev, given=g.shape)
+    b2 = _fgate(op, "beta", beta.reshape(-1, beta.shape[-1]) if beta.dim() == 3 else beta, (T, hv), 3, dev,
+                given=beta.shape)
     if use_gate_in_kernel:
         _fgate(op, "A_log", A_log, (hv,), 3, dev)
         _g._tensor("dt_bias", dt_bias)

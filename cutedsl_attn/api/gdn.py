@@ -244,7 +244,7 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
             ``output_final_state``.  Must not overlap ``initial_state``, except the very same tensor with
             ``state_indices`` (an in-place pool update).
         state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens, _cp_chunk_len: not served.
-        use_cp: ``"auto"`` (context parallel when it pays, above), True (always, at least 2 segments a
+        use_cp: ``"auto"`` (the plain launch for now, above), True (context parallel, at least 2 segments a
             sequence) or False (never).
         state_indices: ``[N]`` int32 / int64 pool rows of each sequence's initial and final state, unique.
         backend: ``"auto"`` or ``"cute"`` (the CuTe DSL kernel), or ``"cudnn"`` (never chosen implicitly):
@@ -388,6 +388,10 @@ def _plan_prefill(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         checks.append((((g3 < 0) | (g3 > 1) | torch.isnan(g3)).any(),
                        "g must be a linear-space alpha in [0, 1] with gate_domain='linear' (log-space gates need "
                        "gate_domain='log')"))
+    elif g3 is not None:  # as GDN-2 and KDA check their log gates
+        checks.append((((g3 > 0) | torch.isnan(g3)).any(),
+                       "g must be a log-space decay <= 0 (not NaN) with gate_domain='log' (linear alphas need "
+                       "gate_domain='linear')"))
     checks += _index_checks(cu_seqlens, T, state_indices, h0, ht)
     _value_checks(checks)
     _require_cuda(dev)
@@ -439,6 +443,8 @@ def _states_arg(initial_state, output_state, output_final_state, state_indices, 
     ht = _state("output_state", output_state, ho, V, K, dev)
     if state_indices is not None:
         _index_tensor("state_indices", state_indices, n_seq, dev)
+        if h0 is None and ht is None:  # the indices would index nothing: refused, not ignored
+            raise ValueError("state_indices needs initial_state or output_state (the pool its rows index)")
         if output_final_state and ht is None:
             raise ValueError("output_final_state with state_indices needs an explicit output_state (the pool)")
     for name, st in (("initial_state", h0), ("output_state", ht)):

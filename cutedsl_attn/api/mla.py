@@ -34,7 +34,8 @@ def _check_backend(backend) -> str:
     if backend in _FLASHINFER_BACKENDS:
         raise NotImplementedError(f"backend={backend!r} is not served; MLA backends here: 'auto', 'cute' "
                                   "(the CuTe DSL kernel)")
-    raise ValueError(f"backend must be one of {_BACKENDS + _FLASHINFER_BACKENDS}, got {backend!r}")
+    raise ValueError(f"backend must be one of {_BACKENDS} (FlashInfer's {_FLASHINFER_BACKENDS} are not served), "
+                     f"got {backend!r}")
 
 
 def _check_dtype(name: str, value) -> torch.dtype:

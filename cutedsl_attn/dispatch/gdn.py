@@ -208,9 +208,10 @@ def gdn_cp_segments(problem: GdnProblem, args: GdnArgs, use_cp, *, device_index:
     """Segments a sequence for the context-parallel path of a GDN prefill launch (1: the plain launch), from
     host-known shapes only (N, HO, T, the SM count: no sync).
 
-    ``use_cp`` (FlashInfer's): ``False`` never; ``True`` always (at least 2 segments); ``"auto"`` when FlashInfer's
-    SM90 rule holds (``N * HO * 2 < num_SMs``) and a one-wave split gives each sequence more segments than the
-    path makes kernel runs (:func:`cutedsl_attn.planning.gdn_cp.cp_num_segments`).
+    ``use_cp`` (FlashInfer's): ``False`` never; ``True`` always (at least 2 segments); ``"auto"``: 1 while
+    :data:`cutedsl_attn.planning.gdn_cp.CP_AUTO` is off (the path measured slower), else when FlashInfer's SM90
+    rule holds (``N * HO * 2 < num_SMs``) and a one-wave split gives each sequence more segments than the path
+    makes kernel runs (:func:`cutedsl_attn.planning.gdn_cp.cp_num_segments`).
 
     Raises NotImplementedError for ``use_cp=True`` on a problem the path does not serve (the decode step, the
     rest of the delta-rule family, a K-major state) or a batch too large to split; ValueError for a ``use_cp``

@@ -2,7 +2,7 @@
 
 The portable decode kernel (query heads x qo_len rows packed into 16-row mma.sync tiles; multi-token rows
 bottom-right causal; 16-bit or fp8 e4m3 caches) serves every MLA problem on every arch by default.
-``CUTEDSL_ATTN_MLA_KERNEL=sm90`` opts in to the SM90 kernel (:mod:`cutedsl_attn.sm90.mla`: wgmma, 64-row tiles,
+``CUTEDSL_ATTN_MLA_KERNEL=sm90`` (``auto``, the default, and ``portable`` take the portable one) opts in to the SM90 kernel (:mod:`cutedsl_attn.sm90.mla`: wgmma, 64-row tiles,
 16-bit caches, page size 64) where it serves the problem (the portable kernel serves the rest); ``=portable``
 (the default) forces the portable kernel.  Under torch.compile the launch is the custom op
 cutedsl_attn::mla_decode_portable or cutedsl_attn::mla_decode_sm90.
@@ -24,8 +24,8 @@ from ..sm90 import mla as _mla_sm90
 from . import _dtype_name, _override, _parse_tune, num_sms
 
 MLA_TUNE_ENV = "CUTEDSL_ATTN_MLA_TUNE"  # "key=value,..." over the MLA kernel's Tiles fields: tuning experiments
-MLA_KERNEL_ENV = "CUTEDSL_ATTN_MLA_KERNEL"  # "portable" (default) or "sm90" (opt-in until verified on the H200)
-_MLA_KERNELS = ("portable", "sm90")
+MLA_KERNEL_ENV = "CUTEDSL_ATTN_MLA_KERNEL"  # "auto" (default: portable), "portable" or "sm90" (opt-in until run)
+_MLA_KERNELS = ("auto", "portable", "sm90")
 
 _MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
 
@@ -48,7 +48,8 @@ def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
 
     Raises NotImplementedError naming what is served when no kernel serves the problem; ValueError naming the
     variable for a bad ``CUTEDSL_ATTN_MLA_KERNEL``, a malformed item or a refused combination."""
-    forced = os.environ.get(MLA_KERNEL_ENV, "").strip() or "portable"
+    forced = os.environ.get(MLA_KERNEL_ENV, "").strip() or "auto"
+    forced = "portable" if forced == "auto" else forced  # auto takes the verified portable kernel for now
     if forced not in _MLA_KERNELS:
         raise ValueError(f"{MLA_KERNEL_ENV} must be one of {_MLA_KERNELS}, got {forced!r}")
     m = _mla_portable
