@@ -185,6 +185,30 @@ def gdn_chunked_tensors(io, state_dtype, head_dim_k: int, head_dim_v: int, chunk
     return q, k, v, g, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, w, u, aqk, f
 
 
+def kda_chunked_tensors(io, state_dtype, head_dim_k: int, head_dim_v: int, chunk: int,
+                        erase_write_gates: bool) -> tuple:
+    """Fake tensors of the per-channel (KDA / GDN-2) chunked kernels, in their compiled function's order: the
+    chunked GDN ones (:func:`gdn_chunked_tensors`, the same arguments) with g ``[T, HO, K]`` fp32, beta
+    ``[T, HO]`` (KDA) or ``[T, HO, K + V]`` (GDN-2: ``erase_write_gates``), the token-major Qg / Kd ``[T, HO, K]``
+    (``io``) and F ``[chunks, HO, 2 chunk + K]`` fp32."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    K, V = head_dim_k, head_dim_v
+    q, k, v, _, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, w, u, aqk, _ = gdn_chunked_tensors(
+        io, state_dtype, K, V, chunk)
+
+    def compact(dt, last):
+        return make_fake_compact_tensor(dt, (cute.sym_int(), cute.sym_int(), last), stride_order=(2, 1, 0),
+                                        assumed_align=16)
+
+    g = compact(Float32, K)
+    if erase_write_gates:
+        beta = compact(Float32, K + V)
+    qg, kd = compact(io, K), compact(io, K)
+    f = compact(Float32, 2 * chunk + K)
+    return q, k, v, g, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, qg, kd, w, u, aqk, f
+
+
 def vector_f32():
     """A symbolic-length fp32 vector (e.g. the ALiBi slopes ``[Hq]``)."""
     from cutlass.cute.runtime import make_fake_compact_tensor

@@ -169,3 +169,32 @@ def chunked_launch_tensors(args: GdnArgs, head_dim_k: int, head_dim_v: int) -> t
     aqk = torch.empty(nc, ho, CHUNK, CHUNK, **kw)
     f = torch.empty(nc, ho, 3, CHUNK, device=args.q.device, dtype=torch.float32)
     return chunks, chunk_off, w, u, aqk, f
+
+
+def kda_chunked_launch_tensors(args: GdnArgs, problem: GdnProblem) -> tuple:
+    """``(chunks, chunk_offsets, Qg, Kd, W, U, Aqk, F)`` of a per-channel (KDA / GDN-2) chunked launch: the chunk
+    plan (:func:`plan_chunks`, on the device, no host sync) and the prep kernel's scratch on torch's current
+    stream: Qg / Kd ``[T, HO, K]``, W / U / Aqk ``[chunks, HO, CHUNK, K / V / CHUNK]`` (q's dtype), F
+    ``[chunks, HO, 2 CHUNK + K]`` fp32 -- about ``(4 K + 2 V + 2 CHUNK + 8) CHUNK + 4 K`` bytes a chunk and head.
+
+    Raises ValueError when g / beta do not have the per-channel shapes (:class:`GdnArgs`).
+    """
+    import torch
+
+    T, ho, K, V = args.q.shape[0], args.output.shape[1], problem.head_dim_k, problem.head_dim_v
+    if args.flags & FLAG_HAS_G and (tuple(args.g.shape) != (T, ho, K) or not args.g.is_contiguous()):
+        raise ValueError(f"g must be a contiguous [T, HO, K] = [{T}, {ho}, {K}] fp32 tensor, got "
+                         f"{tuple(args.g.shape)}")
+    want_b = (T, ho, K + V) if problem.erase_write_gates else (T, ho)
+    if tuple(args.beta.shape) != want_b or not args.beta.is_contiguous():
+        raise ValueError(f"beta must be a contiguous {list(want_b)} fp32 tensor, got {tuple(args.beta.shape)}")
+    chunks, chunk_off = plan_chunks(args.cu_seqlens, T)
+    nc = chunks.shape[0]
+    kw = dict(device=args.q.device, dtype=args.q.dtype)
+    qg = torch.empty(T, ho, K, **kw)
+    kd = torch.empty(T, ho, K, **kw)
+    w = torch.empty(nc, ho, CHUNK, K, **kw)
+    u = torch.empty(nc, ho, CHUNK, V, **kw)
+    aqk = torch.empty(nc, ho, CHUNK, CHUNK, **kw)
+    f = torch.empty(nc, ho, 2 * CHUNK + K, device=args.q.device, dtype=torch.float32)
+    return chunks, chunk_off, qg, kd, w, u, aqk, f

@@ -36,11 +36,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..common.dtypes import element_type
 from ..common.kda_prep import DIAG_LIMIT, IO_MAX, PREP_THREADS, KdaPrep, prep_smem_bytes
+from ..common.dtypes import element_type
 from ..compile.arch import compile_options
-from ..compile.fake import gdn_chunked_tensors
-from ..planning.gdn import CHUNK, FLAG_HAS_G, GdnArgs, GdnProblem, plan_chunks
+from ..compile.fake import kda_chunked_tensors
+from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, kda_chunked_launch_tensors
 from . import gdn_chunked as _gdn
 
 NAME = "kda_chunked"
@@ -171,27 +171,8 @@ class KdaChunkedKernel(KdaPrep, _gdn.GdnChunkedKernel):
 
 
 def _fake_args(p: GdnProblem) -> tuple:
-    """Fake tensors in the compiled function's order: the chunked GDN ones (:func:`gdn_chunked_tensors`) with g
-    ``[T, HO, K]`` fp32, beta ``[T, HO]`` (KDA) or ``[T, HO, K + V]`` (GDN-2), the token-major Qg / Kd
-    ``[T, HO, K]`` and F ``[chunks, HO, 2 C + K]``."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    io = element_type(p.dtype)
-    sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
-    K, V = p.head_dim_k, p.head_dim_v
-    q, k, v, _, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, w, u, aqk, _ = gdn_chunked_tensors(
-        io, sdt, K, V, CHUNK)
-
-    def compact(dt, last):
-        return make_fake_compact_tensor(dt, (cute.sym_int(), cute.sym_int(), last), stride_order=(2, 1, 0),
-                                        assumed_align=16)
-
-    g = compact(Float32, K)
-    if p.erase_write_gates:
-        beta = compact(Float32, K + V)
-    qg, kd = compact(io, K), compact(io, K)
-    f = compact(Float32, 2 * CHUNK + K)
-    return q, k, v, g, beta, cu, chunks, chunk_off, h0, h0_idx, ht, ht_idx, o, qg, kd, w, u, aqk, f
+    return kda_chunked_tensors(element_type(p.dtype), cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32,
+                               p.head_dim_k, p.head_dim_v, CHUNK, p.erase_write_gates)
 
 
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
@@ -207,33 +188,9 @@ def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = 
 
 
 def launch_tensors(args: GdnArgs, cfg: Config) -> tuple:
-    """``(chunks, chunk_offsets, Qg, Kd, W, U, Aqk, F)``: the chunk plan (:func:`plan_chunks`, on the device, no
-    host sync) and the prep kernel's scratch on torch's current stream: Qg / Kd ``[T, HO, K]``, W / U / Aqk
-    ``[chunks, HO, C, K / V / C]`` (q's dtype), F ``[chunks, HO, 2 C + K]`` fp32 -- about
-    ``(4 K + 2 V + 2 C + 8) C + 4 K`` bytes a chunk and head.
-
-    Raises ValueError when g / beta do not have the per-channel shapes (:class:`GdnArgs`).
-    """
-    import torch
-
-    p = cfg.problem
-    T, ho, K, V = args.q.shape[0], args.output.shape[1], p.head_dim_k, p.head_dim_v
-    if args.flags & FLAG_HAS_G and (tuple(args.g.shape) != (T, ho, K) or not args.g.is_contiguous()):
-        raise ValueError(f"g must be a contiguous [T, HO, K] = [{T}, {ho}, {K}] fp32 tensor, got "
-                         f"{tuple(args.g.shape)}")
-    want_b = (T, ho, K + V) if p.erase_write_gates else (T, ho)
-    if tuple(args.beta.shape) != want_b or not args.beta.is_contiguous():
-        raise ValueError(f"beta must be a contiguous {list(want_b)} fp32 tensor, got {tuple(args.beta.shape)}")
-    chunks, chunk_off = plan_chunks(args.cu_seqlens, T)
-    nc = chunks.shape[0]
-    kw = dict(device=args.q.device, dtype=args.q.dtype)
-    qg = torch.empty(T, ho, K, **kw)
-    kd = torch.empty(T, ho, K, **kw)
-    w = torch.empty(nc, ho, CHUNK, K, **kw)
-    u = torch.empty(nc, ho, CHUNK, V, **kw)
-    aqk = torch.empty(nc, ho, CHUNK, CHUNK, **kw)
-    f = torch.empty(nc, ho, 2 * CHUNK + K, device=args.q.device, dtype=torch.float32)
-    return chunks, chunk_off, qg, kd, w, u, aqk, f
+    """The chunk plan and the prep's scratch of a launch
+    (:func:`cutedsl_attn.planning.gdn.kda_chunked_launch_tensors`); ValueError for g / beta of the wrong shapes."""
+    return kda_chunked_launch_tensors(args, cfg.problem)
 
 
 def launch(fn, cfg: Config, args: GdnArgs) -> None:
