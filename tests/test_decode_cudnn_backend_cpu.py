@@ -272,7 +272,7 @@ def test_auto_takes_cudnn_and_hands_back_sinks_and_v_scale(emu, small_rule, rec)
 
 
 def test_auto_without_frontend_keeps_ours(monkeypatch, small_rule, rec):
-    monkeypatch.setattr(dispatch, "DECODE_AUTO_CUDNN", dict(dispatch.DECODE_AUTO_CUDNN))
+    monkeypatch.setattr(dispatch.backends, "DECODE_AUTO_CUDNN", dict(dispatch.DECODE_AUTO_CUDNN))
     import cutedsl_attn.cudnn.prefill as cp
 
     monkeypatch.setattr(cp, "cudnn_available", lambda: False)
