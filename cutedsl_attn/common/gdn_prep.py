@@ -55,11 +55,6 @@ def _ld_shared_v4_f32(addr):
                    read_only_args=[Int32(addr)])
 
 
-def _ld_shared_v2_f32(addr):
-    return _inline("ld.shared.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
-                   read_only_args=[Int32(addr)])
-
-
 def _st_f32(addr, a):
     _inline("st.global.f32 [{$r0}], {$r1};", read_only_args=[Int64(addr), Float32(a)])
 
@@ -114,7 +109,6 @@ def _scale_16b(addr, f, io):
         lo, hi = ptx.unpack2(w[q], io)
         out.append(ptx.pack2(lo * f, hi * f, io))
     _st_shared_v4_b32(addr, out)
-
 
 
 class GdnPrep:
@@ -247,7 +241,7 @@ class GdnPrep:
             cute.arch.sync_threads()  # every warp is done with Q
             for i in cutlass.range_constexpr(C // 8):
                 s0 = i * 8 + 2 * t
-                gs = _ld_shared_v2_f32(sG + s0 * 4)
+                gs = ptx.ld_shared_v2_f32(sG + s0 * 4)
                 for e in cutlass.range_constexpr(4):
                     h = e // 2
                     r = r0 + g + 8 * h
@@ -303,7 +297,7 @@ class GdnPrep:
         aqk_base = mAqk.iterator.toint() + blk * (C * C * 2)
         for i in cutlass.range_constexpr(C // 8):
             s0 = i * 8 + 2 * t
-            gs = _ld_shared_v2_f32(sG + s0 * 4)
+            gs = ptx.ld_shared_v2_f32(sG + s0 * 4)
             for h in cutlass.range_constexpr(2):
                 r = r0 + g + 8 * h
                 v0 = scale * acc[4 * i + 2 * h] * ptx.ex2(gr[h] - gs[0])

@@ -40,7 +40,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import ptx
 from .constants import LOG2E
-from .gdn_prep import GdnPrep, _ld_shared_v2_f32, _ld_shared_v4_f32, _st_f32, _st_shared_v4_b32
+from .gdn_prep import GdnPrep, _ld_shared_v4_f32, _st_f32, _st_shared_v4_b32
 from ..planning.gdn import CHUNK, FLAG_HAS_BETA, FLAG_HAS_G
 
 SUB = 16  # tokens a sub-chunk: one warp's 16-row slab
@@ -289,8 +289,8 @@ class KdaPrep(GdnPrep):
             for q in cutlass.range_constexpr(4):
                 r = r0 + g + 8 * (q % 2)
                 col = kk * 16 + 8 * (q // 2) + 2 * t
-                gr = _ld_shared_v2_f32(sG + r * RG + col * 4)
-                gp = _ld_shared_v2_f32(gp_row + col * 4)
+                gr = ptx.ld_shared_v2_f32(sG + r * RG + col * 4)
+                gp = ptx.ld_shared_v2_f32(gp_row + col * 4)
                 f0 = ptx.ex2(gr[0] - cutlass.select_(p >= 0, gp[0], Float32(0.0)))
                 f1 = ptx.ex2(gr[1] - cutlass.select_(p >= 0, gp[1], Float32(0.0)))
                 e0, e1 = ptx.unpack2(ptx.ld_shared_b32(sE + r * RK + col * 2), io)
@@ -349,13 +349,13 @@ class KdaPrep(GdnPrep):
             gr, er, qr = [], [], []
             for h in cutlass.range_constexpr(2):
                 r = r0 + g + 8 * h
-                gr.append(_ld_shared_v2_f32(sG + r * RG + d * 4))
+                gr.append(ptx.ld_shared_v2_f32(sG + r * RG + d * 4))
                 er.append(ptx.unpack2(ptx.ld_shared_b32(sE + r * RK + d * 2), io))
                 qr.append(ptx.unpack2(ptx.ld_shared_b32(sQ + r * RK + d * 2), io))
             gs, ks = [], []
             for cc in cutlass.range_constexpr(4):
                 s = r0 + 8 * (cc // 2) + 2 * t + cc % 2
-                gs.append(_ld_shared_v2_f32(sG + s * RG + d * 4))
+                gs.append(ptx.ld_shared_v2_f32(sG + s * RG + d * 4))
                 ks.append(ptx.unpack2(ptx.ld_shared_b32(sK + s * RK + d * 2), io))
             for jj in cutlass.range_constexpr(2):
                 for h in cutlass.range_constexpr(2):

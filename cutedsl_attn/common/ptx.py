@@ -299,3 +299,26 @@ def bf16x2_to_f16x2(w):
     """Two bf16 -> two f16 (round to nearest) in one register."""
     return _inline("{ .reg .b32 l, h; shl.b32 l, {$r0}, 16; and.b32 h, {$r0}, 0xffff0000; "
                    "cvt.rn.f16x2.f32 {$w0}, h, l; }", write_only_types=[Int32], read_only_args=[Int32(w)])
+
+
+def ld_shared_v2_f32(addr):
+    """8-byte load from a shared-window byte address (Int32, 8-byte aligned); 2 Float32."""
+    return _inline("ld.shared.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
+                   read_only_args=[Int32(addr)])
+
+
+def ld_global_v2_f32(addr):
+    """8-byte global load (Int64 address, 8-byte aligned); 2 Float32.  A plain ``ld`` (not ``.nc``): the chunked
+    delta-rule kernels read state rows an in-place pool update writes later in the same launch."""
+    return _inline("ld.global.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
+                   read_only_args=[Int64(addr)])
+
+
+def ld_global_b32(addr):
+    """32-bit global load (Int64 address); Int32."""
+    return _inline("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int64(addr)])
+
+
+def st_global_v2_f32(addr, a, b):
+    """8-byte global store of two Float32 (Int64 address, 8-byte aligned)."""
+    _inline("st.global.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[Int64(addr), Float32(a), Float32(b)])

@@ -44,7 +44,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from ..common import ptx
 from ..common.dtypes import element_type
-from ..common.gdn_prep import PREP_THREADS, GdnPrep, _ld_shared_v2_f32
+from ..common.gdn_prep import PREP_THREADS, GdnPrep
 from ..compile.arch import compile_options
 from ..compile.fake import gdn_chunked_tensors
 from ..compile.tiles import override_int_fields
@@ -55,7 +55,6 @@ from ..planning.gdn import (
 
 NAME = "gdn_chunked"
 
-_inline = cute.arch.inline_ptx
 
 
 @dataclass(frozen=True)
@@ -183,21 +182,6 @@ def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
     """``tiles`` with the fields named in ``items`` (field name -> decimal text) replaced; ValueError naming the key
     for an unknown field or a non-integer value, and the Tiles checks for a refused value."""
     return override_int_fields(tiles, items)
-
-
-# ------------------------------------------------------------------ PTX helpers of this kernel
-def _ld_v2_f32(addr):
-    # a plain ld (not .nc): an in-place pool update writes these rows later in the same launch
-    return _inline("ld.global.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
-                   read_only_args=[Int64(addr)])
-
-
-def _ld_b32(addr):
-    return _inline("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int64(addr)])
-
-
-def _st_v2_f32(addr, a, b):
-    _inline("st.global.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[Int64(addr), Float32(a), Float32(b)])
 
 
 class GdnChunkedKernel(GdnPrep):
@@ -361,7 +345,7 @@ class GdnChunkedKernel(GdnPrep):
             # S = gamma_last S + V'd^T K (per channel: S D(2^G_last) + V'd^T Kd)
             if const_expr(self.per_channel):
                 for i in cutlass.range_constexpr(NT8):
-                    gl2 = _ld_shared_v2_f32(sF + (2 * C + wn * self.NS + i * 8 + 2 * t) * 4)
+                    gl2 = ptx.ld_shared_v2_f32(sF + (2 * C + wn * self.NS + i * 8 + 2 * t) * 4)
                     for e in cutlass.range_constexpr(4):
                         st[4 * i + e] = st[4 * i + e] * gl2[e % 2]
             else:
@@ -436,15 +420,15 @@ class GdnChunkedKernel(GdnPrep):
                         ptx.st_global_u32(addr, ptx.pack2(st[4 * i + 2 * h], st[4 * i + 2 * h + 1],
                                                           cutlass.BFloat16))
                     else:
-                        lo, hi = ptx.unpack2(_ld_b32(addr), cutlass.BFloat16)
+                        lo, hi = ptx.unpack2(ptx.ld_global_b32(addr), cutlass.BFloat16)
                         st[4 * i + 2 * h] = lo
                         st[4 * i + 2 * h + 1] = hi
                 else:
                     addr = h_base + off * 4
                     if const_expr(store):
-                        _st_v2_f32(addr, st[4 * i + 2 * h], st[4 * i + 2 * h + 1])
+                        ptx.st_global_v2_f32(addr, st[4 * i + 2 * h], st[4 * i + 2 * h + 1])
                     else:
-                        x = _ld_v2_f32(addr)
+                        x = ptx.ld_global_v2_f32(addr)
                         st[4 * i + 2 * h] = x[0]
                         st[4 * i + 2 * h + 1] = x[1]
 

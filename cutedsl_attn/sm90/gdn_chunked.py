@@ -186,25 +186,6 @@ def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
 
 
 # ------------------------------------------------------------------ PTX helpers of this kernel
-def _ld_shared_v2_f32(addr):
-    return _inline("ld.shared.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
-                   read_only_args=[Int32(addr)])
-
-
-def _ld_v2_f32(addr):
-    # a plain ld (not .nc): an in-place pool update writes these rows later in the same launch
-    return _inline("ld.global.v2.f32 { {$w0}, {$w1} }, [{$r0}];", write_only_types=[Float32] * 2,
-                   read_only_args=[Int64(addr)])
-
-
-def _ld_b32(addr):
-    return _inline("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[Int64(addr)])
-
-
-def _st_v2_f32(addr, a, b):
-    _inline("st.global.v2.f32 [{$r0}], { {$r1}, {$r2} };", read_only_args=[Int64(addr), Float32(a), Float32(b)])
-
-
 def _st_b16(addr, v):
     _inline("{ .reg .b16 h; cvt.u16.u32 h, {$r1}; st.global.b16 [{$r0}], h; }", read_only_args=[Int64(addr), Int32(v)])
 
@@ -453,7 +434,7 @@ class GdnChunkedSm90Kernel(GdnPrep):
             # V'^T = U^T - X^T (-> A of O^T) and V'^T diag(kf) (-> A of the state update)
             for jj in cutlass.range_constexpr(C // 8):
                 s0 = jj * 8 + 2 * t
-                kf = _ld_shared_v2_f32(sF + (C + s0) * 4)
+                kf = ptx.ld_shared_v2_f32(sF + (C + s0) * 4)
                 for h in cutlass.range_constexpr(2):
                     col = (vl + 8 * h) * 2
                     u0 = ptx.b16_to_f32(ptx.ld_shared_u16(sU + s0 * RU + col), io)
@@ -465,7 +446,7 @@ class GdnChunkedSm90Kernel(GdnPrep):
             warpgroup.wait_group(0)
             # O^T = Y^T diag(qf) + V'^T Aqk^T
             for jj in cutlass.range_constexpr(C // 8):
-                qf = _ld_shared_v2_f32(sF + (jj * 8 + 2 * t) * 4)
+                qf = ptx.ld_shared_v2_f32(sF + (jj * 8 + 2 * t) * 4)
                 for h in cutlass.range_constexpr(2):
                     for e in cutlass.range_constexpr(2):
                         fO[4 * jj + 2 * h + e] = fO[4 * jj + 2 * h + e] * qf[e]
@@ -475,7 +456,7 @@ class GdnChunkedSm90Kernel(GdnPrep):
                 # S [V, K] sits untransposed in acc_S (M = state rows, N = K columns): element 4 j + 2 h + e is
                 # K column 8 j + 2 t + e, so D(2^G_last) on the right scales each element by its column's factor
                 for jj in cutlass.range_constexpr(K // 8):
-                    gl2 = _ld_shared_v2_f32(sF + (2 * C + jj * 8 + 2 * t) * 4)
+                    gl2 = ptx.ld_shared_v2_f32(sF + (2 * C + jj * 8 + 2 * t) * 4)
                     for h in cutlass.range_constexpr(2):
                         for e in cutlass.range_constexpr(2):
                             fS[4 * jj + 2 * h + e] = fS[4 * jj + 2 * h + e] * gl2[e]
@@ -518,15 +499,15 @@ class GdnChunkedSm90Kernel(GdnPrep):
                     if const_expr(store):
                         ptx.st_global_u32(addr, ptx.pack2(fS[i], fS[i + 1], cutlass.BFloat16))
                     else:
-                        lo, hi = ptx.unpack2(_ld_b32(addr), cutlass.BFloat16)
+                        lo, hi = ptx.unpack2(ptx.ld_global_b32(addr), cutlass.BFloat16)
                         fS[i] = lo
                         fS[i + 1] = hi
                 else:
                     addr = h_base + off * 4
                     if const_expr(store):
-                        _st_v2_f32(addr, fS[i], fS[i + 1])
+                        ptx.st_global_v2_f32(addr, fS[i], fS[i + 1])
                     else:
-                        x = _ld_v2_f32(addr)
+                        x = ptx.ld_global_v2_f32(addr)
                         fS[i] = x[0]
                         fS[i + 1] = x[1]
 
