@@ -44,7 +44,9 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common import ptx
 from ..common.dtypes import element_type
 from ..common.smem import sw128_offset, transpose_view
-from ..common.gdn_prep import PREP_THREADS, GdnPrep, prep_smem_bytes, row_pitches
+from ..common.gdn_prep import (
+    PREP_CTAS_PER_SM, PREP_SMEM_CARVEOUT, PREP_THREADS, GdnPrep, prep_smem_bytes, row_pitches,
+)
 from ..compile.arch import compile_options
 from ..compile.fake import gdn_chunked_tensors
 from ..compile.tiles import override_int_fields
@@ -194,6 +196,8 @@ class GdnChunkedSm90Kernel(GdnPrep):
     """CuTe DSL SM90 chunked GDN (the shared prep kernel + the wgmma main kernel); see the module docstring.
     Build with :func:`compile`."""
 
+    prep_heads_fastest = True  # the prep's 1-D grid: GVA heads sharing q / k rows run side by side
+
     def __init__(self, cfg: Config):
         p = cfg.problem
         self.cfg = cfg
@@ -219,8 +223,9 @@ class GdnChunkedSm90Kernel(GdnPrep):
                  mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor, scale: Float32, q_group: Int32,
                  k_group: Int32, v_group: Int32, flags: Int32, stream):
         self.prep(mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
-                  flags).launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
-                                smem=prep_smem_bytes(self.K, self.V), stream=stream)
+                  flags).launch(grid=(mChunks.shape[0] * mO.shape[1], 1, 1), block=(PREP_THREADS, 1, 1),
+                                smem=prep_smem_bytes(self.K, self.V), stream=stream,
+                                min_blocks_per_mp=PREP_CTAS_PER_SM, preferred_smem_carveout=PREP_SMEM_CARVEOUT)
         self._launch_main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
                           flags, stream)
 
