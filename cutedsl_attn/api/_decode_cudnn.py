@@ -25,7 +25,8 @@ DECLINED = object()
 
 _UNSERVED = {"rope": "pos_encoding_mode='ROPE_LLAMA'", "alibi": "pos_encoding_mode='ALIBI'",
              "soft_cap": "logits_soft_cap", "fp8_kv": "an fp8 KV cache",
-             # cudnn_batch_decode_with_kv_cache refuses them too: an empty request's row is not defined by the graph
+             # an empty request's row is not defined by the graph (cudnn_batch_decode_with_kv_cache leaves such
+             # rows to the caller: its actual_seq_lens_kv are device data it does not read back)
              "empty_request": "a request with no KV (kv length 0)"}
 
 

@@ -29,11 +29,11 @@ def prefill_backend(backend: str) -> str:
 
 
 # Where backend="auto" of the decode wrapper takes cuDNN's one-row decode graph: only where its kernel measured
-# faster than ours and long enough to hide its host path (about 0.3 ms a call, near constant in the batch): at 1 GiB
-# of K/V (a 0.27 ms kernel) a loop of calls was host-bound and 1.15x slower end to end on cuDNN, at 2 GiB (0.52 ms,
-# batch 16) 1.05x faster, so 1.5 GiB (perf/RESULTS.md, "Decode" and "cuDNN backend"; measured on SM90 at head_dim
-# 128 only).  unserved: plan features cuDNN's decode graph does not serve or that were not measured.
-DECODE_AUTO_CUDNN = dict(min_batch=16, min_max_kv_len=4096, min_kv_bytes=3 << 29, head_dims=(128,),
+# faster than ours and long enough to hide its host path (about 0.2 ms a call, near constant in the batch): at 1 GiB
+# of K/V (0.26 ms kernels, batch 64) cuDNN was 1.03-1.04x faster end to end and on the device, below that its host
+# path dominates (perf/RESULTS.md, "Decode" and "cuDNN backend"; measured on SM90 at head_dim 128 only).
+# unserved: plan features cuDNN's decode graph does not serve or that were not measured.
+DECODE_AUTO_CUDNN = dict(min_batch=16, min_max_kv_len=4096, min_kv_bytes=1 << 30, head_dims=(128,),
                          archs=("sm_90a",),
                          unserved=("rope", "alibi", "soft_cap", "fp8_kv", "sinks", "window", "empty_request"))
 
