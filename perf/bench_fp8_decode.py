@@ -9,11 +9,12 @@ excluded); median of ``--reps``.  TB/s counts the K/V bytes the kernel must read
 ``--variants`` sweeps the fp8 kernel's tiles (``portable.paged_decode.Tiles``: ``num_warps`` x ``num_stages``,
 set through dispatch's ``CUTEDSL_ATTN_DECODE_TUNE`` hook, which overrides the split and the unsplit choice
 alike): ``all`` (the default when the flag is given without a value) is every combination ``Tiles`` and the
-shared-memory limit accept; or a list ``"w,s[,min_waves];..."`` (``min_waves``: ``CUTEDSL_ATTN_DECODE_MIN_WAVES``,
-the planner's split floor).  The variants' kernels are compiled first in ``--jobs`` parallel processes into the
+shared-memory limit accept; or a list ``"w,s[,min_waves[,min_ctas_per_sm]];..."`` (``min_waves``:
+``CUTEDSL_ATTN_DECODE_MIN_WAVES``, the planner's split floor, empty for the default; ``min_ctas_per_sm``: the
+``Tiles`` register cap, e.g. ``4,3,,5``).  The variants' kernels are compiled first in ``--jobs`` parallel processes into the
 disk cache, then timed one after the other; the best variant of each shape is printed last.
 
-Usage:  python perf/bench_fp8_decode.py [--out DIR] [--reps 20] [--variants [all | "w,s[,m];..."]] [--jobs 8]
+Usage:  python perf/bench_fp8_decode.py [--out DIR] [--reps 20] [--variants [all | "w,s[,m[,c]];..."]] [--jobs 8]
 Prints one JSON line per row and Markdown tables last; writes DIR/bench_fp8_decode.json.
 """
 
@@ -110,7 +111,7 @@ def fp8_table(rows, read_tbs):
 
 # ----------------------------------------------------------------------------- variants
 def parse_variants(spec: str, page_size: int):
-    """``[(num_warps, num_stages, min_waves or None)]`` of a ``--variants`` value for the fp8 problem at
+    """``[(num_warps, num_stages, min_waves or None[, min_ctas_per_sm])]`` of a ``--variants`` value for the fp8 problem at
     ``page_size``: ``all`` -> every ``Tiles`` the kernel's Config accepts there."""
     from cutedsl_attn.portable import paged_decode as pd
 
@@ -127,9 +128,11 @@ def parse_variants(spec: str, page_size: int):
     out = []
     for item in (x.strip() for x in spec.split(";") if x.strip()):
         parts = [p.strip() for p in item.split(",")]
-        if len(parts) not in (2, 3):
-            raise SystemExit(f"--variants item {item!r} is not 'warps,stages[,min_waves]'")
-        out.append((int(parts[0]), int(parts[1]), float(parts[2]) if len(parts) == 3 else None))
+        if len(parts) not in (2, 3, 4):
+            raise SystemExit(f"--variants item {item!r} is not 'warps,stages[,min_waves[,min_ctas_per_sm]]'")
+        mw = float(parts[2]) if len(parts) > 2 and parts[2] else None
+        out.append((int(parts[0]), int(parts[1]), mw, int(parts[3])) if len(parts) == 4 else
+                   (int(parts[0]), int(parts[1]), mw))
     return out
 
 
@@ -152,9 +155,9 @@ def precompile(page_sizes, variants, jobs):
 
     if jobs <= 1 or not disk_cache_enabled():
         return None
-    tiles = sorted({(w, s) for w, s, _ in variants})
-    items = [(dataclasses.asdict(fp8_problem(ps)), dict(num_warps=w, num_stages=s)) for ps in page_sizes
-             for w, s in tiles]
+    tiles = sorted({(v[0], v[1], v[3] if len(v) > 3 else 0) for v in variants})
+    items = [(dataclasses.asdict(fp8_problem(ps)), dict(num_warps=w, num_stages=s, min_ctas_per_sm=c))
+             for ps in page_sizes for w, s, c in tiles]
     if not items:
         return None
     had_arch = "CUTEDSL_ATTN_ARCH" in os.environ
@@ -176,9 +179,11 @@ def time_variants(inputs, ps, variants, *, reps):
     """``{label: (us, relerr vs the default fp8 output)}`` of every variant on one shape's fp8 inputs."""
     q, cache8, indptr, indices, last, o_default = inputs
     res = {}
-    for w, s, mw in variants:
-        label = f"{w},{s}" + (f",{mw:g}" if mw is not None else "")
-        os.environ[TUNE_ENV] = f"{w},{s}"
+    for v in variants:
+        w, s, mw = v[:3]
+        c = v[3] if len(v) > 3 else 0
+        label = f"{w},{s}" + (f",{mw:g}" if mw is not None else "") + (f",ctas{c}" if c else "")
+        os.environ[TUNE_ENV] = f"num_warps={w},num_stages={s}" + (f",min_ctas_per_sm={c}" if c else "")
         if mw is not None:
             os.environ[MIN_WAVES_ENV] = str(mw)
         try:
@@ -193,7 +198,7 @@ def time_variants(inputs, ps, variants, *, reps):
 
 
 def variants_table(rows):
-    print("fp8 tile variants (num_warps,num_stages[,min_waves]): us; best per shape")
+    print("fp8 tile variants (num_warps,num_stages[,min_waves][,ctasN]): us; best per shape")
     print("| (B, kv_len, page) | default tiles, us | best variant | best us | default / best | all (us) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -221,7 +226,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", nargs="?", const="all", default="",
-                    help="fp8 tiles to sweep: 'all' (every valid num_warps x num_stages) or 'w,s[,min_waves];...'")
+                    help="fp8 tiles to sweep: 'all' (every valid num_warps x num_stages) or 'w,s[,min_waves[,min_ctas_per_sm]];...'")
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
                     help="processes compiling the variants before timing (1: compile while timing)")
     ap.add_argument("--quick", action="store_true", help="the first shape only")

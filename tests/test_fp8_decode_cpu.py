@@ -266,3 +266,31 @@ def test_oracle_fp8_decode_matches_float64_math():
     # without scales the gather keeps the cache's dtype (existing behaviour)
     ks0, _ = paged_kv_to_contiguous(k8, v8, indptr, indices, last)
     assert ks0[0].dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("ctas", [5, 6])
+def test_min_ctas_per_sm_caps_registers(tmp_path, ctas):
+    """``Tiles.min_ctas_per_sm``: the kernel carries ``.minnctapersm`` and ptxas fits that many CTAs of its
+    threads in the SM's 64K registers (spilling if it must: a tuning experiment, timed by
+    ``perf/bench_fp8_decode.py``); the default tiles carry no such hint."""
+    from cutedsl_attn.inspect import cubin_resources
+
+    problem = _problem(arch="sm_90a", dtype="bfloat16", head_dim=128, group_size=8)
+    base = pd.default_tiles(problem, num_sms=132, split=False)
+    (tmp_path / "default").mkdir()
+    (tmp_path / "capped").mkdir()
+    ptx0, _ = _build(tmp_path / "default", problem, base)
+    assert ".minnctapersm" not in ptx0
+    tiles = dataclasses.replace(base, min_ctas_per_sm=ctas)
+    ptx, cubin = _build(tmp_path / "capped", problem, tiles)
+    assert f".minnctapersm {ctas}" in ptx
+    res = cubin_resources(cubin)
+    threads = 32 * tiles.num_warps
+    assert res["registers"] * threads * ctas <= 65536, res
+
+
+def test_min_ctas_per_sm_validation():
+    with pytest.raises(ValueError, match="min_ctas_per_sm"):
+        pd.Tiles(min_ctas_per_sm=33)
+    assert pd.override_tiles(pd.Tiles(), {"min_ctas_per_sm": "5"}).min_ctas_per_sm == 5
+    assert "min_ctas_per_sm" in pd.TUNING_FIELDS

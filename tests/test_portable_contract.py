@@ -179,7 +179,7 @@ def test_override_tiles():
     assert pd.override_tiles(pd.Tiles(), {"num_warps": " 2", "num_stages": "4"}) == pd.Tiles(2, 4)
     assert pd.override_tiles(pd.Tiles(4, 2), {}) == pd.Tiles(4, 2)
     assert pf.override_tiles(pf.Tiles(), {"tile_n": "32", "num_warps": "8"}) == pf.Tiles(8, 32, 2)
-    assert pd.TUNING_FIELDS == ("num_warps", "num_stages")
+    assert pd.TUNING_FIELDS == ("num_warps", "num_stages", "min_ctas_per_sm")
     assert pf.TUNING_FIELDS == ("num_warps", "tile_n", "num_stages")
     with pytest.raises(ValueError, match="'tile_n' is not a field"):
         pd.override_tiles(pd.Tiles(), {"tile_n": "64"})

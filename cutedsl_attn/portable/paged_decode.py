@@ -83,14 +83,16 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory one CTA may use on sm_90a / sm_
 @dataclass(frozen=True)
 class Tiles:
     """What the decode kernel chooses: ``num_warps`` warps per CTA, each streaming 16-token chunks through its
-    own ``num_stages``-deep ``cp.async`` ring.
+    own ``num_stages``-deep ``cp.async`` ring; ``min_ctas_per_sm`` > 0 asks ptxas for that many resident CTAs
+    an SM (a register cap, ``.minnctapersm``), 0 leaves registers to ptxas.
 
-    Raises TypeError for a non-int field, ValueError for ``num_warps`` not in 1, 2, 4, 8 or ``num_stages``
-    outside 2..6.
+    Raises TypeError for a non-int field, ValueError for ``num_warps`` not in 1, 2, 4, 8, ``num_stages``
+    outside 2..6 or ``min_ctas_per_sm`` outside 0..32.
     """
 
     num_warps: int = 4
     num_stages: int = 3
+    min_ctas_per_sm: int = 0
 
     def __post_init__(self):
         check_int_fields(self)
@@ -98,6 +100,8 @@ class Tiles:
             raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
         if not 2 <= self.num_stages <= 6:
             raise ValueError(f"num_stages must be in [2, 6], got {self.num_stages}")
+        if not 0 <= self.min_ctas_per_sm <= 32:
+            raise ValueError(f"min_ctas_per_sm must be in [0, 32], got {self.min_ctas_per_sm}")
 
 
 TUNING_FIELDS = tuple(f.name for f in fields(Tiles))  # the keys override_tiles takes
@@ -293,7 +297,18 @@ class PagedDecodeKernel(DecodeMerge):
             block=(self.NT, 1, 1),
             smem=self.cfg.smem_bytes,
             stream=stream,
+            **self._occupancy_hint(),
         )
+
+    def _occupancy_hint(self) -> dict:
+        """Launch keywords of ``Tiles.min_ctas_per_sm``: none at 0; else the CTA count and a shared-memory
+        carveout (percent of the SM's 228 KB) that holds that many CTAs (an explicit carveout also keeps the DSL
+        from querying a device while it compiles)."""
+        n = self.cfg.tiles.min_ctas_per_sm
+        if n == 0:
+            return {}
+        per_cta = self.cfg.smem_bytes + 1024  # the 1 KB the driver reserves a CTA
+        return dict(min_blocks_per_mp=n, preferred_smem_carveout=min(100, -(-100 * n * per_cta // (228 * 1024))))
 
     # ------------------------------------------------------------------ kernel
     @cute.kernel
