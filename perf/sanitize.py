@@ -79,6 +79,8 @@ CASES = (
     Case("kda_prefill", "KDA (chunked, per-channel decay: prep + main kernel)", "_kda_prefill"),
     Case("kda_prefill_recurrent", "KDA (recurrent, per-channel decay)", "_kda_prefill",
          env=(("CUTEDSL_ATTN_GDN_KERNEL", "recurrent"),)),
+    Case("kda_prefill_sm90", "KDA (chunked: per-channel prep + SM90 wgmma main kernel)", "_kda_prefill",
+         env=(("CUTEDSL_ATTN_GDN_KERNEL", "kda_chunked_sm90"),)),
     Case("mla_decode", "MLA decode (portable)", "_mla_decode"),
     # the SM90 MLA kernel is opt-in (never run before this sweep's first run): page 64, the sizes it serves
     Case("mla_decode_sm90", "MLA decode (SM90 wgmma, opt-in)", "_mla_decode_p64",
