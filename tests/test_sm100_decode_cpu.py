@@ -4,11 +4,12 @@
   128; split and unsplit share one build: the split is a work-table property), with fp16 / bf16 queries, sinks
   and fp8 caches spread over it, cross-compiles for ``sm_100a`` and ``sm_103a``;
 * the PTX is the design's: swap-AB tcgen05.mma (kind::f16, both operands shared-memory descriptors), tcgen05.ld
-  / st, one tcgen05.alloc and one dealloc, tcgen05.commit onto mbarriers, cp.async gathers, redux.sync block
-  maxima, the split-KV counter, the fp8 widening (``cvt.rn.f16x2.e4m3x2``) exactly for fp8 caches; no wgmma,
-  mma.sync, ldmatrix;
-* resource gate on the cubin: no stack (spills), registers within the register file for the CTA, no local
-  loads / stores in the SASS, shared memory within the SM's limit;
+  / st, one tcgen05.alloc and one dealloc, tcgen05.commit onto mbarriers, cp.async gathers, the page-table
+  warp's 4-byte cp.async of the page ids, redux.sync block maxima, the split-KV counter, the fp8 widening
+  (``cvt.rn.f16x2.e4m3x2``) exactly for fp8 caches; no wgmma, mma.sync, ldmatrix, setmaxnreg;
+* resource gate on the cubin: no stack (spills), registers within the launch budget of the CTA's 320 threads
+  (every role runs within it: no setmaxnreg), no local loads / stores in the SASS, shared memory and TMEM
+  within the SM's limits;
 * SASS shape per KV block: UTCHMMA, LDTM, STTM, LDGSTS, MUFU.EX2 counts as the design says;
 * trace-time tile math: the TMEM plan, the MMA partition shapes, the operand layouts' swizzles, the cp.async /
   st.shared address map of every operand tile (a bijection keeping 16-byte pieces whole), the TMEM lane of each
@@ -145,6 +146,9 @@ def test_compiles_with_the_tcgen05_instruction_mix(kw):
     assert ptx.count("tcgen05.commit.") == 4
     # the gathers: Q's 16-byte pieces over 128 threads, then half of two K and two V rows per thread and block
     assert ptx.count("cp.async.cg.shared.global") == gathers(cfg)
+    # the page-table warp: one 4-byte page id a token, four tokens a lane and block
+    assert ptx.count("cp.async.ca.shared.global") == C.TILE_KV // 32
+    assert ptx.count("cp.async.mbarrier.arrive.noinc") == 1
     # P^T written as two 16-byte shared stores per thread and block (and the fp8 widening's)
     assert ptx.count("st.shared.v4.b32") == shared_v4_stores(cfg)
     assert ("cvt.rn.f16x2.e4m3x2" in ptx) == cfg.problem.kv_fp8
@@ -172,7 +176,8 @@ def test_resources_no_spills_within_the_register_file(kw):
     cfg, _, cubin, _ = built(kw)
     res = cubin_resources(cubin)
     assert res["stack_bytes"] == 0, f"stack frame {res['stack_bytes']} B: spills or a local array"
-    assert res["registers"] * cfg.num_threads <= C.REGISTER_FILE
+    assert res["registers"] <= cfg.roles.launch_registers  # no setmaxnreg: every role within the launch budget
+    assert cfg.roles.launch_registers * cfg.num_threads <= C.REGISTER_FILE
     counts = sass_counts(kw)
     assert count_prefix(counts, "LDL") == 0 and count_prefix(counts, "STL") == 0
     assert cfg.smem_bytes <= C.SMEM_LIMIT and cfg.tmem_cols <= C.TMEM_COLS
@@ -182,7 +187,8 @@ def test_resources_no_spills_within_the_register_file(kw):
 @pytest.mark.parametrize("kw", SERVED, ids=_id)
 def test_sass_instruction_mix_per_kv_block(kw):
     """One rolled loop per role over the KV blocks, so the static counts are one block's plus the epilogue's:
-    UTCHMMA = head_dim / 16 + 8; LDTM 3 and STTM 1 (as the PTX); LDGSTS as :func:`gathers`;
+    UTCHMMA = head_dim / 16 + 8; LDTM 3 and STTM 1 (as the PTX); LDGSTS as :func:`gathers` and the
+    page-table warp's four;
     CREDUX.MAX.F32 16 (each head's block max over a warp); MUFU.EX2 = 16 (P) + 16 (the heads' rescale
     factors) + 2 per group head (its final weight and sink term) + the merge's; UTCBAR 4 (the commits)."""
     cfg, _, _, _ = built(kw)
@@ -190,7 +196,7 @@ def test_sass_instruction_mix_per_kv_block(kw):
     d, g = cfg.problem.head_dim, cfg.problem.group_size
     assert count_prefix(counts, "UTCHMMA") == d // 16 + C.TILE_KV // 16
     assert count_prefix(counts, "LDTM") == 3 and count_prefix(counts, "STTM") == 1
-    assert count_prefix(counts, "LDGSTS") == gathers(cfg)
+    assert count_prefix(counts, "LDGSTS") == gathers(cfg) + C.TILE_KV // 32
     assert counts.get("CREDUX.MAX.F32", 0) == C.HEAD_TILE
     assert counts.get("MUFU.EX2", 0) == 2 * C.HEAD_TILE + 2 * g + MERGE_EX2
     assert count_prefix(counts, "UTCBAR") == 4
@@ -317,9 +323,9 @@ def test_o_lane_mapping():
 
 def test_roles_cover_the_cta_and_own_the_tmem_lanes():
     r = C.Roles()
-    assert sorted((*r.softmax_warps, *r.load_warps, r.mma_warp)) == list(range(r.num_warps))
+    assert sorted((*r.softmax_warps, *r.load_warps, r.mma_warp, r.page_table_warp)) == list(range(r.num_warps))
     assert [w % 4 for w in r.softmax_warps] == [0, 1, 2, 3]  # warp w reaches TMEM lanes 32 (w % 4) ..
-    assert r.num_threads == 288 and C.REGISTER_FILE // r.num_threads >= 224
+    assert r.num_threads == 320 and r.launch_registers == 200
 
 
 # ============================================================================= shared memory, planning
@@ -359,7 +365,7 @@ def test_contract_surface():
     with pytest.raises(ValueError):
         K.override_tiles(t, {"num_warps": "4"})
     cfg = K.Config(problem(), t)
-    assert cfg.positive_scale_only is False and cfg.num_threads == 288
+    assert cfg.positive_scale_only is False and cfg.num_threads == 320
 
 
 def test_config_rejects_bad_tiles_and_types():

@@ -1,16 +1,17 @@
 """The SM100 / SM103 (Blackwell) paged GQA decode kernel: swap-AB tcgen05.mma (a group's query heads on the MMA
-N dimension), S^T and O^T in tensor memory, K / V gathered through the page table by ``cp.async`` (16-bit or
-fp8 e4m3 caches, the latter widened to f16 in shared memory), split-KV merged in the same launch.
+N dimension), S^T and O^T in tensor memory, a page-table warp staging each KV block's page ids in shared memory
+ahead of the ``cp.async`` K / V gathers (16-bit or fp8 e4m3 caches, the latter widened to f16 in shared
+memory), split-KV merged in the same launch.
 
-Cross-compiled for ``sm_100a`` / ``sm_103a`` and checked on the CPU (PTX instruction mix, SASS resources, the
-TMEM plan); never run on Blackwell hardware yet, so nothing may route to it without a first-use check on a real
-device.
+Cross-compiled for ``sm_100a`` / ``sm_103a`` and checked on the CPU (PTX instruction mix and data flow, SASS
+resources, the TMEM and mbarrier plans); never run on Blackwell hardware yet, so nothing may route to it
+without a first-use check on a real device.
 
 The kernel contract (what dispatch uses): :data:`NAME`, :class:`Tiles` and :class:`Config` (``Config(problem,
 tiles)``, the compile key), :func:`unsupported_reason`, :func:`default_tiles`, :func:`override_tiles`,
 :data:`TUNING_FIELDS`, :func:`compile` and :func:`launch` (the portable decode kernel's
 :class:`~cutedsl_attn.planning.decode.DecodeArgs`, work table, partial buffers and counters).  Modules:
-``config`` (dataclasses, TMEM plan, roles, refusals), ``kernel`` (the device code).
+``config`` (dataclasses, TMEM plan, roles, mbarrier plan, refusals), ``kernel`` (the device code).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The SM100 decode kernel's configuration: tiles (:class:`Tiles`), the compile key (:class:`Config`), the TMEM
-column plan, the warp roles, the shared-memory budget and the one list of what the kernel refuses.
+column plan, the warp roles, the mbarrier pipelines, the shared-memory budget and the one list of what the kernel
+refuses.
 
 Pure Python (no device code): the tile math here is what the CPU tests assert.
 """
@@ -22,6 +23,7 @@ HEAD_TILE = 16  # query heads of a group on the MMA N (padded): the smallest N o
 SMEM_LIMIT = 227 * 1024
 REGISTER_FILE = 64 * 1024
 KV_STAGES = (2, 3, 4, 5, 6)
+PAGE_TABLE_STAGES = 4  # page-id ring depth: the page-table warp runs up to 4 KV blocks ahead of the load warpgroup
 
 # named barrier ids (0 is __syncthreads)
 BAR_TMEM_ALLOC = 1  # the MMA warp's TMEM allocation published to the softmax warpgroup
@@ -33,22 +35,30 @@ BAR_TMEM_FREE = 3  # the softmax warpgroup's last TMEM read, before the MMA warp
 class Roles:
     """The warp roles of a CTA: the softmax warpgroup (warps 0-3: thread ``r`` owns KV token ``r`` of a block in
     S^T and TMEM lane ``r`` of O^T; warp ``w`` reaches TMEM lanes ``32 w ..``), the load warpgroup (warps 4-7:
-    threads ``2 t`` and ``2 t + 1`` gather token rows ``t`` and ``t + 64`` of K and V through the page table
-    with ``cp.async``), and the MMA warp (warp 8: one thread issues every tcgen05.mma; it owns the TMEM
-    allocation).  No ``setmaxnreg``: 288 threads
-    get up to 224 registers each at launch, more than any role needs."""
+    threads ``2 t`` and ``2 t + 1`` gather token rows ``t`` and ``t + 64`` of K and V with ``cp.async`` from the
+    page ids the page-table warp staged), the MMA warp (warp 8: one thread issues every tcgen05.mma; it owns the
+    TMEM allocation) and the page-table warp (warp 9: copies each block's 128 page ids, one per token, from the
+    request's page indices into a shared-memory ring :data:`PAGE_TABLE_STAGES` blocks deep).  No ``setmaxnreg``
+    (warps 8-9 are half a warpgroup): every role runs within the launch budget, :attr:`launch_registers`."""
 
     softmax_warps: tuple[int, ...] = (0, 1, 2, 3)
     load_warps: tuple[int, ...] = (4, 5, 6, 7)
     mma_warp: int = 8
+    page_table_warp: int = 9
 
     @property
     def num_warps(self) -> int:
-        return self.mma_warp + 1
+        return self.page_table_warp + 1
 
     @property
     def num_threads(self) -> int:
         return 32 * self.num_warps
+
+    @property
+    def launch_registers(self) -> int:
+        """Registers a thread may use at launch: the register file over the CTA's threads, in the
+        allocation's 8-register steps (200 for 320 threads)."""
+        return REGISTER_FILE // self.num_threads // 8 * 8
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,18 @@ def tmem_plan(head_dim: int) -> dict[str, tuple[int, int]]:
     ``head_dim`` does not change the columns (it is the lane extent)."""
     del head_dim
     return {"S0": (0, HEAD_TILE), "S1": (32, HEAD_TILE), "O": (64, HEAD_TILE)}
+
+
+def mbarrier_plan(kv_stages: int, roles: Roles) -> dict[str, tuple[int, int, int]]:
+    """The kernel's mbarrier pipelines, ``name -> (stages, full-barrier arrivals, empty-barrier arrivals)``: every
+    producer / consumer thread arrives once a use, the MMA warp's one issuing thread once (a tcgen05.commit).
+
+    ``kv``: K / V stages, the load warpgroup -> MMA; ``s``: S^T buffers, MMA -> softmax; ``p``: P^T buffers,
+    softmax -> MMA; ``o``: O^T, MMA -> softmax; ``pt``: the page-id ring, the page-table warp (one
+    ``cp.async.mbarrier.arrive.noinc`` a lane, counted once its copies land) -> the load warpgroup."""
+    loaders, softmax = 32 * len(roles.load_warps), 32 * len(roles.softmax_warps)
+    return {"kv": (kv_stages, loaders, 1), "s": (2, 1, softmax), "p": (2, softmax, 1), "o": (1, 1, softmax),
+            "pt": (PAGE_TABLE_STAGES, 32, loaders)}
 
 
 def o_lane(head_dim: int, lane: int) -> int | None:
@@ -182,6 +204,11 @@ class Config:
         return self.roles.num_threads
 
     @property
+    def mbarriers(self) -> dict[str, tuple[int, int, int]]:
+        """The mbarrier pipelines (:func:`mbarrier_plan`)."""
+        return mbarrier_plan(self.tiles.kv_stages, self.roles)
+
+    @property
     def tmem(self) -> dict[str, tuple[int, int]]:
         """The TMEM column plan (:func:`tmem_plan`)."""
         return tmem_plan(self.problem.head_dim)
@@ -208,10 +235,12 @@ class Config:
 
     @property
     def smem_bytes(self) -> int:
-        """The kernel's shared storage: mbarriers, TMEM base, reduction scratch and the merge's row statistics
-        (padded to the 1 KiB alignment of the operand buffers), then Q, the two P buffers and the K / V rings."""
-        n_mbar = 2 * self.tiles.kv_stages + 4 + 4 + 2
+        """The kernel's shared storage: mbarriers, TMEM base, reduction scratch, the merge's row statistics and the
+        page-id ring (padded to the 1 KiB alignment of the operand buffers), then Q, the two P buffers and the
+        K / V rings."""
+        n_mbar = sum(2 * stages for stages, _, _ in self.mbarriers.values())
         head = 8 * n_mbar + 4 + 4 * (2 * 4 * HEAD_TILE + 4 * HEAD_TILE) + 8 * HEAD_TILE + 16
+        head += 16 + 4 * PAGE_TABLE_STAGES * TILE_KV  # the page-id ring (16-byte aligned Int32)
         head = -(-head // 1024) * 1024
         q = HEAD_TILE * self.problem.head_dim * 2
         p = -(-(2 * TILE_KV * HEAD_TILE * 2) // 1024) * 1024

@@ -11,14 +11,20 @@ dimension (padded to 16), the KV tokens its M, so a group of 1..16 heads fills a
 
 Roles (:class:`~cutedsl_attn.sm100.decode.config.Roles`):
 
-* load warpgroup: two threads per token of each 128-token block gather its K and V rows through the page table
-  by ``cp.async`` (16 bytes at a time, zero-filled past the item's end) straight into the MMA's swizzled
-  operand layouts; a stage is published (``PipelineAsyncUmma``) once its group has landed and is fenced for
-  the async proxy; Q (heads past the group zero) rides the first group.  An fp8 (e4m3) cache lands in a
-  staging ring instead and each thread widens the pieces it loaded to f16 (``cvt.rn.f16x2.e4m3x2``, exact)
-  into the operand layouts before publishing; both MMAs then run in f16 (a bf16 q rounded to f16 once, as the
-  portable kernel does; the caller folds ``k_scale`` into ``sm_scale`` and ``v_scale`` into
-  ``output_scale``);
+* page-table warp: copies the page id of each token of block ``i`` (clamped to the item's last token) from the
+  request's page indices into stage ``i % PAGE_TABLE_STAGES`` of a shared-memory ring (4-byte ``cp.async``,
+  lane ``l`` tokens ``l, l + 32, ..``), up to :data:`~cutedsl_attn.sm100.decode.config.PAGE_TABLE_STAGES`
+  blocks ahead of the load warpgroup (``PipelineCpAsync``: a stage is full once every lane's copies have
+  landed, free once every load thread has read its ids), so no K / V gather waits on a global read of the page
+  table;
+* load warpgroup: two threads per token of each 128-token block read its page id from the ring and gather its K
+  and V rows by ``cp.async`` (16 bytes at a time, zero-filled past the item's end; 64-bit page offsets) straight
+  into the MMA's swizzled operand layouts; a stage is published (``PipelineAsyncUmma``) once its group has
+  landed and is fenced for the async proxy; Q (heads past the group zero) rides the first group.  An fp8
+  (e4m3) cache lands in a staging ring instead and each thread widens the pieces it loaded to f16
+  (``cvt.rn.f16x2.e4m3x2``, exact) into the operand layouts before publishing; both MMAs then run in f16 (a
+  bf16 q rounded to f16 once, as the portable kernel does; the caller folds ``k_scale`` into ``sm_scale`` and
+  ``v_scale`` into ``output_scale``);
 * MMA warp: S^T of block ``i + 1`` is issued before O^T's update with block ``i``, so the softmax warpgroup
   works on one block while the tensor core scores the next (``PipelineUmmaAsync`` to the softmax warpgroup);
   it owns the TMEM allocation;
@@ -57,6 +63,12 @@ from ...planning.decode import (
 )
 from . import config as C
 from .config import Config
+
+
+def _cp_async_4(smem_addr, gmem_addr):
+    """``cp.async.ca.shared.global`` of 4 bytes (Int32 shared-window byte address, Int64 global address)."""
+    cute.arch.inline_ptx("cp.async.ca.shared.global [{$r0}], [{$r1}], 4;",
+                         read_only_args=[Int32(smem_addr), Int64(gmem_addr)])
 
 
 def _st_shared_v4(addr, w0, w1, w2, w3):
@@ -105,25 +117,25 @@ def make_mmas(cfg: Config):
     return qk_mma, pv_mma, layouts
 
 
-def _shared_storage(S, HN, dt, sK_layout, sQ_layout, sV_layout, sP_layout, SB, kv_fp8):
-    """The kernel's shared storage (built outside the traced function: its fields depend on the cache dtype)."""
+def _shared_storage(mbarriers, HN, dt, sK_layout, sQ_layout, sV_layout, sP_layout, SB, kv_fp8):
+    """The kernel's shared storage (built outside the traced function: its fields depend on the cache dtype);
+    ``mbarriers`` is :func:`config.mbarrier_plan`'s table (two mbarriers a stage)."""
 
     MR, AL = cute.struct.MemRange, cute.struct.Align
-    fields = {
-        "mbar_kv": MR[cutlass.Int64, 2 * S],
-        "mbar_s": MR[cutlass.Int64, 4],
-        "mbar_p": MR[cutlass.Int64, 4],
-        "mbar_o": MR[cutlass.Int64, 2],
+    S = mbarriers["kv"][0]
+    fields = {f"mbar_{name}": MR[cutlass.Int64, 2 * stages] for name, (stages, _, _) in mbarriers.items()}
+    fields.update({
         "tmem_base": Int32,
         "s_red": MR[Float32, 2 * 4 * HN],  # per-warp block maxima, two blocks in flight
         "s_sum": MR[Float32, 4 * HN],  # per-warp row sums
         "s_row": MR[Float32, 2 * HN],  # the split merge's per-row max and weight
         "s_flag": MR[Float32, 4],  # the split merge's verdict
+        "sPT": AL[MR[Int32, mbarriers["pt"][0] * C.TILE_KV], 16],  # page id of each token, a ring of blocks
         "sQ": AL[MR[dt, cute.cosize(sQ_layout)], 1024],
         "sP": AL[MR[dt, cute.cosize(sP_layout)], 1024],
         "sK": AL[MR[dt, cute.cosize(sK_layout)], 1024],
         "sV": AL[MR[dt, cute.cosize(sV_layout)], 1024],
-    }
+    })
     if kv_fp8:  # the fp8 rows as loaded, widened into sK / sV by the threads that loaded them
         fields["sKs"] = AL[MR[cutlass.Uint8, S * SB], 1024]
         fields["sVs"] = AL[MR[cutlass.Uint8, S * SB], 1024]
@@ -158,12 +170,13 @@ class Sm100DecodeKernel:
                  mO: cute.Tensor, mLSE: cute.Tensor, mPO: cute.Tensor, mPLSE: cute.Tensor, mCnt: cute.Tensor,
                  mSinks: cute.Tensor, mAlibi: cute.Tensor, sm_scale: Float32, soft_cap: Float32,
                  rope_rcp_scale: Float32, rope_log2_theta: Float32, output_scale: Float32, stream):
-        S, HN, SB, kv_fp8 = self.S, self.HN, self.SB, self.kv_fp8
+        HN, SB, kv_fp8 = self.HN, self.SB, self.kv_fp8
         dt = self.mma_dtype
         qk_mma, pv_mma, L = make_mmas(self.cfg)
         sK_layout, sQ_layout, sV_layout, sP_layout = L["sK"], L["sQ"], L["sV"], L["sP"]
 
-        SharedStorage = _shared_storage(S, HN, dt, sK_layout, sQ_layout, sV_layout, sP_layout, SB, kv_fp8)
+        SharedStorage = _shared_storage(self.cfg.mbarriers, HN, dt, sK_layout, sQ_layout, sV_layout, sP_layout, SB,
+                                        kv_fp8)
         self.shared_storage = SharedStorage
         self.smem_size = SharedStorage.size_in_bytes()
         self.kernel(mQ, mK, mV, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, mSinks, sm_scale, output_scale, qk_mma,
@@ -183,22 +196,25 @@ class Sm100DecodeKernel:
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         R = self.roles
 
-        def group(n):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, n)
+        MB = self.cfg.mbarriers
 
-        # K / V stages: the load warpgroup's 128 threads -> MMA (released by the O^T update's commit)
-        pipe_kv = pipeline.PipelineAsyncUmma.create(num_stages=self.S, producer_group=group(128),
-                                                    consumer_group=group(1),
-                                                    barrier_storage=storage.mbar_kv.data_ptr(), defer_sync=True)
+        def make(kind, name, barriers):
+            stages, full, empty = MB[name]
+            return kind.create(num_stages=stages, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, full),
+                               consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, empty),
+                               barrier_storage=barriers.data_ptr(), defer_sync=True)
+
+        # K / V stages: the load warpgroup -> MMA (released by the O^T update's commit)
+        pipe_kv = make(pipeline.PipelineAsyncUmma, "kv", storage.mbar_kv)
         # S^T buffers: MMA -> softmax (released once the scores are in registers)
-        pipe_s = pipeline.PipelineUmmaAsync.create(num_stages=2, producer_group=group(1), consumer_group=group(128),
-                                                   barrier_storage=storage.mbar_s.data_ptr(), defer_sync=True)
+        pipe_s = make(pipeline.PipelineUmmaAsync, "s", storage.mbar_s)
         # P^T buffers in shared memory: softmax -> MMA (a commit also says O^T is rescaled for this block)
-        pipe_p = pipeline.PipelineAsyncUmma.create(num_stages=2, producer_group=group(128), consumer_group=group(1),
-                                                   barrier_storage=storage.mbar_p.data_ptr(), defer_sync=True)
+        pipe_p = make(pipeline.PipelineAsyncUmma, "p", storage.mbar_p)
         # O^T: MMA -> softmax (an update done; released once O^T is rescaled for the next one)
-        pipe_o = pipeline.PipelineUmmaAsync.create(num_stages=1, producer_group=group(1), consumer_group=group(128),
-                                                   barrier_storage=storage.mbar_o.data_ptr(), defer_sync=True)
+        pipe_o = make(pipeline.PipelineUmmaAsync, "o", storage.mbar_o)
+        # page ids: the page-table warp's cp.async -> the load warpgroup (released once read into registers)
+        # arrivals: full 32 (one cp.async.mbarrier.arrive.noinc a page-table lane), empty 128 (one a load thread)
+        pipe_pt = make(pipeline.PipelineCpAsync, "pt", storage.mbar_pt)
         tmem = cutlass.memory.TmemAllocator(
             storage.tmem_base.ptr, barrier_for_retrieve=pipeline.NamedBarrier(C.BAR_TMEM_ALLOC, 32 + 128),
             allocator_warp_id=R.mma_warp)
@@ -222,9 +238,9 @@ class Sm100DecodeKernel:
             free_bar.arrive_and_wait()
         elif warp < R.mma_warp:
             if n_blk > 0:
-                self._load(mQ, mK, mV, mIdx, mWork, storage, sK_layout, sQ_layout, sV_layout, pipe_kv, wi, kvh, b,
-                           t0, t1, n_blk, head0, tidx - 32 * R.load_warps[0])
-        else:
+                self._load(mQ, mK, mV, storage, sK_layout, sQ_layout, sV_layout, pipe_kv, pipe_pt, kvh, b, t0, t1,
+                           n_blk, head0, tidx - 32 * R.load_warps[0])
+        elif warp == R.mma_warp:
             tmem.allocate(self.tmem_cols)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
@@ -234,6 +250,10 @@ class Sm100DecodeKernel:
                           pipe_s, pipe_p, pipe_o, n_blk)
             free_bar.arrive_and_wait()
             tmem.free(tmem_ptr)
+        else:
+            if n_blk > 0:
+                self._page_table(mIdx, storage, pipe_pt, mWork[wi, W_PAGE_OFF], t0, t1, n_blk,
+                                 tidx - 32 * R.page_table_warp)
         if b >= 0:
             if n_splits > 1:
                 # the last CTA of (request, kv head) merges the partials; the K / V ring holds its LSE table
@@ -250,17 +270,41 @@ class Sm100DecodeKernel:
         frag = thr.make_fragment_C(thr.partition_shape_C((self.TK, self.HN)))
         return cute.make_tensor(tmem_ptr + self.tmem[name][0], frag.layout)
 
+    # ------------------------------------------------------------------ page-table warp
+    @cute.jit
+    def _page_table(self, mIdx, storage, pipe_pt, page_off, t0, t1, n_blk, lane):
+        """Lane ``lane`` of the page-table warp: for every block ``i``, once the load warpgroup has freed ring stage
+        ``i % PAGE_TABLE_STAGES``, the page ids of tokens ``lane, lane + 32, ..`` of the block (clamped to the
+        item's last token ``t1 - 1``: the load threads zero-fill those rows) from ``mIdx[page_off + tok //
+        page_size]`` into the stage by 4-byte ``cp.async``; the stage's full barrier completes once every lane's
+        copies have landed (``cp.async.mbarrier.arrive.noinc``).  The lane then waits for its last copies."""
+        TK, PS, PT = self.TK, self.PS, C.PAGE_TABLE_STAGES
+        sPT_addr = storage.sPT.data_ptr().toint()
+        idx_base = mIdx.iterator.toint()
+        for i in cutlass.range(n_blk, unroll=1):
+            state = state_at(PT, i, True)
+            pipe_pt.producer_acquire(state)
+            for j in cutlass.range_constexpr(TK // 32):
+                row = lane + 32 * j
+                tok_c = cutlass.min(t0 + i * TK + row, t1 - 1)
+                _cp_async_4(sPT_addr + (state.index * TK + row) * 4, idx_base + Int64(page_off + tok_c // PS) * 4)
+            pipe_pt.producer_commit(state)
+        cute.arch.inline_ptx("cp.async.wait_all;")  # no copy of this warp outlives its role
+
     # ------------------------------------------------------------------ load warpgroup
     @cute.jit
-    def _load(self, mQ, mK, mV, mIdx, mWork, storage, sK_layout, sQ_layout, sV_layout, pipe_kv, wi, kvh, b, t0, t1,
-              n_blk, head0, r):
+    def _load(self, mQ, mK, mV, storage, sK_layout, sQ_layout, sV_layout, pipe_kv, pipe_pt, kvh, b, t0, t1, n_blk,
+              head0, r):
         """Thread ``r`` of the load warpgroup: Q's 16-byte pieces ``r, r + 128, ..`` (heads past the group
-        zero-filled), then tokens ``r // 2`` and ``r // 2 + 64`` of every block ``i``: the even (``r`` even) or
-        odd 16-byte pieces of their K and V rows by ``cp.async`` (zero-filled past ``t1``, the address clamped
-        to the item's last token); block ``i`` is published once block ``i + 1`` is in flight
-        (``cp.async.wait_group 1``) and fenced for the MMA's async proxy; with two stages it is published before
-        block ``i + 1``'s stage is acquired (that stage is freed only after block ``i`` is consumed)."""
-        D, G, TK, HN, S, PS = self.D, self.G, self.TK, self.HN, self.S, self.PS
+        zero-filled), then tokens ``r // 2`` and ``r // 2 + 64`` of every block ``i``: their page ids from the
+        page-table warp's ring (stage ``i % PAGE_TABLE_STAGES``, freed as soon as read), then the even (``r``
+        even) or odd 16-byte pieces of their K and V rows by ``cp.async`` (zero-filled past ``t1``, the address
+        clamped to the item's last token; the page offset in 64 bits); block ``i`` is published once block
+        ``i + 1`` is in flight (``cp.async.wait_group 1``) and fenced for the MMA's async proxy; with two stages
+        it is published before block ``i + 1``'s stage is acquired (that stage is freed only after block ``i``
+        is consumed)."""
+        D, G, TK, HN, S, PS, PT = self.D, self.G, self.TK, self.HN, self.S, self.PS, C.PAGE_TABLE_STAGES
+        sPT_addr = storage.sPT.data_ptr().toint()
         sQ_addr = storage.sQ.data_ptr().toint()
         sK_addr = storage.sK.data_ptr().toint()
         sV_addr = storage.sV.data_ptr().toint()
@@ -278,9 +322,12 @@ class Sm100DecodeKernel:
         if const_expr(self.kv_fp8):
             sKs_addr = storage.sKs.data_ptr().toint()
             sVs_addr = storage.sVs.data_ptr().toint()
-        page_off = mWork[wi, W_PAGE_OFF]
         half = r % 2  # two threads per row, each every other 16-byte piece: a warp reads whole 32-byte sectors
         for i in cutlass.range(n_blk, unroll=1):
+            pt_state = state_at(PT, i, False)
+            pipe_pt.consumer_wait(pt_state)
+            pages = [ptx.ld_shared_b32(sPT_addr + (pt_state.index * TK + r // 2 + 64 * j) * 4) for j in range(2)]
+            pipe_pt.consumer_release(pt_state)
             state = state_at(S, i, True)
             if const_expr(S == 2):
                 # two stages: block i reuses block i-2's stage, which the MMA warp frees only after block i-1 is
@@ -296,9 +343,8 @@ class Sm100DecodeKernel:
                 row = r // 2 + 64 * j
                 tok = t0 + i * TK + row
                 nbytes = cutlass.select_(tok < t1, 16, 0)
-                tok_c = cutlass.min(tok, t1 - 1)
-                page = mIdx[page_off + tok_c // PS]
-                slot = tok_c % PS
+                slot = cutlass.min(tok, t1 - 1) % PS
+                page = pages[j]
                 koff = Int64(page) * mK.stride[0] + Int64(slot) * mK.stride[1] + Int64(kvh) * mK.stride[2]
                 voff = Int64(page) * mV.stride[0] + Int64(slot) * mV.stride[1] + Int64(kvh) * mV.stride[2]
                 if const_expr(self.kv_fp8):
