@@ -8,7 +8,8 @@ H200 (SM90) against the float64 oracle; SM100/SM103 builds are cross-compiled an
 
 Every kernel launch is a torch custom op (``cutedsl_attn::prefill_sm90``, ``cutedsl_attn::prefill_portable``,
 ``cutedsl_attn::paged_decode``, ``cutedsl_attn::paged_decode_sm100``, ``cutedsl_attn::gdn_chunked``,
-``cutedsl_attn::gdn_recurrent``, ``cutedsl_attn::mla_decode_portable``; the ``single_*`` functions are
+``cutedsl_attn::gdn_recurrent``, ``cutedsl_attn::mla_decode_portable``, ``cutedsl_attn::mla_decode_sm90``; the
+``single_*`` functions are
 ``cutedsl_attn::single_prefill`` /
 ``cutedsl_attn::single_decode``): ``torch.compile(fullgraph=True)`` traces through a wrapper's ``run()`` and the
 ``single_*`` functions, and the profiler shows the kernel by that name.

@@ -55,8 +55,8 @@ key                   values                                        default
 ``kernel``            ``"auto"``, ``"portable"``, ``"sm90"``         ``auto``
 ===================== ============================================= ===========
 
-Config keys of op ``"mla"`` (a :class:`cutedsl_attn.planning.mla.MlaProblem`; the portable MLA decode kernel
-with :func:`cutedsl_attn.dispatch.mla_choice`'s tiles, ``head_dim_ckv`` 512 / ``head_dim_kpe`` 64):
+Config keys of op ``"mla"`` (a :class:`cutedsl_attn.planning.mla.MlaProblem`; the kernel
+:func:`cutedsl_attn.dispatch.mla_choice` picks, the SM90 one on ``sm_90a`` at page 64, with its tiles, ``head_dim_ckv`` 512 / ``head_dim_kpe`` 64):
 
 ===================== ============================================= ===========
 key                   values                                        default

@@ -368,11 +368,16 @@ def _kda_rows():
 
 
 def _mla_rows():
+    for ps in (16, 64):  # page 16: the portable kernel; page 64: the SM90 one on sm_90a (dispatch's pick)
+        yield _mla_row(ps)
+
+
+def _mla_row(ps: int):
     from . import ref
     from .api.mla import BatchMLAPagedAttentionWrapper
 
     dev = torch.device("cuda")
-    H, dc, dr, ps, kv_lens = 16, 512, 64, 16, (1, 100, 2000)
+    H, dc, dr, kv_lens = 16, 512, 64, (1, 100, 2000)
     g = torch.Generator().manual_seed(0)
     npages = [-(-n // ps) for n in kv_lens]
     pool = sum(npages) + 3
@@ -396,8 +401,8 @@ def _mla_rows():
     err = _rel(o, o_ref)
     d_lse = (lse.double().cpu() - lse_ref.double()).abs().max().item()
     status, note = _verdict(err, 1e-2, None if d_lse < _LSE_TOL else f"LSE abs err {d_lse:.2e}")
-    yield Row("mla", "mla_decode_portable", "bf16 H16 page16 decode", status, err, first,
-              _call_us(lambda: w.run(*args_d)), note)
+    return Row("mla", w._plan["module"].NAME, f"bf16 H16 page{ps} decode", status, err, first,
+               _call_us(lambda: w.run(*args_d)), note)
 
 
 def _guarded(op: str, kernel: str, rows):
@@ -423,7 +428,7 @@ def gpu_matrix(only: str = "", peers: bool = True):
     groups += [("decode", ("paged_decode",), lambda: _decode_rows(found)),
                ("gdn", ("gdn_chunked_sm90", "gdn_chunked", "gdn_recurrent"), _gdn_rows),
                ("gdn", ("kda_chunked",), _kda_rows),
-               ("mla", ("mla_decode_portable",), _mla_rows)]
+               ("mla", ("mla_decode_portable", "mla_decode_sm90"), _mla_rows)]
     groups += [("prefill", ("prefill_sm100",), lambda: _prefill_rows(arch, "sm100", found))
                for k in kernels if k == "sm100"]
     groups = [g for g in groups if not only or only in g[0] or any(only in k for k in g[1])]
@@ -476,7 +481,7 @@ def cross_compile_matrix(arch: str, only: str = ""):
     from .sm90 import mla as mla_sm90
 
     mp = MlaProblem(dtype="bfloat16", page_size=64, causal=False, arch=arch)
-    for mod in (mla_decode,) + ((mla_sm90,) if arch == "sm_90a" else ()):  # the SM90 one: opt-in, built here
+    for mod in (mla_decode,) + ((mla_sm90,) if arch == "sm_90a" else ()):  # both: the SM90 one is the sm_90a default at page 64
         if not only or only in "mla" or only in mod.NAME:
             yield _build_module("mla", mod.NAME, "bf16 page64", lambda m=mod: (
                 m, m.Config(mp, m.default_tiles(mp, num_sms=132))))

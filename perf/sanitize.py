@@ -82,9 +82,11 @@ CASES = (
     Case("kda_prefill_sm90", "KDA (chunked: per-channel prep + SM90 wgmma main kernel)", "_kda_prefill",
          env=(("CUTEDSL_ATTN_GDN_KERNEL", "kda_chunked_sm90"),)),
     Case("mla_decode", "MLA decode (portable)", "_mla_decode"),
-    # the SM90 MLA kernel is opt-in (never run before this sweep's first run): page 64, the sizes it serves
-    Case("mla_decode_sm90", "MLA decode (SM90 wgmma, opt-in)", "_mla_decode_p64",
-         env=(("CUTEDSL_ATTN_MLA_KERNEL", "sm90"),)),
+    # page 64 on sm_90a: the SM90 MLA kernel by default (2 requests split into one-page work items, two of them
+    # gathered tail pages, merged by the last CTA); then its tuning variants (the S-first schedule, the merge kernel)
+    Case("mla_decode_sm90", "MLA decode (SM90 wgmma)", "_mla_decode_p64"),
+    Case("mla_tuned_sm90", "MLA decode (SM90 wgmma, S-first schedule, merge kernel)", "_mla_decode_p64",
+         env=(("CUTEDSL_ATTN_MLA_TUNE", "schedule=1,merge_kernel=1"),)),
     Case("mla_decode_fp8", "MLA decode (portable), fp8 e4m3 cache (trtllm MLA, q_len 2)", "_mla_decode_fp8"),
 )
 

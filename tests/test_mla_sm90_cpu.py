@@ -1,4 +1,4 @@
-"""CPU tests of the SM90 MLA decode kernel: its contract, the dispatch opt-in and its PTX / cubin / SASS
+"""CPU tests of the SM90 MLA decode kernel: its contract, the dispatch default and its PTX / cubin / SASS
 (cross-compiled for sm_90a; the kernel needs an H200 to run)."""
 
 import glob
@@ -38,7 +38,15 @@ def test_unsupported_and_config_rules():
         sm90.Tiles(consumer_registers=256)
     with pytest.raises(TypeError):
         sm90.Tiles(num_stages=2.0)
-    assert sm90.TUNING_FIELDS == ("num_stages", "consumer_registers")
+    for field, bad in (("schedule", 2), ("schedule", -1), ("merge_kernel", 2)):
+        with pytest.raises(ValueError, match=field):
+            sm90.Tiles(**{field: bad})
+    with pytest.raises(TypeError):
+        sm90.Tiles(merge_kernel=True)
+    assert sm90.TUNING_FIELDS == ("num_stages", "consumer_registers", "schedule", "merge_kernel")
+    assert (sm90.Tiles().schedule, sm90.Tiles().merge_kernel) == (0, 0)  # the verified schedule and merge
+    assert sm90.override_tiles(sm90.Tiles(), {"schedule": "1", "merge_kernel": "1"}) == sm90.Tiles(schedule=1,
+                                                                                                     merge_kernel=1)
     assert sm90.override_tiles(sm90.Tiles(), {"consumer_registers": "240"}).consumer_registers == 240
     with pytest.raises(ValueError):
         sm90.override_tiles(sm90.Tiles(), {"tile_n": "32"})
@@ -56,34 +64,42 @@ def test_unsupported_and_config_rules():
     assert [sm90.num_tiles(n) for n in (1, 4, 5, 8, 16)] == [1, 1, 2, 2, 4]
 
 
-def test_dispatch_opt_in(monkeypatch):
+def test_dispatch_default_and_fallbacks(monkeypatch):
     from cutedsl_attn import dispatch as d
     from cutedsl_attn.portable import mla_decode as md
 
     p = _problem()
     monkeypatch.delenv("CUTEDSL_ATTN_MLA_KERNEL", raising=False)
     monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE", raising=False)
-    assert d.mla_choice(p)[0] is md  # never the default
-    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "portable")
-    assert d.mla_choice(p)[0] is md
-    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")
-    module, cfg = d.mla_choice(p)
-    assert module is sm90 and isinstance(cfg, sm90.Config) and cfg.tiles == sm90.Tiles()
+    # the automatic choice on sm_90a: the SM90 kernel wherever it serves the problem
+    for env in (None, "auto", "sm90"):
+        if env is None:
+            monkeypatch.delenv("CUTEDSL_ATTN_MLA_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", env)
+        module, cfg = d.mla_choice(p)
+        assert module is sm90 and isinstance(cfg, sm90.Config) and cfg.tiles == sm90.Tiles(), env
+        for kw in (dict(causal=True), dict(dtype="float16"), dict(dtype="float16", causal=True)):
+            assert d.mla_choice(_problem(**kw))[0] is sm90, (env, kw)
+        # what the SM90 kernel does not serve falls back to the portable kernel
+        for kw in (dict(page_size=16), dict(page_size=1), dict(page_size=32), dict(page_size=63),
+                   dict(kv_dtype="float8_e4m3fn"), dict(dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn"),
+                   dict(arch="sm_100a"), dict(arch="sm_103a")):
+            assert d.mla_choice(_problem(**kw))[0] is md, (env, kw)
     lim = d.mla_limits(module, cfg)
     assert lim["ctas_per_sm"] == 1 and lim["tile_m"] == 64  # one 64-row CTA per SM
     assert lim["max_splits_per_request"] == cfg.max_splits_per_request >= 128
-    # what the SM90 kernel does not serve stays on the portable kernel
-    assert d.mla_choice(_problem(causal=True))[0] is sm90
-    for kw in (dict(page_size=16), dict(page_size=1), dict(kv_dtype="float8_e4m3fn"), dict(arch="sm_100a")):
-        assert d.mla_choice(_problem(**kw))[0] is md, kw
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "portable")  # forces the portable kernel
+    assert d.mla_choice(p)[0] is md and d.mla_choice(_problem(causal=True))[0] is md
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")
     monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", "consumer_registers=240")
     assert d.mla_choice(p)[1].tiles == sm90.Tiles(consumer_registers=240)
     monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", "tile_n=16")
     with pytest.raises(ValueError, match="CUTEDSL_ATTN_MLA_TUNE"):
         d.mla_choice(p)
     monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE")
-    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "auto")  # the verified portable kernel, as unset
-    assert d.mla_choice(p)[0].NAME == "mla_decode_portable"
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "auto")
+    assert d.mla_choice(p)[0].NAME == "mla_decode_sm90"
     monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "fa3")
     with pytest.raises(ValueError, match="CUTEDSL_ATTN_MLA_KERNEL"):
         d.mla_choice(p)
@@ -116,23 +132,29 @@ def _nvdisasm():
 
 
 VARIANTS = {
-    "bf16": (dict(), 232),
-    "bf16_causal": (dict(causal=True), 232),
-    "fp16": (dict(dtype="float16"), 232),
-    "bf16_224": (dict(), 224),
+    "bf16": (dict(), dict()),
+    "bf16_causal": (dict(causal=True), dict()),
+    "fp16": (dict(dtype="float16"), dict()),
+    "bf16_224": (dict(), dict(consumer_registers=224)),
+    "bf16_s_first": (dict(), dict(schedule=1)),
+    "bf16_causal_s_first_merge_kernel": (dict(causal=True), dict(schedule=1, merge_kernel=1)),
 }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
-    kw, regs = VARIANTS[variant]
+    kw, tiles = VARIANTS[variant]
     p = _problem(**kw)
-    cfg = sm90.Config(p, sm90.Tiles(consumer_registers=regs))
+    cfg = sm90.Config(p, sm90.Tiles(**tiles))
+    merge_kernel = cfg.tiles.merge_kernel == 1
     sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
     (path,) = glob.glob(str(tmp_path / "*.ptx"))
     ptx = open(path).read()
     assert re.search(r"\.target\s+sm_90a", ptx)
-    assert len(re.findall(r"\.entry\s+(\S+)\(", ptx)) == 1
+    # the main kernel, and with merge_kernel the split-KV merge kernel of the same launch
+    assert len(re.findall(r"\.entry\s+(\S+)\(", ptx)) == (2 if merge_kernel else 1)
+    # the in-kernel merge's counter (atomic add) exists only without the merge kernel
+    assert ("atom.global.add" in ptx or "red.global.add" in ptx) != merge_kernel
     ab = "bf16" if p.dtype == "bfloat16" else "f16"
     # S = Q K^T of a 64-token block: 36 k16 steps over [ckv | kpe]; O half += P V over 64 tokens: 4 k16 steps.
     # S is issued at three sites (warpgroup 0's block 0; in the loop, one per warpgroup: each reads its own half of
@@ -159,8 +181,9 @@ def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
     assert ".local" not in ptx
     (cub,) = glob.glob(str(tmp_path / "*.cubin"))
     res = cubin_kernel_resources(open(cub, "rb").read())
-    assert len(res) == 1
-    (r,) = res.values()
+    assert len(res) == (2 if merge_kernel else 1)
+    assert all(x["stack_bytes"] == 0 for x in res.values()), res
+    r = max(res.values(), key=lambda x: x["registers"])  # the main kernel (the merge kernel needs far fewer)
     assert r["stack_bytes"] == 0, r  # no spills
     assert r["registers"] <= 65536 // cfg.num_threads  # launchable before setmaxnreg
     # setmaxnreg redistributes the CTA's launch pool: the budgets must fit it, or an inc waits forever
@@ -201,3 +224,40 @@ def test_launch_traces_as_the_sm90_custom_op(monkeypatch):
     torch._dynamo.reset()
     r = torch.compile(f, backend="aot_eager", fullgraph=True)(torch.zeros(2, 64, 512))
     assert seen == [(sm90, 0.5)] and torch.equal(r, torch.full((2, 64, 512), 2.0))
+
+
+def test_portable_custom_op_keeps_the_portable_kernel(monkeypatch):
+    """A launch traced as cutedsl_attn::mla_decode_portable (its plan made for the portable kernel's 16-row tiles
+    and split limits) runs the portable kernel even where the automatic choice is now the SM90 one."""
+    from cutedsl_attn.dispatch import mla as d
+    from cutedsl_attn.planning.mla import MlaArgs
+    from cutedsl_attn.portable import mla_decode as md
+
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_KERNEL", raising=False)
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE", raising=False)
+    seen = []
+    monkeypatch.setattr(d, "_mla_launch_direct", lambda module, cfg, args: seen.append((module, cfg)))
+    p = _problem()
+    assert d.mla_choice(p)[0] is sm90
+    t = lambda *s: torch.zeros(*s)  # noqa: E731
+    args = MlaArgs(t(2, 16, 512), t(2, 16, 64), t(4, 64, 512), t(4, 64, 64), torch.zeros(4, dtype=torch.int32),
+                   torch.zeros(2, 10, dtype=torch.int32), t(2, 16, 512), t(2, 16), t(1, 16, 512), t(1, 16),
+                   torch.zeros(2, dtype=torch.int32), 0.1, 1, 1.0)
+    key = ";".join(f"{n}={getattr(p, n)!r}" for n in d._MLA_FIELDS)
+    d._mla_op(*args, key)
+    d._mla_sm90_op(*args, key)
+    assert [m for m, _ in seen] == [md, sm90]
+    assert isinstance(seen[0][1], md.Config) and seen[0][1].problem == p
+
+
+def test_load_order_follows_the_schedule():
+    """The producer loads a stage's release groups (ckv half 0, ckv half 1, kpe / P) in the order the consumer
+    schedule frees them, so it never waits on a group freed later while an earlier-freed one waits behind it:
+    signal first, the owner's half first (as its S reads them); S first, the other half and kpe (freed by the
+    other warpgroup's P V) before the owner's half (freed by its own P V, read last by S)."""
+    from cutedsl_attn.sm90.mla.kernel import MlaSm90Kernel
+
+    k0 = MlaSm90Kernel(sm90.Config(_problem(), sm90.Tiles()))
+    k1 = MlaSm90Kernel(sm90.Config(_problem(), sm90.Tiles(schedule=1)))
+    assert [k0._load_order(c) for c in (0, 1)] == [(0, 1, 2), (1, 0, 2)]
+    assert [k1._load_order(c) for c in (0, 1)] == [(1, 2, 0), (0, 2, 1)]

@@ -1,6 +1,8 @@
-"""GPU tests of the SM90 MLA decode kernel (``CUTEDSL_ATTN_MLA_KERNEL=sm90``) against the float64 oracle.
+"""GPU tests of the SM90 MLA decode kernel (the automatic choice on sm_90a for 16-bit page-64 problems) against the
+float64 oracle.
 
-Through ``BatchMLAPagedAttentionWrapper`` with the opt-in (every test asserts the plan chose the SM90 kernel),
+Through ``BatchMLAPagedAttentionWrapper`` with ``CUTEDSL_ATTN_MLA_KERNEL`` unset (every test asserts the plan chose
+the SM90 kernel),
 through ``trtllm_batch_decode_with_kv_cache_mla`` (one combined cache: strided ckv / kpe views), and by a direct
 launch of the compiled kernel.  Fresh random inputs every run; outputs and LSE poisoned with NaN before each
 launch; NaN in every page slot no request owns; relative Frobenius error of O and absolute error of the base-2
@@ -31,8 +33,8 @@ _WS = None
 
 
 @pytest.fixture(autouse=True)
-def sm90_opt_in(monkeypatch):
-    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")
+def automatic_choice(monkeypatch):
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_KERNEL", raising=False)
     monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE", raising=False)
 
 
@@ -95,7 +97,7 @@ def check(case, H, *, causal=False, dtype=torch.bfloat16, sm_scale=SM_SCALE, exp
     q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len_arr = case
     w = BatchMLAPagedAttentionWrapper(workspace())
     w.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, H, DC, DR, PS, causal, sm_scale, dtype, dtype)
-    assert w._plan["module"].NAME == "mla_decode_sm90", "the opt-in did not choose the SM90 kernel"
+    assert w._plan["module"].NAME == "mla_decode_sm90", "the automatic choice is not the SM90 kernel"
     if expect_split is not None:
         assert (w._plan["split_tokens"] > 0) == expect_split, w._plan["split_tokens"]
     T = q_nope.shape[0]
@@ -160,6 +162,27 @@ def test_float16_and_negative_scale():
     case = make([1, 1, 2], [70, 3, 4000], 128, dtype=torch.float16)
     check(case, 128, dtype=torch.float16, causal=True)
     check(case, 128, dtype=torch.float16, sm_scale=-0.05)
+
+
+@pytest.mark.parametrize("tune", ["schedule=1", "merge_kernel=1"])
+def test_tuning_variants(monkeypatch, tune):
+    """The Tiles variants ``perf/bench_mla.py --variants`` times (the S-first consumer schedule, the separate
+    split-KV merge kernel) against the oracle: page boundaries, empty and long requests, split-KV, a head count
+    off the tile, a second run of a split plan, and for the schedule causal multi-token rows (the merge kernel
+    does not see the mask: one causal build fewer)."""
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", tune)
+    check(make([1] * 7, [1, 63, 64, 65, 0, 4096, 1000], 128), 128)
+    case = make([1, 1, 1], [32768, 100, 8191], 128)
+    w, out, lse = check(case, 128, expect_split=True)
+    out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    w.run(*case[:4], out=out2, lse=lse2, return_lse=True)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    check(make([1, 1], [20000, 9000], 64), 64, expect_split=True)
+    check(make([2, 3], [20000, 5000], 64), 64, expect_split=True)  # split multi-token rows (token-major rows)
+    check(make([1] * 5, [1, 64, 65, 3000, 0], 16), 16)
+    if tune == "schedule=1":
+        check(make([2, 3, 4], [9, 100, 4096], 128), 128, causal=True)
+        check(make([2, 4], [1, 2], 128), 128, causal=True)  # rows that see no key
 
 
 def test_rerun_reuses_counters():
@@ -286,9 +309,12 @@ def test_page_ids_past_32_bit_offsets():
     assert rel(out, o_ref) < TOL_O
 
 
-def test_cuda_graph_replay_after_replan():
+@pytest.mark.parametrize("tune", ["", "merge_kernel=1"])
+def test_cuda_graph_replay_after_replan(monkeypatch, tune):
     """CUDA-graph mode: a fixed grid (padding work rows exit at once), re-planned lengths replayed, split-KV
-    counters left at 0 by the merging CTAs."""
+    counters left at 0 by the merging CTAs (or, with the merge kernel, its grid over every work row)."""
+    if tune:
+        monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", tune)
     B, H, max_pages = 8, 128, 8 * 130
     i32 = dict(dtype=torch.int32, device=DEV)
     bufs = dict(qo_indptr=torch.zeros(B + 1, **i32), kv_indptr=torch.zeros(B + 1, **i32),

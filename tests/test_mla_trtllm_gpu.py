@@ -1,5 +1,7 @@
-"""GPU tests of ``trtllm_batch_decode_with_kv_cache_mla`` (the portable CuTe DSL MLA kernel) against the float64
-oracle ``cutedsl_attn.ref.mla_paged_attention``.
+"""GPU tests of ``trtllm_batch_decode_with_kv_cache_mla`` against the float64 oracle
+``cutedsl_attn.ref.mla_paged_attention``, under the automatic kernel choice (the SM90 kernel for 16-bit page-64
+caches on an sm_90 GPU, the portable one otherwise) and with the portable kernel forced
+(``CUTEDSL_ATTN_MLA_KERNEL=portable``); every launch is checked to run the expected kernel.
 
 TRT-LLM layout: query ``[B, q_len, H, 576]``, one combined cache ``[pages, page_size, 576]`` (``ckv | kpe``),
 block tables + ``seq_lens``.  Fresh random inputs every run; outputs and LSE poisoned with NaN before each call;
@@ -8,6 +10,7 @@ data through CSR arrays built from the block table, ``sm_scale = bmm1_scale``, i
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -26,6 +29,39 @@ TOL_O = 1e-2  # 16-bit P and output rounding
 TOL_LSE = 2e-2
 BMM1 = 1.0 / math.sqrt(128 + 64)  # DeepSeek: sm_scale over the pre-absorption head dim, q/k scales 1
 _WS = None
+
+
+@pytest.fixture(autouse=True, params=["auto", "portable"])
+def mla_kernel(request, monkeypatch):
+    """``CUTEDSL_ATTN_MLA_KERNEL`` of the test (the automatic choice, or the portable kernel forced); records the
+    kernel of every launch in ``launched``."""
+    from cutedsl_attn.api import mla_trtllm
+
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", request.param)
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE", raising=False)
+    callspec = getattr(request.node, "callspec", None)
+    ps = callspec.params.get("PS") if callspec is not None else None
+    if request.node.originalname == "test_default_out_and_lse_base_e":
+        ps = 32
+    if request.param == "auto" and ps is not None and ps != 64:
+        pytest.skip(f"page_size {ps}: the automatic choice is the portable kernel, run by the portable variant")
+    launched.clear()
+    real = mla_trtllm.mla_launch
+    monkeypatch.setattr(mla_trtllm, "mla_launch", lambda module, cfg, args: (launched.append(module.NAME),
+                                                                             real(module, cfg, args)))
+    return request.param
+
+
+launched = []
+
+
+def expected_kernel(PS, dtype):
+    """The kernel a launch must run under this test's ``CUTEDSL_ATTN_MLA_KERNEL``."""
+    from cutedsl_attn.compile import target_arch
+
+    sm90 = (os.environ["CUTEDSL_ATTN_MLA_KERNEL"] != "portable" and target_arch(DEV) == "sm_90a" and PS == 64
+            and dtype in (torch.bfloat16, torch.float16))
+    return "mla_decode_sm90" if sm90 else "mla_decode_portable"
 
 
 def workspace():
@@ -89,6 +125,7 @@ def check(seq_lens, q_len, H, PS, *, bmm1=BMM1, bmm2=1.0, kv_4d=False, q_pad=0, 
         query, cache, workspace(), 128, 512, 64, bt, sl, max(seq_lens), out=out, bmm1_scale=bmm1, bmm2_scale=bmm2,
         lse=lse, return_lse=True, multi_ctas_kv_counter_buffer=counter_buffer)
     assert o is out and l is lse
+    assert launched and launched[-1] == expected_kernel(PS, query.dtype), launched
     o_ref, lse_ref = oracle(query, kv, bt, sl, PS, bmm1=bmm1, bmm2=bmm2)
     o, l = o.cpu(), l.cpu()
     assert rel(o, o_ref) < TOL_O

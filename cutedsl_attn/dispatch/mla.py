@@ -1,11 +1,12 @@
 """Kernel choice and launch of MLA (part of :mod:`cutedsl_attn.dispatch`, which re-exports its public names).
 
-The portable decode kernel (query heads x qo_len rows packed into 16-row mma.sync tiles; multi-token rows
-bottom-right causal; 16-bit or fp8 e4m3 caches) serves every MLA problem on every arch by default.
-``CUTEDSL_ATTN_MLA_KERNEL=sm90`` (``auto``, the default, and ``portable`` take the portable one) opts in to the SM90 kernel (:mod:`cutedsl_attn.sm90.mla`: wgmma, 64-row tiles,
-16-bit caches, page size 64) where it serves the problem (the portable kernel serves the rest); ``=portable``
-(the default) forces the portable kernel.  Under torch.compile the launch is the custom op
-cutedsl_attn::mla_decode_portable or cutedsl_attn::mla_decode_sm90.
+On sm_90a the SM90 kernel (:mod:`cutedsl_attn.sm90.mla`: TMA pages + wgmma, 64-row tiles, O split across two
+consumer warpgroups) serves every problem it can: bf16 / fp16 q with caches of q's dtype and page size 64, any head
+count, qo_len, causal or not, split-KV.  The portable decode kernel (16-row mma.sync tiles; page sizes 1..64,
+fp8 e4m3 caches) serves the rest and every other arch.  ``CUTEDSL_ATTN_MLA_KERNEL``: ``auto`` (the default, as
+above), ``sm90`` (the same: the SM90 kernel where it serves the problem) or ``portable`` (forces the portable
+kernel).  Under torch.compile the launch is the custom op cutedsl_attn::mla_decode_portable or
+cutedsl_attn::mla_decode_sm90.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..sm90 import mla as _mla_sm90
 from . import _dtype_name, _override, _parse_tune, num_sms
 
 MLA_TUNE_ENV = "CUTEDSL_ATTN_MLA_TUNE"  # "key=value,..." over the MLA kernel's Tiles fields: tuning experiments
-MLA_KERNEL_ENV = "CUTEDSL_ATTN_MLA_KERNEL"  # "auto" (default: portable), "portable" or "sm90" (opt-in until run)
+MLA_KERNEL_ENV = "CUTEDSL_ATTN_MLA_KERNEL"  # "auto" (default: the SM90 kernel where it serves), "sm90", "portable"
 _MLA_KERNELS = ("auto", "portable", "sm90")
 
 _MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
@@ -42,18 +43,19 @@ def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512,
 
 
 def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
-    """``(kernel module, config)`` serving ``problem``: the portable kernel, or with ``CUTEDSL_ATTN_MLA_KERNEL=sm90``
-    the SM90 kernel where it serves the problem; ``CUTEDSL_ATTN_MLA_TUNE`` (``"key=value,..."`` over the chosen
-    kernel's ``Tiles`` fields, tuning experiments) overrides the default tiles.
+    """``(kernel module, config)`` serving ``problem``: the SM90 kernel where it serves the problem (its
+    ``unsupported_reason`` is None: sm_90a, 16-bit caches of q's dtype, page size 64), else the portable kernel;
+    ``CUTEDSL_ATTN_MLA_KERNEL=portable`` forces the portable kernel.  ``CUTEDSL_ATTN_MLA_TUNE``
+    (``"key=value,..."`` over the chosen kernel's ``Tiles`` fields, tuning experiments) overrides the default
+    tiles.
 
     Raises NotImplementedError naming what is served when no kernel serves the problem; ValueError naming the
     variable for a bad ``CUTEDSL_ATTN_MLA_KERNEL``, a malformed item or a refused combination."""
     forced = os.environ.get(MLA_KERNEL_ENV, "").strip() or "auto"
-    forced = "portable" if forced == "auto" else forced  # auto takes the verified portable kernel for now
     if forced not in _MLA_KERNELS:
         raise ValueError(f"{MLA_KERNEL_ENV} must be one of {_MLA_KERNELS}, got {forced!r}")
     m = _mla_portable
-    if forced == "sm90" and _mla_sm90.unsupported_reason(problem) is None:
+    if forced != "portable" and _mla_sm90.unsupported_reason(problem) is None:
         m = _mla_sm90
     reason = m.unsupported_reason(problem)
     if reason is not None:
@@ -88,9 +90,11 @@ def _mla_op(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: to
             work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
             counters: torch.Tensor, sm_scale: float, num_row_tiles: int, output_scale: float, key: str) -> None:
     problem = MlaProblem(**{n: ast.literal_eval(v) for n, v in (kv.split("=", 1) for kv in key.split(";"))})
-    _mla_launch_direct(*mla_choice(problem, device_index=q_nope.device.index),
-                       MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale,
-                               num_row_tiles, output_scale))
+    module, cfg = mla_choice(problem, device_index=q_nope.device.index)
+    if module is not _mla_portable:  # (traced with the portable kernel, whose plan this is: it stays)
+        cfg = _mla_portable.Config(problem, _mla_portable.default_tiles(problem, num_sms=num_sms(q_nope.device.index)))
+    _mla_launch_direct(_mla_portable, cfg, MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o,
+                                                   part_lse, counters, sm_scale, num_row_tiles, output_scale))
 
 
 @_mla_op.register_fake
@@ -107,7 +111,7 @@ def _mla_sm90_op(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kp
                  output_scale: float, key: str) -> None:
     problem = MlaProblem(**{n: ast.literal_eval(v) for n, v in (kv.split("=", 1) for kv in key.split(";"))})
     module, cfg = mla_choice(problem, device_index=q_nope.device.index)
-    if module is not _mla_sm90:  # (traced under the opt-in; the variable changed since: the kernel stays)
+    if module is not _mla_sm90:  # (traced with the SM90 kernel; CUTEDSL_ATTN_MLA_KERNEL changed since: it stays)
         cfg = _mla_sm90.Config(problem, _mla_sm90.default_tiles(problem, num_sms=num_sms(q_nope.device.index)))
     _mla_launch_direct(_mla_sm90, cfg, MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse,
                                                counters, sm_scale, num_row_tiles, output_scale))

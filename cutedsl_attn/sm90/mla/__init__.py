@@ -3,7 +3,8 @@
 The kernel contract (what dispatch uses): :data:`NAME`, :class:`Tiles`, :class:`Config` (``Config(problem,
 tiles)``, the compile key), :func:`unsupported_reason`, :func:`default_tiles`, :func:`override_tiles` with
 :data:`TUNING_FIELDS`, :func:`compile` and :func:`launch`.  Modules: ``config`` (the dataclasses), ``kernel``
-(roles, main loop, epilogue, split-KV merge).
+(roles, main loop, epilogue, in-kernel split-KV merge), ``merge`` (the separate split-KV merge kernel of
+``Tiles.merge_kernel``).
 
 Conventions (FlashInfer's MLA, as the portable kernel): logits ``sm_scale * (q_nope . ckv + q_pe . kpe)``, LSE
 base 2, causal bottom-right, empty rows give O = 0 and LSE = -inf, ``output_scale`` applied in fp32 before the

@@ -27,18 +27,28 @@ PAGE_SIZES = (64,)
 LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
 
 
+#: consumer schedules (:attr:`Tiles.schedule`); the kernel module's docstring describes both
+SCHEDULE_SIGNAL_FIRST = 0  # wait for the other warpgroup's m_{n-1}, apply its factor, then issue S_n and P V
+SCHEDULE_S_FIRST = 1  # issue S_n (the groups freed first) before that wait, its own-half group after P_{n-1} V
+
+
 @dataclass(frozen=True)
 class Tiles:
     """What the kernel chooses: ``num_stages`` KV blocks resident (2: Q's 72 KiB and two 72 KiB blocks fill the
     227 KiB of shared memory; one block per consumer warpgroup), ``consumer_registers`` per consumer thread after
     ``setmaxnreg`` (the producer warpgroup gets what is left of the CTA's launch pool, ``LAUNCH_REGISTERS`` x 384,
-    at most 56).
+    at most 56), ``schedule`` the consumers' order per block (:data:`SCHEDULE_SIGNAL_FIRST` or
+    :data:`SCHEDULE_S_FIRST`; the producer loads a stage's groups in the order that schedule frees them),
+    ``merge_kernel`` where split-KV partials are merged (0: by the last CTA of a (request, row tile) to finish;
+    1: by a second kernel of the same launch, 64 CTAs a row tile: :mod:`cutedsl_attn.sm90.mla.merge`).
 
     Raises TypeError for a non-int field, ValueError for a value out of range.
     """
 
     num_stages: int = 2
     consumer_registers: int = 232
+    schedule: int = SCHEDULE_SIGNAL_FIRST
+    merge_kernel: int = 0
 
     def __post_init__(self):
         check_int_fields(self)
@@ -47,6 +57,12 @@ class Tiles:
                              f"fit next to Q), got {self.num_stages}")
         if self.consumer_registers not in (216, 224, 232, 240):
             raise ValueError(f"consumer_registers must be one of 216, 224, 232, 240, got {self.consumer_registers}")
+        if self.merge_kernel not in (0, 1):
+            raise ValueError(f"merge_kernel must be 0 (the last CTA merges) or 1 (a merge kernel), got "
+                             f"{self.merge_kernel}")
+        if self.schedule not in (SCHEDULE_SIGNAL_FIRST, SCHEDULE_S_FIRST):
+            raise ValueError(f"schedule must be {SCHEDULE_SIGNAL_FIRST} (signal first) or {SCHEDULE_S_FIRST} "
+                             f"(S first), got {self.schedule}")
 
 
 TUNING_FIELDS = tuple(f.name for f in fields(Tiles))

@@ -14,15 +14,21 @@ Roles (384 threads, one CTA per (64-row tile, work item), registers rebalanced b
   the other from the shared tile.  The softmax steps thus form one chain alternating between the warpgroups,
   and while one runs its softmax the tensor cores run the other's S of the next block and both halves of
   P V of the previous one: per iteration a warpgroup applies the factor of block ``n - 1``, issues S_n and then
-  ``P_{n-1} V_{n-1}``, waits for S_n only, runs the softmax, and issues ``P_n V_n`` once the first P V is done.
-  Both halves of O and the row sums take the same factors, so the row sums add up at the end.
+  ``P_{n-1} V_{n-1}``, waits for S_n only, runs the softmax, and issues ``P_n V_n`` once the first P V is done
+  (``Tiles.schedule`` 0, signal first).  With ``Tiles.schedule`` 1 (S first) a warpgroup issues the part of S_n
+  over the other half and kpe (freed by the other warpgroup's P V of block ``n - 2``) before it waits for
+  ``m_{n-1}``, the own half (freed by its own P V of block ``n - 2``) after ``P_{n-1} V_{n-1}``, and waits for
+  that P V before its softmax, so the other block's stage reloads while the softmax runs; the producer then loads
+  each stage's groups in that order.  Both halves of O and the row sums take the same factors, so the row sums add
+  up at the end.
 
 Each stage has three release groups (ckv columns 0..255, 256..511, kpe / P), each a full and an empty mbarrier;
 a group is reloaded once its last reader is done (half ``w`` after warpgroup ``w``'s P V, the kpe / P chunk
 after the other warpgroup's).  Tokens outside ``[tok_start, tok_end)`` of the work item (a page shared with
 the neighbouring split) are masked in S, and so are keys past a row's bottom-right causal limit.  Split items
 write fp32 partials; the last CTA of a (request, row tile) merges them in the same launch
-(:func:`cutedsl_attn.common.splitkv.last_to_arrive` elects it).
+(:func:`cutedsl_attn.common.splitkv.last_to_arrive` elects it), or with ``Tiles.merge_kernel`` a second kernel of
+the same launch does (:mod:`cutedsl_attn.sm90.mla.merge`).
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ from ...planning.decode import (
     W_BATCH, W_KV_LEN, W_NUM_SPLITS, W_PAGE_OFF, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START,
 )
 from ...planning.mla import HEAD_DIM_CKV, W_Q_START, W_QO_LEN
-from .config import BLOCK_N, CHUNK_COLS, D_QK, GROUP_CHUNKS, NUM_CHUNKS, NUM_GROUPS, TILE_M, V_HALF, Config
+from .config import (BLOCK_N, CHUNK_COLS, D_QK, GROUP_CHUNKS, NUM_CHUNKS, NUM_GROUPS, SCHEDULE_S_FIRST, TILE_M, V_HALF,
+                     Config)
+from .merge import MERGE_CTAS_PER_TILE, MERGE_THREADS, SplitMerge
 
 CONSUMER_BAR = 1  # named barrier of the two consumer warpgroups (256 threads); 0 is __syncthreads
 SIGNAL_BAR = 2  # 2 + w: warpgroup w has published m_n and P_n of its block n (arrive by w, sync by the other)
@@ -63,7 +71,7 @@ def _mul_pinned(a, b):
                                 read_only_args=[Float32(a), Float32(b)])
 
 
-class MlaSm90Kernel:
+class MlaSm90Kernel(SplitMerge):
     """CuTe DSL SM90 MLA decode of one :class:`~cutedsl_attn.sm90.mla.config.Config` (build with ``compile``)."""
 
     def __init__(self, cfg: Config):
@@ -72,6 +80,8 @@ class MlaSm90Kernel:
         self.S = cfg.tiles.num_stages
         self.registers = cfg.registers
         self.causal = cfg.problem.causal
+        self.schedule = cfg.tiles.schedule
+        self.merge_kernel = cfg.tiles.merge_kernel
 
     @cute.jit
     def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mIdx: cute.Tensor,
@@ -114,6 +124,9 @@ class MlaSm90Kernel:
                     tma_p, sm_scale, output_scale, sQ_layout, sK_layout, mma_qk, mma_rs, mma_ss).launch(
             grid=(num_tiles, mWork.shape[0], 1), block=(self.cfg.num_threads, 1, 1),
             smem=SharedStorage.size_in_bytes(), stream=stream)
+        if const_expr(self.merge_kernel):
+            self.merge(mO, mLSE, mPO, mPLSE, mWork, output_scale).launch(
+                grid=(num_tiles * MERGE_CTAS_PER_TILE, mPLSE.shape[0], 1), block=(MERGE_THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mQn, mQp, mCkv, mKpe, mIdx, mWork, mO, mLSE, mPO, mPLSE, mCnt, tma_atom_c, tma_c, tma_atom_p,
@@ -160,15 +173,16 @@ class MlaSm90Kernel:
                 s_after = self._consume(mO, mLSE, mPO, mPLSE, mWork, wi, tile, sQ, sK, sK_addr, full, empty, q_bar,
                                         storage, mma_qk, mma_rs, mma_ss, sm_scale * LOG2E, output_scale,
                                         ptx.opaque_i32(ctid), w)
-            n_splits = mWork[wi, W_NUM_SPLITS]
-            if n_splits > 1:
-                is_last, cnt_addr = splitkv.last_to_arrive(
-                    mCnt, mWork[wi, W_BATCH], n_tiles, tile, n_splits,
-                    s_after + (storage.flag.data_ptr().toint() - sK_addr), tidx)
-                if is_last:
-                    if warp_idx >= 4:
-                        self._merge(mO, mLSE, mPO, mPLSE, mWork, wi, tile, s_after, cnt_addr, output_scale,
-                                    tidx - 128)
+            if const_expr(not self.merge_kernel):  # (else the merge kernel of the same launch merges)
+                n_splits = mWork[wi, W_NUM_SPLITS]
+                if n_splits > 1:
+                    is_last, cnt_addr = splitkv.last_to_arrive(
+                        mCnt, mWork[wi, W_BATCH], n_tiles, tile, n_splits,
+                        s_after + (storage.flag.data_ptr().toint() - sK_addr), tidx)
+                    if is_last:
+                        if warp_idx >= 4:
+                            self._merge(mO, mLSE, mPO, mPLSE, mWork, wi, tile, s_after, cnt_addr, output_scale,
+                                        tidx - 128)
 
     # ------------------------------------------------------------------ producer warpgroup
     @cute.jit
@@ -219,7 +233,7 @@ class MlaSm90Kernel:
                     pg = pg0 + n
                     page = mIdx[page_off + pg]
                     tail = (pg + 1) * BLOCK_N > kv_len  # the page past the request's end: gathered, zero-filled
-                    for g in ((0, 1, 2) if c == 0 else (1, 0, 2)):  # (the order the owner's S reads them)
+                    for g in self._load_order(c):
                         cute.arch.mbarrier_wait(empty + (c * NUM_GROUPS + g), (j % 2) ^ 1)
                         bar = full + (c * NUM_GROUPS + g)
                         if tail:
@@ -229,6 +243,13 @@ class MlaSm90Kernel:
                         else:
                             self._tma_group(tma_atom_c, tma_c, tma_atom_p, tma_p, sK, c, g, page, bar)
                             cute.arch.mbarrier_arrive(bar)
+
+    def _load_order(self, c: int) -> tuple:
+        """The order stage ``c``'s groups are loaded in: the order the schedule frees them (signal first: the
+        owner's own half first, as its S reads them)."""
+        if self.schedule == SCHEDULE_S_FIRST:
+            return (1 - c, NUM_GROUPS - 1, c)
+        return (0, 1, 2) if c == 0 else (1, 0, 2)
 
     @cute.jit
     def _tma_group(self, tma_atom_c, tma_c, tma_atom_p, tma_p, sK, c: cutlass.Constexpr, g: cutlass.Constexpr, page,
@@ -330,23 +351,92 @@ class MlaSm90Kernel:
         diag = mWork[wi, W_KV_LEN] - mWork[wi, W_QO_LEN] if const_expr(self.causal) else Int32(0)
         lims = (t0, t1 - 1, diag, row0, rows, H, warp, g, t)
         blk = (sc, pg0, lims, s_max, p_own, dt)
+        if const_expr(self.schedule == SCHEDULE_S_FIRST):
+            self._loop_s_first(s, o, p_words, row_m, row_l, scale, mx, acc_S, acc_O, tSrQ, tSrK, tOrP, tOrV_rs,
+                               tOsP, tOrV_ss, mma_qk, mma_rs, mma_ss, full, empty, s_max, n_blk, w, warp, g, blk)
+        else:
+            if (w == 0) & (n_blk > 0):  # block 0: no block before it
+                self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 0, 0, (0, 1, 2))
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                self._own_block(s, p_words, row_m, row_l, scale, mx, 0, w, blk)
+                self._issue_pv(mma_rs, acc_O, tOrP, tOrV_rs, w)  # (O is still 0: no factor)
+            # iteration i: the other warpgroup's block n - 1 (P from shared memory), then the own block n = 2 i + w
+            # (the wgmma waits and commits do not depend on which blocks exist: ptxas then sees no wgmma in flight where
+            # an accumulator is written and keeps the GEMMs asynchronous)
+            for i in cutlass.range(1 - w, (n_blk + 2 - w) // 2, unroll=1):
+                n = 2 * i + w
+                has_own = n < n_blk
+                warpgroup.wait_group(0)
+                if i >= 1:  # the own P V of block n - 2 is done with its half w: its stage reloads for block n
+                    cute.arch.mbarrier_arrive(empty + (w * NUM_GROUPS + w))
+                # the other warpgroup published m_{n-1} and P_{n-1}: O and the sums take the same factor here (before
+                # S_n is issued: a register write to an accumulator inside a wgmma stage would serialise them)
+                cute.arch.barrier(barrier_id=SIGNAL_BAR + other, number_of_threads=256)
+                for h in cutlass.range_constexpr(2):
+                    m_new = ptx.ld_shared_f32(s_max + (((n - 1) % 2) * TILE_M + warp * 16 + g + 8 * h) * 4)
+                    m_use = Float32(cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new))
+                    scale[h] = ptx.ex2(row_m[h] - m_use)
+                    row_m[h] = m_new
+                    row_l[h] = row_l[h] * scale[h]
+                for e in cutlass.range_constexpr(V_HALF // 2):
+                    o[e] = _mul_pinned(o[e], scale[(e // 2) % 2])
+                # S_n, then P_{n-1} V_{n-1}: the softmax of block n runs while this P V and the other warpgroup's
+                # P_{n-1} V_{n-1} do
+                if has_own:  # (the own half first: the other half and the kpe chunk are freed later)
+                    if w == 0:
+                        self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 0, i % 2, (0, 1, 2))
+                        warpgroup.commit_group()
+                    else:
+                        self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 1, i % 2, (1, 0, 2))
+                        warpgroup.commit_group()
+                cute.arch.mbarrier_wait(full + (other * NUM_GROUPS + w), ((n - 1) // 2) % 2)
+                cute.arch.fence_view_async_shared()
+                self._issue_pv(mma_ss, acc_O, tOsP, tOrV_ss, other)
+                warpgroup.wait_group(1)  # S_n (without an own block: nothing S reads; P V waited for below)
+                if has_own:
+                    self._own_block(s, p_words, row_m, row_l, scale, mx, n, w, blk)
+                warpgroup.wait_group(0)
+                # P_{n-1} V_{n-1} is done with the other block's half w and its P
+                cute.arch.mbarrier_arrive(empty + (other * NUM_GROUPS + w))
+                cute.arch.mbarrier_arrive(empty + (other * NUM_GROUPS + NUM_GROUPS - 1))
+                if has_own:
+                    for e in cutlass.range_constexpr(V_HALF // 2):
+                        o[e] = _mul_pinned(o[e], scale[(e // 2) % 2])
+                    self._issue_pv(mma_rs, acc_O, tOrP, tOrV_rs, w)
+        warpgroup.wait_group(0)
+        part = mWork[wi, W_PART_BASE] + mWork[wi, W_SPLIT_IDX]
+        self._epilogue(mO, mLSE, mPO, mPLSE, o, row_m, row_l, s_sum, mWork[wi, W_Q_START], row0, rows, H, part,
+                       mWork[wi, W_NUM_SPLITS] == 1, output_scale, w, warp, g, t)
+        return ptx.opaque_i32(sK_addr)
+
+    @cute.jit
+    def _loop_s_first(self, s, o, p_words, row_m, row_l, scale, mx, acc_S, acc_O, tSrQ, tSrK, tOrP, tOrV_rs, tOsP,
+                      tOrV_ss, mma_qk, mma_rs, mma_ss, full, empty, s_max, n_blk, w, warp, g, blk):
+        """:data:`SCHEDULE_S_FIRST`: per iteration S_n's other-half and kpe groups are issued before the wait for
+        the other warpgroup's m_{n-1} (they were freed by that warpgroup's P V of block n - 2), its own-half group
+        (freed by the own P V of block n - 2 just before) after P_{n-1} V_{n-1}; P_{n-1} V_{n-1} is waited for
+        before the softmax, so the other block's stage reloads while the softmax runs."""
+        other = 1 - w
         if (w == 0) & (n_blk > 0):  # block 0: no block before it
-            self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 0, 0, (0, 1, 2))
+            self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 0, 0, (1, 2, 0))
             warpgroup.commit_group()
             warpgroup.wait_group(0)
             self._own_block(s, p_words, row_m, row_l, scale, mx, 0, w, blk)
             self._issue_pv(mma_rs, acc_O, tOrP, tOrV_rs, w)  # (O is still 0: no factor)
-        # iteration i: the other warpgroup's block n - 1 (P from shared memory), then the own block n = 2 i + w
-        # (the wgmma waits and commits do not depend on which blocks exist: ptxas then sees no wgmma in flight where
-        # an accumulator is written and keeps the GEMMs asynchronous)
         for i in cutlass.range(1 - w, (n_blk + 2 - w) // 2, unroll=1):
             n = 2 * i + w
             has_own = n < n_blk
             warpgroup.wait_group(0)
             if i >= 1:  # the own P V of block n - 2 is done with its half w: its stage reloads for block n
                 cute.arch.mbarrier_arrive(empty + (w * NUM_GROUPS + w))
-            # the other warpgroup published m_{n-1} and P_{n-1}: O and the sums take the same factor here (before
-            # S_n is issued: a register write to an accumulator inside a wgmma stage would serialise them)
+            if has_own:  # S_n over the other half and kpe (then O's factor: S does not accumulate into O)
+                if w == 0:
+                    self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 0, i % 2, (1, 2))
+                    warpgroup.commit_group()
+                else:
+                    self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 1, i % 2, (0, 2))
+                    warpgroup.commit_group()
             cute.arch.barrier(barrier_id=SIGNAL_BAR + other, number_of_threads=256)
             for h in cutlass.range_constexpr(2):
                 m_new = ptx.ld_shared_f32(s_max + (((n - 1) % 2) * TILE_M + warp * 16 + g + 8 * h) * 4)
@@ -356,42 +446,35 @@ class MlaSm90Kernel:
                 row_l[h] = row_l[h] * scale[h]
             for e in cutlass.range_constexpr(V_HALF // 2):
                 o[e] = _mul_pinned(o[e], scale[(e // 2) % 2])
-            # S_n, then P_{n-1} V_{n-1}: the softmax of block n runs while this P V and the other warpgroup's
-            # P_{n-1} V_{n-1} do
-            if has_own:  # (the own half first: the other half and the kpe chunk are freed later)
-                if w == 0:
-                    self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 0, i % 2, (0, 1, 2))
-                    warpgroup.commit_group()
-                else:
-                    self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 1, i % 2, (1, 0, 2))
-                    warpgroup.commit_group()
             cute.arch.mbarrier_wait(full + (other * NUM_GROUPS + w), ((n - 1) // 2) % 2)
             cute.arch.fence_view_async_shared()
             self._issue_pv(mma_ss, acc_O, tOsP, tOrV_ss, other)
-            warpgroup.wait_group(1)  # S_n (without an own block: nothing S reads; P V waited for below)
-            if has_own:
-                self._own_block(s, p_words, row_m, row_l, scale, mx, n, w, blk)
-            warpgroup.wait_group(0)
+            if has_own:  # the rest of S_n: the own half
+                if w == 0:
+                    self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 0, i % 2, (0,), True)
+                else:
+                    self._issue_s(mma_qk, acc_S, tSrQ, tSrK, full, 1, i % 2, (1,), True)
+            warpgroup.commit_group()  # (an empty group without an own block: the waits stay the same)
+            warpgroup.wait_group(1)
             # P_{n-1} V_{n-1} is done with the other block's half w and its P
             cute.arch.mbarrier_arrive(empty + (other * NUM_GROUPS + w))
             cute.arch.mbarrier_arrive(empty + (other * NUM_GROUPS + NUM_GROUPS - 1))
+            warpgroup.wait_group(0)
             if has_own:
+                self._own_block(s, p_words, row_m, row_l, scale, mx, n, w, blk)
                 for e in cutlass.range_constexpr(V_HALF // 2):
                     o[e] = _mul_pinned(o[e], scale[(e // 2) % 2])
                 self._issue_pv(mma_rs, acc_O, tOrP, tOrV_rs, w)
-        warpgroup.wait_group(0)
-        part = mWork[wi, W_PART_BASE] + mWork[wi, W_SPLIT_IDX]
-        self._epilogue(mO, mLSE, mPO, mPLSE, o, row_m, row_l, s_sum, mWork[wi, W_Q_START], row0, rows, H, part,
-                       mWork[wi, W_NUM_SPLITS] == 1, output_scale, w, warp, g, t)
-        return ptx.opaque_i32(sK_addr)
 
     @cute.jit
-    def _issue_s(self, mma_qk, acc_S, tSrQ, tSrK, full, w: cutlass.Constexpr, parity, order: cutlass.Constexpr):
+    def _issue_s(self, mma_qk, acc_S, tSrQ, tSrK, full, w: cutlass.Constexpr, parity, order: cutlass.Constexpr,
+                 accumulate: cutlass.Constexpr = False):
         """Issue S = Q K^T of the own stage ``w``, group by group (in ``order``) as the groups land (full
-        mbarriers, ``parity``); the caller commits."""
+        mbarriers, ``parity``); ``accumulate``: add to S (the rest of a block whose first groups are issued);
+        the caller commits."""
         warpgroup.fence()
         atom = cute.make_mma_atom(mma_qk.op)
-        atom.set(warpgroup.Field.ACCUMULATE, False)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
         for gi in order:
             cute.arch.mbarrier_wait(full + (w * NUM_GROUPS + gi), parity)
             cute.arch.fence_view_async_shared()  # (a gathered page came through cp.async)
