@@ -1,5 +1,7 @@
-"""Per-channel-decay delta rule benchmark: cutedsl_attn's chunked KDA / GDN-2 kernel (and the token-serial
-recurrent kernel) vs fla's Triton ``chunk_kda`` / ``chunk_gdn2``, same process.
+"""Per-channel-decay delta rule benchmark: our chunked KDA / GDN-2 kernels vs fla and cuDNN, same process.
+
+Ours: the portable and the SM90 chunked kernels (and the token-serial recurrent kernel); peers: fla's Triton
+``chunk_kda`` / ``chunk_gdn2`` and cuDNN's KDA graph.
 
 Rows (bf16 q/k/v, K = V = 128, fp32 per-channel log gates and state, ``use_qk_l2norm_in_kernel=True``, final
 state written, no initial state): ``kda_32h``: KDA, 32 heads, 4 x 8192; ``kda_64h``: KDA, 64 heads, 2 x 16384;
@@ -10,17 +12,26 @@ Method (cutedsl_attn.timing.KernelTimer, as perf/bench_gdn.py): a 512 MiB memset
 timed call, the GPU sleeps so the host has queued the call, CUDA events bracket it, median of 10.  Our rows
 time the kernel launch (the chunk plan and scratch allocation included; the API's checks are done once,
 outside the timed call); fla is timed through its public function (``FLA_DISABLE_BACKEND_DISPATCH=1``: its own
-Triton kernels).  Each row also records the relative error of our output and final state against fla's.
+Triton kernels).  Each row also records the relative error of our output and final state against fla's / cuDNN's
+and, with both of our kernels, between them (the same inputs).  Where the time goes: each of our kernels' two
+launches (``prep``, ``main``) timed by the torch profiler over ``--profile-reps`` flushed calls
+(``<kernel>_prep_us`` / ``<kernel>_main_us``, device time a call).
 
-Usage: python perf/bench_delta_family.py [--rows kda_32h,kda_64h,gdn2_32h] [--recurrent] [--cudnn]
-[--out FILE.jsonl] (``--recurrent`` also times the recurrent kernel on the same launch arguments, ``--cudnn``
-cuDNN's KDA graph through ``recurrent_kda(backend="cudnn")`` on the KDA rows; peers are skipped cleanly when
-not importable or declining).  Prints a Markdown table and one JSON line a row.
+Usage: python perf/bench_delta_family.py [--rows kda_32h,kda_64h,gdn2_32h] [--kernel portable|sm90|both]
+[--sm90-tiles "128,2;64,2"] [--prep-ctas 2,3] [--fla] [--recurrent] [--cudnn] [--profile-reps 3]
+[--out FILE.jsonl] (``--kernel``: which of our chunked kernels, default both (the SM90 one needs sm_90a);
+``--sm90-tiles``: the SM90 kernel's ``tile_v,num_stages`` variants, the first the headline (default: its default
+tiles); ``--prep-ctas``: the prep kernel's layouts (``Tiles.prep_ctas``; 3, the compact one, on the KDA rows
+only, label suffix ``_p3``); ``--fla`` times fla (its Triton autotune is the slow part of a run),
+``--recurrent`` the recurrent kernel on the same launch arguments, ``--cudnn`` cuDNN's KDA graph through
+``recurrent_kda(backend="cudnn")`` on the KDA rows; peers are skipped cleanly when not importable or declining).
+Prints a Markdown table and one JSON line a row.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import math
@@ -36,6 +47,7 @@ from cutedsl_attn.planning.gdn import (  # noqa: E402
 )
 from cutedsl_attn.portable import gdn_recurrent as rec  # noqa: E402
 from cutedsl_attn.portable import kda_chunked as chk  # noqa: E402
+from cutedsl_attn.sm90 import kda_chunked as k90  # noqa: E402
 from cutedsl_attn.timing import KernelTimer  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -101,17 +113,86 @@ def _call_filtered(fn, *pos, **kw):
     return fn(*pos, **kw)
 
 
-def bench_row(timer, name, found, recurrent, cudnn):
+def launch_split(timer, launch, reps):
+    """Device microseconds a call of each of the launch's kernels (``{"prep": us, "main": us}``), from the torch
+    profiler over ``reps`` calls, the L2 flushed before each (as the timer does)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    launch()
+    torch.cuda.synchronize()
+    flush = getattr(timer, "_flush", None)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            if flush is not None:
+                flush.zero_()
+            launch()
+        torch.cuda.synchronize()
+    out = {}
+    for evt in prof.key_averages():
+        total = getattr(evt, "device_time_total", None)
+        if total is None:
+            total = getattr(evt, "cuda_time_total", 0.0)
+        for part in ("prep", "main"):
+            if f"kernel_cutlass_{part}_" in evt.key:
+                out[part] = out.get(part, 0.0) + total / reps
+    return out
+
+
+def _variants(kernel, problem, B, H, sm90_tiles, prep_ctas):
+    """[(label, module, config)] of our chunked kernels to time: ``kernel`` in portable / sm90 / both, each prep
+    layout of ``prep_ctas`` the problem admits (label suffix ``_p3`` for the compact one; GDN-2 takes 2 only)."""
+    out = []
+    layouts = [pc for pc in prep_ctas if pc == 2 or not problem.erase_write_gates]
+    if kernel in ("portable", "both"):
+        base = chk.default_tiles(problem, num_sms=132, chains=B * H)
+        for pc in layouts:
+            out.append(("portable" + ("" if pc == 2 else f"_p{pc}"), chk,
+                        chk.Config(problem, dataclasses.replace(base, prep_ctas=pc))))
+    if kernel in ("sm90", "both"):
+        if k90.unsupported_reason(problem) is not None:
+            print(f"sm90 skipped: {k90.unsupported_reason(problem)}")
+        else:
+            tiles = sm90_tiles or [k90.default_tiles(problem, num_sms=132, chains=B * H)]
+            for i, t in enumerate(tiles):
+                for pc in layouts:
+                    label = ("sm90" if i == 0 else f"sm90_{t.tile_v}x{t.num_stages}") + ("" if pc == 2 else f"_p{pc}")
+                    out.append((label, k90, k90.Config(problem, dataclasses.replace(t, prep_ctas=pc))))
+    return out
+
+
+def bench_row(timer, name, found, recurrent, cudnn, kernel="both", sm90_tiles=None, profile_reps=3,
+              prep_ctas=(2, 3)):
     op, B, L, H = ROWS[name]
     d = make_inputs(op, B, L, H)
     problem, args, out, ht = launch_args(op, d, B, H)
-    cfg = chk.Config(problem, chk.default_tiles(problem, num_sms=132, chains=B * H))
-    fn = get_compiled(chk.NAME, cfg, chk.compile)
-    row = dict(row=name, op=op, B=B, L=L, heads=H, kernel=f"{chk.NAME} {cfg.tiles}")
-    row["ours_ms"] = timer(lambda: chk.launch(fn, cfg, args), reps=10) * 1e3
-    chk.launch(fn, cfg, args)
-    torch.cuda.synchronize()
-    o_ours, s_ours = out.clone(), ht.clone()
+    row = dict(row=name, op=op, B=B, L=L, heads=H)
+    results = {}
+    for label, mod, cfg in _variants(kernel, problem, B, H, sm90_tiles, prep_ctas):
+        fn = get_compiled(mod.NAME, cfg, mod.compile)
+
+        def call(mod=mod, fn=fn, cfg=cfg):
+            mod.launch(fn, cfg, args)
+
+        row[f"{label}_kernel"] = f"{mod.NAME} {cfg.tiles}"
+        row[f"{label}_ms"] = timer(call, reps=10) * 1e3
+        if profile_reps > 0:
+            for part, us in launch_split(timer, call, profile_reps).items():
+                row[f"{label}_{part}_us"] = us
+        out.fill_(float("nan"))
+        ht.fill_(float("nan"))
+        call()
+        torch.cuda.synchronize()
+        results[label] = (out.clone(), ht.clone())
+    if not results:
+        raise SystemExit("no kernel of --kernel serves this GPU")
+    head = "sm90" if "sm90" in results else "portable"
+    row["ours_ms"] = row[f"{head}_ms"]
+    row["kernel"] = row[f"{head}_kernel"]
+    o_ours, s_ours = results[head]
+    for label, (o2, s2) in results.items():
+        if label != head:
+            row[f"rel_err_{label}_vs_{head}_o"] = rel(o2, o_ours)
+            row[f"rel_err_{label}_vs_{head}_state"] = rel(s2, s_ours)
     if recurrent:
         c2 = rec.Config(problem, rec.default_tiles(problem, num_sms=132))
         f2 = get_compiled(rec.NAME, c2, rec.compile)
@@ -157,8 +238,15 @@ def bench_row(timer, name, found, recurrent, cudnn):
 
 
 def table(rows):
-    cols = ["row", "op", "B", "L", "heads", "ours_ms", "recurrent_ms", "fla_ms", "speedup_vs_fla", "cudnn_ms",
-            "speedup_vs_cudnn", "rel_err_vs_fla_o", "rel_err_vs_fla_state", "rel_err_vs_cudnn_o", "kernel"]
+    cols = ["row", "op", "B", "L", "heads", "ours_ms"]
+    for r in rows:  # every kernel variant's total and its prep / main split, in the order they ran
+        cols += [c for c in r if (c.endswith("_ms") or c.endswith("_us")) and c not in cols
+                 and c.split("_")[0] in ("portable", "sm90")]
+    cols += ["recurrent_ms", "fla_ms", "speedup_vs_fla", "cudnn_ms", "speedup_vs_cudnn", "rel_err_vs_fla_o",
+             "rel_err_vs_fla_state", "rel_err_vs_cudnn_o"]
+    cols += sorted({c for r in rows for c in r if c.startswith("rel_err_") and "_vs_sm90" in c or
+                    c.startswith("rel_err_") and "_vs_portable" in c})
+    cols += ["kernel"]
     cols = [c for c in cols if any(c in r for r in rows)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -173,6 +261,16 @@ def table(rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows of " + ", ".join(ROWS))
+    ap.add_argument("--kernel", default="both", choices=["portable", "sm90", "both"],
+                    help="which of our chunked kernels to time (both: the same inputs, their outputs compared)")
+    ap.add_argument("--sm90-tiles", default="",
+                    help='SM90 kernel tile variants "tile_v,num_stages;..." (the first is the headline; default: '
+                         "its default tiles)")
+    ap.add_argument("--prep-ctas", default="2,3",
+                    help="prep layouts to time, by CTAs an SM (2: the default; 3: the compact KDA layout)")
+    ap.add_argument("--profile-reps", type=int, default=3,
+                    help="flushed calls the torch profiler splits into prep / main time (0: no split)")
+    ap.add_argument("--fla", action="store_true", help="also time fla's Triton kernels (slow: their autotune)")
     ap.add_argument("--recurrent", action="store_true", help="also time the token-serial recurrent kernel")
     ap.add_argument("--cudnn", action="store_true", help="also time cuDNN's KDA graph (backend='cudnn') on KDA rows")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
@@ -181,12 +279,21 @@ def main():
     for n in names:
         if n not in ROWS:
             raise SystemExit(f"unknown row {n!r}; rows: {', '.join(ROWS)}")
+    sm90_tiles = []
+    for item in (x.strip() for x in a.sm90_tiles.split(";")):
+        if item:
+            tv, st = (int(x) for x in item.split(","))
+            sm90_tiles.append(k90.Tiles(tile_v=tv, num_stages=st))
+    prep_ctas = tuple(int(x) for x in a.prep_ctas.split(",") if x.strip())
+    if 2 not in prep_ctas:
+        raise SystemExit("--prep-ctas must include 2 (the default layout: the headline and the GDN-2 rows)")
     torch.manual_seed(0)
     timer = KernelTimer()
-    found = fla_peers()
+    found = fla_peers() if a.fla else {}
     rows = []
     for n in names:
-        rows.append(bench_row(timer, n, found, a.recurrent, a.cudnn))
+        rows.append(bench_row(timer, n, found, a.recurrent, a.cudnn, a.kernel, sm90_tiles, a.profile_reps,
+                              prep_ctas))
         torch.cuda.empty_cache()
     print()
     print(table(rows))

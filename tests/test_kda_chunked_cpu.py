@@ -127,16 +127,26 @@ def test_unsupported_and_config_rules():
     with pytest.raises(TypeError):
         chk.Config(_problem(), "tiles")
     assert chk.default_tiles(_problem(), num_sms=132, chains=128) == chk.Tiles(tile_v=64, num_warps=4)
+    assert chk.TUNING_FIELDS == ("tile_v", "num_warps", "prep_ctas") and chk.Tiles(64, 4).prep_ctas == 2
+    with pytest.raises(ValueError, match="prep_ctas 3"):
+        chk.Config(_problem(erase_write_gates=True), chk.Tiles(prep_ctas=3))
+    with pytest.raises(ValueError):
+        chk.Tiles(prep_ctas=1)
+    # the compact layout: three CTAs an SM at K = V = 128 (228 KiB an SM, 1 KiB reserved a CTA)
+    assert 3 * (chk.Config(_problem(), chk.Tiles(prep_ctas=3)).prep_smem_bytes + 1024) <= 228 * 1024
     for p in (_problem(), _problem(head_dim_k=64, erase_write_gates=True)):
         cfg = chk.Config(p, chk.Tiles())
         assert cfg.main_smem_bytes <= 227 * 1024 and cfg.prep_smem_bytes <= 227 * 1024
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("variant", ["kda_d128_l2norm_64x4", "gdn2_d128_32x8_bf16state", "kda_k64_v128_fp16_64x8"])
+@pytest.mark.parametrize("variant", ["kda_d128_l2norm_64x4", "gdn2_d128_32x8_bf16state", "kda_k64_v128_fp16_64x8",
+                                     "kda_d128_l2norm_64x4_prep3"])
 def test_kernel_ptx(tmp_path, arch, variant):
     if variant == "kda_d128_l2norm_64x4":
         p, t = _problem(use_qk_l2norm=True, arch=arch), chk.Tiles(64, 4)
+    elif variant == "kda_d128_l2norm_64x4_prep3":
+        p, t = _problem(use_qk_l2norm=True, arch=arch), chk.Tiles(64, 4, prep_ctas=3)
     elif variant == "gdn2_d128_32x8_bf16state":
         p, t = _problem(state_dtype="bfloat16", erase_write_gates=True, use_qk_l2norm=True, arch=arch), \
             chk.Tiles(32, 8)
@@ -160,11 +170,21 @@ def test_kernel_ptx(tmp_path, arch, variant):
     assert "cp.async.cg.shared.global" in prep and "cp.async.cg.shared.global" in main
     assert "ldmatrix.sync.aligned.m8n8.x4.trans" in main
     assert "vote.sync.any" in prep  # the warp-uniform choice of the direct diagonal block
-    assert ".local" not in ptx  # accumulators, the state slice and T's column stay in registers
+    assert ".local" not in ptx  # accumulators, the row fragments and the state slice stay in registers
     assert "rsqrt.approx" in prep if p.use_qk_l2norm else "rsqrt.approx" not in prep
+    # the diagonal block's bounds as running maxima (max.f32, not a compare-and-select chain); T by 16 x 16
+    # blocks (the inverse's named barrier for the diagonal blocks' 64 threads, then its merge phases)
+    assert "max.f32" in prep and "abs.f32" in prep
+    assert re.search(r"bar(rier)?\.sync(\.aligned)?\s+1,\s*64;", prep)
+    assert len(re.findall(r"bar\.sync|barrier\.sync", prep)) >= 12
     (cub,) = glob.glob(str(tmp_path / "*.cubin"))
     res = cubin_kernel_resources(open(cub, "rb").read())
     assert len(res) == 2 and all(r["stack_bytes"] == 0 for r in res.values()), res  # ptxas spilled nothing
+    prep_regs = [r["registers"] for n, r in res.items() if "prep" in n][0]
+    # the layout's prep CTAs an SM, by shared memory and by registers (65536 an SM, 128 threads a CTA)
+    ctas = t.prep_ctas
+    assert ctas * (chk.Config(p, t).prep_smem_bytes + 1024) <= 228 * 1024 and ctas * 128 * prep_regs <= 65536
+    assert bool(re.search(r"\.minnctapersm\s+3", prep)) == (ctas == 3)
 
 
 def test_launch_tensors_shapes_and_argument_checks():

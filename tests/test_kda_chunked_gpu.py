@@ -52,6 +52,8 @@ def gates(kind, shape):
         return -u * 30.0
     if kind == "huge":
         return -u * 1e4
+    if kind == "safe":  # the benchmark's: -5 sigmoid(x), the safe gate's range with lower_bound = -5
+        return -5.0 * torch.sigmoid(torch.randn(shape, device=DEV))
     g = -u * 2.0
     g[torch.rand(shape, device=DEV) < 0.1] = -math.inf
     return g
@@ -126,11 +128,11 @@ def test_direct_vs_oracle_varlen(mode, gate):
 
 
 @pytest.mark.parametrize("mode", ["kda", "gdn2"])
-@pytest.mark.parametrize("gate", ["mild", "strong"])
-def test_direct_vs_float32_algorithm(mode, gate):
+@pytest.mark.parametrize("gate,D", [("mild", 64), ("strong", 64), ("safe", 128)])
+def test_direct_vs_float32_algorithm(mode, gate, D):
     lens = [1, 17, 64, 65, 200]
-    d = inputs(lens, 1, 1, 2, K=64, V=64, gate=gate, gdn2=mode == "gdn2")
-    h0 = torch.randn(len(lens), 2, 64, 64, device=DEV) * 0.1
+    d = inputs(lens, 1, 1, 2, K=D, V=D, gate=gate, gdn2=mode == "gdn2")
+    h0 = torch.randn(len(lens), 2, D, D, device=DEV) * 0.1
     ht = torch.full_like(h0, NAN)
     o = run_direct(d, h0=h0, ht=ht)
     cpu = {k: v.cpu() for k, v in d.items()}
@@ -177,6 +179,33 @@ def test_direct_no_initial_state_tiles_and_zero_gate_is_ungated():
                                          use_qk_l2norm_in_kernel=True)
     assert rel(o, ungated) < TOL_O
 
+
+
+@pytest.mark.parametrize("case", ["strong_fp16", "huge_bf16_no_l2norm"])
+def test_compact_prep_layout_equals_the_wide_one(case):
+    """``prep_ctas=3`` (the compact KDA prep layout: e formed from k and beta, buffers reused) computes exactly
+    what ``prep_ctas=2`` does; strong gates take the direct diagonal blocks, which re-read q from global."""
+    import dataclasses
+
+    gate, dt, l2 = {"strong_fp16": ("strong", torch.float16, True),
+                    "huge_bf16_no_l2norm": ("huge", torch.bfloat16, False)}[case]
+    lens = [0, 1, 17, 64, 65, 300]
+    d = inputs(lens, 2, 2, 4, gate=gate, dtype=dt)
+    if not l2:  # bounded without l2norm
+        d["k"] = (d["k"].float() / d["k"].float().norm(dim=-1, keepdim=True)).to(dt)
+        d["q"] = (d["q"].float() / math.sqrt(128)).to(dt)
+    h0 = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
+    p = GdnProblem(dtype="bfloat16" if dt == torch.bfloat16 else "float16", head_dim_k=128, head_dim_v=128,
+                   gate_domain="log", use_qk_l2norm=l2, gate_per_channel=True, arch=target_arch(DEV))
+    base = chk.default_tiles(p, num_sms=132, chains=len(lens) * 4)
+    outs = []
+    for pc in (2, 3):
+        ht = torch.full_like(h0, NAN)
+        o = run_direct(d, h0=h0, ht=ht, l2norm=l2, tiles=dataclasses.replace(base, prep_ctas=pc))
+        outs.append((o, ht))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    o_ref, s_ref = oracle(d, h0, l2norm=l2)
+    assert rel(outs[1][0], o_ref) < TOL_O and rel(outs[1][1], s_ref) < TOL_SC
 
 def test_api_fixed_length_equals_packed(chunked):
     B, T, H, HV = 2, 1000, 2, 2

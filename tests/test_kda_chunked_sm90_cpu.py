@@ -35,8 +35,16 @@ def test_unsupported_and_config_rules():
         kda90.Config(_problem(head_dim_v=64), kda90.Tiles(tile_v=128))
     with pytest.raises(TypeError):
         kda90.Config(_problem(), object())
-    assert kda90.Tiles is gdn90.Tiles and kda90.TUNING_FIELDS == ("tile_v", "num_stages")
+    assert kda90.TUNING_FIELDS == ("tile_v", "num_stages", "prep_ctas")
     assert kda90.override_tiles(kda90.Tiles(), {"num_stages": "3"}).num_stages == 3
+    assert kda90.override_tiles(kda90.Tiles(), {"prep_ctas": "3"}) == kda90.Tiles(prep_ctas=3)
+    for bad in (dict(tile_v=32), dict(num_stages=4), dict(prep_ctas=4)):
+        with pytest.raises(ValueError):
+            kda90.Tiles(**bad)
+    with pytest.raises(TypeError):
+        kda90.Tiles(prep_ctas=3.0)
+    with pytest.raises(ValueError, match="prep_ctas 3"):
+        kda90.Config(_problem(erase_write_gates=True), kda90.Tiles(prep_ctas=3))
     # the GDN kernel's tile rules (the same main kernel)
     for chains, tv in ((256, 128), (99, 128), (98, 64), (8, 64)):
         assert kda90.default_tiles(_problem(), num_sms=132, chains=chains) == kda90.Tiles(tile_v=tv), chains
@@ -47,12 +55,16 @@ def test_unsupported_and_config_rules():
                 cfg = kda90.Config(_problem(head_dim_k=K), kda90.Tiles(tile_v=tv, num_stages=st))
                 assert cfg.main_smem_bytes <= 227 * 1024 and cfg.num_wg == tv // 64
                 assert cfg.f_bytes == (2 * CHUNK + K) * 4
-                gcfg = gdn90.Config(_problem(head_dim_k=K, gate_per_channel=False), cfg.tiles)
+                gcfg = gdn90.Config(_problem(head_dim_k=K, gate_per_channel=False),
+                                    gdn90.Tiles(tile_v=tv, num_stages=st))
                 assert cfg.stage_bytes == gcfg.stage_bytes + (K - CHUNK) * 4  # F: K gates in place of C
 
 
 VARIANTS = {
     "kda_k128_l2norm_128x2": (dict(), (128, 2)),
+    "kda_k128_l2norm_128x2_prep3": (dict(), (128, 2, 3)),
+    "kda_k64_v64_fp16_64x2_prep3": (dict(dtype="float16", head_dim_k=64, head_dim_v=64, use_qk_l2norm=False),
+                                    (64, 2, 3)),
     "gdn2_k128_bf16state_64x3": (dict(erase_write_gates=True, state_dtype="bfloat16"), (64, 3)),
     "kda_k64_v64_fp16_64x2": (dict(dtype="float16", head_dim_k=64, head_dim_v=64, use_qk_l2norm=False), (64, 2)),
     "gdn2_k64_v128_64x3": (dict(erase_write_gates=True, head_dim_k=64), (64, 3)),
@@ -70,9 +82,10 @@ def _compile(module, cfg, tmp_path):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_sm90_kda_kernel_ptx_and_cubin(tmp_path, variant):
-    kw, (tv, st) = VARIANTS[variant]
+    kw, (tv, st, *pc) = VARIANTS[variant]
     p = _problem(**kw)
-    ptx, res = _compile(kda90, kda90.Config(p, kda90.Tiles(tile_v=tv, num_stages=st)), tmp_path)
+    cfg = kda90.Config(p, kda90.Tiles(tile_v=tv, num_stages=st, prep_ctas=pc[0] if pc else 2))
+    ptx, res = _compile(kda90, cfg, tmp_path)
     assert re.search(r"\.target\s+sm_90a", ptx)
     entries = re.findall(r"\.entry\s+(\S+)\(", ptx)
     assert len(entries) == 2 and "prep" in entries[0] and "main" in entries[1]  # one function, two kernels
@@ -87,6 +100,8 @@ def test_sm90_kda_kernel_ptx_and_cubin(tmp_path, variant):
     else:
         assert n64 == 2 * (K // 16) + C // 16 and nk == C // 16
     assert "wgmma" not in prep and "mma.sync.aligned.m16n8k16" in prep  # the per-channel prep on mma.sync
+    # the prep's diagonal-block bounds as running maxima, T by 16 x 16 blocks (its 64-thread named barrier)
+    assert "max.f32" in prep and re.search(r"bar(rier)?\.sync(\.aligned)?\s+1,\s*64;", prep)
     assert "mma.sync" not in main
     assert sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", main)) == ["0", "0", "1"]
     assert "cp.async.cg.shared.global" in main and "cp.async.mbarrier.arrive.noinc" in main
@@ -98,6 +113,10 @@ def test_sm90_kda_kernel_ptx_and_cubin(tmp_path, variant):
     assert len(res) == 2
     for name, r in res.items():
         assert r["stack_bytes"] == 0, (name, r)  # no spills
+    prep_res = [r for n, r in res.items() if "prep" in n][0]
+    ctas = cfg.tiles.prep_ctas  # the prep's CTAs an SM, by shared memory and by registers
+    assert ctas * (cfg.prep_smem_bytes + 1024) <= 228 * 1024 and ctas * 128 * prep_res["registers"] <= 65536
+    assert bool(re.search(r"\.minnctapersm\s+3", prep)) == (ctas == 3)
     main_res = [r for n, r in res.items() if "main" in n][0]
     assert main_res["registers"] <= 65536 // (128 * (1 + tv // 64))  # launchable before setmaxnreg
 
@@ -106,10 +125,10 @@ def test_sm90_kda_kernel_ptx_and_cubin(tmp_path, variant):
 def test_gdn_main_kernel_keeps_the_scalar_decay(tmp_path, K):
     """The per-channel branch is compile-time: the GDN main kernel still decays by one scalar a chunk and loads a
     3 C-float F; the KDA main kernel differs from it only where F and the decay are handled."""
-    tiles = kda90.Tiles(tile_v=64, num_stages=2)
-    gdn_ptx, _ = _compile(gdn90, gdn90.Config(_problem(head_dim_k=K, gate_per_channel=False), tiles),
-                          tmp_path / "gdn")
-    kda_ptx, _ = _compile(kda90, kda90.Config(_problem(head_dim_k=K), tiles), tmp_path / "kda")
+    gdn_ptx, _ = _compile(gdn90, gdn90.Config(_problem(head_dim_k=K, gate_per_channel=False),
+                                              gdn90.Tiles(tile_v=64, num_stages=2)), tmp_path / "gdn")
+    kda_ptx, _ = _compile(kda90, kda90.Config(_problem(head_dim_k=K), kda90.Tiles(tile_v=64, num_stages=2)),
+                          tmp_path / "kda")
     g_main, k_main = gdn_ptx.split(".entry")[2], kda_ptx.split(".entry")[2]
     C = CHUNK
     assert len(re.findall(r"ld\.shared\.v2\.f32", g_main)) == 2 * (C // 8)

@@ -91,6 +91,21 @@ def test_tiles(mode, tiles):
     assert rel(o, o_ref) < TOL_O and rel(ht, s_ref) < TOL_SC
 
 
+@pytest.mark.parametrize("gate", ["safe", "strong"])
+def test_compact_prep_layout_equals_the_wide_one(gate):
+    """``prep_ctas=3`` (the compact prep layout, three CTAs an SM) gives exactly the outputs of ``prep_ctas=2``."""
+    lens = [0, 1, 64, 65, 1000]
+    d = inputs(lens, 2, 2, 4, gate=gate)
+    h0 = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
+    outs = []
+    for pc in (2, 3):
+        ht = torch.full_like(h0, NAN)
+        outs.append((run_direct(kda90, d, h0=h0, ht=ht, tiles=kda90.Tiles(tile_v=64, prep_ctas=pc)), ht))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    o_ref, s_ref = oracle(d, h0)
+    assert rel(outs[1][0], o_ref) < TOL_O and rel(outs[1][1], s_ref) < TOL_SC
+
+
 @pytest.mark.parametrize("gate", ["mild", "strong"])
 def test_fp16(gate):
     d = inputs([1, 64, 65, 1000], 2, 2, 2, gate=gate, dtype=torch.float16)

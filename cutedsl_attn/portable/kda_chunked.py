@@ -15,8 +15,9 @@ One launch of :func:`compile`'s function runs two kernels on the stream:
 * **prep** (:mod:`cutedsl_attn.common.kda_prep`), one CTA per (chunk, output head): the intra-chunk products
   ``A`` and ``Aqk`` by 16-token sub-chunks with the per-channel decay factored into the operands against the
   later sub-chunk's start (every factor ``<= 1``; a diagonal 16 x 16 block whose factor would pass the io
-  dtype's range is computed directly in fp32), ``T = (I + A)^-1`` by forward substitution, ``W = T (e 2^G)``,
-  ``U = T x``, ``Qg = q 2^G``, ``Kd = k 2^(G_last - G)`` and the per-channel chunk decay ``2^G_last``;
+  dtype's range is computed directly in fp32), ``T = (I + A)^-1`` by 16 x 16 blocks, ``W = T (e 2^G)``,
+  ``U = T x``, ``Qg = q 2^G``, ``Kd = k 2^(G_last - G)`` and the per-channel chunk decay ``2^G_last``, in
+  one of two shared-memory layouts (``Tiles.prep_ctas``: 2 or, KDA only, 3 CTAs an SM);
 * **main**: the chunked GDN main kernel (:mod:`cutedsl_attn.portable.gdn_chunked`) with its per-channel branch
   (``Qg`` / ``Kd`` in place of q / k, the state decayed per K column).
 
@@ -30,24 +31,55 @@ decode step runs the recurrent kernel).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
-from ..common.kda_prep import DIAG_LIMIT, IO_MAX, PREP_THREADS, KdaPrep, prep_smem_bytes
+from ..common.kda_prep import (
+    DIAG_LIMIT, IO_MAX, PREP_LAYOUTS, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, prep_smem_bytes,
+)
 from ..common.dtypes import element_type
 from ..compile.arch import compile_options
 from ..compile.fake import kda_chunked_tensors
+from ..compile.tiles import override_int_fields
 from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, kda_chunked_launch_tensors
 from . import gdn_chunked as _gdn
 
 NAME = "kda_chunked"
 
-Tiles = _gdn.Tiles  # the main kernel is the chunked GDN one: the same tile choices
-TUNING_FIELDS = _gdn.TUNING_FIELDS
-override_tiles = _gdn.override_tiles
+
+@dataclass(frozen=True)
+class Tiles:
+    """What the kernel chooses: the main kernel's ``tile_v`` and ``num_warps`` (as
+    :class:`cutedsl_attn.portable.gdn_chunked.Tiles`, whose checks apply) and ``prep_ctas``, the prep kernel's
+    shared-memory layout by the CTAs an SM it fits (:data:`~cutedsl_attn.common.kda_prep.PREP_LAYOUTS`: 2, every
+    operand in a buffer of its own; 3, the compact layout, KDA only).
+
+    Raises TypeError for a non-int field, ValueError for another value.
+    """
+
+    tile_v: int = 64
+    num_warps: int = 8
+    prep_ctas: int = 2
+
+    def __post_init__(self):
+        _gdn.Tiles(tile_v=self.tile_v, num_warps=self.num_warps)  # the main kernel's checks
+        if isinstance(self.prep_ctas, bool) or not isinstance(self.prep_ctas, int):
+            raise TypeError(f"prep_ctas must be an int, got {self.prep_ctas!r}")
+        if self.prep_ctas not in PREP_LAYOUTS:
+            raise ValueError(f"prep_ctas must be one of {PREP_LAYOUTS}, got {self.prep_ctas}")
+
+
+TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
+
+
+def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
+    """``tiles`` with the fields named in ``items`` (field name -> decimal text) replaced; ValueError naming the key
+    for an unknown field or a non-integer value, and the Tiles checks for a refused value."""
+    return override_int_fields(tiles, items)
 
 
 def unsupported_reason(problem: GdnProblem) -> str | None:
@@ -85,12 +117,15 @@ class Config:
 
     def __post_init__(self):
         if not isinstance(self.tiles, Tiles):
-            raise TypeError(f"tiles must be a gdn_chunked Tiles, got {type(self.tiles).__name__}")
+            raise TypeError(f"tiles must be a kda_chunked Tiles, got {type(self.tiles).__name__}")
         reason = unsupported_reason(self.problem)
         if reason is not None:
             raise ValueError(f"the chunked KDA / GDN-2 kernel cannot serve this problem: {reason}")
         if self.problem.head_dim_v % self.tiles.tile_v:
             raise ValueError(f"tile_v {self.tiles.tile_v} must divide head_dim_v {self.problem.head_dim_v}")
+        if self.tiles.prep_ctas == 3 and self.problem.erase_write_gates:
+            raise ValueError("prep_ctas 3 (the compact prep layout) serves KDA (a scalar beta) only; GDN-2's erase "
+                             "gates take prep_ctas 2")
 
     @property
     def arch(self) -> str:
@@ -124,7 +159,7 @@ class Config:
 
     @property
     def prep_smem_bytes(self) -> int:
-        return prep_smem_bytes(self.problem.head_dim_k, self.problem.head_dim_v)
+        return prep_smem_bytes(self.problem.head_dim_k, self.problem.head_dim_v, self.tiles.prep_ctas)
 
     @property
     def stage_bytes(self) -> int:
@@ -138,8 +173,9 @@ class Config:
 
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The chunked GDN kernel's defaults (the same main kernel): 64 state rows x 4 warps when ``chains`` =
-    N * HO fill the SMs, 32 x 8 for few chains."""
-    return _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
+    N * HO fill the SMs, 32 x 8 for few chains; the prep's two-CTA layout (``prep_ctas=3`` is opt-in)."""
+    t = _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
+    return Tiles(tile_v=t.tile_v, num_warps=t.num_warps)
 
 
 class KdaChunkedKernel(KdaPrep, _gdn.GdnChunkedKernel):
@@ -154,6 +190,7 @@ class KdaChunkedKernel(KdaPrep, _gdn.GdnChunkedKernel):
         self.erase_write = p.erase_write_gates
         self.diag_limit = DIAG_LIMIT[p.dtype]
         self.io_max = IO_MAX[p.dtype]
+        self.compact = cfg.tiles.prep_ctas == 3
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -161,9 +198,15 @@ class KdaChunkedKernel(KdaPrep, _gdn.GdnChunkedKernel):
                  mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mQg: cute.Tensor,
                  mKd: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor,
                  scale: Float32, q_group: Int32, k_group: Int32, v_group: Int32, flags: Int32, stream):
-        self.prep(mQ, mK, mV, mG, mBeta, mChunks, mQg, mKd, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
-                  flags).launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
-                                smem=self.cfg.prep_smem_bytes, stream=stream)
+        prep = self.prep(mQ, mK, mV, mG, mBeta, mChunks, mQg, mKd, mW, mU, mAqk, mF, scale, q_group, k_group,
+                         v_group, flags)
+        if const_expr(self.compact):  # three CTAs an SM: <= 168 registers and the most shared memory
+            prep.launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
+                        smem=self.cfg.prep_smem_bytes, stream=stream, min_blocks_per_mp=3,
+                        preferred_smem_carveout=PREP_SMEM_CARVEOUT)
+        else:
+            prep.launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
+                        smem=self.cfg.prep_smem_bytes, stream=stream)
         # Qg / Kd are per output head already: group 1
         self.main(mQg, mKd, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, Int32(1), Int32(1),
                   flags).launch(grid=(self.NVB * mO.shape[1], mCu.shape[0] - 1, 1), block=(self.NT, 1, 1),

@@ -16,7 +16,7 @@ One launch of :func:`compile`'s function runs two kernels on the stream:
   (chunk, output head): ``W = T (e 2^G)``, ``U = T x``, ``Aqk``, ``Qg = q 2^G``, ``Kd = k 2^(G_last - G)``
   (token-major, per output head) and the row factors ``F``: ``scale`` and 1 per token (0 past the sequence's
   end) and ``2^G_last`` per key channel (``G_last`` at the chunk's last token, the sequence's last in a ragged
-  final chunk);
+  final chunk), in one of two shared-memory layouts (``Tiles.prep_ctas``: 2 or, KDA only, 3 CTAs an SM);
 * **main**: the SM90 chunked GDN main kernel (:mod:`cutedsl_attn.sm90.gdn_chunked`) with its per-channel branch:
   its producer loads ``Qg`` / ``Kd`` in place of q / k (zero past the sequence's end, group 1: they are per
   output head already) and the ``(2 C + K)`` fp32 factors of ``F``; its consumers, which hold ``S`` untransposed
@@ -32,16 +32,20 @@ race-free.  Served: per-channel log gates (KDA's scalar beta, or GDN-2's erase /
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
-from ..common.kda_prep import DIAG_LIMIT, IO_MAX, PREP_THREADS, KdaPrep, prep_smem_bytes
+from ..common.kda_prep import (
+    DIAG_LIMIT, IO_MAX, PREP_LAYOUTS, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, prep_smem_bytes,
+)
 from ..common.dtypes import element_type
 from ..compile.arch import compile_options
 from ..compile.fake import kda_chunked_tensors
+from ..compile.tiles import override_int_fields
 from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, kda_chunked_launch_tensors
 from . import gdn_chunked as _gdn
 
@@ -49,9 +53,36 @@ NAME = "kda_chunked_sm90"
 ARCH = _gdn.ARCH
 SMEM_LIMIT = _gdn.SMEM_LIMIT
 
-Tiles = _gdn.Tiles  # the main kernel is the SM90 chunked GDN one: the same tile choices
-TUNING_FIELDS = _gdn.TUNING_FIELDS
-override_tiles = _gdn.override_tiles
+
+@dataclass(frozen=True)
+class Tiles:
+    """What the kernel chooses: the main kernel's ``tile_v`` and ``num_stages`` (as
+    :class:`cutedsl_attn.sm90.gdn_chunked.Tiles`, whose checks apply) and ``prep_ctas``, the prep kernel's
+    shared-memory layout by the CTAs an SM it fits (:data:`~cutedsl_attn.common.kda_prep.PREP_LAYOUTS`: 2, every
+    operand in a buffer of its own; 3, the compact layout, KDA only).
+
+    Raises TypeError for a non-int field, ValueError for another value.
+    """
+
+    tile_v: int = 128
+    num_stages: int = 2
+    prep_ctas: int = 2
+
+    def __post_init__(self):
+        _gdn.Tiles(tile_v=self.tile_v, num_stages=self.num_stages)  # the main kernel's checks
+        if isinstance(self.prep_ctas, bool) or not isinstance(self.prep_ctas, int):
+            raise TypeError(f"prep_ctas must be an int, got {self.prep_ctas!r}")
+        if self.prep_ctas not in PREP_LAYOUTS:
+            raise ValueError(f"prep_ctas must be one of {PREP_LAYOUTS}, got {self.prep_ctas}")
+
+
+TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
+
+
+def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
+    """``tiles`` with the fields named in ``items`` (field name -> decimal text) replaced; ValueError naming the key
+    for an unknown field or a non-integer value, and the Tiles checks for a refused value."""
+    return override_int_fields(tiles, items)
 
 
 def unsupported_reason(problem: GdnProblem) -> str | None:
@@ -93,12 +124,15 @@ class Config:
 
     def __post_init__(self):
         if not isinstance(self.tiles, Tiles):
-            raise TypeError(f"tiles must be a gdn_chunked_sm90 Tiles, got {type(self.tiles).__name__}")
+            raise TypeError(f"tiles must be a kda_chunked_sm90 Tiles, got {type(self.tiles).__name__}")
         reason = unsupported_reason(self.problem)
         if reason is not None:
             raise ValueError(f"the SM90 chunked KDA / GDN-2 kernel cannot serve this problem: {reason}")
         if self.problem.head_dim_v % self.tiles.tile_v:
             raise ValueError(f"tile_v {self.tiles.tile_v} must divide head_dim_v {self.problem.head_dim_v}")
+        if self.tiles.prep_ctas == 3 and self.problem.erase_write_gates:
+            raise ValueError("prep_ctas 3 (the compact prep layout) serves KDA (a scalar beta) only; GDN-2's erase "
+                             "gates take prep_ctas 2")
         if self.main_smem_bytes > SMEM_LIMIT:
             raise ValueError(f"tile_v {self.tiles.tile_v} x num_stages {self.tiles.num_stages} needs "
                              f"{self.main_smem_bytes} B of shared memory (> {SMEM_LIMIT})")
@@ -124,7 +158,7 @@ class Config:
 
     @property
     def prep_smem_bytes(self) -> int:
-        return prep_smem_bytes(self.problem.head_dim_k, self.problem.head_dim_v)
+        return prep_smem_bytes(self.problem.head_dim_k, self.problem.head_dim_v, self.tiles.prep_ctas)
 
     @property
     def stage_bytes(self) -> int:
@@ -140,8 +174,9 @@ class Config:
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The SM90 chunked GDN kernel's defaults (the same main kernel; the per-channel decay adds K / 8 shared
     loads a chunk): 128 state rows when ``chains`` = N * HO fill three quarters of a wave and K = V = 128,
-    64 rows otherwise."""
-    return _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
+    64 rows otherwise; the prep's two-CTA layout (``prep_ctas=3`` is opt-in)."""
+    t = _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
+    return Tiles(tile_v=t.tile_v, num_stages=t.num_stages)
 
 
 class KdaChunkedSm90Kernel(KdaPrep, _gdn.GdnChunkedSm90Kernel):
@@ -156,6 +191,7 @@ class KdaChunkedSm90Kernel(KdaPrep, _gdn.GdnChunkedSm90Kernel):
         self.erase_write = p.erase_write_gates
         self.diag_limit = DIAG_LIMIT[p.dtype]
         self.io_max = IO_MAX[p.dtype]
+        self.compact = cfg.tiles.prep_ctas == 3
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -163,9 +199,15 @@ class KdaChunkedSm90Kernel(KdaPrep, _gdn.GdnChunkedSm90Kernel):
                  mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mQg: cute.Tensor,
                  mKd: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor,
                  scale: Float32, q_group: Int32, k_group: Int32, v_group: Int32, flags: Int32, stream):
-        self.prep(mQ, mK, mV, mG, mBeta, mChunks, mQg, mKd, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
-                  flags).launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
-                                smem=self.cfg.prep_smem_bytes, stream=stream)
+        prep = self.prep(mQ, mK, mV, mG, mBeta, mChunks, mQg, mKd, mW, mU, mAqk, mF, scale, q_group, k_group,
+                         v_group, flags)
+        if const_expr(self.compact):  # three CTAs an SM: <= 168 registers and the most shared memory
+            prep.launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
+                        smem=self.cfg.prep_smem_bytes, stream=stream, min_blocks_per_mp=3,
+                        preferred_smem_carveout=PREP_SMEM_CARVEOUT)
+        else:
+            prep.launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
+                        smem=self.cfg.prep_smem_bytes, stream=stream)
         # Qg / Kd are per output head already: group 1
         self._launch_main(mQg, mKd, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, Int32(1),
                           Int32(1), flags, stream)
