@@ -5,6 +5,7 @@ ring's arrival counts, the named barriers, no spills, registers and shared memor
 import glob
 import re
 
+import cutlass.cute as cute
 import pytest
 
 from cutedsl_attn.compile.cubin import cubin_kernel_resources
@@ -16,6 +17,37 @@ chunked = pytest.importorskip("cutedsl_attn.sm90.gdn_chunked")
 
 def _problem(**kw):
     return GdnProblem(**{**dict(dtype="bfloat16", head_dim_k=128, head_dim_v=128), **kw})
+
+
+def _linear_value(ptx):
+    """A function of a PTX register name -> ``(coef, root, const)``: its value as ``coef * root + const`` when it is
+    built by single-definition ``add`` / ``shl`` / ``mul.lo`` / ``mov`` instructions with immediates from one
+    other register ``root`` (the register itself as the root otherwise)."""
+    defs = {}
+    for op, dst, args in re.findall(r"^\s*(add\.[su]32|shl\.b32|mul\.lo\.[su]32|mov\.[bu]32)\s+(%r\d+),\s*([^;]*);",
+                                    ptx, re.M):
+        defs.setdefault(dst, []).append((op, [a.strip() for a in args.split(",")]))
+
+    def val(x, depth=0):
+        if re.fullmatch(r"-?\d+", x):
+            return 0, None, int(x)
+        d = defs.get(x)
+        if d is None or len(d) != 1 or depth > 16:
+            return 1, x, 0
+        op, a = d[0]
+        if op.startswith("mov"):
+            return val(a[0], depth + 1)
+        u, v = val(a[0], depth + 1), val(a[1], depth + 1)
+        if op.startswith("add"):
+            if u[1] is not None and v[1] is not None:
+                return 1, x, 0
+            return u[0] + v[0], u[1] or v[1], u[2] + v[2]
+        if v[1] is not None:
+            return 1, x, 0
+        k = (1 << v[2]) if op.startswith("shl") else v[2]
+        return u[0] * k, u[1], u[2] * k
+
+    return val
 
 
 def test_serves_what_the_two_kernel_path_serves():
@@ -33,6 +65,31 @@ def test_serves_what_the_two_kernel_path_serves():
 def test_prep_barrier_ids_are_distinct():
     ids = [i for w in (0, 1) for i in fused.prep_barrier_ids(w)]
     assert len(set(ids)) == len(ids) and 0 not in ids and 1 not in ids and max(ids) < 16
+
+
+def test_prep_barrier_redirect_maps_the_inverse_barriers_and_restores(monkeypatch):
+    """Inside the redirect the shared inverse's CTA barrier is the prep warpgroup's 128-thread one and its
+    barrier 1 the 64-thread one; other ids pass through; the originals come back, also after an exception."""
+    calls = []
+
+    def barrier(*, barrier_id=None, number_of_threads=None, **kw):
+        calls.append((barrier_id, number_of_threads))
+
+    def sync_threads(**kw):
+        calls.append("cta")
+
+    monkeypatch.setattr(cute.arch, "barrier", barrier)
+    monkeypatch.setattr(cute.arch, "sync_threads", sync_threads)
+    with fused._PrepWarpgroupBarriers(*fused.prep_barrier_ids(1)):
+        cute.arch.sync_threads()
+        cute.arch.barrier(barrier_id=1, number_of_threads=64)
+        cute.arch.barrier(barrier_id=9, number_of_threads=32)
+    cute.arch.sync_threads()
+    assert calls == [(4, fused.PREP_THREADS), (5, 64), (9, 32), "cta"]
+    with pytest.raises(RuntimeError):
+        with fused._PrepWarpgroupBarriers(2, 3):
+            raise RuntimeError("traced code failed")
+    assert cute.arch.sync_threads is sync_threads and cute.arch.barrier is barrier
 
 
 def test_traced_storage_checked_against_the_config():
@@ -131,7 +188,15 @@ def test_fused_kernel_ptx_and_cubin(tmp_path, variant):
     bars = re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+([^;]*);", ptx)
     named = sorted(set(re.sub(r"%r\d+", "R", b.replace(" ", "").replace("\t", "")) for b in bars))
     assert named == (["0", "2,128", "3,64"] if npw == 1 else ["0", "R,128", "R,64"]), named
+    if npw == 2:  # the ids from a register: 2 + 2 w and 3 + 2 w of one warpgroup index w
+        val = _linear_value(ptx)
+        ids = {(n, val(reg)) for reg, n in re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+(%r\d+),\s*(\d+);", ptx)}
+        roots = {v[1] for _n, v in ids}
+        assert len(roots) == 1 and None not in roots, ids
+        assert {(n, v[0], v[2]) for n, v in ids} == {("128", 2, 2), ("64", 2, 3)}, ids
     assert sum(1 for b in bars if b.strip() == "0") == 1
+    # a chunk's prep: 6 barriers of its own around the 6 + 1 of the shared inverse (one missing is a race)
+    assert [sum(1 for b in bars if b.replace(" ", "").endswith(f",{n}")) for n in (128, 64)] == [12, 1], bars
     assert ".local" not in ptx
     (cub,) = glob.glob(str(tmp_path / "*.cubin"))
     res = cubin_kernel_resources(open(cub, "rb").read())

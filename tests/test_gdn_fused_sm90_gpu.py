@@ -7,6 +7,8 @@ The fused kernel runs the two-kernel path's consumer code on the prep's values c
 functions, so the two paths are expected to agree bit for bit.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -28,10 +30,20 @@ TOL_S16 = 1e-2  # bf16 state rounding
 LENS = [0, 1, 63, 64, 65, 1000, 4097]
 
 
+LAUNCHES = []  # configs of the fused kernel's launches (the dispatcher calls fused.launch)
+
+
 @pytest.fixture(autouse=True)
 def _fused_kernel(monkeypatch):
     # the dispatcher's forced entry (a no-op once dispatch lists fused_sm90 itself)
     monkeypatch.setitem(dg._FORCED, "fused_sm90", fused)
+    launch = fused.launch
+
+    def counted(fn, cfg, args):
+        LAUNCHES.append(cfg)
+        launch(fn, cfg, args)
+
+    monkeypatch.setattr(fused, "launch", counted)
     if "fused_sm90" not in dg._GDN_KERNELS:
         monkeypatch.setattr(dg, "_GDN_KERNELS", (*dg._GDN_KERNELS, "fused_sm90"))
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "fused_sm90")
@@ -67,8 +79,13 @@ def run(kw, *, state_dtype=torch.float32, **extra):
     n = kw["cu_seqlens"].shape[0] - 1
     out = torch.full((T, ho, V), float("nan"), device=DEV, dtype=kw["q"].dtype)
     st = torch.full((n, ho, V, K), float("nan"), device=DEV, dtype=state_dtype)
-    o, s = api.chunk_gated_delta_rule(**kw, output=out, output_state=st, output_final_state=True, **extra)
+    n_launches = len(LAUNCHES)
+    # use_cp=False: the context-parallel path would run the two-kernel split entries, not the fused kernel
+    o, s = api.chunk_gated_delta_rule(**kw, output=out, output_state=st, output_final_state=True, use_cp=False,
+                                      **extra)
     assert o is out and s is st
+    fused_forced = os.environ.get("CUTEDSL_ATTN_GDN_KERNEL") == "fused_sm90"
+    assert len(LAUNCHES) == n_launches + fused_forced  # the fused kernel ran (and only when forced)
     return o, s
 
 
@@ -163,9 +180,11 @@ def test_state_pool_in_place():
     pool = torch.randn(9, 4, 128, 128, device=DEV) * 0.1
     idx = torch.tensor([7, 2, 0, 5], device=DEV, dtype=torch.int32)
     before = pool.clone()
+    n_launches = len(LAUNCHES)
     o, s = api.chunk_gated_delta_rule(**dict(kw, initial_state=pool), state_indices=idx, output_state=pool,
-                                      output_final_state=True)
+                                      output_final_state=True, use_cp=False)
     o_ref, s_ref = oracle(**dict(kw, initial_state=before[idx.long()]), output_final_state=True)
+    assert len(LAUNCHES) == n_launches + 1
     assert s is pool and rel(o, o_ref) < TOL_O and rel(s[idx.long()], s_ref) < TOL_SC
     others = [r for r in range(9) if r not in idx.tolist()]
     assert torch.equal(s[others], before[others])  # rows no sequence owns are untouched
