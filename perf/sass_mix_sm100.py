@@ -61,6 +61,8 @@ CATEGORIES = {
     "BAR (named)": lambda op: op.startswith("BAR."),
     "LDGSTS": lambda op: op.startswith("LDGSTS"),
     "UTMALDG": lambda op: op.startswith("UTMALDG"),
+    "UTMASTG": lambda op: op.startswith("UTMASTG"),  # O out by TMA (our epilogue warp, FA4's when it has one)
+    "STG.128": lambda op: op.startswith("STG") and ".128" in op,  # O out by 16-byte stores
 }
 LOOP_COLUMNS = ("UTC*MMA", "MUFU.EX2", "FFMA2", "FFMA", "LDTM", "STTM", "SYNCS (mbarrier)", "UTCBAR (commit)")
 
@@ -299,7 +301,7 @@ def row(label, counts, cols):
 
 def report(problem: str, arch: str, kernels: list[tuple[str, str]]):
     whole_cols = ("UTC*MMA", "MUFU.EX2", "FFMA2", "FFMA", "FMUL2/FADD2", "LDTM", "STTM", "SYNCS (mbarrier)",
-                  "UTCBAR (commit)", "BAR (named)", "LDGSTS", "UTMALDG", "instructions")
+                  "UTCBAR (commit)", "BAR (named)", "LDGSTS", "UTMALDG", "UTMASTG", "STG.128", "instructions")
     print(f"\n#### {problem}, {arch}: whole kernel (static counts)\n")
     print("| kernel | " + " | ".join(whole_cols) + " | setmaxnreg |")
     print("|---" * (len(whole_cols) + 2) + "|")

@@ -541,3 +541,25 @@ def test_fp16_and_the_seed():
     sc.check_prefill(a, a, device="cpu", seed=3)
     sc.check_prefill(b, b, device="cpu", seed=4)
     assert not torch.equal(a.args[0].q, b.args[0].q)
+
+
+def test_persistent_candidate_is_checked_on_few_ctas():
+    """A persistent-grid candidate runs the check on 3 CTAs (each crosses tile boundaries); others run as given."""
+    import dataclasses as dc
+
+    from cutedsl_attn import selfcheck
+
+    @dc.dataclass(frozen=True)
+    class T:
+        num_ctas: int = 0
+
+    class Choice:
+        def __init__(self, module, problem, tiles):
+            self.module, self.problem, self.tiles = module, problem, tiles
+
+    c = Choice("m", "p", T(num_ctas=148))
+    few = selfcheck._few_ctas(c)
+    assert few is not c and few.tiles == T(num_ctas=3) and (few.module, few.problem) == ("m", "p")
+    for tiles in (T(num_ctas=0), T(num_ctas=2), None):
+        c = Choice("m", "p", tiles)
+        assert selfcheck._few_ctas(c) is c

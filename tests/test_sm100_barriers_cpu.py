@@ -10,7 +10,10 @@ roles (:data:`ARRIVALS`).  Checked here without a GPU:
 * the kernel source builds every ``NamedBarrier`` from a declared ``BAR_*`` constant, and uses each of them;
 * in the PTX of served configurations (prefill with one and two Q tiles, both persistent; decode), every
   ``bar.sync`` / ``bar.arrive`` / ``bar.red`` / ``barrier.*`` instruction has an immediate id and a count the
-  config declares (id 0: the whole CTA), and every declared barrier is there.
+  config declares (id 0: the whole CTA), and every declared barrier is there;
+* the prefill kernel's mbarriers: every ``mbarrier.init`` of the PTX, in order, with the arrival count its pipeline
+  has (:func:`prefill_mbarrier_counts`: TMA and ``tcgen05.commit`` producers arrive once, a warpgroup of one
+  thread per row 128 times, the epilogue warp's lanes 32 times).
 """
 
 import dataclasses
@@ -82,8 +85,8 @@ def test_each_barrier_counts_the_whole_warps_that_arrive(kernel, module, arrival
         assert count % 32 == 0 and 0 < count <= roles.num_threads
         # a barrier of the whole CTA would be bar 0's job; a named one leaves some warp free to run ahead
         assert count < roles.num_threads, f"barrier {bar_id} spans the CTA"
-    if kernel == "prefill":  # the load and idle warps never touch TMEM
-        idle = {roles.load_warp, *roles.idle_warps}
+    if kernel == "prefill":  # the load, epilogue and idle warps never touch TMEM
+        idle = {roles.load_warp, roles.epilogue_warp, *roles.idle_warps}
         assert not any(idle & set(w) for w in table.values())
     else:
         assert not any(set(roles.load_warps) & set(w) for w in table.values())
@@ -134,9 +137,15 @@ def _decode_cfg():
     return DK.Config(p, DK.default_tiles(p, num_sms=148)), DK
 
 
+def _prefill_unstaged_cfg():
+    """Three 128-token K/V stages at head_dim 128: no staging buffer fits, no epilogue warp pipeline."""
+    cfg, k = _prefill_cfg(1, 148)
+    return PK.Config(cfg.problem, dataclasses.replace(cfg.tiles, kv_stages=3)), k
+
+
 BUILDS = {"prefill-q1": lambda: _prefill_cfg(1, 0), "prefill-q2": lambda: _prefill_cfg(2, 0),
           "prefill-q1-persistent": lambda: _prefill_cfg(1, 148), "prefill-q2-persistent": lambda: _prefill_cfg(2, 148),
-          "decode": _decode_cfg}
+          "prefill-q1-unstaged": _prefill_unstaged_cfg, "decode": _decode_cfg}
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,7 +187,8 @@ def barrier_problems(ptx: str, table: dict, num_threads: int) -> list[str]:
 def test_every_barrier_in_the_ptx_is_declared(name):
     cfg, ptx = built(name)
     if name.startswith("prefill"):
-        assert cfg.tiles.q_tiles == int(name[9]) and (cfg.tiles.num_ctas > 0) == name.endswith("persistent")
+        assert cfg.tiles.q_tiles == int(name[9]) and (cfg.tiles.num_ctas > 0) == ("persistent" in name or
+                                                                                 "unstaged" in name)
         table = prefill_arrivals(cfg.roles)
     else:
         table = decode_arrivals(cfg.roles)
@@ -205,3 +215,54 @@ def test_the_parser_reads_every_barrier_form():
     assert barrier_uses(text) == [("bar.sync", "0", None), ("bar.sync", "1", "288"), ("bar.arrive", "2", "160"),
                                   ("barrier.sync.aligned", "3", "64"), ("bar.red.or.pred", "4", "96"),
                                   ("barrier.cluster.wait", "", None)]
+
+
+# ----------------------------------------------------------------------------- the prefill kernel's mbarriers
+def prefill_mbarrier_counts(cfg) -> list[tuple[str, int]]:
+    """``(pipeline, arrival count)`` of each mbarrier of the SM100 prefill kernel in the order it initialises
+    them: each pipeline's full barriers (one per stage), then its empty ones.  Q, K and V: the TMA (one
+    arrive with its byte count) and the MMA warp's ``tcgen05.commit``; S: the MMA's commit, then the 128 softmax
+    threads; P: the 128 softmax threads, then the P V commit; O: the commit, then the 128 correction threads;
+    the row statistics: 128 softmax, 128 correction threads; the O staging buffers: the 128 correction
+    threads (``EPI_PRODUCERS``), then the epilogue warp's 32 lanes (``EPI_CONSUMERS``); the V tail: the TMA."""
+    q, s, e = cfg.tiles.q_tiles, cfg.tiles.kv_stages, cfg.epi_stages
+    pipes = [("q", q, 1, 1), ("k", s, 1, 1), ("v", s, 1, 1), ("s", 2, 1, 128), ("p", 2, 128, 1), ("o", q, 1, 128),
+             ("stats", q, 128, 128), ("epi", e, PC.EPI_PRODUCERS, PC.EPI_CONSUMERS)]
+    out = []
+    for name, stages, full, empty in pipes:
+        out += [(f"{name}.full", full)] * stages + [(f"{name}.empty", empty)] * stages
+    return out + [("v_tail", 1)]
+
+
+_MOV = re.compile(r"mov\.b32\s+(%r\d+),\s*(\d+);")
+_INIT = re.compile(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[[^\]]+\],\s*(%r\d+|\d+);")
+
+
+def mbarrier_init_counts(ptx: str) -> list[int]:
+    """The arrival count of every ``mbarrier.init`` in ``ptx``, in order (an immediate, or the register the last
+    ``mov.b32`` before it set)."""
+    regs, counts = {}, []
+    for line in ptx.splitlines():
+        m = _MOV.search(line)
+        if m:
+            regs[m.group(1)] = int(m.group(2))
+        m = _INIT.search(line)
+        if m:
+            v = m.group(1)
+            counts.append(int(v) if v.isdigit() else regs[v])
+    return counts
+
+
+@pytest.mark.parametrize("name", [n for n in BUILDS if n.startswith("prefill")])
+def test_prefill_mbarriers_have_their_pipelines_arrival_counts(name):
+    cfg, ptx = built(name)
+    want = prefill_mbarrier_counts(cfg)
+    assert mbarrier_init_counts(ptx) == [n for _, n in want]
+    assert (cfg.epi_stages == 0) == name.endswith("unstaged")
+    # the staging pipeline is the only one the epilogue warp's lanes arrive on
+    assert [k for k, n in want if n == 32] == ["epi.empty"] * cfg.epi_stages
+
+
+def test_the_mbarrier_parser_reads_immediates_and_registers():
+    text = "mov.b32 %r5, 128;\nmbarrier.init.shared.b64 [%r1], %r5;\nmbarrier.init.shared::cta.b64 [%r1+8], 32;"
+    assert mbarrier_init_counts(text) == [128, 32]

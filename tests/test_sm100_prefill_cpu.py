@@ -7,12 +7,21 @@
 * resource gate on the cubin: no stack (spills), the three ``setmaxnreg`` budgets honoured by ptxas
   (``USETMAXREG`` in the SASS, their sum within the register file);
 * SASS shape per KV block: UTCHMMA, MUFU.EX2, LDTM, STTM counts as the design says;
+* the output path: the correction warpgroup stages the normalised O tile in shared memory (16-byte
+  ``st.shared``, the 128-byte swizzle that the TMA store box reads), the epilogue warp stores it with
+  ``cp.async.bulk.tensor`` shared -> global (one box per staging buffer) or, for a tile running past its request,
+  16-byte stores of the live rows; the staging layout is the swizzle the correction warpgroup writes, element for
+  element; with no room for a buffer the correction warpgroup stores O itself;
 * paged K/V: one TMA box per page (``cp.async.bulk.tensor.4d`` over the page tensor, a page-id load each), into a
   (token, dim) view of the rings that is element for element the MMA operands' layout;
 * the softmax-side features (sliding window, soft cap, custom mask, ``score_mod``) compile for both archs and are in
   the code: one ``tanh`` per score, the window's lower bound compare per score, the packed mask's byte loads per
   row and block, the traced ``score_mod``'s constant; spill-free within the same register budgets;
-* the TMEM column plan (no overlap, within 512 columns), the kernel contract, and every refused feature.
+* the TMEM column plan (no overlap, within 512 columns), the shared-memory plan (the model is the kernel's struct:
+  its build refuses a mismatch), the warp roles, the kernel contract, and every refused feature.
+
+A matrix entry builds with the package's default tiles (the persistent grid without causal or a window), its
+Q tiles and tile_n as the entry says; ``num_ctas`` in an entry overrides the grid.
 """
 
 import dataclasses
@@ -35,8 +44,10 @@ _DUMP = tempfile.TemporaryDirectory(prefix="sm100_prefill_")  # PTX / cubin of t
 
 def problem(arch="sm_100a", d=128, causal=False, g=4, dtype="bfloat16", sinks=False, q=None, dv=None, tn=None,
             **kw):
-    """The PrefillProblem of a matrix entry (``q`` / ``tn``: its Q tiles and tile_n, read by :func:`_build`;
-    ``dv``: head_dim_vo where it differs from ``d``)."""
+    """The PrefillProblem of a matrix entry (``q`` / ``tn`` / ``num_ctas`` / ``st``: its Q tiles, tile_n, grid and
+    K/V stages, read by :func:`_build`; ``dv``: head_dim_vo where it differs from ``d``)."""
+    kw.pop("num_ctas", None)
+    kw.pop("st", None)
     return PrefillProblem(dtype=dtype, head_dim_qk=d, head_dim_vo=d if dv is None else dv, group_size=g,
                           causal=causal, use_sinks=sinks, arch=arch, **kw)
 
@@ -124,12 +135,17 @@ def _id(kw):
     dims = f"d{kw['d']}" + (f"_{kw['dv']}" if kw.get("dv") else "")
     return f"{kw['arch']}-{dims}-{'causal' if kw['causal'] else 'full'}-g{kw['g']}-{kw['dtype']}" + (
         "-sinks" if kw["sinks"] else "") + f"-q{kw['q']}" + (f"-n{kw['tn']}" if kw.get("tn") else "") + (
-        f"-p{kw['page_size']}" if kw.get("page_size") else "") + feats
+        f"-p{kw['page_size']}" if kw.get("page_size") else "") + feats + (
+        f"-ctas{kw['num_ctas']}" if "num_ctas" in kw else "") + (f"-s{kw['st']}" if "st" in kw else "")
 
 
-def tiles_for(p, q, tn=None):
-    t = dataclasses.replace(K.default_tiles(p, num_sms=148), q_tiles=q)
-    return t if tn is None else dataclasses.replace(t, tile_n=tn)
+NUM_SMS = 148  # the default_tiles' SM count (a B200's)
+
+
+def tiles_for(p, q, tn=None, num_ctas=None):
+    t = dataclasses.replace(K.default_tiles(p, num_sms=NUM_SMS), q_tiles=q)
+    t = t if tn is None else dataclasses.replace(t, tile_n=tn)
+    return t if num_ctas is None else dataclasses.replace(t, num_ctas=num_ctas)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +153,8 @@ def _build(key):
     """(cfg, ptx text, cubin bytes) of one served configuration (compiled once per session)."""
     kw = dict(key)
     p = problem(**kw)
-    cfg = K.Config(p, tiles_for(p, kw["q"], kw.get("tn")))
+    t = tiles_for(p, kw["q"], kw.get("tn"), kw.get("num_ctas"))
+    cfg = K.Config(p, t if "st" not in kw else dataclasses.replace(t, kv_stages=kw["st"]))
     out = tempfile.mkdtemp(dir=_DUMP.name)
     K.compile(cfg, keep_ptx_dir=out, keep_cubin=True)
     ptx = open(glob.glob(f"{out}/*.ptx")[0]).read()
@@ -191,8 +208,106 @@ def test_compiles_with_the_tcgen05_instruction_mix(kw):
     assert re.search(r"tcgen05\.mma\.cta_group::1\.kind::f16\S* \[%r\d+\], \[%r\d+\]", ptx)
 
 
+# head_dim 128 with three 128-token K/V stages leaves no room for a staging buffer: the correction warpgroup
+# stores O itself (one CTA per tile and persistent)
+UNSTAGED = [
+    dict(arch="sm_100a", d=128, causal=True, g=4, dtype="bfloat16", sinks=True, q=1, st=3),
+    dict(arch="sm_103a", d=128, causal=False, g=4, dtype="bfloat16", sinks=False, q=1, st=3),
+]
+_ZERO_V4 = re.compile(r"st\.shared\.v4\.b32 \[[^\]]+\], \{0, 0, 0, 0\}")  # (the V tail / gather zero fill)
+
+
+@pytest.mark.parametrize("kw", SERVED + HEAD_DIMS + FEATURES + PAGED + GATHERED + UNSTAGED, ids=_id)
+def test_o_leaves_through_the_epilogue_warp(kw):
+    """Each correction thread writes its row of every Q tile into the staging buffers (``head_dim_vo / 8``
+    16-byte ``st.shared``, fenced for the async proxy once per buffer); the epilogue warp stores each buffer as
+    one TMA box (``cp.async.bulk.tensor`` shared::cta -> global, waited for its reads before the buffer is
+    handed back) or, for a tile past its request's end, copies the live rows with 16-byte loads and stores (a
+    loop over 4-row groups unrolled by 4), and stores the LSE (one 4-byte store per lane and 32 rows).  Without
+    staging buffers: the correction warpgroup's ``head_dim_vo / 8`` 16-byte global stores and one LSE store."""
+    cfg, ptx, _, _ = built(kw)
+    q, nc, dv = cfg.tiles.q_tiles, cfg.problem.head_dim_vo // C.EPI_COLS, cfg.problem.head_dim_vo
+    bulk_stores = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx))
+    staged = len(re.findall(r"st\.shared\.v4\.b32", ptx)) - len(_ZERO_V4.findall(ptx))
+    read_waits = len(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx))
+    g_stores, lse_stores = ptx.count("st.global.v4.b32"), ptx.count("st.global.b32")
+    if cfg.epi_stages == 0:
+        assert kw.get("st") == 3 and cfg.problem.head_dim_vo == 128
+        assert (bulk_stores, staged, read_waits, g_stores, lse_stores) == (0, 0, 0, q * dv // 8, q)
+        return
+    assert bulk_stores == read_waits == q * nc
+    assert staged == q * dv // 8
+    assert ptx.count("fence.proxy.async.shared::cta") >= q * nc + 1  # (+ the V tail's zeroed rows)
+    assert ptx.count("ld.shared.v4.b32") == g_stores == q * nc * 4
+    assert lse_stores == q * C.TILE_M // 32
+
+
+@pytest.mark.parametrize("kw", [SERVED[0], SERVED[-1], HEAD_DIMS[0], UNSTAGED[0]], ids=_id)
+def test_sass_tma_store_per_staging_buffer(kw):
+    """In the SASS: one UTMASTG per Q tile and ``EPI_COLS`` columns (none without staging buffers), the
+    correction warpgroup's STS.128 into the buffers, the epilogue warp's STG.E.128 for the ragged tiles."""
+    cfg, _, _, _ = built(kw)
+    counts, _ = sass_counts(kw)
+    q, nc = cfg.tiles.q_tiles, cfg.problem.head_dim_vo // C.EPI_COLS
+    assert count_prefix(counts, "UTMASTG") == (q * nc if cfg.epi_stages else 0)
+    assert count_prefix(counts, "STG.E.128") > 0
+    if cfg.epi_stages:
+        assert count_prefix(counts, "STS.128") >= q * cfg.problem.head_dim_vo // 8
+
+
+def _staging_layout_agrees(stages):
+    """Whether the staging buffers' layout (what the TMA store box reads) puts 16-byte chunk ``c`` of row ``r``
+    of buffer ``s`` where the correction warpgroup writes it: :func:`sw128_offset` plus ``s`` buffers."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    bad = []
+
+    @cute.jit
+    def check_staging():  # (a name of its own: the DSL finds a nested function's source by its name)
+        sO = sm100_utils.make_smem_layout_epi(cutlass.BFloat16, LayoutEnum.ROW_MAJOR, (C.TILE_M, C.EPI_COLS),
+                                              stages)
+        bad.append(str(sO.inner))
+        for st in cutlass.range_constexpr(stages):
+            for r in cutlass.range_constexpr(C.TILE_M):
+                for c in cutlass.range_constexpr(C.EPI_COLS // 8):
+                    x = 2 * cute.crd2idx((r, 8 * c, st), sO.outer)  # unswizzled byte offset, then S<3,4,3>
+                    want = sw128_offset(r, c, C.TILE_M) + st * C.TILE_M * C.EPI_COLS * 2
+                    if cutlass.const_expr(x ^ ((x >> 3) & 0x70) != want):
+                        bad.append((st, r, c, x, want))
+
+    check_staging()
+    swizzle = bad.pop(0)
+    return bad + ([] if swizzle == "S<3,4,3>" else [swizzle])
+
+
+def test_staging_buffers_are_the_layout_the_correction_warps_write():
+    assert _staging_layout_agrees(2) == []
+
+
+def test_staging_buffers_in_the_shared_memory_plan():
+    """Two 16 KiB buffers where they fit beside Q and the K/V rings, else one, else none (head_dim 128 with three
+    128-token stages, the correction warpgroup storing O itself); each buffer adds its two mbarriers and its
+    rows' LSE to the head; the model is the kernel's struct (its build raises on a mismatch)."""
+    want = {(64, 64, 128, 3, 1): 2, (64, 64, 128, 3, 2): 2, (128, 128, 128, 2, 1): 2, (128, 128, 128, 2, 2): 1,
+            (128, 128, 128, 3, 1): 0, (128, 128, 64, 3, 1): 2, (192, 128, 128, 2, 1): 1, (256, 256, 64, 2, 1): 2}
+    for (dq, dv, tn, st, q), n in want.items():
+        cfg = K.Config(problem(d=dq, dv=dv), K.Tiles(tile_n=tn, kv_stages=st, q_tiles=q))
+        assert cfg.epi_stages == n, (dq, dv, tn, st, q)
+        assert cfg.smem_bytes == cfg._smem(n) <= C.SMEM_LIMIT
+        if n < 2:
+            assert cfg._smem(n + 1) > C.SMEM_LIMIT
+        if n:
+            assert cfg._smem(n) - cfg._smem(n - 1) >= C.TILE_M * C.EPI_COLS * 2
+    for kw in SERVED + HEAD_DIMS + PAGED:  # every default build stages its O
+        p = problem(**kw)
+        assert K.Config(p, tiles_for(p, kw["q"], kw.get("tn"))).epi_stages > 0, _id(kw)
+
+
 # ============================================================================= resource gate
-@pytest.mark.parametrize("kw", SERVED + HEAD_DIMS + FEATURES + PAGED + GATHERED, ids=_id)
+@pytest.mark.parametrize("kw", SERVED + HEAD_DIMS + FEATURES + PAGED + GATHERED + UNSTAGED, ids=_id)
 def test_resources_no_spills_and_register_budgets(kw):
     from cutedsl_attn.inspect import cubin_resources
 
@@ -207,6 +322,11 @@ def test_resources_no_spills_and_register_budgets(kw):
     counts, text = sass_counts(kw)
     got = sorted(int(x, 16) for x in re.findall(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", text))
     assert got == sorted(roles.registers.values()), f"setmaxnreg values in SASS {got} != plan {roles.registers}"
+    # setmaxnreg moves registers within the CTA's launch pool (ptxas's count x threads): the warpgroups' budgets
+    # (softmax per Q tile, correction, the MMA / load / epilogue warps') must fit it
+    regs = roles.registers
+    assert 128 * (cfg.tiles.q_tiles * regs["softmax"] + regs["correction"] + regs["other"]) <= (
+        res["registers"] * roles.num_threads)
     assert count_prefix(counts, "LDL") == 0 and count_prefix(counts, "STL") == 0
 
 
@@ -220,9 +340,11 @@ def test_register_plan_fits_the_register_file(q):
     for v in regs.values():
         assert v % 8 == 0 and 24 <= v <= 256
     assert len(r.softmax_warps) == 4 * q and len(r.correction_warps) == 4
-    assert sorted((*r.softmax_warps, *r.correction_warps, r.mma_warp, r.load_warp, *r.idle_warps)) == list(
-        range(r.num_warps))
-    assert r.num_warps % 4 == 0 and r.mma_warp // 4 == r.load_warp // 4  # setmaxnreg is per warpgroup
+    assert sorted((*r.softmax_warps, *r.correction_warps, r.mma_warp, r.load_warp, r.epilogue_warp,
+                   *r.idle_warps)) == list(range(r.num_warps))
+    # setmaxnreg is per warpgroup: the MMA, load and epilogue warps share the "other" budget
+    assert r.num_warps % 4 == 0 and r.mma_warp // 4 == r.load_warp // 4 == r.epilogue_warp // 4
+    assert r.num_warps == 4 * q + 8 and len(r.idle_warps) == 1
     # TMEM lane access: warp w reaches lanes 32 (w % 4) ..; softmax and correction warp k own the same rows
     assert [w % 4 for w in r.softmax_warps] == [0, 1, 2, 3] * q
     assert [w % 4 for w in r.correction_warps] == [0, 1, 2, 3]
@@ -250,8 +372,9 @@ def test_sass_instruction_mix_per_kv_block(kw):
 
 
 def _base(kw):
-    """``kw`` without its softmax-side features (the same problem otherwise)."""
-    return {k: v for k, v in kw.items() if k not in _FEATURE_NAMES}
+    """``kw`` without its softmax-side features (the same problem and grid otherwise: a window's default grid is
+    one CTA per tile)."""
+    return {**{k: v for k, v in kw.items() if k not in _FEATURE_NAMES}, "num_ctas": built(kw)[0].tiles.num_ctas}
 
 
 def _setp_count(ptx):

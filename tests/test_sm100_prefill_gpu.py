@@ -10,7 +10,11 @@ with 1..16 heads per kv head, sinks, the output scale, and work-table padding ro
 sliding windows (``window_left`` 0, inside a block, across blocks, with and without causal: whole blocks left of
 the window skipped), soft caps, custom masks (packed little-endian bits, replacing causal; rows with no visible
 key), ``score_mod`` (a relative bias, a band mask through -inf) and their combinations; head_dim 256 and 192/128;
-paged K/V (the same K/V on shuffled pages of 1..256 tokens, spare pages and unused slots NaN-poisoned).
+paged K/V (the same K/V on shuffled pages of 1..256 tokens, spare pages and unused slots NaN-poisoned).  Every
+case runs the default tiles (a persistent grid without causal or a window, one CTA per tile with them); the grid
+tests add both grids for each and a three-CTA persistent grid (several tiles a CTA), and the output path tests the
+build whose correction warpgroup stores O itself (no room for the epilogue warp's staging buffers) beside the
+staged default (TMA boxes for whole tiles, 16-byte stores for tiles cut by a request's end).
 """
 
 import dataclasses
@@ -81,10 +85,11 @@ def paged_copy(k, v, kv_lens, kv_ip, page_size, gen):
 
 def run_case(*, d, causal, group, dtype="bfloat16", sinks=False, batch="mixed", hkv=2, output_scale=1.0,
              pad_rows=0, seed=0, rescale_threshold=None, scale=1.0, q_tiles=1, window_left=-1, soft_cap=0.0,
-             mask=False, score_mod=None, sm_scale=None, dv=None, page_size=0):
+             mask=False, score_mod=None, sm_scale=None, dv=None, page_size=0, num_ctas=None, kv_stages=None):
     """One batch through the kernel against the oracle; ``window_left >= 0``, ``soft_cap > 0``, ``mask`` (a random
     custom mask, packed little-endian) and ``score_mod`` switch the features on; ``page_size > 0`` puts the same
-    K/V on shuffled pages of that size (spare pages and the slots past each request NaN-poisoned)."""
+    K/V on shuffled pages of that size (spare pages and the slots past each request NaN-poisoned); ``num_ctas`` /
+    ``kv_stages`` override the default tiles' grid / K/V stages."""
     qo_lens, kv_lens = BATCHES[batch]
     dv = d if dv is None else dv
     p = PrefillProblem(dtype=dtype, head_dim_qk=d, head_dim_vo=dv, group_size=group, causal=causal,
@@ -94,6 +99,10 @@ def run_case(*, d, causal, group, dtype="bfloat16", sinks=False, batch="mixed", 
     tiles = dataclasses.replace(tiles, q_tiles=q_tiles)
     if rescale_threshold is not None:
         tiles = dataclasses.replace(tiles, rescale_threshold=rescale_threshold)
+    if num_ctas is not None:
+        tiles = dataclasses.replace(tiles, num_ctas=num_ctas)
+    if kv_stages is not None:
+        tiles = dataclasses.replace(tiles, kv_stages=kv_stages)
     cfg = K.Config(p, tiles)
     fn = _compiled(cfg)
     tdt = DTYPES[dtype]
@@ -150,7 +159,8 @@ def run_case(*, d, causal, group, dtype="bfloat16", sinks=False, batch="mixed", 
 
     what = (f"sm100 prefill d{d}/{dv} page_size={page_size} causal={causal} G={group} {dtype} sinks={sinks} "
             f"batch={batch} q_tiles={q_tiles} window_left={window_left} soft_cap={soft_cap} mask={mask} "
-            f"score_mod={getattr(score_mod, '__name__', None)}")
+            f"score_mod={getattr(score_mod, '__name__', None)} num_ctas={cfg.tiles.num_ctas} "
+            f"epi_stages={cfg.epi_stages}")
     return check_poisoned(launch, out=out, lse=lse, oracle=oracle, dtype=tdt, what=what, **poison)
 
 
@@ -319,3 +329,35 @@ def test_paged_kv_head_dims_and_features():
     run_case(d=128, causal=True, group=4, page_size=16, window_left=50, soft_cap=9.0, q_tiles=2)
     run_case(d=128, causal=False, group=4, page_size=64, mask=True, batch="tails")
     run_case(d=128, causal=True, group=4, page_size=256, score_mod=_rel_bias)
+
+
+# ----------------------------------------------------------------------------- grids and the output path
+@pytest.mark.parametrize("q_tiles", Q_TILES)
+@pytest.mark.parametrize("num_ctas", (0, 3, 148), ids=("one_cta_per_tile", "persistent3", "persistent148"))
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("batch", ("mixed", "tails", "empty_kv"))
+def test_grids(batch, causal, num_ctas, q_tiles):
+    """Both grids whatever the default picks; three CTAs carry every pipeline (the staging buffers' included)
+    across many tiles, padding rows among them."""
+    run_case(d=128, causal=causal, group=4, batch=batch, num_ctas=num_ctas, q_tiles=q_tiles, pad_rows=3,
+             sinks=True)
+
+
+@pytest.mark.parametrize("num_ctas", (0, 3))
+@pytest.mark.parametrize("causal", (False, True))
+@pytest.mark.parametrize("batch", ("mixed", "one_block", "q_longer"))
+def test_unstaged_output(batch, causal, num_ctas):
+    """head_dim 128 with three 128-token K/V stages: no staging buffer fits, the correction warpgroup stores O."""
+    cfg = K.Config(PrefillProblem(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=4,
+                                  arch=device_arch()), K.Tiles(kv_stages=3))
+    assert cfg.epi_stages == 0
+    run_case(d=128, causal=causal, group=4, batch=batch, num_ctas=num_ctas, kv_stages=3)
+
+
+@pytest.mark.parametrize("group", (1, 2, 16))
+@pytest.mark.parametrize("dims", ((64, 64), (128, 128), (192, 128), (256, 256)), ids=("d64", "d128", "d192", "d256"))
+def test_whole_and_cut_tiles_store_alike(dims, group):
+    """Whole 128-row tiles leave by TMA boxes (every group size packs its heads into the box), tiles cut by the
+    request's end by the epilogue warp's row stores: both in one batch, every head dim (one and two buffers)."""
+    run_case(d=dims[0], dv=dims[1], causal=False, group=group, batch="mixed")
+    run_case(d=dims[0], dv=dims[1], causal=True, group=group, batch="one_block")

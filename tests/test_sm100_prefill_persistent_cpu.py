@@ -11,27 +11,24 @@ Each persistent build is compared with the same problem's one-CTA-per-tile build
   the SASS), no spills, the persistent roles' ``setmaxnreg`` budgets (the correction warpgroup's larger, and with
   two Q tiles the MMA / load warps': they carry the loop's counts), shared memory and TMEM columns within the
   SM's limits;
-* the ``num_ctas`` field's rules, and that the first-use self-check's problem gives each CTA of a small
-  persistent grid several tiles (its GPU half, marked ``gpu``, runs that check on a Blackwell GPU only).
+* the default grid (``default_tiles``): persistent without causal or a window, one CTA per tile with them;
+* the ``num_ctas`` field's rules, that its value never reaches the device code (a small grid runs the default
+  build's code), and that the first-use self-check's problem gives each CTA of a small persistent grid several
+  tiles (its GPU half, marked ``gpu``, runs that check on a Blackwell GPU only).
 """
 
 import dataclasses
-import functools
-import glob
 import re
-import subprocess
-import tempfile
 
 import pytest
 import torch
 
-from cutedsl_attn.planning.prefill import plan_prefill
+from cutedsl_attn.planning.prefill import PrefillProblem, plan_prefill
 from cutedsl_attn.sm100 import prefill as K
 from cutedsl_attn.sm100.prefill import config as C
-from test_sm100_prefill_cpu import built, count_prefix, problem, sass_counts, tiles_for  # (tests/ is on sys.path)
+from test_sm100_prefill_cpu import built, count_prefix, problem, rel_bias, sass_counts  # (tests/ is on sys.path)
 
 NUM_CTAS = 148
-_DUMP = tempfile.TemporaryDirectory(prefix="sm100_prefill_persistent_")
 
 # one of each kind of build, both archs: one / two Q tiles, the head dims, paged (TMA boxes and the cp.async
 # gather), the softmax-side features
@@ -58,30 +55,18 @@ def _id(kw):
     return f"{kw['arch']}-d{kw['d']}-{'causal' if kw['causal'] else 'full'}-g{kw['g']}-{kw['dtype']}-q{kw['q']}{extra}"
 
 
-@functools.lru_cache(maxsize=None)
-def _build(key):
-    """(cfg, ptx, cubin path) of the persistent build of one configuration (once per session)."""
-    kw = dict(key)
-    p = problem(**kw)
-    t = dataclasses.replace(tiles_for(p, kw["q"], kw.get("tn")), num_ctas=NUM_CTAS)
-    cfg = K.Config(p, t)
-    out = tempfile.mkdtemp(dir=_DUMP.name)
-    K.compile(cfg, keep_ptx_dir=out, keep_cubin=True)
-    return cfg, open(glob.glob(f"{out}/*.ptx")[0]).read(), glob.glob(f"{out}/*.cubin")[0]
-
-
 def persistent(kw):
-    return _build(tuple(sorted(kw.items())))
+    """(cfg, ptx, cubin, dump dir) of the persistent build of an entry (``num_ctas`` 148)."""
+    return built({**kw, "num_ctas": NUM_CTAS})
 
 
-@functools.lru_cache(maxsize=None)
-def _sass_text(cubin):
-    from cutedsl_attn.inspect import _find_tool
+def one_tile(kw):
+    """The same entry with one CTA per tile (``num_ctas`` 0)."""
+    return built({**kw, "num_ctas": 0})
 
-    tool = _find_tool("cuobjdump")
-    if tool is None:
-        pytest.skip("cuobjdump not found (the test extra installs nvidia-cuda-cuobjdump)")
-    return subprocess.run([tool, "--dump-sass", cubin], check=True, capture_output=True, text=True).stdout
+
+def _sass_text(kw):
+    return sass_counts(kw)[1]
 
 
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
@@ -105,17 +90,18 @@ def depths_of(text, prefix):
 
 
 # every role's work: MMA warp (UTCHMMA, its commits), softmax (MUFU.EX2, the S loads and P stores), correction
-# (O's TMEM loads, the 16-byte O stores), load warp (TMA or cp.async)
-ROLE_OPS = ("UTCHMMA", "UTCBAR", "MUFU.EX2", "LDTM", "STTM", "STG.E.128")
+# (O's TMEM loads, its 16-byte stores into the staging buffers), epilogue warp (the TMA store, the ragged tiles'
+# 16-byte O stores), load warp (TMA or cp.async)
+ROLE_OPS = ("UTCHMMA", "UTCBAR", "MUFU.EX2", "LDTM", "STTM", "STS.128", "UTMASTG", "STG.E.128")
 
 
 @pytest.mark.parametrize("kw", PERSISTENT, ids=_id)
 def test_a_loop_over_tiles_around_every_role(kw):
-    cfg, ptx, cubin = persistent(kw)
-    base_cfg, base_ptx, _, _ = built(kw)
-    assert cfg.tiles.num_ctas == NUM_CTAS and base_cfg.tiles.num_ctas == 0
-    text = _sass_text(cubin)
-    _, base_text = sass_counts(kw)
+    cfg, ptx, _, _ = persistent(kw)
+    base_cfg, base_ptx, _, _ = one_tile(kw)
+    assert cfg.tiles.num_ctas == NUM_CTAS and base_cfg.tiles.num_ctas == 0 and cfg.epi_stages > 0
+    text = _sass_text({**kw, "num_ctas": NUM_CTAS})
+    base_text = _sass_text({**kw, "num_ctas": 0})
     load = "LDGSTS" if cfg.page_rows == 0 and kw.get("page_size") else "UTMALDG"
     for op in ROLE_OPS + ((load,) if load == "LDGSTS" else ()):
         base = depths_of(base_text, op)
@@ -138,20 +124,17 @@ def test_a_loop_over_tiles_around_every_role(kw):
 def test_per_block_mix_and_resources_unchanged(kw):
     from cutedsl_attn.inspect import cubin_resources
 
-    cfg, ptx, cubin = persistent(kw)
-    base_cfg, base_ptx, _, _ = built(kw)
+    cfg, ptx, cubin, _ = persistent(kw)
+    base_cfg, base_ptx, _, _ = one_tile(kw)
     assert ptx.count("tcgen05.mma") == base_ptx.count("tcgen05.mma") == cfg.tiles.q_tiles * (
         cfg.problem.head_dim_qk // 16 + cfg.tiles.tile_n // 16)
     assert ptx.count("ex2.approx") == base_ptx.count("ex2.approx")
-    text = _sass_text(cubin)
-    counts = {}
-    for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text):
-        counts[op] = counts.get(op, 0) + 1
-    base_counts, _ = sass_counts(kw)
-    for op in ("UTCHMMA", "LDTM", "STTM", "UTCBAR"):
+    counts, text = sass_counts({**kw, "num_ctas": NUM_CTAS})
+    base_counts, _ = sass_counts({**kw, "num_ctas": 0})
+    for op in ("UTCHMMA", "LDTM", "STTM", "UTCBAR", "UTMASTG"):
         assert count_prefix(counts, op) == count_prefix(base_counts, op), op
     assert counts.get("MUFU.EX2", 0) == base_counts.get("MUFU.EX2", 0)
-    res = cubin_resources(open(cubin, "rb").read())
+    res = cubin_resources(cubin)
     assert res["stack_bytes"] == 0, f"stack frame {res['stack_bytes']} B: spills or a local array"
     assert count_prefix(counts, "LDL") == 0 and count_prefix(counts, "STL") == 0
     assert res["registers"] * cfg.roles.num_threads <= C.REGISTER_FILE
@@ -162,9 +145,49 @@ def test_per_block_mix_and_resources_unchanged(kw):
     assert cfg.tmem == base_cfg.tmem and cfg.tmem_cols == base_cfg.tmem_cols <= 512
 
 
+def _problem(**kw):
+    return PrefillProblem(**{**dict(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=4,
+                                    arch="sm_100a"), **kw})
+
+
+@pytest.mark.parametrize("kw, persistent_grid", [
+    (dict(), True), (dict(causal=True), False), (dict(use_window=True), False),
+    (dict(causal=True, use_window=True), False), (dict(use_custom_mask=True), True),
+    (dict(page_size=16), True), (dict(page_size=1, use_soft_cap=True), True), (dict(use_sinks=True), True),
+    (dict(head_dim_qk=256, head_dim_vo=256), True), (dict(head_dim_qk=192, causal=True), False),
+    (dict(head_dim_qk=64, head_dim_vo=64, group_size=8), True), (dict(score_mod=rel_bias, causal=True), False),
+])
+def test_default_grid_is_persistent_without_causal_or_window(kw, persistent_grid):
+    """The default grid rule (``default_tiles``): a persistent grid of one CTA per SM where every tile of a
+    request sees all of its keys, one CTA per tile where causal or a window make the tiles' costs differ."""
+    p = _problem(**kw)
+    for sms in (148, 132):
+        t = K.default_tiles(p, num_sms=sms)
+        assert t.num_ctas == (sms if persistent_grid else 0)
+        assert K.Config(p, t).roles == C.Roles(t.q_tiles, persistent_grid)
+    for bad in (0, -1, True, 148.0):
+        with pytest.raises(ValueError, match="num_sms"):
+            K.default_tiles(p, num_sms=bad)
+
+
+def test_the_grid_size_never_reaches_the_device_code():
+    """A persistent build's PTX is the same for any ``num_ctas > 0`` (the grid is set on the host; the device
+    code reads ``gridDim.x``), so a small grid (the self-check's, :data:`SELFCHECK_CTAS`) runs the default
+    build's code."""
+    kw = PERSISTENT[1]
+
+    def normalised(ptx):
+        for i, name in enumerate(dict.fromkeys(re.findall(r"\.entry\s+([A-Za-z_$][\w$]*)", ptx))):
+            ptx = ptx.replace(name, f"KERNEL{i}")
+        return ptx
+
+    small, big = built({**kw, "num_ctas": SELFCHECK_CTAS}), persistent(kw)
+    assert small[0].tiles.num_ctas == SELFCHECK_CTAS and big[0].tiles.num_ctas == NUM_CTAS
+    assert normalised(small[1]) == normalised(big[1])
+
+
 def test_num_ctas_field():
     p = problem()
-    assert K.default_tiles(p, num_sms=148).num_ctas == 0  # one CTA per tile unless asked
     assert "num_ctas" in K.TUNING_FIELDS
     assert K.Config(p, K.Tiles(num_ctas=1)).tiles.num_ctas == 1
     assert K.override_tiles(K.Tiles(), {"num_ctas": "296"}).num_ctas == 296

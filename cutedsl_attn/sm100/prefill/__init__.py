@@ -5,8 +5,10 @@ plan); never run on Blackwell hardware yet, so nothing routes to it without a fi
 
 The kernel contract (what dispatch uses): :data:`NAME`, :class:`Tiles` and :class:`Config` (``Config(problem,
 tiles)``, the compile key), :func:`unsupported_reason`, :func:`default_tiles`, :func:`compile` and :func:`launch`.
-Modules: ``config`` (dataclasses, TMEM plan, warp roles), ``kernel`` (the device code: load, MMA and correction
-warps), ``softmax`` (the softmax warpgroups: logits, masks, online softmax).
+Modules: ``config`` (dataclasses, TMEM plan, warp roles, shared memory), ``kernel`` (the device code: load, MMA
+and correction warps, the tile loop), ``softmax`` (the softmax warpgroups: logits, masks, online softmax),
+``epilogue`` (the final O tile: normalised by the correction warpgroup into shared memory, stored by the epilogue
+warp), ``paged`` (paged K/V loads).
 """
 
 from __future__ import annotations
@@ -27,19 +29,32 @@ TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))  # the keys ove
 
 
 def default_tiles(problem: PrefillProblem, *, num_sms: int) -> Tiles:
-    """The tiles for ``problem`` (``num_sms`` is unused: one CTA per work row and kv head, ``num_ctas=0``).
+    """The tiles for ``problem``; ``num_sms``: the GPU's SM count, the persistent grid's size.
 
     Not measured (no Blackwell GPU yet): 128-token KV blocks and a rescale threshold of 8 as FlashAttention-4's
-    SM100 kernel; three K/V stages at head_dim 64, two at 128 (three fit, with 1 KiB to spare: untried) and
-    192/128; head_dim 256: 64-token blocks (the TMEM plan) and two stages of 64 KiB beside Q's 64 KiB; one Q
+    SM100 kernel; three K/V stages at head_dim 64, two at 128 (three leave no room for the O staging buffer)
+    and 192/128; head_dim 256: 64-token blocks (the TMEM plan) and two stages of 64 KiB beside Q's 64 KiB; one Q
     tile per CTA (``q_tiles=2``, FA4's two softmax warpgroups with P aliased in S, is built and checked the same
-    way but has more to go wrong on a first run); the persistent grid (``num_ctas > 0``) likewise, so it is not
-    the default either.
-    ``problem`` must be one the kernel serves (:func:`unsupported_reason` is None).
+    way but has more to go wrong on a first run).
+    The grid, FA4's rule for fixed-length batches: persistent (``num_ctas = num_sms``) without a causal mask or
+    a window, where every tile of a request sees all its keys, so tiles dealt round-robin in the work table's
+    order (requests longest first) keep the SMs even and each CTA's next tile overlaps its last one's epilogue;
+    one CTA per tile (``num_ctas=0``) with causal or a window, whose tiles differ in cost along the diagonal and
+    which the hardware's block scheduler balances best in the table's longest-first order (FA4's LPT
+    scheduler is not persistent either).  (FA4 keeps ragged batches on one CTA per tile; this kernel's tiles
+    are always a ragged work table's, so the rule reads the mask alone.)
+    ``problem`` must be one the kernel serves (:func:`unsupported_reason` is None); ValueError for ``num_sms``
+    not a positive int.
     """
+    if isinstance(num_sms, bool) or not isinstance(num_sms, int) or num_sms < 1:
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+    # the rule: tiles of equal cost (no causal, no window) balance under a static round-robin, others do not
+    persistent = not (problem.causal or problem.use_window)
+    num_ctas = num_sms if persistent else 0
     if default_tile_n(problem) == 64:  # S, P and O of 256 columns fit TMEM with 64-token blocks only (tmem_plan)
-        return Tiles(tile_n=64, kv_stages=2, rescale_threshold=8)
-    return Tiles(tile_n=128, kv_stages=3 if problem.head_dim_qk <= 64 else 2, rescale_threshold=8)
+        return Tiles(tile_n=64, kv_stages=2, rescale_threshold=8, num_ctas=num_ctas)
+    return Tiles(tile_n=128, kv_stages=3 if problem.head_dim_qk <= 64 else 2, rescale_threshold=8,
+                 num_ctas=num_ctas)
 
 
 def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:

@@ -1,5 +1,6 @@
 """The SM100 prefill kernel's configuration: tiles (:class:`Tiles`), the compile key (:class:`Config`), the TMEM
-column plan, the warp roles with their register budgets, and the one list of what the kernel refuses.
+column plan, the warp roles with their register budgets, the output staging buffers, and the one list of what the
+kernel refuses.
 
 Pure Python (no device code): the tile math here is what the CPU tests assert.
 """
@@ -18,15 +19,20 @@ HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))  # (head_dim_qk, head
 TILE_M = 128  # packed query rows of one Q tile: the M of one tcgen05 (cta_group::1) MMA
 SMEM_LIMIT = 227 * 1024
 REGISTER_FILE = 64 * 1024
+EPI_COLS = 64  # O columns of one staging buffer: one 128-byte swizzle atom a row, one TMA store box
+EPI_PRODUCERS = 128  # arrivals on a staging buffer's full mbarrier: every correction thread (one row each)
+EPI_CONSUMERS = 32  # arrivals on its empty mbarrier: every lane of the epilogue warp
 
 
 @dataclass(frozen=True)
 class Roles:
     """The warp roles of a CTA with ``q_tiles`` Q tiles and the registers per thread of each after setmaxnreg.
 
-    Softmax warpgroup ``t`` owns Q tile ``t``; the correction warpgroup serves every tile; the MMA and load warps
-    share a warpgroup with idle warps (setmaxnreg acts per warpgroup).  Warp ``w`` reaches TMEM lanes
-    ``32 (w % 4) ..``, so softmax warp ``4 t + k`` and correction warp ``k`` own the same rows of their tiles.
+    Softmax warpgroup ``t`` owns Q tile ``t``; the correction warpgroup serves every tile; the MMA, load and
+    epilogue warps share a warpgroup with an idle warp (setmaxnreg acts per warpgroup, so the epilogue warp has
+    the ``other`` budget: it only moves bytes).  Warp ``w`` reaches TMEM lanes ``32 (w % 4) ..``, so softmax warp
+    ``4 t + k`` and correction warp ``k`` own the same rows of their tiles; the epilogue warp never touches TMEM
+    (it stores the O tiles the correction warpgroup staged in shared memory, :attr:`Config.epi_stages`).
     ``persistent``: the roles of a persistent grid (``Tiles.num_ctas > 0``), whose budgets may differ.
     """
 
@@ -50,8 +56,12 @@ class Roles:
         return self.mma_warp + 1
 
     @property
+    def epilogue_warp(self) -> int:
+        return self.mma_warp + 2
+
+    @property
     def idle_warps(self) -> tuple[int, ...]:
-        return (self.mma_warp + 2, self.mma_warp + 3)
+        return (self.mma_warp + 3,)
 
     @property
     def num_warps(self) -> int:
@@ -64,7 +74,9 @@ class Roles:
     @property
     def registers(self) -> dict[str, int]:
         """softmax / correction / other registers per thread: the softmax row (tile_n fp32 scores) needs the most;
-        the warpgroups' sum (x 128 threads) must fit the register file (two softmax warpgroups: FA4's budget)."""
+        the warpgroups' sum (x 128 threads) must fit the registers the CTA launched with, which setmaxnreg only
+        moves between them (two softmax warpgroups: FA4's budget).  ``other`` is the MMA, load and epilogue
+        warps' warpgroup: the epilogue warp holds a tile's coordinates and one 16-byte chunk at a time."""
         # (a persistent grid carries its tile loop's counts through every role: ptxas spills them in the correction
         # warpgroup at 112 / 64, in the MMA and load warps at 32 with two Q tiles)
         if self.q_tiles == 1:
@@ -77,6 +89,10 @@ class Roles:
 # named barrier ids (0 is __syncthreads)
 BAR_TMEM_ALLOC = 1  # the MMA warp's TMEM allocation published to the softmax and correction warpgroups
 BAR_TMEM_FREE = 2  # the correction warpgroup's last TMEM read, before the MMA warp frees the columns
+# The mbarrier pipelines, producer -> consumer (arrivals on a stage's full / empty barrier): Q, K, V: TMA -> MMA
+# (1 / 1); S: MMA -> softmax (1 / 128); P: softmax -> MMA (128 / 1); O: MMA -> correction (1 / 128); row
+# statistics: softmax -> correction (128 / 128); staged O: correction -> epilogue warp (EPI_PRODUCERS /
+# EPI_CONSUMERS); the V tail block: TMA (1).  A tcgen05.commit or a TMA transaction is one arrival.
 
 
 @dataclass(frozen=True)
@@ -92,7 +108,8 @@ class Tiles:
     reaches up to ``2^threshold``, which 16 bits hold for threshold <= 15);
     ``num_ctas``: 0 for one CTA per (work row, kv head) tile, else a persistent grid of ``min(num_ctas, tiles)``
     CTAs, CTA ``i`` running tiles ``i, i + grid, i + 2 grid, ..`` (a static schedule: every role of the CTA derives
-    the same sequence) with its TMEM allocated once and every pipeline's count carried from tile to tile.
+    the same sequence) with its TMEM allocated once and every pipeline's count carried from tile to tile (the
+    package's ``default_tiles`` holds the rule which grid a problem gets).
     """
 
     tile_n: int = 128
@@ -268,13 +285,28 @@ class Config:
         return tmem_alloc_cols(self.tmem)
 
     @property
+    def epi_stages(self) -> int:
+        """Staging buffers of ``128 x EPI_COLS`` 16-bit O values between the correction warpgroup and the epilogue
+        warp: two where shared memory holds them (the correction warpgroup fills one while the epilogue warp
+        stores the other), else one; 0 where not even one fits (head_dim 128 with three 128-token K/V stages):
+        the correction warpgroup then stores O itself and the epilogue warp idles."""
+        for n in (2, 1):
+            if self._smem(n) <= SMEM_LIMIT:
+                return n
+        return 0
+
+    @property
     def smem_bytes(self) -> int:
-        """Shared memory of the kernel's storage: the mbarriers, the TMEM base address and the per-row statistics
-        (padded to the 1 KiB alignment of the buffers), then Q and the K and V rings."""
+        """Shared memory of the kernel's storage: the mbarriers, the TMEM base address, the per-row statistics and
+        the staged rows' LSE (padded to the 1 KiB alignment of the buffers), then Q, the K and V rings and the O
+        staging buffers (:attr:`epi_stages`)."""
+        return self._smem(self.epi_stages)
+
+    def _smem(self, epi_stages: int) -> int:
         p, t, e = self.problem, self.tiles, 2
         qt = t.q_tiles
-        n_mbar = 2 * qt + 4 * t.kv_stages + 4 + 4 + 2 * qt + 2 * qt + 1
-        head = -(-(8 * n_mbar + 4 + 4 * 2 * TILE_M * qt) // 1024) * 1024
+        n_mbar = 2 * qt + 4 * t.kv_stages + 4 + 4 + 2 * qt + 2 * qt + 1 + 2 * epi_stages
+        head = -(-(8 * n_mbar + 4 + 4 * 2 * TILE_M * qt + 4 * TILE_M * epi_stages) // 1024) * 1024
         q = TILE_M * t.q_tiles * p.head_dim_qk * e
         kv = t.kv_stages * t.tile_n * (p.head_dim_qk + p.head_dim_vo) * e
-        return head + q + kv
+        return head + q + kv + epi_stages * TILE_M * EPI_COLS * e

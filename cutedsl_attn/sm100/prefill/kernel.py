@@ -20,8 +20,10 @@ barriers set up once and every pipeline's use count carried from tile to tile.  
   or ``score_mod``, the masks (sequence end, causal, window, custom mask), online max / sum, ``ex2``, the 16-bit
   P written back with ``tcgen05.st``; each block's rescale factor to the correction warpgroup through shared
   memory (``PipelineAsync``);
-* correction warpgroup: rescales O in TMEM between P V GEMMs, then the epilogue (normalise, sinks, output scale,
-  16-bit O and base-2 LSE straight to global memory).
+* correction warpgroup: rescales O in TMEM between P V GEMMs, then normalises the final O (sinks, output scale)
+  into shared-memory staging buffers with the base-2 LSE (:mod:`.epilogue`) and moves on to the next tile;
+* epilogue warp: stores the staged O tiles (a TMA box per buffer; 16-byte stores of the live rows where a tile
+  runs past its request) and the LSE.
 
 Conventions as the other prefill kernels: bottom-right causal, ``window_left = w`` keeps ``w + 1`` keys, the soft
 cap ``cap * tanh(s / cap)`` on scaled logits, custom masks as FlashInfer's packed little-endian bits (replacing
@@ -39,24 +41,24 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.tensor_utils import LayoutEnum
 
 from ...common import masks, ptx
-from ...common import softmax as sm
 from ...common.scheduler import TileScheduler
-from ...common.constants import LOG2E, NEG_INF
 from ...common.tcgen05 import fence_after_sync, fence_before_sync, state_at
 from ...compile.arch import compile_options
 from ...compile.fake import prefill_tensors
 from ...planning.prefill import W_BATCH, W_KV_LEN, W_KV_START, W_Q_START, W_QO_LEN, W_ROW0, WORK_COLS
 from . import config as C
 from .config import Config
+from .epilogue import Epilogue
 from .paged import PagedKV
 from .softmax import SoftmaxWarpgroup, _plus
 
 
-class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
+class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV, Epilogue):
     """The CuTe DSL SM100 prefill kernel of one :class:`Config` (build with ``compile``)."""
 
     def __init__(self, cfg: Config):
@@ -78,6 +80,8 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
         self.num_ctas = t.num_ctas
         self.tmem = cfg.tmem
         self.tmem_cols = cfg.tmem_cols
+        self.EPI = cfg.epi_stages  # O staging buffers (0: the correction warpgroup stores O itself)
+        self.smem_bytes = cfg.smem_bytes
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mIdx: cute.Tensor, mWork: cute.Tensor,
@@ -98,6 +102,10 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
         sK_layout = sm100_utils.make_smem_layout_b(qk_mma, self.qk_tiler, dt, S)
         sV_layout = sm100_utils.make_smem_layout_b(pv_mma, self.pv_tiler, dt, S)
         tP_layout = sm100_utils.make_smem_layout_a(pv_mma, self.pv_tiler, dt, 1)
+        EPI = self.EPI
+        sO_layout = None  # (TM, EPI_COLS, EPI): O rows K-major with the 128-byte swizzle, as the TMA store reads
+        if const_expr(EPI > 0):
+            sO_layout = sm100_utils.make_smem_layout_epi(dt, LayoutEnum.ROW_MAJOR, (TM, C.EPI_COLS), EPI)
 
         hkv = mK.shape[2 if self.paged else 1]
         # Q as ((group, tokens), dim, kv_heads): one M=128 box of a tile is its packed rows (GQA packing)
@@ -119,27 +127,21 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
                 g2s, mK_t, cute.select(sK_layout, mode=[0, 1, 2]), self.qk_tiler, qk_mma, vmnk)
             tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
                 g2s, mV_t, cute.select(sV_layout, mode=[0, 1, 2]), self.pv_tiler, pv_mma, vmnk)
+        tma_atom_O, tma_O = None, None
+        if const_expr(EPI > 0):
+            # O as Q: ((group, tokens), dim, kv_heads), one box of a Q tile's packed rows and EPI_COLS columns
+            mO_t = cute.make_tensor(mO.iterator, cute.make_layout(
+                ((G, mO.shape[0]), DV, hkv), stride=((mO.stride[1], mO.stride[0]), 1, G * mO.stride[1])))
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mO_t,
+                                                            cute.select(sO_layout, mode=[0, 1]), (TM, C.EPI_COLS))
         self.q_bytes = TM * DQ * 2
         self.k_bytes = TN * DQ * 2
         self.v_bytes = TN * DV * 2
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.QT]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
-            mbar_s: cute.struct.MemRange[cutlass.Int64, 4]
-            mbar_p: cute.struct.MemRange[cutlass.Int64, 4]
-            mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * self.QT]
-            mbar_stats: cute.struct.MemRange[cutlass.Int64, 2 * self.QT]
-            mbar_v_tail: cute.struct.MemRange[cutlass.Int64, 1]
-            tmem_base: Int32
-            # per row: the block's O rescale factor, or (final message) the row sum and the log2-unit row max
-            s_stats: cute.struct.MemRange[Float32, 2 * TM * self.QT]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-
+        SharedStorage = _shared_storage(dt, self.QT, S, EPI, cute.cosize(sQ_layout), cute.cosize(sK_layout),
+                                        cute.cosize(sV_layout), cute.cosize(sO_layout) if const_expr(EPI > 0) else 0)
+        if const_expr(SharedStorage.size_in_bytes() != self.smem_bytes):  # (Config.smem_bytes: the host check)
+            raise ValueError(f"shared storage {SharedStorage.size_in_bytes()} B != the config's {self.smem_bytes} B")
         self.shared_storage = SharedStorage
         # a second pair of tiled MMAs for Q tile 1: the MMA warp sets their ACCUMULATE field inside its per-tile
         # branches, and a tiled MMA mutated in one branch cannot be used in another
@@ -149,19 +151,19 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
         # the feature arguments the problem reads (SoftmaxWarpgroup._features), no others
         feat = tuple(x for x, on in ((mMask, self.use_custom_mask), (soft_cap, self.use_soft_cap),
                                      (window_left, self.use_window), (mIdx, self.paged)) if on)
-        self.kernel(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mWork, mO, mLSE, mSinks, sm_scale,
-                    output_scale, qk_mma, pv_mma, qk_mma1, pv_mma1, sQ_layout, sK_layout, sV_layout,
-                    tP_layout, feat).launch(
+        self.kernel(tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mWork, mO, mLSE,
+                    mSinks, sm_scale, output_scale, qk_mma, pv_mma, qk_mma1, pv_mma1, sQ_layout, sK_layout, sV_layout,
+                    tP_layout, sO_layout, feat).launch(
             grid=TileScheduler.grid(mWork.shape[0], hkv, self.num_ctas), block=(self.roles.num_threads, 1, 1),
             # (.minnctapersm: without it ptxas ignores setmaxnreg)
             smem=SharedStorage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
-    def kernel(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, mWork, mO, mLSE, mSinks,
-               sm_scale: Float32, output_scale: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
+    def kernel(self, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mWork, mO, mLSE,
+               mSinks, sm_scale: Float32, output_scale: Float32, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
                qk_mma1: cute.TiledMma, pv_mma1: cute.TiledMma, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
-               feat):
+               sO_layout, feat):
         """Device entry: one CTA per (work row ``blockIdx.x``, kv head ``blockIdx.y``), or a persistent CTA
         (:meth:`_tiles`); ``feat``: the custom mask, soft cap, window and page-table arguments the problem uses,
         in that order."""
@@ -204,6 +206,12 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
         pipe_stats = pipeline.PipelineAsync.create(num_stages=QT, producer_group=group(128),
                                                    consumer_group=group(128),
                                                    barrier_storage=storage.mbar_stats.data_ptr(), defer_sync=True)
+        # staged O: correction -> epilogue warp (released once the epilogue warp has stored the buffer)
+        pipe_epi = None
+        if const_expr(self.EPI > 0):
+            pipe_epi = pipeline.PipelineAsync.create(num_stages=self.EPI, producer_group=group(C.EPI_PRODUCERS),
+                                                     consumer_group=group(C.EPI_CONSUMERS),
+                                                     barrier_storage=storage.mbar_epi.data_ptr(), defer_sync=True)
         v_bar = storage.mbar_v_tail.data_ptr()
         if warp == R.load_warp:
             with cute.arch.elect_one():
@@ -220,6 +228,11 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         s_stats = storage.s_stats.get_tensor(cute.make_layout((self.TM * QT, 2), stride=(1, self.TM * QT)))
+        sO, sO_addr, s_lse = None, None, None
+        if const_expr(self.EPI > 0):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+            sO_addr = storage.sO.data_ptr().toint()
+            s_lse = storage.s_lse.get_tensor(cute.make_layout(self.TM * self.EPI))
 
         window_left = self._features(feat)[2]
         tile = None  # (one CTA per tile: this CTA's, read once for every role)
@@ -238,10 +251,16 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self._tiles("correction", tile, hkv, mWork, window_left, (
-                tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, mO, mLSE, mSinks, output_scale), tidx)
+                tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, pipe_epi, s_lse, sO_addr, mWork, mO, mLSE, mSinks,
+                output_scale), tidx)
             free_bar.arrive_and_wait()
-        else:  # the MMA and load warps (traced last: the MMA mutates the tiled MMAs inside its loop)
+        else:  # the MMA, load and epilogue warps (traced last: the MMA mutates the tiled MMAs inside its loop)
             cute.arch.setmaxregister_decrease(regs["other"])
+            if const_expr(self.EPI > 0):
+                if warp == R.epilogue_warp:
+                    cpasync.prefetch_descriptor(tma_atom_O)
+                    self._tiles("epilogue", tile, hkv, mWork, window_left, (
+                        tma_atom_O, tma_O, sO, sO_addr, s_lse, pipe_epi, mWork, mO, mLSE), tidx)
             if warp == R.load_warp:
                 self._tiles("load", tile, hkv, mWork, window_left, (
                     tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, sQ, sK, sV, pipe_q, pipe_k, pipe_v, v_bar,
@@ -263,10 +282,10 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
         """Run ``role`` on the CTA's tile (``tile``: (work row, kv head, :meth:`_tile`'s fields)), or, on a
         persistent grid (``hkv`` kv heads), on tiles ``blockIdx.x, + gridDim.x, ..`` with the pipeline counts
         carried over, ``cnt`` = (KV blocks so far, tiles whose Q was loaded, softmax messages per Q tile, V tail
-        blocks): each role derives them from the same tiles, so producers and consumers agree on every stage and
-        phase."""
+        blocks, tiles whose O was staged): each role derives them from the same tiles, so producers and consumers
+        agree on every stage and phase."""
         if const_expr(self.num_ctas == 0):
-            self._role(role, args, tile, (0, 0, 0, 0), tidx)
+            self._role(role, args, tile, (0, 0, 0, 0, 0), tidx)
         else:
             per_thread = role in ("softmax", "correction")
             # (made here, after the role's setmaxnreg: the tile count computed in the prologue stays live into
@@ -274,7 +293,7 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
             sched = TileScheduler(mWork, None, paged=self.paged, num_kv_heads=hkv)
             bx, _, _ = cute.arch.block_idx()
             t = sched.first_tile(bx, 0)
-            nb, nq, ns, nt = Int32(0), Int32(0), Int32(0), Int32(0)
+            nb, nq, ns, nt, ne = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
             while t < sched.num_tiles:
                 wi, kvh = sched.coords(t)
                 # (the tile's fields are warp-uniform: ptxas may keep them in uniform registers)
@@ -283,19 +302,21 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
                 # (softmax / correction: the thread index opaque per tile, so LLVM does not hoist the per-thread
                 # TMEM and global addresses out of the tile loop and keep them live through it)
                 tid = ptx.opaque_i32(tidx) if const_expr(per_thread) else tidx
-                self._role(role, args, (wi, kvh, b, row0, qo_len, kv_len, blk_lo, n_blk), (nb, nq, ns, nt), tid)
+                self._role(role, args, (wi, kvh, b, row0, qo_len, kv_len, blk_lo, n_blk), (nb, nq, ns, nt, ne), tid)
                 tail = (n_blk > 0) & (kv_len - (blk_lo + n_blk - 1) * self.TN < self.TN)
                 nq = nq + cutlass.select_(n_blk > 0, Int32(1), Int32(0))
                 ns = ns + cutlass.select_(b >= 0, n_blk + 1, Int32(0))
                 nt = nt + cutlass.select_(tail, Int32(1), Int32(0))
+                if const_expr(role in ("correction", "epilogue")):
+                    ne = ne + cutlass.select_(b >= 0, Int32(1), Int32(0))
                 nb = nb + n_blk
                 t = sched.next_static(t)
 
     @cute.jit
     def _role(self, role: cutlass.Constexpr, args, tile, cnt, tidx):
-        """One tile of ``role`` (``"softmax"``, ``"correction"``, ``"load"``, ``"mma"``; ``args``: the kernel's
-        values it reads, as :meth:`kernel` packs them; ``tidx``: the thread index); a padding row (``b < 0``) or a
-        tile of no KV block runs only the roles that still write its output."""
+        """One tile of ``role`` (``"softmax"``, ``"correction"``, ``"epilogue"``, ``"load"``, ``"mma"``; ``args``:
+        the kernel's values it reads, as :meth:`kernel` packs them; ``tidx``: the thread index); a padding row
+        (``b < 0``) or a tile of no KV block runs only the roles that still write its output."""
         wi, kvh, b, row0, qo_len, kv_len, blk_lo, n_blk = tile
         if const_expr(role == "softmax"):
             tmem_ptr, qk_mma, s_stats, pipe_s, pipe_p, pipe_stats, sm_scale, feat, mWork, warp = args
@@ -311,10 +332,14 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
                     else:
                         self._softmax(*sm_args, tidx - 128, 1, cnt)
         if const_expr(role == "correction"):
-            tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, mO, mLSE, mSinks, output_scale = args
+            tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, pipe_epi, s_lse, sO_addr, mWork, mO, mLSE, mSinks, \
+                output_scale = args
             if b >= 0:
-                self._correction(tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, wi, kvh, mO, mLSE, mSinks,
-                                 output_scale, row0, qo_len, n_blk, tidx - 128 * self.QT, cnt)
+                self._correction(tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, pipe_epi, s_lse, sO_addr, mWork, wi,
+                                 kvh, mO, mLSE, mSinks, output_scale, row0, qo_len, n_blk, tidx - 128 * self.QT, cnt)
+        if const_expr(role == "epilogue"):
+            if b >= 0:
+                self._epilogue_warp(*args, wi, kvh, row0, qo_len, cute.arch.lane_idx(), cnt[4])
         if const_expr(role == "load"):
             if n_blk > 0:
                 self._load(*args[:16], wi, kvh, kv_len, blk_lo, n_blk, *args[16:], cnt)
@@ -362,7 +387,7 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
               v_bar, qk_mma, pv_mma, mWork, wi, kvh, kv_len, blk_lo, n_blk, storage, feat, cnt):
         """TMA Q once and the K / V blocks ``blk_lo + n_blk - 1 .. blk_lo`` (right to left) into their rings (paged
         K/V: one box per page, :meth:`_load_pages`); ``cnt``: the counts before this tile (:meth:`_tiles`)."""
-        nb, nq, _, nt = cnt
+        nb, nq, _, nt, _ = cnt
         TM, TN, DQ, DV = self.TM, self.TN, self.DQ, self.DV
         qk_thr = qk_mma.get_slice(0)
         pv_thr = pv_mma.get_slice(0)
@@ -458,7 +483,7 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
         tOrP0 = self._tmem_P_operand(tmem_ptr, pv_mma, tP_layout, "P0")
         tOtO = [self._tmem_O(tmem_ptr, pv_mma, t) for t in range(QT)]
         s_cols, p_cols = self.tmem["S1"][0] - self.tmem["S0"][0], self.tmem["P1"][0] - self.tmem["P0"][0]
-        nb, nq, _, _ = cnt
+        nb, nq, _, _, _ = cnt
         q0 = nq * QT
         for t in cutlass.range_constexpr(QT):
             pipe_q.consumer_wait(state_at(QT, q0 + t, False))
@@ -519,13 +544,13 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
 
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
-    def _correction(self, tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, mWork, wi, kvh, mO, mLSE, mSinks,
-                    output_scale, row0, qo_len, n_blk, ctid, cnt):
+    def _correction(self, tmem_ptr, pv_mma, s_stats, pipe_o, pipe_stats, pipe_epi, s_lse, sO_addr, mWork, wi, kvh,
+                    mO, mLSE, mSinks, output_scale, row0, qo_len, n_blk, ctid, cnt):
         """Thread ``ctid`` owns TMEM lane ``lane``, i.e. packed row ``row0 + 128 t + lane`` of every Q tile ``t``:
         between P V GEMMs it scales the row of O_t by the softmax warpgroup's factor (skipped when the whole
-        warp's factors are 1), then normalises it and stores O (16-bit) and the base-2 LSE (``cnt``: the counts
-        before this tile, :meth:`_tiles`)."""
-        nb, _, ns, _ = cnt
+        warp's factors are 1), then normalises it and hands it with its base-2 LSE to the epilogue warp
+        (:meth:`_epilogue`; ``cnt``: the counts before this tile, :meth:`_tiles`)."""
+        nb, _, ns, _, ne = cnt
         TM, DV, QT = self.TM, self.DV, self.QT
         CH = self.CH
         tOtO0 = self._tmem_O(tmem_ptr, pv_mma, 0)
@@ -556,53 +581,9 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
                                   cute.make_tensor(tLtO.iterator + t * o_cols, tLtO.layout),
                                   cute.make_tensor(tStO.iterator + t * o_cols, tStO.layout), tLcO)
         for t in cutlass.range_constexpr(QT):
-            self._epilogue(pipe_o, pipe_stats, s_stats, mWork, wi, kvh, mO, mLSE, mSinks, output_scale, row0, qo_len,
-                           n_blk, row, t, tiled_ld, cute.make_tensor(tLtO.iterator + t * o_cols, tLtO.layout), tLcO,
-                           nb, ns)
-
-    @cute.jit
-    def _epilogue(self, pipe_o, pipe_stats, s_stats, mWork, wi, kvh, mO, mLSE, mSinks, output_scale, row0, qo_len,
-                  n_blk, row, t: cutlass.Constexpr, tiled_ld, tLtO, tLcO, nb, ns):
-        """Normalise Q tile ``t``'s row (sinks folded in, output scale in fp32), store it (16-byte stores) and its
-        LSE; a row past the request is not written."""
-        TM, DV, G, QT = self.TM, self.DV, self.G, self.QT
-        CH = self.CH
-        st_state = state_at(QT, _plus(ns, n_blk) * QT + t, False)
-        pipe_stats.consumer_wait(st_state)
-        l = s_stats[t * TM + row, 0]
-        m = s_stats[t * TM + row, 1]
-        pipe_stats.consumer_release(st_state)
-        pr = row0 + t * TM + row
-        head = kvh * G + pr % G
-        sink_l2 = Float32(NEG_INF)
-        if const_expr(self.use_sinks):
-            sink_l2 = mSinks[head] * Float32(LOG2E)
-        factor, lse = sm.finalize_row(m, l, sink_l2)
-        factor = factor * output_scale
-        live = pr < qo_len * G
-        tok = mWork[wi, W_Q_START] + pr // G
-        hq = mO.shape[1]
-        row_addr = mO.iterator.toint() + ((Int64(tok) * hq + head) * DV) * 2
-        o_state = state_at(QT, _plus(nb, n_blk - 1) * QT + t, False)
-        if n_blk > 0:
-            pipe_o.consumer_wait(o_state)  # the last P V is done
-            fence_after_sync()
-        for c in cutlass.range_constexpr(DV // CH):
-            rO = cute.make_rmem_tensor(tLcO.shape, Float32)
-            if n_blk > 0:
-                cute.copy(tiled_ld, cute.make_tensor(tLtO.iterator + c * CH, tLtO.layout), rO)
-                cute.arch.fence_view_async_tmem_load()
-            else:
-                rO.fill(0.0)
-            if live:
-                for q in cutlass.range_constexpr(CH // 8):
-                    w = [self._scaled_pair(rO, 8 * q + 2 * h, factor) for h in range(4)]
-                    ptx.st_global_v4_b32(row_addr + (c * CH + 8 * q) * 2, w[0], w[1], w[2], w[3])
-        if n_blk > 0:
-            fence_before_sync()
-            pipe_o.consumer_release(o_state)
-        if live:
-            mLSE[tok, head] = lse
+            self._epilogue(pipe_o, pipe_stats, pipe_epi, s_stats, s_lse, sO_addr, mWork, wi, kvh, mO, mLSE, mSinks,
+                           output_scale, row0, qo_len, n_blk, row, t, tiled_ld,
+                           cute.make_tensor(tLtO.iterator + t * o_cols, tLtO.layout), tLcO, nb, ns, ne)
 
     @cute.jit
     def _rescale(self, pipe_o, o_state, alpha, tiled_ld, tiled_st, tLtO, tStO, tLcO):
@@ -623,14 +604,24 @@ class Sm100PrefillKernel(SoftmaxWarpgroup, PagedKV):
         fence_before_sync()
         pipe_o.consumer_release(o_state)
 
-    @cute.jit
-    def _scaled_pair(self, rO, e: cutlass.Constexpr, factor):
-        """``rO[e], rO[e + 1]`` times ``factor`` as one word of two 16-bit values; an exact 0 where ``factor`` is 0
-        (a row that saw no key), whatever the accumulator holds."""
-        ok = factor != Float32(0.0)
-        o0 = Float32(cutlass.select_(ok, rO[e] * factor, Float32(0.0)))
-        o1 = Float32(cutlass.select_(ok, rO[e + 1] * factor, Float32(0.0)))
-        return ptx.pack2(o0, o1, self.dtype)
+
+def _shared_storage(dt, QT: int, S: int, EPI: int, q_elems: int, k_elems: int, v_elems: int, o_elems: int):
+    """The kernel's shared storage (a plain function: the DSL would stage the ``if`` of a traced class body)."""
+    R, A, TM = cute.struct.MemRange, cute.struct.Align, C.TILE_M
+    fields = dict(mbar_q=R[cutlass.Int64, 2 * QT], mbar_k=R[cutlass.Int64, 2 * S], mbar_v=R[cutlass.Int64, 2 * S],
+                  mbar_s=R[cutlass.Int64, 4], mbar_p=R[cutlass.Int64, 4], mbar_o=R[cutlass.Int64, 2 * QT],
+                  mbar_stats=R[cutlass.Int64, 2 * QT], mbar_v_tail=R[cutlass.Int64, 1])
+    if EPI > 0:
+        fields["mbar_epi"] = R[cutlass.Int64, 2 * EPI]
+    fields["tmem_base"] = Int32
+    # per row: the block's O rescale factor, or (final message) the row sum and the log2-unit row max
+    fields["s_stats"] = R[Float32, 2 * TM * QT]
+    if EPI > 0:
+        fields["s_lse"] = R[Float32, TM * EPI]  # the staged rows' LSE, per buffer
+    fields.update(sQ=A[R[dt, q_elems], 1024], sK=A[R[dt, k_elems], 1024], sV=A[R[dt, v_elems], 1024])
+    if EPI > 0:
+        fields["sO"] = A[R[dt, o_elems], 1024]
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
 def _fake_spec(cfg: Config):

@@ -49,7 +49,7 @@ class SoftmaxWarpgroup:
         needs it, the online max and sum, P = 2^(s - max) back to TMEM as 16-bit values 32 columns at a time; the
         rescale factor of O to the correction warpgroup; at the end the row's sum and max.  ``cnt``: the kernel's
         pipeline counts before this tile (``_tiles``)."""
-        nb, _, ns, _ = cnt
+        nb, _, ns, _, _ = cnt
         TM, TN, G, QT = self.TM, self.TN, self.G, self.QT
         CW = 16  # P words (32 columns of 16-bit values) per tcgen05.st
         qk_thr = qk_mma.get_slice(0)
