@@ -14,15 +14,20 @@ gates, o, the final state) at the measured read bandwidth.  ``--recurrent`` also
 recurrent kernel (the decode kernel) on the prefill rows.
 
 Usage: python perf/bench_gdn.py [--quick] [--out DIR] [--tiles "tv,warps,prefetch,lanes;..."] [--sm90 ["tv,stages;..."]]
-[--cp ["P,..."]] [--gdp]
+[--cp ["P,..."]] [--cp-tiles "tv,..."] [--cp-rounds N] [--no-peers] [--gdp]
 (peers are skipped cleanly when not importable; ``--tiles`` also times those recurrent-kernel tiles on the
 prefill rows, ``ours_<tiles>_ms``, next to the default's; ``--sm90`` times the opt-in SM90 chunked kernel,
 its default tiles or those given, ``sm90_<tile_v>x<stages>_ms``, and its output's error against the default's).
 ``ours_ms`` is the plain launch (one chain a sequence and head); every row also records the segment count
 ``use_cp="auto"`` takes (``cp_auto_segments``, 1: the plain launch).  ``--cp`` times the context-parallel path
-(``cp<P>_ms``) with the segments the forced path plans, or each count given, and its error against the plain
-launch (output and final state).  ``--gdp`` adds the Gated DeltaProduct row (f): n = 2, 32 heads, 4 x 8192,
-against fla's ``chunk_gated_delta_product`` (Triton) when importable.
+(one prep shared by three main-kernel runs) with the segments the forced path plans, or each count given,
+interleaved with the plain launch (``plain_interleaved_ms``, ``cp<P>_ms``: round medians of ``--cp-rounds``
+rounds, a long GPU sleep so the host has queued the path's launches and its chain), its error against the plain
+launch (output and final state) and its device time by phase from the torch profiler (``cp<P>_phases_us``:
+prep, the transition / offset / outputs runs, the rest: chain, copies, fills); ``--cp-tiles`` repeats the CP
+timings with each main-kernel ``tile_v`` forced (``cp<P>_tv<tile_v>_ms``, ``CUTEDSL_ATTN_GDN_TUNE``).
+``--no-peers`` skips fla and FlashInfer (no Triton / JIT compile time).  ``--gdp`` adds the Gated DeltaProduct
+row (f): n = 2, 32 heads, 4 x 8192, against fla's ``chunk_gated_delta_product`` (Triton) when importable.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 
 import torch
 
@@ -38,7 +44,7 @@ os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")  # fla's own Triton k
 
 from cutedsl_attn.api import gdn as api  # noqa: E402
 from cutedsl_attn.dispatch import gdn_choice, gdn_launch  # noqa: E402
-from cutedsl_attn.dispatch.gdn import gdn_cp_segments, gdn_launch_cp  # noqa: E402
+from cutedsl_attn.dispatch.gdn import GDN_TUNE_ENV, gdn_cp_segments, gdn_launch_cp  # noqa: E402
 from cutedsl_attn.planning import gdn as pg  # noqa: E402
 from cutedsl_attn.compile import get_compiled  # noqa: E402
 from cutedsl_attn.portable import gdn_chunked as chk  # noqa: E402
@@ -106,8 +112,74 @@ def prefill_bytes(B, L, hqk, hv):
     return T * (2 * hqk * D * 2 + hv * D * 2 + hv * D * 2 + 2 * hv * 4) + B * hv * D * D * 4
 
 
+def _tuned(tune: str, fn):
+    """``fn`` run with ``CUTEDSL_ATTN_GDN_TUNE=tune`` ("" : the default tiles), the variable restored after."""
+    def call():
+        old = os.environ.get(GDN_TUNE_ENV)
+        os.environ[GDN_TUNE_ENV] = tune
+        try:
+            fn()
+        finally:
+            if old is None:
+                del os.environ[GDN_TUNE_ENV]
+            else:
+                os.environ[GDN_TUNE_ENV] = old
+    return call
+
+
+def cp_phases(fn, reps=3):
+    """Device microseconds a call of ``fn`` spends by phase of the context-parallel path (torch profiler): the
+    prep, the transition / offset / outputs main-kernel runs (in launch order), the rest (chain, fills, copies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    out = dict(prep=0.0, transition=0.0, offset=0.0, outputs=0.0, rest=0.0)
+    mains = 0
+    for e in kernels:
+        us = e.time_range.elapsed_us()
+        if e.name.startswith("kernel_cutlass_prep"):
+            out["prep"] += us
+        elif e.name.startswith("kernel_cutlass_main"):
+            out[("transition", "offset", "outputs")[mains % 3]] += us
+            mains += 1
+        else:
+            out["rest"] += us
+    return {k: round(v / reps, 1) for k, v in out.items()}
+
+
+def bench_cp(row, problem, args, o, st, o_default, counts, tiles, rounds):
+    """The context-parallel path at each segment count (and ``tile_v`` variant) interleaved with the plain launch:
+    round medians, errors against the plain launch, phases (see the module docstring)."""
+    st_default = st.clone()
+    cp_timer = KernelTimer(DEV, sleep_cycles=8_000_000)  # ~4 ms: the host queues the whole path first
+    fns = {"plain_interleaved": lambda: gdn_launch(problem, args)}
+    for tv in [0, *tiles]:
+        sfx, tune = ("", "") if tv == 0 else (f"_tv{tv}", f"tile_v={tv}")
+        for P in counts:
+            fn = _tuned(tune, lambda P=P: gdn_launch_cp(problem, args, P))
+            fn()  # compiles outside the timing
+            torch.cuda.synchronize()
+            row[f"rel_err_cp{P}{sfx}_vs_plain_o"] = rel(o, o_default)
+            row[f"rel_err_cp{P}{sfx}_vs_plain_state"] = rel(st, st_default)
+            fns[f"cp{P}{sfx}"] = fn
+            try:
+                row[f"cp{P}{sfx}_phases_us"] = cp_phases(fn)
+            except Exception as e:  # noqa: BLE001  (the profiler's event API differs across torch versions)
+                print(f"cp{P}{sfx} phases unavailable:", e)
+    times = cp_timer.interleaved(fns, rounds=rounds)
+    for name, per_round in times.items():
+        row[f"{name}_ms"] = statistics.median(min(r) for r in per_round) * 1e3
+
+
 def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, chunked_tiles=(), sm90_tiles=(),
-                  cp=None):
+                  cp=None, cp_tiles=(), cp_rounds=7):
     rows = []
     for name in rows_wanted:
         B, L, hqk, hv = PREFILL[name]
@@ -128,11 +200,8 @@ def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, c
         o_default = o.clone()
         row["cp_auto_segments"] = gdn_cp_segments(problem, args, "auto")
         if cp is not None:  # the context-parallel path: the planned segments, or each count asked for
-            st_default = st.clone()
-            for P in (cp or [gdn_cp_segments(problem, args, True)]):
-                row[f"cp{P}_ms"] = timer(lambda: gdn_launch_cp(problem, args, P), reps=10) * 1e3
-                row[f"rel_err_cp{P}_vs_plain_o"] = rel(o, o_default)
-                row[f"rel_err_cp{P}_vs_plain_state"] = rel(st, st_default)
+            bench_cp(row, problem, args, o, st, o_default, cp or [gdn_cp_segments(problem, args, True)], cp_tiles,
+                     cp_rounds)
             gdn_launch(problem, args)  # the plain launch's outputs again for the peers' comparisons
         for tv, nw in chunked_tiles:
             c2 = chk.Config(problem, chk.Tiles(tile_v=tv, num_warps=nw))
@@ -321,6 +390,9 @@ def main():
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--cp", nargs="?", const="plan", default="",
                     help="also time the context-parallel path: its planned segments, or 'P,...' segment counts")
+    ap.add_argument("--cp-tiles", default="", help="also time the CP path with these main-kernel tile_v, 'tv,...'")
+    ap.add_argument("--cp-rounds", type=int, default=7, help="interleaved rounds of the CP timings")
+    ap.add_argument("--no-peers", action="store_true", help="skip fla and FlashInfer")
     ap.add_argument("--gdp", action="store_true", help="add the Gated DeltaProduct row (f): n = 2, 32 heads, 4 x 8192")
     a = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in a.tiles.split(";") if v.strip()]
@@ -331,10 +403,11 @@ def main():
     timer = KernelTimer(DEV)
     bw = read_bandwidth(timer)
     print(f"read bandwidth {bw / 1e12:.3f} TB/s")
-    found = peers()
+    found = {} if a.no_peers else peers()
     rows = [] if a.rows == "none" else a.rows.split(",") if a.rows else (["c"] if a.quick else list(PREFILL))
     cp = None if not a.cp else ([] if a.cp == "plan" else [int(x) for x in a.cp.split(",") if x.strip()])
-    prefill = bench_prefill(timer, found, rows, bw, variants, a.recurrent, ctiles, sm90, cp)
+    cp_tiles = [int(x) for x in a.cp_tiles.split(",") if x.strip()]
+    prefill = bench_prefill(timer, found, rows, bw, variants, a.recurrent, ctiles, sm90, cp, cp_tiles, a.cp_rounds)
     if a.gdp:
         prefill.append(bench_gdp(timer, bw))
     decode = [] if a.no_decode else bench_decode(timer, found, DECODE_B[:1] if a.quick else DECODE_B)
@@ -343,9 +416,9 @@ def main():
         json.dump(dict(read_tbs=bw / 1e12, prefill=prefill, decode=decode), fh, indent=1)
     print(table(prefill, decode))
     for r in prefill:  # the kernel chosen, tile variants and the recurrent kernel, if any
-        extra = {k: round(v, 4) for k, v in r.items()
-                 if (k.startswith(("ours_", "chunked_", "sm90_", "recurrent", "cp")) or k.startswith("rel_err"))
-                 and k != "ours_ms"}
+        extra = {k: v if isinstance(v, dict) else round(v, 4) for k, v in r.items()
+                 if (k.startswith(("ours_", "chunked_", "sm90_", "recurrent", "cp", "plain_")) or
+                     k.startswith("rel_err")) and k != "ours_ms"}
         print(f"({r['row']}) {r['kernel']} {r['ours_ms']:.3f} ms; {extra}")
 
 

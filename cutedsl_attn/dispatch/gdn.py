@@ -15,7 +15,9 @@ serves when it cannot serve such a problem; other problems keep the automatic ch
 long sequences on few heads may take the context-parallel path (:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the
 chosen kernel run over segments of each sequence (``use_cp=True``; ``"auto"`` keeps the plain launch for now).
 Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked, cutedsl_attn::gdn_chunked_sm90,
-cutedsl_attn::kda_chunked, cutedsl_attn::kda_chunked_sm90 or cutedsl_attn::gdn_recurrent (by the kernel chosen); eager calls launch directly.
+cutedsl_attn::kda_chunked, cutedsl_attn::kda_chunked_sm90 or cutedsl_attn::gdn_recurrent (by the kernel chosen), and the
+context-parallel path's prep and main-only runs cutedsl_attn::gdn_chunked_cp / cutedsl_attn::gdn_chunked_sm90_cp; eager
+calls launch directly.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..planning.gdn import (
     FLAG_HAS_BETA, FLAG_HAS_G, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE,
     HEAD_DIMS, GdnArgs, GdnProblem,
 )
-from ..planning.gdn_cp import cp_chain, cp_num_segments, cp_segment_offsets
+from ..planning.gdn_cp import CP_RUNS, MainRun, cp_chain, cp_num_segments, cp_segment_offsets
 from ..portable import gdn_chunked as _chunked
 from ..portable import gdn_recurrent as _rec
 from ..portable import kda_chunked as _kda_chunked
@@ -209,9 +211,10 @@ def gdn_cp_segments(problem: GdnProblem, args: GdnArgs, use_cp, *, device_index:
     host-known shapes only (N, HO, T, the SM count: no sync).
 
     ``use_cp`` (FlashInfer's): ``False`` never; ``True`` always (at least 2 segments); ``"auto"``: 1 while
-    :data:`cutedsl_attn.planning.gdn_cp.CP_AUTO` is off (the path measured slower), else when FlashInfer's SM90
-    rule holds (``N * HO * 2 < num_SMs``) and a one-wave split gives each sequence more segments than the path
-    makes kernel runs (:func:`cutedsl_attn.planning.gdn_cp.cp_num_segments`).
+    :data:`cutedsl_attn.planning.gdn_cp.CP_AUTO` is off, else when FlashInfer's SM90 rule holds
+    (``N * HO * 2 < num_SMs``) and a one-wave split gives each sequence more segments than the path makes
+    main-kernel runs (:data:`~cutedsl_attn.planning.gdn_cp.CP_RUNS`,
+    :func:`cutedsl_attn.planning.gdn_cp.cp_num_segments`).
 
     Raises NotImplementedError for ``use_cp=True`` on a problem the path does not serve (the decode step, the
     rest of the delta-rule family, a K-major state) or a batch too large to split; ValueError for a ``use_cp``
@@ -236,8 +239,7 @@ def gdn_cp_segments(problem: GdnProblem, args: GdnArgs, use_cp, *, device_index:
             chosen.append(gdn_choice(problem, device_index=device_index, chains=n_seq * ho)[0])
         return chains * -(-V // chosen[0].default_tiles(problem, num_sms=sms, chains=chains).tile_v)
 
-    runs = 2 if _cp_shared_run(problem) else 3
-    return cp_num_segments(n_seq, ho, T, num_sms=sms, ctas_of_chains=ctas_of_chains, runs=runs,
+    return cp_num_segments(n_seq, ho, T, num_sms=sms, ctas_of_chains=ctas_of_chains, runs=CP_RUNS,
                            forced=use_cp is True)
 
 
@@ -245,19 +247,26 @@ def gdn_launch_cp(problem: GdnProblem, args: GdnArgs, segments: int, *, device_i
     """GDN prefill, context parallel: each of the N sequences cut into ``segments`` = P runs of whole chunks
     (:func:`~cutedsl_attn.planning.gdn_cp.cp_segment_offsets`, on the device), then
 
-    1. the kernel over the N P segments as independent sequences: from the identity with ``v = 0`` (the
-       transition ``M`` ``[K, K]``) and from zeros (the offset ``B`` ``[V, K]``), fp32 states; one run with
-       ``v`` widened to ``[0 | v]`` where the kernel serves width K + V (K = V = 64), two runs otherwise;
+    0. the chunked kernel's prep once over all the segments' chunks (the segments start on chunk boundaries, so
+       they are the sequences' chunks): W, U, Aqk and the row factors in one scratch;
+    1. its main kernel alone over the N P segments as independent sequences, twice on that scratch: from the
+       identity with ``U = 0`` (``v = 0``: the transition ``M`` ``[K, K]``) and from zeros (the offset ``B``
+       ``[V, K]``), fp32 final states only (:class:`~cutedsl_attn.planning.gdn_cp.MainRun`);
     2. the chain ``H_in(j) = H_in(j - 1) M(j - 1) + B(j - 1)`` in float64 (small batched matmuls);
-    3. the kernel over the segments from their true starting states (fp32), writing ``args.output``; each
+    3. the main kernel over the segments from their true starting states (fp32), writing ``args.output``; each
        sequence's final state is the chain's last, written to ``args.output_state`` (its pool rows with
        ``FLAG_OUTPUT_INDICES``) in its dtype when ``FLAG_WRITE_STATE``.
 
+    With a kernel that has no main-only entry (``CUTEDSL_ATTN_GDN_KERNEL=recurrent``), steps 0-1 and 3 are full
+    launches of the chosen kernel instead (each with its own prep; the transition and the offset one run of width
+    K + V where it is served, K = V = 64).  Under torch.compile the prep and the main-only runs are the custom op
+    ``cutedsl_attn::<kernel>_cp`` (the full launches their kernel's op), the chain plain torch.
+
     ``args`` as :func:`gdn_launch`'s for a GDN prefill problem.  No host sync (CUDA-graph safe); scratch (the
-    segment states, ``[N P, HO, K, K]`` and ``[N P, HO, V, K]`` fp32, a zero ``v`` ``[T, 1, K]``, an output
-    ``[T, HO, K]`` when K != V) allocated on the current stream.  The kernel's state MMAs take 16-bit copies of
-    ``M`` as they do of the state (the identity is exact), so outputs and final states agree with the float64
-    oracle as the plain launch does (about 5e-3 relative in bf16), within 1e-2.
+    prep's, the segment states ``[N P, HO, K, K]`` and ``[N P, HO, V, K]`` fp32 and their float64 chain)
+    allocated on the current stream.  The kernel's state MMAs take 16-bit copies of ``M`` as they do of the
+    state (the identity is exact), so outputs and final states agree with the float64 oracle as the plain
+    launch does (about 5e-3 relative in bf16), within 1e-2.
 
     Raises NotImplementedError for a problem the path does not serve; ValueError for ``segments`` < 1.
     """
@@ -265,40 +274,155 @@ def gdn_launch_cp(problem: GdnProblem, args: GdnArgs, segments: int, *, device_i
     if reason is not None:
         raise NotImplementedError(reason)
     P = segments
-    q, k, v, out = args.q, args.k, args.v, args.output
-    dev, f32 = q.device, torch.float32
-    T, K = q.shape[0], q.shape[2]
-    n_seq, ho, V = args.cu_seqlens.shape[0] - 1, out.shape[1], out.shape[2]
-    seg_cu = cp_segment_offsets(args.cu_seqlens, P)
-    ns = n_seq * P
-    gates = args.flags & (FLAG_HAS_G | FLAG_HAS_BETA)
+    seg_cu = cp_segment_offsets(args.cu_seqlens, P)  # ValueError for a bad count, before any launch
+    n_seq, ho = args.cu_seqlens.shape[0] - 1, args.output.shape[1]
     fp32_state = dataclasses.replace(problem, state_dtype="float32")
-    i32 = torch.empty(1, device=dev, dtype=torch.int32)
+    chains = n_seq * P * ho
+    module, cfg = gdn_choice(fp32_state, device_index=device_index, chains=chains)
+    t_module, t_cfg = gdn_choice(dataclasses.replace(fp32_state, head_dim_v=problem.head_dim_k),
+                                 device_index=device_index, chains=chains)
+    if t_module is not module or module.NAME not in _CP_SPLIT:
+        trans, offs = _cp_full_runs_states(problem, args, seg_cu, P, device_index)
+        _cp_finish(module, None, cfg, args, seg_cu, P, trans, offs, None, device_index)
+        return
+    gates = args.flags & (FLAG_HAS_G | FLAG_HAS_BETA)
+    both = FLAG_HAS_INITIAL_STATE | FLAG_WRITE_STATE
+    dev, f32, K, V, ns = args.q.device, torch.float32, problem.head_dim_k, problem.head_dim_v, n_seq * P
+    seg = _cp_seg_args(args, seg_cu, gates)
+    # the prep does not depend on the main kernel's tiles: one compiled prep serves every split
+    prep_cfg = module.Config(cfg.problem, module.default_tiles(cfg.problem, num_sms=num_sms(device_index)))
+    scratch = module.prep_tensors(seg, prep_cfg)
+    offs = torch.empty(ns, ho, V, K, device=dev, dtype=f32)
+    _cp_launch_prep(module, prep_cfg, seg._replace(initial_state=offs, output_state=offs), scratch)  # not read
+    trans = torch.zeros(ns, ho, K, K, device=dev, dtype=f32)
+    trans.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    _cp_launch_main(module, module.MainConfig(t_cfg, MainRun.TRANSITION),
+                    seg._replace(initial_state=trans, output_state=trans, flags=gates | both), scratch)
+    _cp_launch_main(module, module.MainConfig(cfg, MainRun.STATE),
+                    seg._replace(initial_state=offs, output_state=offs, flags=gates | FLAG_WRITE_STATE), scratch)
+    _cp_finish(module, module.MainConfig(cfg, MainRun.OUTPUT), cfg, args, seg_cu, P, trans, offs, scratch,
+               device_index)
+
+
+def _cp_seg_args(args: GdnArgs, seg_cu, flags: int) -> GdnArgs:
+    """``args`` over the segments (the states filled in per run: each CTA reads its rows before it writes them)."""
+    i32 = torch.empty(1, device=args.q.device, dtype=torch.int32)
+    return GdnArgs(args.q, args.k, args.v, args.g, args.beta, seg_cu, i32, i32, i32, i32, args.output, args.scale,
+                   args.q_group, args.k_group, args.v_group, flags)
+
+
+def _cp_launch_prep(module, cfg, args: GdnArgs, scratch: tuple) -> None:
+    """The split kernel's prep alone into ``scratch`` (traced: its custom op)."""
+    if torch.compiler.is_compiling():
+        _CP_OPS[module.NAME](*args[:11], *scratch, *args[11:], _cp_key(module, cfg, "prep"))
+        return
+    _cp_prep_direct(module, cfg, args, scratch)
+
+
+def _cp_launch_main(module, mcfg, args: GdnArgs, scratch: tuple) -> None:
+    """The split kernel's main kernel alone on ``scratch``, the run ``mcfg.run`` (traced: its custom op)."""
+    if torch.compiler.is_compiling():
+        _CP_OPS[module.NAME](*args[:11], *scratch, *args[11:], _cp_key(module, mcfg.config, mcfg.run.value))
+        return
+    _cp_main_direct(module, mcfg, args, scratch)
+
+
+def _cp_prep_direct(module, cfg, args: GdnArgs, scratch: tuple) -> None:
+    fn = get_compiled(module.NAME_PREP, cfg, module.compile_prep)
+    module.launch_prep(fn, cfg, args, scratch)
+
+
+def _cp_main_direct(module, mcfg, args: GdnArgs, scratch: tuple) -> None:
+    fn = get_compiled(module.NAME_MAIN, mcfg, module.compile_main)
+    module.launch_main(fn, mcfg, args, scratch)
+
+
+#: the kernels with split entries (the prep alone, the main kernel alone), by name
+_CP_SPLIT = {m.NAME: m for m in (_chunked, _chunked_sm90)}
+
+
+def _cp_key(module, cfg, part: str) -> str:
+    """The custom op's string argument: the problem, the tiles and the part (``prep`` or a MainRun value)."""
+    tiles = ",".join(f"{f}={getattr(cfg.tiles, f)}" for f in module.TUNING_FIELDS)
+    return f"{_gdn_problem_key(cfg.problem)}|{tiles}|{part}"
+
+
+def _cp_part(module, args: GdnArgs, scratch: tuple, key: str) -> None:
+    """The launch a :func:`_cp_key` names (the custom op's eager body)."""
+    problem_key, tiles_key, part = key.split("|")
+    tiles = module.override_tiles(module.Tiles(), dict(kv.split("=", 1) for kv in tiles_key.split(",")))
+    cfg = module.Config(_gdn_problem_of(problem_key), tiles)
+    if part == "prep":
+        _cp_prep_direct(module, cfg, args, scratch)
+    else:
+        _cp_main_direct(module, module.MainConfig(cfg, MainRun(part)), args, scratch)
+
+
+def _cp_op_of(name: str):
+    def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           cu_seqlens: torch.Tensor, initial_state: torch.Tensor, initial_state_indices: torch.Tensor,
+           output_state: torch.Tensor, output_state_indices: torch.Tensor, output: torch.Tensor,
+           chunks: torch.Tensor, chunk_offsets: torch.Tensor, w: torch.Tensor, u: torch.Tensor, aqk: torch.Tensor,
+           f: torch.Tensor, scale: float, q_group: int, k_group: int, v_group: int, flags: int, key: str) -> None:
+        _cp_part(_CP_SPLIT[name], GdnArgs(q, k, v, g, beta, cu_seqlens, initial_state, initial_state_indices,
+                                          output_state, output_state_indices, output, scale, q_group, k_group,
+                                          v_group, flags), (chunks, chunk_offsets, w, u, aqk, f), key)
+    return op
+
+
+def _cp_fake(*args, **kwargs) -> None:
+    return None
+
+
+# one op a split kernel, for the prep (writes the scratch) and the main-only runs (write the states, the output)
+_CP_OPS = {}
+for _name in _CP_SPLIT:
+    _CP_OPS[_name] = torch.library.custom_op(f"cutedsl_attn::{_name}_cp", _cp_op_of(_name),
+                                             mutates_args=(*_MUTATES, "w", "u", "aqk", "f"))
+    _CP_OPS[_name].register_fake(_cp_fake)
+
+
+def _cp_full_runs_states(problem: GdnProblem, args: GdnArgs, seg_cu, P: int, device_index):
+    """``(M, B)`` of every segment by full launches (each with its prep): one run of width K + V where it is
+    served (rows ``[0, K)`` of the state give M, rows ``[K, K + V)`` give B), two runs otherwise."""
+    q, v = args.q, args.v
+    dev, f32 = q.device, torch.float32
+    T, K, V = q.shape[0], problem.head_dim_k, problem.head_dim_v
+    ho, ns = args.output.shape[1], (args.cu_seqlens.shape[0] - 1) * P
+    fp32_state = dataclasses.replace(problem, state_dtype="float32")
+    gates = args.flags & (FLAG_HAS_G | FLAG_HAS_BETA)
     both = FLAG_HAS_INITIAL_STATE | FLAG_WRITE_STATE
 
     def seg_args(v_run, state, o_run, v_group, flags):  # one state tensor in and out: each CTA owns its rows
-        return GdnArgs(q, k, v_run, args.g, args.beta, seg_cu, state, i32, state, i32, o_run, args.scale,
-                       args.q_group, args.k_group, v_group, flags)
+        return _cp_seg_args(args, seg_cu, flags)._replace(v=v_run, initial_state=state, output_state=state,
+                                                          output=o_run, v_group=v_group)
 
-    if _cp_shared_run(problem):  # one run: rows [0, K) of the state give M, rows [K, K + V) give B
+    if _cp_shared_run(problem):
         w = K + V
         v_run = torch.cat([v.new_zeros(T, v.shape[1], K), v], dim=-1)
         st = torch.zeros(ns, ho, w, K, device=dev, dtype=f32)
         st[:, :, :K].diagonal(dim1=-2, dim2=-1).fill_(1.0)
-        o_run = torch.empty(T, ho, w, device=dev, dtype=out.dtype)
+        o_run = torch.empty(T, ho, w, device=dev, dtype=args.output.dtype)
         _run(dataclasses.replace(fp32_state, head_dim_v=w), seg_args(v_run, st, o_run, args.v_group, gates | both),
              device_index)
-        trans, offs = st[:, :, :K], st[:, :, K:]
-    else:
-        trans = torch.zeros(ns, ho, K, K, device=dev, dtype=f32)
-        trans.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-        v_zero = v.new_zeros(T, 1, K)  # one zero head, read by every output head (v_group = HO)
-        o_m = out if K == V else torch.empty(T, ho, K, device=dev, dtype=out.dtype)  # overwritten by phase 3
-        _run(dataclasses.replace(fp32_state, head_dim_v=K), seg_args(v_zero, trans, o_m, ho, gates | both),
-             device_index)
-        offs = torch.empty(ns, ho, V, K, device=dev, dtype=f32)
-        _run(fp32_state, seg_args(v, offs, out, args.v_group, gates | FLAG_WRITE_STATE), device_index)
+        return st[:, :, :K], st[:, :, K:]
+    trans = torch.zeros(ns, ho, K, K, device=dev, dtype=f32)
+    trans.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    v_zero = v.new_zeros(T, 1, K)  # one zero head, read by every output head (v_group = HO)
+    o_m = args.output if K == V else torch.empty(T, ho, K, device=dev, dtype=args.output.dtype)  # rewritten later
+    _run(dataclasses.replace(fp32_state, head_dim_v=K), seg_args(v_zero, trans, o_m, ho, gates | both),
+         device_index)
+    offs = torch.empty(ns, ho, V, K, device=dev, dtype=f32)
+    _run(fp32_state, seg_args(v, offs, args.output, args.v_group, gates | FLAG_WRITE_STATE), device_index)
+    return trans, offs
 
+
+def _cp_finish(module, mcfg, cfg, args: GdnArgs, seg_cu, P: int, trans, offs, scratch, device_index) -> None:
+    """Steps 2-3 of :func:`gdn_launch_cp`: chain the segments, run the outputs from the true starts (the main
+    kernel alone on ``scratch`` with ``mcfg``, else a full launch), write the final states."""
+    n_seq, ho, V, K = args.cu_seqlens.shape[0] - 1, args.output.shape[1], cfg.problem.head_dim_v, \
+        cfg.problem.head_dim_k
+    dev, f32 = args.q.device, torch.float32
     if args.flags & FLAG_HAS_INITIAL_STATE:
         h0 = args.initial_state
         h0 = (h0.index_select(0, args.initial_state_indices.to(torch.int64)) if args.flags & FLAG_INITIAL_INDICES
@@ -306,9 +430,14 @@ def gdn_launch_cp(problem: GdnProblem, args: GdnArgs, segments: int, *, device_i
     else:
         h0 = torch.zeros(n_seq, ho, V, K, device=dev, dtype=f32)
     starts, final = cp_chain(h0, trans.reshape(n_seq, P, ho, K, K), offs.reshape(n_seq, P, ho, V, K))
-
-    s3 = starts.reshape(ns, ho, V, K).to(f32)
-    _run(fp32_state, seg_args(v, s3, out, args.v_group, gates | FLAG_HAS_INITIAL_STATE), device_index)
+    s3 = torch.empty(n_seq * P, ho, V, K, device=dev, dtype=f32)
+    s3.view(n_seq, P, ho, V, K).copy_(starts)
+    seg = _cp_seg_args(args, seg_cu, (args.flags & (FLAG_HAS_G | FLAG_HAS_BETA)) | FLAG_HAS_INITIAL_STATE)
+    seg = seg._replace(initial_state=s3, output_state=s3)
+    if mcfg is None:
+        _run(cfg.problem, seg, device_index)
+    else:
+        _cp_launch_main(module, mcfg, seg, scratch)
     if args.flags & FLAG_WRITE_STATE:
         ht = args.output_state
         fin = final.to(ht.dtype)

@@ -17,6 +17,8 @@ is built on the device of its input, from shapes only (no host read-back: CUDA-g
 
 from __future__ import annotations
 
+import enum
+
 from .gdn import CHUNK, MAX_SEQS
 
 #: a context-parallel segment spans at least this many chunks (shorter ones spend more on the extra runs than
@@ -24,10 +26,43 @@ from .gdn import CHUNK, MAX_SEQS
 CP_MIN_SEGMENT_CHUNKS = 16
 #: at most this many segments a sequence
 CP_MAX_SEGMENTS = 64
-#: whether ``use_cp="auto"`` may take the path: off, because its three full kernel runs (each with the prep) were
-#: slower than the plain launch at every split of the one benchmark row the SM rule admits (perf/RESULTS.md,
-#: "Gated delta rule family"); sharing one prep among the runs is what would make it pay
+#: whether ``use_cp="auto"`` may take the path: off until the shared-prep path (one prep, three main-kernel runs)
+#: is measured against the plain launch on the row the SM rule admits (perf/RESULTS.md, "Gated delta rule
+#: family"; the three full runs it replaced, each with its own prep, were slower at every split)
 CP_AUTO = False
+#: main-kernel runs of the path over all the tokens (transition, offset, outputs), the prep shared by them
+CP_RUNS = 3
+
+
+class MainRun(enum.Enum):
+    """What a main-only launch of a chunked GDN kernel computes from a prep it shares with other launches (the
+    prep over the sequences' chunks is the prep of every segment: segments start on chunk boundaries).
+
+    ``OUTPUT``: the outputs and, by the flags, the final state (the plain launch's main kernel); ``STATE``: the
+    final state only (no q / Aqk reads, no outputs): the offset ``B`` from zeros; ``TRANSITION``: the final
+    state with ``U = 0`` (``v = 0``; no U reads, no outputs) from the identity: the transition ``M``, a ``K x K``
+    state (the main problem's ``head_dim_v`` is K).
+    """
+
+    OUTPUT = "output"
+    STATE = "state"
+    TRANSITION = "transition"
+
+
+def main_run_args(run: MainRun, args, scratch: tuple, head_dim_v: int) -> tuple:
+    """``(args, scratch)`` as a main-only launch of ``run`` hands them to its compiled function (tensors of the
+    shapes the main problem declares, its ``head_dim_v`` K for the transition run).  The state-only runs
+    (``STATE``, ``TRANSITION``) get a ``[1, HO, head_dim_v]`` output (never written) instead of ``args.output``;
+    ``TRANSITION`` also k in place of v and ``W`` in place of ``U`` (never read).  ``args``: a
+    :class:`~cutedsl_attn.planning.gdn.GdnArgs`; ``scratch``: ``(chunks, chunk_offsets, W, U, Aqk, F)``.
+    """
+    if run is MainRun.OUTPUT:
+        return args, scratch
+    args = args._replace(output=args.output.new_empty(1, args.output.shape[1], head_dim_v))
+    if run is MainRun.TRANSITION:
+        chunks, chunk_off, w, _, aqk, f = scratch
+        args, scratch = args._replace(v=args.k), (chunks, chunk_off, w, w, aqk, f)
+    return args, scratch
 
 
 def cp_segment_offsets(cu_seqlens, segments: int, chunk: int = CHUNK):
@@ -63,11 +98,13 @@ def cp_num_segments(n_seq: int, heads: int, total_tokens: int, *, num_sms: int, 
 
     ``n_seq`` N, ``heads`` HO, ``total_tokens`` T (host-known shapes: the lengths are not read back);
     ``ctas_of_chains(chains)``: the CTAs a launch of that many (sequence, head) chains takes (its V-slices);
-    ``runs``: kernel runs the path makes (3, or 2 when the transition and the offset share one run).  P is the
-    largest count whose launch fits one wave (``ctas_of_chains(N P HO) <= num_sms``), at most
-    :data:`CP_MAX_SEGMENTS`, the average sequence giving each segment :data:`CP_MIN_SEGMENT_CHUNKS` chunks.
-    Unforced (``use_cp="auto"``): 1 while :data:`CP_AUTO` is off; else FlashInfer's SM90 rule first (``N HO 2 < num_sms``), then P must exceed
-    ``runs`` (each run costs a pass over all the tokens; the serial chain shrinks P-fold), else 1.
+    ``runs``: main-kernel runs the path makes over all the tokens (:data:`CP_RUNS`).  P is the largest count
+    whose launch fits one wave (``ctas_of_chains(N P HO) <= num_sms``), at most :data:`CP_MAX_SEGMENTS`, the
+    average sequence giving each segment :data:`CP_MIN_SEGMENT_CHUNKS` chunks.
+    Unforced (``use_cp="auto"``): 1 while :data:`CP_AUTO` is off; else FlashInfer's SM90 rule first
+    (``N HO 2 < num_sms``), then P must exceed ``runs``, else 1: the plain launch is the prep plus one chain of
+    ``L`` chunks, the path the same prep plus ``runs`` chains of ``L / P`` chunks side by side in one wave (and
+    a float64 chain of P small matmuls), so it wins once ``runs / P < 1``.
     ``forced`` (``use_cp=True``): at least 2 segments, whatever the sizes.
 
     Raises NotImplementedError when ``forced`` and 2 segments a sequence exceed the launch's sequence limit.
@@ -94,16 +131,21 @@ def cp_chain(h0, transition, offset):
     ``h0`` ``[N, HO, V, K]`` (any float dtype, the sequences' initial states); ``transition`` ``[N, P, HO, K, K]``
     (``M``) and ``offset`` ``[N, P, HO, V, K]`` (``B``) of each segment.  Returns ``(starts, final)``:
     ``starts`` float64 ``[N, P, HO, V, K]`` (``starts[:, 0] = h0``, ``starts[:, j] = starts[:, j-1] M_{j-1} +
-    B_{j-1}``) and ``final`` float64 ``[N, HO, V, K]`` (the last segment's end state).  P - 1 + 1 small batched
-    matmuls; float64 so no TF32 setting can round the chain.
+    B_{j-1}``; a view of a segment-major buffer) and ``final`` float64 ``[N, HO, V, K]`` (the last segment's
+    end state).  P batched ``baddbmm`` into one buffer (few small kernels: the chain sits between two kernel
+    runs); float64 so no TF32 setting can round the chain.
     """
     import torch
 
-    s = h0.to(torch.float64)
-    m = transition.to(torch.float64)
-    b = offset.to(torch.float64)
-    starts = []
-    for j in range(m.shape[1]):
-        starts.append(s)
-        s = torch.matmul(s, m[:, j]) + b[:, j]
-    return torch.stack(starts, 1), s
+    N, P, HO, V, K = offset.shape
+    f64 = torch.float64
+    m = torch.empty(P, N, HO, K, K, device=offset.device, dtype=f64)
+    m.copy_(transition.transpose(0, 1))
+    b = torch.empty(P, N, HO, V, K, device=offset.device, dtype=f64)
+    b.copy_(offset.transpose(0, 1))
+    m, b = m.view(P, N * HO, K, K), b.view(P, N * HO, V, K)
+    s = torch.empty(P + 1, N * HO, V, K, device=offset.device, dtype=f64)
+    s[0].view(N, HO, V, K).copy_(h0)
+    for j in range(P):
+        torch.baddbmm(b[j], s[j], m[j], out=s[j + 1])
+    return s[:P].view(P, N, HO, V, K).transpose(0, 1), s[P].view(N, HO, V, K)

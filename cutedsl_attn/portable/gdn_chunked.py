@@ -31,6 +31,10 @@ Served: GDN with a scalar gate per token and head (linear alpha or log alpha), K
 fp32 / bf16 state.  The per-channel members (KDA, GDN-2) run this main kernel behind their own prep
 (:mod:`cutedsl_attn.portable.kda_chunked`: a compile-time branch decays the state per K column); the rest of the
 family runs the recurrent kernel.
+The two kernels also compile apart (:func:`compile_prep`, :func:`compile_main` with a
+:class:`~cutedsl_attn.planning.gdn_cp.MainRun`): the context-parallel path runs one prep and then the main kernel
+alone several times on its scratch, two of those runs computing final states only (no q / Aqk reads, no outputs;
+the transition run without U).
 """
 
 from __future__ import annotations
@@ -52,8 +56,13 @@ from ..planning.gdn import (
     CHUNK, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE, GdnArgs,
     GdnProblem, chunked_launch_tensors,
 )
+from ..planning.gdn_cp import MainRun, main_run_args
 
 NAME = "gdn_chunked"
+#: cache names of the split entry points (the prep alone, the main kernel alone: :func:`compile_prep`,
+#: :func:`compile_main`), which the context-parallel path launches once and several times on one scratch
+NAME_PREP = NAME + "_prep"
+NAME_MAIN = NAME + "_main"
 
 
 
@@ -163,6 +172,29 @@ class Config:
         return 2 * self.stage_bytes + self.tiles.tile_v * self.row_k + 2 * CHUNK * self.row_bv
 
 
+@dataclass(frozen=True)
+class MainConfig:
+    """The compile key of the main-only entry (:func:`compile_main`): ``MainConfig(config, run)``, the main kernel
+    of ``config`` computing what ``run`` names (:class:`~cutedsl_attn.planning.gdn_cp.MainRun`: the outputs, the
+    final state only, or the final state with ``U = 0``).
+
+    Raises TypeError for a ``config`` or a ``run`` of another type.
+    """
+
+    config: Config
+    run: MainRun = MainRun.OUTPUT
+
+    def __post_init__(self):
+        if not isinstance(self.config, Config):
+            raise TypeError(f"config must be a gdn_chunked Config, got {type(self.config).__name__}")
+        if not isinstance(self.run, MainRun):
+            raise TypeError(f"run must be a MainRun, got {self.run!r}")
+
+    @property
+    def arch(self) -> str:
+        return self.config.arch
+
+
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The default tiles for ``chains`` = N * HO (sequence, head) chains on ``num_sms`` SMs (None: many).
     Measured on the H200 (K = V = 128):
@@ -208,6 +240,9 @@ class GdnChunkedKernel(GdnPrep):
         # the per-channel subclass (portable.kda_chunked) decays the state per K column; F grows by K gates
         self.per_channel = False
         self.F_BYTES = 3 * CHUNK * 4
+        # a main-only launch (GdnChunkedMainKernel) may skip the outputs and the q / Aqk / U reads
+        self.write_output = True
+        self.zero_u = False
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -215,9 +250,23 @@ class GdnChunkedKernel(GdnPrep):
                  mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mW: cute.Tensor,
                  mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor, scale: Float32, q_group: Int32,
                  k_group: Int32, v_group: Int32, flags: Int32, stream):
+        self._launch_prep(mQ, mK, mV, mG, mBeta, mChunks, mO, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                          flags, stream)
+        self._launch_main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
+                          flags, stream)
+
+    @cute.jit
+    def _launch_prep(self, mQ, mK, mV, mG, mBeta, mChunks, mO, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                     flags, stream):
+        """Launch the prep kernel (traced inside ``__call__``): one CTA per (chunk, output head)."""
         self.prep(mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
                   flags).launch(grid=(mChunks.shape[0], mO.shape[1], 1), block=(PREP_THREADS, 1, 1),
                                 smem=self.cfg.prep_smem_bytes, stream=stream)
+
+    @cute.jit
+    def _launch_main(self, mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
+                     flags, stream):
+        """Launch the main kernel (traced inside ``__call__``): one CTA per (V-slice, output head, sequence)."""
         self.main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
                   flags).launch(grid=(self.NVB * mO.shape[1], mCu.shape[0] - 1, 1), block=(self.NT, 1, 1),
                                 smem=self.cfg.main_smem_bytes, stream=stream)
@@ -315,32 +364,39 @@ class GdnChunkedKernel(GdnPrep):
                 kf = ptx.ld_shared_f32(sF + (C + r) * 4)
                 for i in cutlass.range_constexpr(CB // 8):
                     col = c_lo + i * 8 + 2 * t
-                    u0, u1 = ptx.unpack2(ptx.ld_shared_b32(sU + r * RBV + col * 2), io)
-                    p0 = u0 - accx[4 * i + 2 * h]
-                    p1 = u1 - accx[4 * i + 2 * h + 1]
-                    ptx.st_shared_b32(sVp + r * RBV + col * 2, ptx.pack2(p0, p1, io))
+                    if const_expr(self.zero_u):  # the transition run: v = 0, so U = T diag(beta) V = 0
+                        p0 = -accx[4 * i + 2 * h]
+                        p1 = -accx[4 * i + 2 * h + 1]
+                    else:
+                        u0, u1 = ptx.unpack2(ptx.ld_shared_b32(sU + r * RBV + col * 2), io)
+                        p0 = u0 - accx[4 * i + 2 * h]
+                        p1 = u1 - accx[4 * i + 2 * h + 1]
+                    if const_expr(self.write_output):
+                        ptx.st_shared_b32(sVp + r * RBV + col * 2, ptx.pack2(p0, p1, io))
                     ptx.st_shared_b32(sVd + r * RBV + col * 2, ptx.pack2(p0 * kf, p1 * kf, io))
-            # Y = (scale rq gamma) Q S^T (X is dead: one 16 x tile_v accumulator live beside the state)
-            for i in cutlass.range_constexpr((CB // 8) * 4):
-                accy[i] = Float32(0.0)
-            self._gemm_nt(accy, sQ, RK, r0, sS, RK, c_lo, CB // 8, K // 16, lane)
-            for h in cutlass.range_constexpr(2):
-                qf = ptx.ld_shared_f32(sF + (r0 + g + 8 * h) * 4)
-                for i in cutlass.range_constexpr(CB // 8):
-                    accy[4 * i + 2 * h] = accy[4 * i + 2 * h] * qf
-                    accy[4 * i + 2 * h + 1] = accy[4 * i + 2 * h + 1] * qf
+            if const_expr(self.write_output):
+                # Y = (scale rq gamma) Q S^T (X is dead: one 16 x tile_v accumulator live beside the state)
+                for i in cutlass.range_constexpr((CB // 8) * 4):
+                    accy[i] = Float32(0.0)
+                self._gemm_nt(accy, sQ, RK, r0, sS, RK, c_lo, CB // 8, K // 16, lane)
+                for h in cutlass.range_constexpr(2):
+                    qf = ptx.ld_shared_f32(sF + (r0 + g + 8 * h) * 4)
+                    for i in cutlass.range_constexpr(CB // 8):
+                        accy[4 * i + 2 * h] = accy[4 * i + 2 * h] * qf
+                        accy[4 * i + 2 * h + 1] = accy[4 * i + 2 * h + 1] * qf
             cute.arch.sync_threads()
 
-            # O = Y + Aqk V' (Aqk is lower triangular: warp w needs key blocks 0..w)
-            self._gemm_nn(accy, sAqk, RC, r0, sVp, RBV, c_lo, CB // 8, C // 16, slab, lane)
-            o_base = mO.iterator.toint()
-            for h in cutlass.range_constexpr(2):
-                r = r0 + g + 8 * h
-                if r < ln:
-                    row_addr = o_base + ((Int64(t0 + r) * HO + ho) * self.V + v0 + c_lo) * 2
-                    for i in cutlass.range_constexpr(CB // 8):
-                        ptx.st_global_u32(row_addr + (i * 8 + 2 * t) * 2,
-                                          ptx.pack2(accy[4 * i + 2 * h], accy[4 * i + 2 * h + 1], io))
+            if const_expr(self.write_output):
+                # O = Y + Aqk V' (Aqk is lower triangular: warp w needs key blocks 0..w)
+                self._gemm_nn(accy, sAqk, RC, r0, sVp, RBV, c_lo, CB // 8, C // 16, slab, lane)
+                o_base = mO.iterator.toint()
+                for h in cutlass.range_constexpr(2):
+                    r = r0 + g + 8 * h
+                    if r < ln:
+                        row_addr = o_base + ((Int64(t0 + r) * HO + ho) * self.V + v0 + c_lo) * 2
+                        for i in cutlass.range_constexpr(CB // 8):
+                            ptx.st_global_u32(row_addr + (i * 8 + 2 * t) * 2,
+                                              ptx.pack2(accy[4 * i + 2 * h], accy[4 * i + 2 * h + 1], io))
 
             # S = gamma_last S + V'd^T K (per channel: S D(2^G_last) + V'd^T Kd)
             if const_expr(self.per_channel):
@@ -374,12 +430,15 @@ class GdnChunkedKernel(GdnPrep):
         sU = sW + C * RK
         sAqk = sU + C * RBV
         sF = sAqk + C * RC
-        self._load_rows(mQ, sQ, RK, K, t0, ln, qh, tidx, self.NT)
+        if const_expr(self.write_output):  # q and Aqk feed the outputs only
+            self._load_rows(mQ, sQ, RK, K, t0, ln, qh, tidx, self.NT)
         self._load_rows(mK, sK, RK, K, t0, ln, kh, tidx, self.NT)
         blk = Int64(c) * HO + ho
         self._copy_block(mW.iterator.toint() + blk * (C * K * 2), K, 0, sW, RK, K, tidx)
-        self._copy_block(mU.iterator.toint() + blk * (C * V * 2), V, v0, sU, RBV, BV, tidx)
-        self._copy_block(mAqk.iterator.toint() + blk * (C * C * 2), C, 0, sAqk, RC, C, tidx)
+        if const_expr(not self.zero_u):
+            self._copy_block(mU.iterator.toint() + blk * (C * V * 2), V, v0, sU, RBV, BV, tidx)
+        if const_expr(self.write_output):
+            self._copy_block(mAqk.iterator.toint() + blk * (C * C * 2), C, 0, sAqk, RC, C, tidx)
         if tidx < self.F_BYTES // 16:
             ptx.cp_async_16(sF + tidx * 16, mF.iterator.toint() + blk * self.F_BYTES + tidx * 16, 16)
 
@@ -443,6 +502,39 @@ class GdnChunkedKernel(GdnPrep):
                                   ptx.pack2(st[4 * i + 2 * h], st[4 * i + 2 * h + 1], self.io))
 
 
+class GdnChunkedPrepKernel(GdnChunkedKernel):
+    """The prep kernel alone (the main kernel's arguments accepted and unused): its scratch serves the main-only
+    launches of :class:`GdnChunkedMainKernel`.  Build with :func:`compile_prep`."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+                 mCu: cute.Tensor, mChunks: cute.Tensor, mChunkOff: cute.Tensor, mH0: cute.Tensor,
+                 mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mW: cute.Tensor,
+                 mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor, scale: Float32, q_group: Int32,
+                 k_group: Int32, v_group: Int32, flags: Int32, stream):
+        self._launch_prep(mQ, mK, mV, mG, mBeta, mChunks, mO, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                          flags, stream)
+
+
+class GdnChunkedMainKernel(GdnChunkedKernel):
+    """The main kernel alone, over a prep's scratch (the prep's arguments accepted and unused), computing what
+    ``MainConfig.run`` names.  Build with :func:`compile_main`."""
+
+    def __init__(self, mcfg: MainConfig):
+        super().__init__(mcfg.config)
+        self.write_output = mcfg.run is MainRun.OUTPUT
+        self.zero_u = mcfg.run is MainRun.TRANSITION
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+                 mCu: cute.Tensor, mChunks: cute.Tensor, mChunkOff: cute.Tensor, mH0: cute.Tensor,
+                 mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mW: cute.Tensor,
+                 mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor, scale: Float32, q_group: Int32,
+                 k_group: Int32, v_group: Int32, flags: Int32, stream):
+        self._launch_main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
+                          flags, stream)
+
+
 def _fake_args(p: GdnProblem) -> tuple:
     """Fake tensors in the compiled function's order (:func:`cutedsl_attn.compile.fake.gdn_chunked_tensors`)."""
     sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
@@ -455,11 +547,27 @@ def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = 
     Returns the tvm-ffi callable; call it through :func:`launch`.  Raises ValueError for ``keep_cubin`` without
     a ``keep_ptx_dir``.
     """
+    return _compile(GdnChunkedKernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
+
+
+def _compile(kernel, p: GdnProblem, keep_ptx_dir, keep_cubin):
     from cutlass.cute.runtime import make_fake_stream
 
-    opts = compile_options(cfg.problem.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
-    return cute.compile(GdnChunkedKernel(cfg), *_fake_args(cfg.problem), Float32(1.0), Int32(1), Int32(1),
-                        Int32(1), Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+    opts = compile_options(p.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
+    return cute.compile(kernel, *_fake_args(p), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(0),
+                        make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+
+
+def compile_prep(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile the prep kernel alone (:class:`GdnChunkedPrepKernel`, cache name :data:`NAME_PREP`) for ``cfg``;
+    call it through :func:`launch_prep`.  Errors as :func:`compile`'s."""
+    return _compile(GdnChunkedPrepKernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
+
+
+def compile_main(mcfg: MainConfig, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile the main kernel alone (:class:`GdnChunkedMainKernel`, cache name :data:`NAME_MAIN`) for ``mcfg``;
+    call it through :func:`launch_main`.  Errors as :func:`compile`'s."""
+    return _compile(GdnChunkedMainKernel(mcfg), mcfg.config.problem, keep_ptx_dir, keep_cubin)
 
 
 def launch(fn, cfg: Config, args: GdnArgs) -> None:
@@ -467,7 +575,33 @@ def launch(fn, cfg: Config, args: GdnArgs) -> None:
     (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`: device tensors, no host sync), then launch ``fn``
     on torch's current stream."""
     p = cfg.problem
-    chunks, chunk_off, w, u, aqk, f = chunked_launch_tensors(args, p.head_dim_k, p.head_dim_v)
+    _call(fn, args, chunked_launch_tensors(args, p.head_dim_k, p.head_dim_v))
+
+
+def _call(fn, args: GdnArgs, scratch: tuple) -> None:
+    chunks, chunk_off, w, u, aqk, f = scratch
     fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
        args.initial_state_indices, args.output_state, args.output_state_indices, args.output, w, u, aqk, f,
        args.scale, args.q_group, args.k_group, args.v_group, args.flags)
+
+
+def prep_tensors(args: GdnArgs, cfg: Config) -> tuple:
+    """The chunk plan and the prep's scratch of ``args``' sequences
+    (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`), shared by :func:`launch_prep` and
+    :func:`launch_main`."""
+    return chunked_launch_tensors(args, cfg.problem.head_dim_k, cfg.problem.head_dim_v)
+
+
+def launch_prep(fn, cfg: Config, args: GdnArgs, scratch: tuple) -> None:
+    """Launch :func:`compile_prep`'s ``fn`` on torch's current stream: the prep of ``args``' chunks (q, k, v, the
+    gates, ``args.flags``' gate bits) into ``scratch`` (:func:`prep_tensors`)."""
+    _call(fn, args, scratch)
+
+
+def launch_main(fn, mcfg: MainConfig, args: GdnArgs, scratch: tuple) -> None:
+    """Launch :func:`compile_main`'s ``fn`` on torch's current stream over ``scratch`` (a :func:`launch_prep` of
+    the same chunks: the same ``cu_seqlens``): ``args`` as :func:`launch`'s for ``mcfg.config.problem`` (the
+    transition run: states ``[*, HO, K, K]``); ``args.v`` is never read, ``args.output`` written by the outputs
+    run only (:func:`~cutedsl_attn.planning.gdn_cp.main_run_args`)."""
+    args, scratch = main_run_args(mcfg.run, args, scratch, mcfg.config.problem.head_dim_v)
+    _call(fn, args, scratch)

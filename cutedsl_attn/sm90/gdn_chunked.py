@@ -25,6 +25,10 @@ reads its state slice before it writes it and no two CTAs share one, so an in-pl
 Served: what the portable chunked kernel serves (GDN, scalar gates, K and V in 64 / 128, a V-major fp32 / bf16
 state), compiled for ``sm_90a`` only.  The per-channel members (KDA, GDN-2) run this main kernel behind their own
 prep (:mod:`cutedsl_attn.sm90.kda_chunked`: a compile-time branch decays the state per K column).
+The two kernels also compile apart (:func:`compile_prep`, :func:`compile_main` with a
+:class:`~cutedsl_attn.planning.gdn_cp.MainRun`): the context-parallel path runs one prep and then the main kernel
+alone several times on its scratch, two of those runs computing final states only (no q / Aqk reads, no outputs;
+the transition run without U).
 """
 
 from __future__ import annotations
@@ -54,8 +58,13 @@ from ..planning.gdn import (
     CHUNK, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE, GdnArgs,
     GdnProblem, chunked_launch_tensors,
 )
+from ..planning.gdn_cp import MainRun, main_run_args
 
 NAME = "gdn_chunked_sm90"
+#: cache names of the split entry points (the prep alone, the main kernel alone: :func:`compile_prep`,
+#: :func:`compile_main`), which the context-parallel path launches once and several times on one scratch
+NAME_PREP = NAME + "_prep"
+NAME_MAIN = NAME + "_main"
 ARCH = "sm_90a"
 SMEM_LIMIT = 227 * 1024
 # two consumer warpgroups: registers a thread after setmaxnreg (one consumer warpgroup: 256 threads, no rebalancing)
@@ -161,6 +170,29 @@ class Config:
         return self.tiles.num_stages * self.stage_bytes + 2 * 1024
 
 
+@dataclass(frozen=True)
+class MainConfig:
+    """The compile key of the main-only entry (:func:`compile_main`): ``MainConfig(config, run)``, the main kernel
+    of ``config`` computing what ``run`` names (:class:`~cutedsl_attn.planning.gdn_cp.MainRun`: the outputs, the
+    final state only, or the final state with ``U = 0``).
+
+    Raises TypeError for a ``config`` or a ``run`` of another type.
+    """
+
+    config: Config
+    run: MainRun = MainRun.OUTPUT
+
+    def __post_init__(self):
+        if not isinstance(self.config, Config):
+            raise TypeError(f"config must be a gdn_chunked_sm90 Config, got {type(self.config).__name__}")
+        if not isinstance(self.run, MainRun):
+            raise TypeError(f"run must be a MainRun, got {self.run!r}")
+
+    @property
+    def arch(self) -> str:
+        return self.config.arch
+
+
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The default tiles for ``chains`` = N * HO (sequence, head) chains on ``num_sms`` SMs (None: many).
     Measured on the H200 (K = V = 128):
@@ -215,6 +247,9 @@ class GdnChunkedSm90Kernel(GdnPrep):
         # the per-channel subclass (sm90.kda_chunked) decays the state per K column; F grows by K gates
         self.per_channel = False
         self.F_BYTES = 3 * CHUNK * 4
+        # a main-only launch (GdnChunkedSm90MainKernel) may skip the outputs and the q / Aqk / U reads
+        self.write_output = True
+        self.zero_u = False
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -222,12 +257,19 @@ class GdnChunkedSm90Kernel(GdnPrep):
                  mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mW: cute.Tensor,
                  mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor, scale: Float32, q_group: Int32,
                  k_group: Int32, v_group: Int32, flags: Int32, stream):
+        self._launch_prep(mQ, mK, mV, mG, mBeta, mChunks, mO, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                          flags, stream)
+        self._launch_main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
+                          flags, stream)
+
+    @cute.jit
+    def _launch_prep(self, mQ, mK, mV, mG, mBeta, mChunks, mO, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                     flags, stream):
+        """Launch the shared prep kernel (traced inside ``__call__``): one CTA per (chunk, output head)."""
         self.prep(mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
                   flags).launch(grid=(mChunks.shape[0] * mO.shape[1], 1, 1), block=(PREP_THREADS, 1, 1),
                                 smem=prep_smem_bytes(self.K, self.V), stream=stream,
                                 min_blocks_per_mp=PREP_CTAS_PER_SM, preferred_smem_carveout=PREP_SMEM_CARVEOUT)
-        self._launch_main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
-                          flags, stream)
 
     @cute.jit
     def _launch_main(self, mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
@@ -320,21 +362,24 @@ class GdnChunkedSm90Kernel(GdnPrep):
         C, K, V, BV, RU = self.C, self.K, self.V, self.BV, self.RU
         HO = mW.shape[1]
         tile_ck = C * K * 2
-        self._load_qk_rows(mQ, storage.sQ.data_ptr().toint() + stage * tile_ck, t0, ln, qh, tid)
+        if const_expr(self.write_output):  # q and Aqk feed the outputs only
+            self._load_qk_rows(mQ, storage.sQ.data_ptr().toint() + stage * tile_ck, t0, ln, qh, tid)
         self._load_qk_rows(mK, storage.sK.data_ptr().toint() + stage * tile_ck, t0, ln, kh, tid)
         blk = Int64(c) * HO + ho
         self._load_tile(mW.iterator.toint() + blk * (C * K * 2), K, storage.sW.data_ptr().toint() + stage * tile_ck,
                          tid)
-        self._load_tile(mAqk.iterator.toint() + blk * (C * C * 2), C,
-                         storage.sAqk.data_ptr().toint() + stage * (C * C * 2), tid)
-        u_src = mU.iterator.toint() + blk * (C * V * 2) + v0 * 2
-        u_dst = storage.sU.data_ptr().toint() + stage * (C * RU)
-        cpr = BV // 8
-        for it in cutlass.range((C * cpr) // 128, unroll=2):
-            idx = it * 128 + tid
-            r = idx // cpr
-            col = idx % cpr
-            ptx.cp_async_16(u_dst + r * RU + col * 16, u_src + (Int64(r) * V + col * 8) * 2, 16)
+        if const_expr(self.write_output):
+            self._load_tile(mAqk.iterator.toint() + blk * (C * C * 2), C,
+                             storage.sAqk.data_ptr().toint() + stage * (C * C * 2), tid)
+        if const_expr(not self.zero_u):
+            u_src = mU.iterator.toint() + blk * (C * V * 2) + v0 * 2
+            u_dst = storage.sU.data_ptr().toint() + stage * (C * RU)
+            cpr = BV // 8
+            for it in cutlass.range((C * cpr) // 128, unroll=2):
+                idx = it * 128 + tid
+                r = idx // cpr
+                col = idx % cpr
+                ptx.cp_async_16(u_dst + r * RU + col * 16, u_src + (Int64(r) * V + col * 8) * 2, 16)
         if tid < self.F_BYTES // 16:
             ptx.cp_async_16(storage.sF.data_ptr().toint() + stage * self.F_BYTES + tid * 16,
                             mF.iterator.toint() + blk * self.F_BYTES + tid * 16, 16)
@@ -432,8 +477,11 @@ class GdnChunkedSm90Kernel(GdnPrep):
             cute.arch.fence_view_async_shared()  # cp.async (generic proxy) writes -> wgmma (async proxy) reads
             idx = state.index
             self._gemm(mma_x, acc_X, tXrS, tXrW[None, None, None, idx], True)
-            self._gemm(mma_x, acc_O, tXrS, tXrQ[None, None, None, idx], True)
-            warpgroup.wait_group(1)
+            if const_expr(self.write_output):
+                self._gemm(mma_x, acc_O, tXrS, tXrQ[None, None, None, idx], True)
+                warpgroup.wait_group(1)
+            else:
+                warpgroup.wait_group(0)
             sU = sU_base + idx * (C * RU)
             sF = sF_base + idx * self.F_BYTES
             # V'^T = U^T - X^T (-> A of O^T) and V'^T diag(kf) (-> A of the state update)
@@ -441,21 +489,27 @@ class GdnChunkedSm90Kernel(GdnPrep):
                 s0 = jj * 8 + 2 * t
                 kf = ptx.ld_shared_v2_f32(sF + (C + s0) * 4)
                 for h in cutlass.range_constexpr(2):
-                    col = (vl + 8 * h) * 2
-                    u0 = ptx.b16_to_f32(ptx.ld_shared_u16(sU + s0 * RU + col), io)
-                    u1 = ptx.b16_to_f32(ptx.ld_shared_u16(sU + (s0 + 1) * RU + col), io)
-                    p0 = u0 - fX[4 * jj + 2 * h]
-                    p1 = u1 - fX[4 * jj + 2 * h + 1]
-                    wP[2 * jj + h] = ptx.pack2(p0, p1, io)
+                    if const_expr(self.zero_u):  # the transition run: v = 0, so U = T diag(beta) V = 0
+                        p0 = -fX[4 * jj + 2 * h]
+                        p1 = -fX[4 * jj + 2 * h + 1]
+                    else:
+                        col = (vl + 8 * h) * 2
+                        u0 = ptx.b16_to_f32(ptx.ld_shared_u16(sU + s0 * RU + col), io)
+                        u1 = ptx.b16_to_f32(ptx.ld_shared_u16(sU + (s0 + 1) * RU + col), io)
+                        p0 = u0 - fX[4 * jj + 2 * h]
+                        p1 = u1 - fX[4 * jj + 2 * h + 1]
+                    if const_expr(self.write_output):
+                        wP[2 * jj + h] = ptx.pack2(p0, p1, io)
                     wD[2 * jj + h] = ptx.pack2(p0 * kf[0], p1 * kf[1], io)
-            warpgroup.wait_group(0)
-            # O^T = Y^T diag(qf) + V'^T Aqk^T
-            for jj in cutlass.range_constexpr(C // 8):
-                qf = ptx.ld_shared_v2_f32(sF + (jj * 8 + 2 * t) * 4)
-                for h in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(2):
-                        fO[4 * jj + 2 * h + e] = fO[4 * jj + 2 * h + e] * qf[e]
-            self._gemm(mma_x, acc_O, tOrP, tXrA[None, None, None, idx], False)
+            if const_expr(self.write_output):
+                warpgroup.wait_group(0)
+                # O^T = Y^T diag(qf) + V'^T Aqk^T
+                for jj in cutlass.range_constexpr(C // 8):
+                    qf = ptx.ld_shared_v2_f32(sF + (jj * 8 + 2 * t) * 4)
+                    for h in cutlass.range_constexpr(2):
+                        for e in cutlass.range_constexpr(2):
+                            fO[4 * jj + 2 * h + e] = fO[4 * jj + 2 * h + e] * qf[e]
+                self._gemm(mma_x, acc_O, tOrP, tXrA[None, None, None, idx], False)
             # S = gamma_last S + (V'^T diag(kf)) K   (per channel: S D(2^G_last) + (V'^T diag(kf)) Kd)
             if const_expr(self.per_channel):
                 # S [V, K] sits untransposed in acc_S (M = state rows, N = K columns): element 4 j + 2 h + e is
@@ -473,14 +527,15 @@ class GdnChunkedSm90Kernel(GdnPrep):
             warpgroup.wait_group(0)
             pipe.consumer_release(state)
             state.advance()
-            # O^T -> O rows t0 + r (< ln): the thread's two state rows of each of its token columns
-            o_row = o_base + ((Int64(t0 + 2 * t) * HO + ho) * V + vw + warp * 16 + g) * 2
-            for jj in cutlass.range_constexpr(C // 8):
-                for e in cutlass.range_constexpr(2):
-                    if jj * 8 + 2 * t + e < ln:
-                        addr = o_row + (jj * 8 + e) * o_tok
-                        for h in cutlass.range_constexpr(2):
-                            _st_b16(addr + 16 * h, ptx.f32_to_16(fO[4 * jj + 2 * h + e], io))
+            if const_expr(self.write_output):
+                # O^T -> O rows t0 + r (< ln): the thread's two state rows of each of its token columns
+                o_row = o_base + ((Int64(t0 + 2 * t) * HO + ho) * V + vw + warp * 16 + g) * 2
+                for jj in cutlass.range_constexpr(C // 8):
+                    for e in cutlass.range_constexpr(2):
+                        if jj * 8 + 2 * t + e < ln:
+                            addr = o_row + (jj * 8 + e) * o_tok
+                            for h in cutlass.range_constexpr(2):
+                                _st_b16(addr + 16 * h, ptx.f32_to_16(fO[4 * jj + 2 * h + e], io))
             self._to16(acc_S, tXrS)
 
         if (flags & FLAG_WRITE_STATE) != 0:
@@ -517,21 +572,70 @@ class GdnChunkedSm90Kernel(GdnPrep):
                         fS[i + 1] = x[1]
 
 
+class GdnChunkedSm90PrepKernel(GdnChunkedSm90Kernel):
+    """The prep kernel alone (the main kernel's arguments accepted and unused): its scratch serves the main-only
+    launches of :class:`GdnChunkedSm90MainKernel`.  Build with :func:`compile_prep`."""
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+                 mCu: cute.Tensor, mChunks: cute.Tensor, mChunkOff: cute.Tensor, mH0: cute.Tensor,
+                 mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mW: cute.Tensor,
+                 mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor, scale: Float32, q_group: Int32,
+                 k_group: Int32, v_group: Int32, flags: Int32, stream):
+        self._launch_prep(mQ, mK, mV, mG, mBeta, mChunks, mO, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                          flags, stream)
+
+
+class GdnChunkedSm90MainKernel(GdnChunkedSm90Kernel):
+    """The main kernel alone, over a prep's scratch (the prep's arguments accepted and unused), computing what
+    ``MainConfig.run`` names.  Build with :func:`compile_main`."""
+
+    def __init__(self, mcfg: MainConfig):
+        super().__init__(mcfg.config)
+        self.write_output = mcfg.run is MainRun.OUTPUT
+        self.zero_u = mcfg.run is MainRun.TRANSITION
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+                 mCu: cute.Tensor, mChunks: cute.Tensor, mChunkOff: cute.Tensor, mH0: cute.Tensor,
+                 mH0Idx: cute.Tensor, mHt: cute.Tensor, mHtIdx: cute.Tensor, mO: cute.Tensor, mW: cute.Tensor,
+                 mU: cute.Tensor, mAqk: cute.Tensor, mF: cute.Tensor, scale: Float32, q_group: Int32,
+                 k_group: Int32, v_group: Int32, flags: Int32, stream):
+        self._launch_main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
+                          flags, stream)
+
+
 def _fake_args(p: GdnProblem) -> tuple:
     """Fake tensors in the compiled function's order (:func:`cutedsl_attn.compile.fake.gdn_chunked_tensors`)."""
     sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
     return gdn_chunked_tensors(element_type(p.dtype), sdt, p.head_dim_k, p.head_dim_v, CHUNK)
 
 
+def _compile(kernel, p: GdnProblem, keep_ptx_dir, keep_cubin):
+    from cutlass.cute.runtime import make_fake_stream
+
+    opts = compile_options(p.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
+    return cute.compile(kernel, *_fake_args(p), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(0),
+                        make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+
+
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile :class:`GdnChunkedSm90Kernel` (prep + main kernels, one function) for ``cfg`` from fake tensors (no
     GPU needed).  Returns the tvm-ffi callable; call it through :func:`launch`.  Raises ValueError for
     ``keep_cubin`` without a ``keep_ptx_dir``."""
-    from cutlass.cute.runtime import make_fake_stream
+    return _compile(GdnChunkedSm90Kernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
 
-    opts = compile_options(cfg.problem.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
-    return cute.compile(GdnChunkedSm90Kernel(cfg), *_fake_args(cfg.problem), Float32(1.0), Int32(1), Int32(1),
-                        Int32(1), Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+
+def compile_prep(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile the prep kernel alone (:class:`GdnChunkedSm90PrepKernel`, cache name :data:`NAME_PREP`) for
+    ``cfg``; call it through :func:`launch_prep`.  Errors as :func:`compile`'s."""
+    return _compile(GdnChunkedSm90PrepKernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
+
+
+def compile_main(mcfg: MainConfig, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
+    """Compile the main kernel alone (:class:`GdnChunkedSm90MainKernel`, cache name :data:`NAME_MAIN`) for
+    ``mcfg``; call it through :func:`launch_main`.  Errors as :func:`compile`'s."""
+    return _compile(GdnChunkedSm90MainKernel(mcfg), mcfg.config.problem, keep_ptx_dir, keep_cubin)
 
 
 def launch(fn, cfg: Config, args: GdnArgs) -> None:
@@ -539,7 +643,33 @@ def launch(fn, cfg: Config, args: GdnArgs) -> None:
     (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`: device tensors, no host sync), then launch ``fn``
     on torch's current stream."""
     p = cfg.problem
-    chunks, chunk_off, w, u, aqk, f = chunked_launch_tensors(args, p.head_dim_k, p.head_dim_v)
+    _call(fn, args, chunked_launch_tensors(args, p.head_dim_k, p.head_dim_v))
+
+
+def _call(fn, args: GdnArgs, scratch: tuple) -> None:
+    chunks, chunk_off, w, u, aqk, f = scratch
     fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
        args.initial_state_indices, args.output_state, args.output_state_indices, args.output, w, u, aqk, f,
        args.scale, args.q_group, args.k_group, args.v_group, args.flags)
+
+
+def prep_tensors(args: GdnArgs, cfg: Config) -> tuple:
+    """The chunk plan and the prep's scratch of ``args``' sequences
+    (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`), shared by :func:`launch_prep` and
+    :func:`launch_main`."""
+    return chunked_launch_tensors(args, cfg.problem.head_dim_k, cfg.problem.head_dim_v)
+
+
+def launch_prep(fn, cfg: Config, args: GdnArgs, scratch: tuple) -> None:
+    """Launch :func:`compile_prep`'s ``fn`` on torch's current stream: the prep of ``args``' chunks (q, k, v, the
+    gates, ``args.flags``' gate bits) into ``scratch`` (:func:`prep_tensors`)."""
+    _call(fn, args, scratch)
+
+
+def launch_main(fn, mcfg: MainConfig, args: GdnArgs, scratch: tuple) -> None:
+    """Launch :func:`compile_main`'s ``fn`` on torch's current stream over ``scratch`` (a :func:`launch_prep` of
+    the same chunks: the same ``cu_seqlens``): ``args`` as :func:`launch`'s for ``mcfg.config.problem`` (the
+    transition run: states ``[*, HO, K, K]``); ``args.v`` is never read, ``args.output`` written by the outputs
+    run only (:func:`~cutedsl_attn.planning.gdn_cp.main_run_args`)."""
+    args, scratch = main_run_args(mcfg.run, args, scratch, mcfg.config.problem.head_dim_v)
+    _call(fn, args, scratch)
