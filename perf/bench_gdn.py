@@ -14,7 +14,7 @@ gates, o, the final state) at the measured read bandwidth.  ``--recurrent`` also
 recurrent kernel (the decode kernel) on the prefill rows.
 
 Usage: python perf/bench_gdn.py [--quick] [--out DIR] [--tiles "tv,warps,prefetch,lanes;..."] [--sm90 ["tv,stages;..."]]
-[--cp ["P,..."]] [--cp-tiles "tv,..."] [--cp-rounds N] [--no-peers] [--gdp]
+[--cp ["P,..."]] [--cp-tiles "tv,..."] [--cp-rounds N] [--no-peers] [--gdp] [--fused "p,..."]
 (peers are skipped cleanly when not importable; ``--tiles`` also times those recurrent-kernel tiles on the
 prefill rows, ``ours_<tiles>_ms``, next to the default's; ``--sm90`` times the opt-in SM90 chunked kernel,
 its default tiles or those given, ``sm90_<tile_v>x<stages>_ms``, and its output's error against the default's).
@@ -26,6 +26,8 @@ rounds, a long GPU sleep so the host has queued the path's launches and its chai
 launch (output and final state) and its device time by phase from the torch profiler (``cp<P>_phases_us``:
 prep, the transition / offset / outputs runs, the rest: chain, copies, fills); ``--cp-tiles`` repeats the CP
 timings with each main-kernel ``tile_v`` forced (``cp<P>_tv<tile_v>_ms``, ``CUTEDSL_ATTN_GDN_TUNE``).
+``--fused`` times the opt-in fused SM90 kernel
+(``sm90.gdn_fused``) with each ``prep_warpgroups`` given (``fused_p<p>_ms``, its error against the default's).
 ``--no-peers`` skips fla and FlashInfer (no Triton / JIT compile time).  ``--gdp`` adds the Gated DeltaProduct
 row (f): n = 2, 32 heads, 4 x 8192, against fla's ``chunk_gated_delta_product`` (Triton) when importable.
 """
@@ -50,6 +52,7 @@ from cutedsl_attn.compile import get_compiled  # noqa: E402
 from cutedsl_attn.portable import gdn_chunked as chk  # noqa: E402
 from cutedsl_attn.portable import gdn_recurrent as rec  # noqa: E402
 from cutedsl_attn.sm90 import gdn_chunked as chk90  # noqa: E402
+from cutedsl_attn.sm90 import gdn_fused as fused90  # noqa: E402
 from cutedsl_attn.timing import KernelTimer, read_bandwidth  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -179,7 +182,7 @@ def bench_cp(row, problem, args, o, st, o_default, counts, tiles, rounds):
 
 
 def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, chunked_tiles=(), sm90_tiles=(),
-                  cp=None, cp_tiles=(), cp_rounds=7):
+                  cp=None, cp_tiles=(), cp_rounds=7, fused=()):
     rows = []
     for name in rows_wanted:
         B, L, hqk, hv = PREFILL[name]
@@ -216,6 +219,17 @@ def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, c
             row[key + "_ms"] = timer(lambda: chk90.launch(fn, c4, args), reps=10) * 1e3
             row[f"rel_err_{key}_vs_default_o"] = rel(o, o_default)
             gdn_launch(problem, args)  # the default kernel's outputs again for the peers' comparisons
+        for pw in fused:  # the opt-in fused SM90 kernel with pw prep warpgroups
+            c5 = fused90.Config(problem, fused90.Tiles(prep_warpgroups=pw))
+            try:
+                fn = get_compiled(fused90.NAME, c5, fused90.compile)
+                fused90.launch(fn, c5, args)
+                torch.cuda.synchronize()
+                row[f"rel_err_fused_p{pw}_vs_default_o"] = rel(o, o_default)
+                row[f"fused_p{pw}_ms"] = timer(lambda: fused90.launch(fn, c5, args), reps=10) * 1e3
+            except (ValueError, NotImplementedError) as e:
+                print(f"fused p{pw} row {name}: {e}"[:300])
+            gdn_launch(problem, args)
         if recurrent and name in ("b", "c"):
             c3 = rec.Config(problem, rec.default_tiles(problem, num_sms=132))
             fn = get_compiled(rec.NAME, c3, rec.compile)
@@ -393,6 +407,7 @@ def main():
     ap.add_argument("--cp-tiles", default="", help="also time the CP path with these main-kernel tile_v, 'tv,...'")
     ap.add_argument("--cp-rounds", type=int, default=7, help="interleaved rounds of the CP timings")
     ap.add_argument("--no-peers", action="store_true", help="skip fla and FlashInfer")
+    ap.add_argument("--fused", default="", help="also time the fused SM90 kernel with these prep_warpgroups, 'p,...'")
     ap.add_argument("--gdp", action="store_true", help="add the Gated DeltaProduct row (f): n = 2, 32 heads, 4 x 8192")
     a = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in a.tiles.split(";") if v.strip()]
@@ -407,7 +422,8 @@ def main():
     rows = [] if a.rows == "none" else a.rows.split(",") if a.rows else (["c"] if a.quick else list(PREFILL))
     cp = None if not a.cp else ([] if a.cp == "plan" else [int(x) for x in a.cp.split(",") if x.strip()])
     cp_tiles = [int(x) for x in a.cp_tiles.split(",") if x.strip()]
-    prefill = bench_prefill(timer, found, rows, bw, variants, a.recurrent, ctiles, sm90, cp, cp_tiles, a.cp_rounds)
+    prefill = bench_prefill(timer, found, rows, bw, variants, a.recurrent, ctiles, sm90, cp, cp_tiles, a.cp_rounds,
+                            tuple(int(x) for x in a.fused.split(",") if x.strip()))
     if a.gdp:
         prefill.append(bench_gdp(timer, bw))
     decode = [] if a.no_decode else bench_decode(timer, found, DECODE_B[:1] if a.quick else DECODE_B)

@@ -40,6 +40,7 @@ from ..portable import mla_decode as _mla_portable
 from ..portable import paged_decode as _paged_decode
 from ..portable import prefill as _prefill_portable
 from ..sm90 import gdn_chunked as _gdn_chunked_sm90
+from ..sm90 import gdn_fused as _gdn_fused_sm90
 from ..sm90 import kda_chunked as _kda_chunked_sm90
 from ..sm90 import mla as _mla_sm90
 from ..sm90 import prefill as _prefill_sm90
@@ -81,6 +82,7 @@ KERNEL_MODULES = {
     "gdn_recurrent": _rec,
     "gdn_chunked": _gdn_chunked,
     "gdn_chunked_sm90": _gdn_chunked_sm90,
+    "gdn_fused_sm90": _gdn_fused_sm90,
     "kda_chunked": _kda_chunked,
     "kda_chunked_sm90": _kda_chunked_sm90,
     "mla_decode_portable": _mla_portable,

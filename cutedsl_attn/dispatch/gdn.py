@@ -7,7 +7,8 @@ does Gated DeltaProduct, as GDN on its expanded timeline (:func:`gdn_launch`); K
 log gates) run the chunked kernel's per-channel variant (:mod:`cutedsl_attn.portable.kda_chunked`); the decode
 step and a K-major state run the token-serial recurrent kernel (its variants chosen by GdnProblem fields).
 ``CUTEDSL_ATTN_GDN_KERNEL`` = ``auto`` (default) / ``chunked`` (the portable chunked kernel) / ``chunked_sm90`` /
-``kda_chunked`` / ``kda_chunked_sm90`` (the SM90 per-channel kernel, opt-in: not run on a GPU yet) /
+``fused_sm90`` (one SM90 kernel: prep warpgroups feeding the wgmma state loop, opt-in) / ``kda_chunked`` /
+``kda_chunked_sm90`` (the SM90 per-channel kernel, opt-in) /
 ``recurrent`` forces one for the problems of its family (the chunked GDN kernels: GDN and GDP
 prefill; ``kda_chunked``: KDA and GDN-2 prefill; ``recurrent``: all), raising NotImplementedError naming what it
 serves when it cannot serve such a problem; other problems keep the automatic choice.
@@ -15,7 +16,7 @@ serves when it cannot serve such a problem; other problems keep the automatic ch
 long sequences on few heads may take the context-parallel path (:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the
 chosen kernel run over segments of each sequence (``use_cp=True``; ``"auto"`` keeps the plain launch for now).
 Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked, cutedsl_attn::gdn_chunked_sm90,
-cutedsl_attn::kda_chunked, cutedsl_attn::kda_chunked_sm90 or cutedsl_attn::gdn_recurrent (by the kernel chosen), and the
+cutedsl_attn::gdn_fused_sm90, cutedsl_attn::kda_chunked, cutedsl_attn::kda_chunked_sm90 or cutedsl_attn::gdn_recurrent (by the kernel chosen), and the
 context-parallel path's prep and main-only runs cutedsl_attn::gdn_chunked_cp / cutedsl_attn::gdn_chunked_sm90_cp; eager
 calls launch directly.
 """
@@ -38,6 +39,7 @@ from ..portable import gdn_chunked as _chunked
 from ..portable import gdn_recurrent as _rec
 from ..portable import kda_chunked as _kda_chunked
 from ..sm90 import gdn_chunked as _chunked_sm90
+from ..sm90 import gdn_fused as _fused_sm90
 from ..sm90 import kda_chunked as _kda_chunked_sm90
 from . import _override, _parse_tune, num_sms
 
@@ -47,13 +49,13 @@ GDN_TUNE_ENV = "CUTEDSL_ATTN_GDN_TUNE"
 # A new kernel is one entry in _FORCED (its CUTEDSL_ATTN_GDN_KERNEL value; its custom op follows) and, when auto
 # may take it, one in _AUTO (before the kernels it should win over for the problems its unsupported_reason admits).
 #: the kernel each forced ``CUTEDSL_ATTN_GDN_KERNEL`` value names
-_FORCED = {"chunked": _chunked, "chunked_sm90": _chunked_sm90, "kda_chunked": _kda_chunked,
-           "kda_chunked_sm90": _kda_chunked_sm90, "recurrent": _rec}  # kda_chunked_sm90: opt-in, never run yet
+_FORCED = {"chunked": _chunked, "chunked_sm90": _chunked_sm90, "fused_sm90": _fused_sm90, "kda_chunked": _kda_chunked,
+           "kda_chunked_sm90": _kda_chunked_sm90, "recurrent": _rec}  # fused_sm90, kda_chunked_sm90: opt-in
 #: what ``auto`` tries, in order, before the recurrent kernel (the first that serves the problem runs it)
 _AUTO = (_chunked_sm90, _chunked, _kda_chunked)  # the SM90 kernel refuses other archs, kda_chunked scalar gates
 _GDN_KERNELS = ("auto", *_FORCED)
 #: kernels that run Gated DeltaProduct as GDN on the expanded timeline (GdnProblem.num_householder = 1)
-_EXPANDS = (_chunked, _chunked_sm90)
+_EXPANDS = (_chunked, _chunked_sm90, _fused_sm90)
 
 _GDN_FIELDS = tuple(f.name for f in dataclasses.fields(GdnProblem))
 
