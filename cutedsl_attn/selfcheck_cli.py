@@ -341,6 +341,7 @@ def _kda_rows():
     import cutedsl_attn as ca
 
     from . import ref
+    from .compile import device_arch
 
     dev = torch.device("cuda")
     lens, hk, hv, d = (1, 17, 300), 2, 4, 128
@@ -364,7 +365,8 @@ def _kda_rows():
     first = time.perf_counter() - t0
     err, s_err = _rel(o, o_ref), _rel(s, s_ref)
     status, note = _verdict(err, 1e-2, None if s_err < 5e-3 else f"state rel err {s_err:.2e}")
-    yield Row("gdn", "kda_chunked", "KDA bf16 K=V=128 GVA 2/4", status, err, first, _call_us(call), note)
+    name = "kda_chunked_sm90" if device_arch() == "sm_90a" else "kda_chunked"  # dispatch's automatic pick
+    yield Row("gdn", name, "KDA bf16 K=V=128 GVA 2/4", status, err, first, _call_us(call), note)
 
 
 def _mla_rows():
@@ -427,7 +429,7 @@ def gpu_matrix(only: str = "", peers: bool = True):
               for k in kernels if k != "sm100"]
     groups += [("decode", ("paged_decode",), lambda: _decode_rows(found)),
                ("gdn", ("gdn_chunked_sm90", "gdn_chunked", "gdn_recurrent"), _gdn_rows),
-               ("gdn", ("kda_chunked",), _kda_rows),
+               ("gdn", ("kda_chunked", "kda_chunked_sm90"), _kda_rows),
                ("mla", ("mla_decode_portable", "mla_decode_sm90"), _mla_rows)]
     groups += [("prefill", ("prefill_sm100",), lambda: _prefill_rows(arch, "sm100", found))
                for k in kernels if k == "sm100"]
@@ -467,12 +469,14 @@ def cross_compile_matrix(arch: str, only: str = ""):
 
     from .portable import gdn_chunked, kda_chunked
     from .sm90 import gdn_chunked as gdn_chunked_sm90
+    from .sm90 import kda_chunked as kda_chunked_sm90
 
     gp = GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, use_qk_l2norm=True, arch=arch)
     kp = dataclasses.replace(gp, gate_domain="log", gate_per_channel=True)
     gdn_kernels = [(gdn_chunked, gp, "bf16 K=V=128 l2norm"), (kda_chunked, kp, "KDA bf16 K=V=128 l2norm")]
     if arch == "sm_90a":
         gdn_kernels.insert(0, (gdn_chunked_sm90, gp, "bf16 K=V=128 l2norm"))
+        gdn_kernels.insert(2, (kda_chunked_sm90, kp, "KDA bf16 K=V=128 l2norm"))
     for mod, prob, label in gdn_kernels:  # each chunked kernel this arch builds, not only dispatch's pick
         if not only or only in "gdn" or only in mod.NAME:
             yield _build_module("gdn", mod.NAME, label, lambda m=mod, p=prob: (

@@ -70,7 +70,8 @@ def test_dispatch_env(monkeypatch):
     assert gdn_choice(p)[0] is rec
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "chunked")
     assert gdn_choice(_problem(decode=True))[0] is rec  # outside the chunked kernel's family: automatic
-    assert gdn_choice(_problem(gate_per_channel=True, gate_domain="log"))[0].NAME == "kda_chunked"
+    assert gdn_choice(_problem(gate_per_channel=True, gate_domain="log"))[0].NAME == "kda_chunked_sm90"
+    assert gdn_choice(_problem(gate_per_channel=True, gate_domain="log", arch="sm_100a"))[0].NAME == "kda_chunked"
     with pytest.raises(NotImplementedError, match="V-major"):
         gdn_choice(_problem(state_k_major=True))
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "fast")

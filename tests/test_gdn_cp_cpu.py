@@ -70,13 +70,21 @@ def _ctas(v=128):
 
 def test_segment_count_rule(monkeypatch):
     kw = dict(num_sms=132, ctas_of_chains=_ctas(), runs=3)
+    monkeypatch.setattr(pcp, "CP_AUTO", False)
     assert cp_num_segments(1, 8, 65536, forced=False, **kw) == 1  # CP_AUTO off: auto keeps the plain launch
     monkeypatch.setattr(pcp, "CP_AUTO", True)  # the rule auto applies once the path pays
-    assert cp_num_segments(1, 8, 65536, forced=False, **kw) == 4  # row (d): 4 x 8 chains x 4 slices = 128 CTAs
+    # row (d) on these 32-row slices: 4 x 8 chains x 4 slices = 128 CTAs; 4 < 2 x 3 runs: auto keeps the plain
+    assert cp_num_segments(1, 8, 65536, forced=False, **kw) == 1
     assert cp_num_segments(1, 8, 65536, forced=True, **kw) == 4
-    assert cp_num_segments(8, 16, 65536, forced=False, **kw) == 1  # N * HO * 2 >= num_SMs: no split
-    assert cp_num_segments(1, 8, 4096, forced=False, **kw) == 4  # 16 chunks a segment
-    assert cp_num_segments(1, 8, 4095, forced=False, **kw) == 1  # shorter segments do not pay for the extra runs
+    wide = dict(kw, ctas_of_chains=lambda chains: chains)  # one CTA a chain: up to 16 segments of 8 heads
+    assert cp_num_segments(1, 8, 65536, forced=False, **wide) == 16
+    assert cp_num_segments(8, 16, 65536, forced=False, **wide) == 1  # N * HO * 2 >= num_SMs: no split
+    assert cp_num_segments(1, 8, 32768, forced=False, **wide) == 16  # CP_AUTO_MIN_CHUNKS = 512 chunks
+    assert cp_num_segments(1, 8, 32767, forced=False, **wide) == 1  # shorter: auto keeps the plain launch
+    assert cp_num_segments(1, 16, 32768, forced=False, **wide) == 8  # 8 x 16 chains fill the wave
+    assert cp_num_segments(1, 32, 32768, forced=False, **wide) == 1  # 4 segments < 2 x 3 runs: plain
+    assert cp_num_segments(1, 8, 4096, forced=True, **kw) == 4  # forced: 16 chunks a segment
+    assert cp_num_segments(1, 8, 4095, forced=True, **kw) == 3  # 63 chunks: 3 segments of >= 16 chunks
     assert cp_num_segments(1, 8, 100, forced=True, **kw) == 2  # forced: at least two segments
     assert cp_num_segments(2, 8, 65536, forced=False, **kw) == 1  # the wave fits 2 segments, not more than 3 runs
     assert cp_num_segments(2, 8, 65536, forced=False, num_sms=132, ctas_of_chains=_ctas(), runs=1) == 2
@@ -301,6 +309,7 @@ def test_cp_auto_and_false_choose_as_documented(launches, monkeypatch):
     T = 65536
     args = pg.GdnArgs(torch.empty(T, 2, 128), None, None, None, None, torch.zeros(2, dtype=torch.int32), None, None,
                       None, None, torch.empty(T, 8, 128), 1.0, 4, 4, 1, 0)
+    monkeypatch.setattr(pcp, "CP_AUTO", False)
     assert d.gdn_cp_segments(problem, args, "auto") == 1  # CP_AUTO off: the plain launch
     monkeypatch.setattr(pcp, "CP_AUTO", True)
     # row (d) on 132 SMs: 16 segments x 8 heads of 128-row CTAs (128 chains fill 3/4 of a wave) are one wave;

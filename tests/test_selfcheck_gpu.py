@@ -284,7 +284,7 @@ def test_cli_matrix_passes_on_this_gpu(monkeypatch):
     rows = list(selfcheck_cli.gpu_matrix())
     table = selfcheck_cli.format_table(rows)
     print(table)
-    assert {"prefill_sm90", "prefill_portable", "paged_decode", "gdn_chunked_sm90", "kda_chunked",
+    assert {"prefill_sm90", "prefill_portable", "paged_decode", "gdn_chunked_sm90", "kda_chunked_sm90",
             "mla_decode_portable", "mla_decode_sm90"} <= {r.kernel for r in rows}, table
     assert all(r.status in ("pass", "skip") for r in rows), table
     assert all(r.call_us > 0 and r.first_s >= 0 for r in rows if r.status == "pass"), table

@@ -4,11 +4,12 @@ its public names).
 GDN prefill (scalar gates, a V-major state) runs a chunked kernel: on ``sm_90a`` the SM90 wgmma main kernel
 (:mod:`cutedsl_attn.sm90.gdn_chunked`), elsewhere the portable one (:mod:`cutedsl_attn.portable.gdn_chunked`), and so
 does Gated DeltaProduct, as GDN on its expanded timeline (:func:`gdn_launch`); KDA and GDN-2 prefill (per-channel
-log gates) run the chunked kernel's per-channel variant (:mod:`cutedsl_attn.portable.kda_chunked`); the decode
+log gates) run the chunked kernel's per-channel variant (on ``sm_90a`` :mod:`cutedsl_attn.sm90.kda_chunked`, elsewhere
+:mod:`cutedsl_attn.portable.kda_chunked`); the decode
 step and a K-major state run the token-serial recurrent kernel (its variants chosen by GdnProblem fields).
 ``CUTEDSL_ATTN_GDN_KERNEL`` = ``auto`` (default) / ``chunked`` (the portable chunked kernel) / ``chunked_sm90`` /
 ``fused_sm90`` (one SM90 kernel: prep warpgroups feeding the wgmma state loop, opt-in) / ``kda_chunked`` /
-``kda_chunked_sm90`` (the SM90 per-channel kernel, opt-in) /
+``kda_chunked_sm90`` (the SM90 per-channel kernel) /
 ``recurrent`` forces one for the problems of its family (the chunked GDN kernels: GDN and GDP
 prefill; ``kda_chunked``: KDA and GDN-2 prefill; ``recurrent``: all), raising NotImplementedError naming what it
 serves when it cannot serve such a problem; other problems keep the automatic choice.
@@ -50,9 +51,10 @@ GDN_TUNE_ENV = "CUTEDSL_ATTN_GDN_TUNE"
 # may take it, one in _AUTO (before the kernels it should win over for the problems its unsupported_reason admits).
 #: the kernel each forced ``CUTEDSL_ATTN_GDN_KERNEL`` value names
 _FORCED = {"chunked": _chunked, "chunked_sm90": _chunked_sm90, "fused_sm90": _fused_sm90, "kda_chunked": _kda_chunked,
-           "kda_chunked_sm90": _kda_chunked_sm90, "recurrent": _rec}  # fused_sm90, kda_chunked_sm90: opt-in
+           "kda_chunked_sm90": _kda_chunked_sm90, "recurrent": _rec}  # fused_sm90: opt-in (slower, see RESULTS)
 #: what ``auto`` tries, in order, before the recurrent kernel (the first that serves the problem runs it)
-_AUTO = (_chunked_sm90, _chunked, _kda_chunked)  # the SM90 kernel refuses other archs, kda_chunked scalar gates
+# the SM90 kernels refuse other archs, the kda_* kernels scalar gates and the GDN ones per-channel gates
+_AUTO = (_chunked_sm90, _chunked, _kda_chunked_sm90, _kda_chunked)
 _GDN_KERNELS = ("auto", *_FORCED)
 #: kernels that run Gated DeltaProduct as GDN on the expanded timeline (GdnProblem.num_householder = 1)
 _EXPANDS = (_chunked, _chunked_sm90, _fused_sm90)

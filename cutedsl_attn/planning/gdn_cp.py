@@ -26,10 +26,12 @@ from .gdn import CHUNK, MAX_SEQS
 CP_MIN_SEGMENT_CHUNKS = 16
 #: at most this many segments a sequence
 CP_MAX_SEGMENTS = 64
-#: whether ``use_cp="auto"`` may take the path: off until the shared-prep path (one prep, three main-kernel runs)
-#: is measured against the plain launch on the row the SM rule admits (perf/RESULTS.md, "Gated delta rule
-#: family"; the three full runs it replaced, each with its own prep, were slower at every split)
-CP_AUTO = False
+#: whether ``use_cp="auto"`` may take the path: on, the shared-prep path (one prep, three main-kernel runs) measured
+#: 2.15x the plain launch at 1 x 65536 tokens, 8 heads (perf/RESULTS.md, "Gated delta rule family")
+CP_AUTO = True
+#: ``use_cp="auto"`` splits only sequences of at least this many chunks on average (32768 tokens): the path's fixed
+#: cost (the chain, fills and copies, ~0.1-0.2 ms) was measured only against a 1024-chunk sequence
+CP_AUTO_MIN_CHUNKS = 512
 #: main-kernel runs of the path over all the tokens (transition, offset, outputs), the prep shared by them
 CP_RUNS = 3
 
@@ -101,10 +103,12 @@ def cp_num_segments(n_seq: int, heads: int, total_tokens: int, *, num_sms: int, 
     ``runs``: main-kernel runs the path makes over all the tokens (:data:`CP_RUNS`).  P is the largest count
     whose launch fits one wave (``ctas_of_chains(N P HO) <= num_sms``), at most :data:`CP_MAX_SEGMENTS`, the
     average sequence giving each segment :data:`CP_MIN_SEGMENT_CHUNKS` chunks.
-    Unforced (``use_cp="auto"``): 1 while :data:`CP_AUTO` is off; else FlashInfer's SM90 rule first
-    (``N HO 2 < num_sms``), then P must exceed ``runs``, else 1: the plain launch is the prep plus one chain of
+    Unforced (``use_cp="auto"``): 1 while :data:`CP_AUTO` is off or the average sequence is shorter than
+    :data:`CP_AUTO_MIN_CHUNKS` chunks; else FlashInfer's SM90 rule first (``N HO 2 < num_sms``), then P must
+    be at least twice ``runs``, else 1: the plain launch is the prep plus one chain of
     ``L`` chunks, the path the same prep plus ``runs`` chains of ``L / P`` chunks side by side in one wave (and
-    a float64 chain of P small matmuls), so it wins once ``runs / P < 1``.
+    a float64 chain of P small matmuls), so it wins once ``runs / P`` times the wider tiles' cost a chunk (up to
+    ~1.6x) is below 1.
     ``forced`` (``use_cp=True``): at least 2 segments, whatever the sizes.
 
     Raises NotImplementedError when ``forced`` and 2 segments a sequence exceed the launch's sequence limit.
@@ -112,9 +116,9 @@ def cp_num_segments(n_seq: int, heads: int, total_tokens: int, *, num_sms: int, 
     if forced and 2 * n_seq > MAX_SEQS:
         raise NotImplementedError(f"use_cp=True: {n_seq} sequences split in two exceed the {MAX_SEQS} sequences a "
                                   "launch serves")
-    if not forced and not (CP_AUTO and n_seq * heads * 2 < num_sms):
-        return 1
     avg_chunks = total_tokens // max(n_seq, 1) // CHUNK
+    if not forced and not (CP_AUTO and n_seq * heads * 2 < num_sms and avg_chunks >= CP_AUTO_MIN_CHUNKS):
+        return 1
     cap = min(CP_MAX_SEGMENTS, MAX_SEQS // max(n_seq, 1), max(avg_chunks // CP_MIN_SEGMENT_CHUNKS, 1))
     best = 1
     for p in range(2, cap + 1):
@@ -122,7 +126,8 @@ def cp_num_segments(n_seq: int, heads: int, total_tokens: int, *, num_sms: int, 
             best = p
     if forced:
         return max(best, 2)
-    return best if best > runs else 1
+    # twice the runs: a segment's chunk costs up to ~1.6x more on the wider tiles the split's chains take
+    return best if best >= 2 * runs else 1
 
 
 def cp_chain(h0, transition, offset):
