@@ -44,13 +44,13 @@ def test_unsupported_and_config_rules():
     with pytest.raises(TypeError):
         sm90.Tiles(merge_kernel=True)
     assert sm90.TUNING_FIELDS == ("num_stages", "consumer_registers", "schedule", "merge_kernel")
-    assert (sm90.Tiles().schedule, sm90.Tiles().merge_kernel) == (0, 0)  # the verified schedule and merge
+    assert (sm90.Tiles().schedule, sm90.Tiles().merge_kernel) == (0, 0)  # field defaults: signal first, in-kernel merge
     assert sm90.override_tiles(sm90.Tiles(), {"schedule": "1", "merge_kernel": "1"}) == sm90.Tiles(schedule=1,
                                                                                                      merge_kernel=1)
     assert sm90.override_tiles(sm90.Tiles(), {"consumer_registers": "240"}).consumer_registers == 240
     with pytest.raises(ValueError):
         sm90.override_tiles(sm90.Tiles(), {"tile_n": "32"})
-    assert sm90.default_tiles(_problem(), num_sms=132) == sm90.Tiles()
+    assert sm90.default_tiles(_problem(), num_sms=132) == sm90.Tiles(merge_kernel=1)
     cfg = sm90.Config(_problem(), sm90.Tiles())
     assert cfg.smem_bytes <= 227 * 1024 and cfg.num_threads == 384 and cfg.tile_m == 64
     c, p = cfg.registers
@@ -78,7 +78,7 @@ def test_dispatch_default_and_fallbacks(monkeypatch):
         else:
             monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", env)
         module, cfg = d.mla_choice(p)
-        assert module is sm90 and isinstance(cfg, sm90.Config) and cfg.tiles == sm90.Tiles(), env
+        assert module is sm90 and isinstance(cfg, sm90.Config) and cfg.tiles == sm90.Tiles(merge_kernel=1), env
         for kw in (dict(causal=True), dict(dtype="float16"), dict(dtype="float16", causal=True)):
             assert d.mla_choice(_problem(**kw))[0] is sm90, (env, kw)
         # what the SM90 kernel does not serve falls back to the portable kernel
@@ -93,7 +93,7 @@ def test_dispatch_default_and_fallbacks(monkeypatch):
     assert d.mla_choice(p)[0] is md and d.mla_choice(_problem(causal=True))[0] is md
     monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")
     monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", "consumer_registers=240")
-    assert d.mla_choice(p)[1].tiles == sm90.Tiles(consumer_registers=240)
+    assert d.mla_choice(p)[1].tiles == sm90.Tiles(consumer_registers=240, merge_kernel=1)
     monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", "tile_n=16")
     with pytest.raises(ValueError, match="CUTEDSL_ATTN_MLA_TUNE"):
         d.mla_choice(p)
