@@ -27,10 +27,11 @@ import sys
 
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=["decode", "prefill", "mla", "gdn"],
-                   help="kernel family (decode: the paged-decode kernel; prefill: the prefill kernel dispatch picks "
-                        "for --arch, see --kernel; mla: the MLA decode kernel dispatch picks (CUTEDSL_ATTN_MLA_KERNEL); "
-                        "gdn: the GDN prefill kernel dispatch picks (on sm_90a the SM90 chunked one; other GDN "
-                        "problems through cutedsl_attn.inspect's keywords)")
+                   help="kernel family (decode: the paged-decode kernel, see --kernel; prefill: the prefill kernel "
+                        "dispatch picks for --arch, see --kernel; mla: the MLA decode kernel dispatch picks (on "
+                        "sm_90a the SM90 one at page size 64 with 16-bit caches, else the portable one; "
+                        "CUTEDSL_ATTN_MLA_KERNEL=portable forces it); gdn: the GDN prefill kernel dispatch picks (on "
+                        "sm_90a the SM90 chunked one; other GDN problems through cutedsl_attn.inspect's keywords))")
     p.add_argument("--arch", default=os.environ.get("CUTEDSL_ATTN_ARCH") or "sm_90a",
                    help="target architecture: sm_90a, sm_100a, sm_103a, hopper, blackwell (default: "
                         "$CUTEDSL_ATTN_ARCH when set, else sm_90a)")
@@ -41,11 +42,13 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
                    help="decode: 32, 64, 128 (default) or 256; prefill: head_dim_qk 32/64/128/192/256")
     p.add_argument("--head-dim-vo", type=int, default=None,
                    help="prefill: head_dim_vo (default: --head-dim; 128 when --head-dim is 192)")
-    p.add_argument("--causal", action="store_true", help="prefill: bottom-right causal variant")
+    p.add_argument("--causal", action="store_true",
+                   help="prefill, mla: the bottom-right causal variant (mla: of multi-token rows)")
     p.add_argument("--window", action="store_true", help="prefill: window_left variant")
     p.add_argument("--custom-mask", action="store_true", help="prefill: packed custom-mask variant")
     p.add_argument("--page-size", type=int, default=None,
-                   help="tokens per KV page (decode default 16; prefill default 0 = ragged KV)")
+                   help="tokens per KV page (decode default 16; prefill default 0 = ragged KV; mla default 64, "
+                        "1..64)")
     p.add_argument("--group-size", type=int, default=4, help="query heads per kv head, 1..16 (default 4)")
     p.add_argument("--pos-encoding-mode", default="NONE", choices=["NONE", "ROPE_LLAMA", "ALIBI"])
     p.add_argument("--soft-cap", action="store_true", help="compile the logits soft-cap variant")
@@ -98,7 +101,8 @@ def _kernel_config(args) -> dict:
             unused.update(causal=args.causal, page_size=args.page_size is not None, kv_dtype=args.kv_dtype)
         bad = sorted("--" + k.replace("_", "-") for k, v in unused.items() if v)
         if bad:
-            raise ValueError(f"{args.op}: {', '.join(bad)} do not apply to this op")
+            verb = "does" if len(bad) == 1 else "do"
+            raise ValueError(f"{args.op}: {', '.join(bad)} {verb} not apply to this op")
         if args.op == "mla":
             return dict(dtype=args.dtype, kv_dtype=args.kv_dtype or "",
                         page_size=64 if args.page_size is None else args.page_size, causal=args.causal)
@@ -137,18 +141,20 @@ def _emit(text: str, output) -> None:
 
 def format_resources(op: str, arch: str, **config_kw) -> str:
     """The text ``resources`` prints: :func:`cutedsl_attn.inspect.resources` (the largest over the cubin's kernels;
-    zero ``stack_bytes`` = no spills), each kernel's registers and stack, and from the config the planned shared
-    memory (``smem_bytes``), TMEM columns (``tmem_cols``) and per-role ``setmaxnreg`` budgets where it has them.
+    zero ``stack_bytes`` = no spills; the shared memory per CTA, static from the cubin plus the dynamic the config
+    plans, :func:`cutedsl_attn.inspect.shared_memory`), each kernel's registers and stack, and from the config
+    the TMEM columns (``tmem_cols``) and per-role ``setmaxnreg`` budgets where it has them.
     Raises as :func:`cutedsl_attn.inspect.resources`."""
     from . import inspect as ci
 
     cfg = ci.config(op, arch, **config_kw)
     res = ci.resources(op, arch, **config_kw)
     lines = [f"{k}: {v}" for k, v in res.items()]
-    for name in ("smem_bytes", "tmem_cols"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, int):
-            lines.append(f"{name}: {value}")
+    if "smem_bytes" not in res:
+        lines.append("smem_bytes: unknown (the kernel declares dynamic shared memory its config does not plan)")
+    tmem = getattr(cfg, "tmem_cols", None)
+    if isinstance(tmem, int):
+        lines.append(f"tmem_cols: {tmem}")
     roles = getattr(cfg, "roles", None)
     budgets = getattr(roles, "registers", None)
     if isinstance(budgets, dict):  # the SM100 prefill kernel's setmaxnreg per warp role

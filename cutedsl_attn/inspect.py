@@ -52,7 +52,9 @@ key                   values                                        default
 ``kv_dtype``          ``""`` (the cache has ``dtype``) or            ``""``
                       ``"float8_e4m3fn"``/``"fp8"`` (paged only: the
                       portable kernel widens e4m3 in shared memory)
-``kernel``            ``"auto"``, ``"portable"``, ``"sm90"``         ``auto``
+``kernel``            ``"auto"``, ``"portable"``, ``"sm90"``,        ``auto``
+                      ``"sm100"`` (the tcgen05 kernel, ``sm_100a`` /
+                      ``sm_103a``)
 ===================== ============================================= ===========
 
 Config keys of op ``"mla"`` (a :class:`cutedsl_attn.planning.mla.MlaProblem`; the kernel
@@ -115,8 +117,9 @@ from collections import Counter
 
 from .compile.cubin import cubin_kernel_resources, cubin_resources
 
-__all__ = ["OPS", "DEFAULTS", "config", "ptx", "sass", "resources", "cubin_resources", "cubin_kernel_resources",
-           "instruction_summary", "format_summary", "SUMMARY_KEYS"]
+__all__ = ["OPS", "DEFAULTS", "config", "ptx", "sass", "resources", "shared_memory", "cubin_resources",
+           "cubin_kernel_resources", "cubin_static_shared", "instruction_summary", "format_summary", "SUMMARY_KEYS",
+           "SMEM_FIELDS"]
 
 #: Kernel families this module can build.
 OPS = ("decode", "prefill", "mla", "gdn")
@@ -176,11 +179,14 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
     """The kernel configuration object that :func:`ptx` / :func:`sass` compile.
 
     Args:
-      op: kernel family, one of :data:`OPS` (``"decode"``: the paged-decode kernel;
-        ``"prefill"``: the prefill kernel the dispatch layer picks for ``arch`` (the SM90 TMA + wgmma
-        kernel on ``sm_90a`` where it applies, else the portable one, which also serves an fp8
-        ``kv_dtype``; ``kernel="portable"`` or ``"sm90"`` forces one); ``"mla"``: the MLA decode kernel
-        dispatch picks (the portable one; the SM90 one under ``CUTEDSL_ATTN_MLA_KERNEL=sm90``); ``"gdn"``:
+      op: kernel family, one of :data:`OPS` (``"decode"``: the paged-decode kernel, ``kernel="sm100"`` the
+        tcgen05 one on ``sm_100a`` / ``sm_103a``; ``"prefill"``: the prefill kernel the dispatch layer picks for
+        ``arch`` (the SM90 TMA + wgmma kernel on ``sm_90a`` where it applies, else the portable one, which
+        also serves an fp8 ``kv_dtype``; ``kernel="portable"``, ``"sm90"`` or ``"sm100"`` (the tcgen05
+        kernel, ``sm_100a`` / ``sm_103a``) forces one); ``"mla"``: the MLA decode kernel
+        :func:`cutedsl_attn.dispatch.mla_choice` picks (the SM90 one on ``sm_90a`` for 16-bit caches of q's
+        dtype at page size 64, else the portable one; ``CUTEDSL_ATTN_MLA_KERNEL=portable`` forces the
+        portable one); ``"gdn"``:
         the gated-delta-rule kernel dispatch picks (a chunked kernel for GDN / GDP prefill, the per-channel
         chunked one for KDA / GDN-2 prefill, recurrent for the decode step and a K-major state), keys as
         :data:`DEFAULTS`).
@@ -200,8 +206,9 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
 
     Raises:
       ValueError: unknown ``op``, unknown ``arch``, a value the kernel does not support (bad dtype,
-        head_dim, group_size, ...; a problem no MLA / GDN kernel serves), or ``kernel="sm90"`` for a problem
-        the SM90 kernel cannot serve.
+        head_dim, group_size, ...; a problem no MLA / GDN kernel serves), or ``kernel="sm90"`` /
+        ``kernel="sm100"`` for a problem that kernel cannot serve (the message names its reason, e.g. the arch,
+        head_dim 32, RoPE, an fp8 cache).
       TypeError: an unknown config key, or a non-int size (a non-bool flag of ``"mla"`` / ``"gdn"``).
       NotImplementedError: an fp8 prefill ``kv_dtype`` with ragged K/V (``page_size`` 0), as
         :class:`~cutedsl_attn.planning.prefill.PrefillProblem` refuses it.
@@ -239,10 +246,12 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
             kv_dtype=_fp8_or_dtype_name("kv_dtype", merged["kv_dtype"], empty=True),
         )
         choice = dispatch.prefill_choice(problem, kernel=kernel)
-        if kernel == "sm90" and choice.name != _SM90_PREFILL:
-            sm90 = _kernel_module_named(dispatch, _SM90_PREFILL)
-            reason = sm90.unsupported_reason(problem) if sm90 is not None else "not available"
-            raise ValueError(f"the SM90 prefill kernel cannot serve this config: {reason}")
+        forced = {"sm90": (_SM90_PREFILL, "SM90"), "sm100": (_SM100_PREFILL, "SM100")}.get(kernel)
+        if forced is not None and choice.name != forced[0]:  # dispatch fell back to the portable kernel
+            module = _kernel_module_named(dispatch, forced[0])
+            reason = (module.unsupported_reason(problem) if module is not None else "not available") or (
+                "dispatch picked the portable kernel")
+            raise ValueError(f"the {forced[1]} prefill kernel cannot serve this config: {reason}")
         return choice.cfg
     for k in ("head_dim", "page_size", "group_size"):
         if isinstance(merged[k], bool) or not isinstance(merged[k], int):
@@ -277,8 +286,9 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
 
 
 def _mla_config(dispatch, arch: str, merged: dict):
-    """The portable MLA decode kernel's Config for ``arch`` (dispatch's tiles; the problem built here, not by
-    ``dispatch.mla_problem``, which takes the target from the environment)."""
+    """The Config of the MLA decode kernel :func:`cutedsl_attn.dispatch.mla_choice` picks for ``arch`` (the SM90
+    one on ``sm_90a`` at page size 64 with 16-bit caches, else the portable one; dispatch's tiles; the problem
+    built here, not by ``dispatch.mla_problem``, which takes the target from the environment)."""
     from .planning.mla import MlaProblem
 
     problem = MlaProblem(dtype=_fp8_or_dtype_name("dtype", merged["dtype"], empty=False),
@@ -307,6 +317,7 @@ def _gdn_config(dispatch, arch: str, merged: dict):
 
 
 _SM90_PREFILL = "prefill_sm90"  # the SM90 prefill kernel's NAME
+_SM100_PREFILL = "prefill_sm100"  # the SM100 (tcgen05) prefill kernel's NAME
 
 
 def _kernel_module_named(dispatch, name: str):
@@ -368,8 +379,50 @@ def _ptx_cached(cfg) -> str:
 
 
 @functools.lru_cache(maxsize=16)
+def _artifacts_cached(cfg) -> tuple[str, bytes]:
+    return _compile_artifacts(cfg, want_cubin=True)
+
+
 def _cubin_cached(cfg) -> bytes:
-    return _compile_artifacts(cfg, want_cubin=True)[1]
+    return _artifacts_cached(cfg)[1]
+
+
+#: the config properties that plan a launch's dynamic shared memory (bytes per CTA), where a kernel has them
+SMEM_FIELDS = ("smem_bytes", "prep_smem_bytes", "main_smem_bytes")
+
+
+def cubin_static_shared(cubin: bytes) -> dict[str, int]:
+    """``{kernel symbol: bytes}`` of the static shared memory each kernel of ``cubin`` declares (the size of its
+    ``.nv.shared.<symbol>`` ELF section; kernels without one are absent).  The dynamic shared memory is a launch
+    parameter, not in the cubin.  Raises ``ValueError`` for a blob that is not a 64-bit ELF."""
+    import struct
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = [cubin[heads[shstrndx][4] + h[0]: cubin.index(b"\0", heads[shstrndx][4] + h[0])].decode() for h in heads]
+    return {n[len(".nv.shared."):]: h[5] for n, h in zip(names, heads)
+            if n.startswith(".nv.shared.") and not n.startswith(".nv.shared.reserved")}
+
+
+def shared_memory(cfg) -> dict[str, int]:
+    """The shared memory (bytes per CTA) of one compiled configuration: ``static_smem_bytes`` (the largest static
+    declaration over the cubin's kernels, :func:`cubin_static_shared`; 0 for none) and the dynamic shared memory
+    the launch requests, from the config's :data:`SMEM_FIELDS` where it has them (``smem_bytes``, or a two-kernel
+    launch's ``prep_smem_bytes`` / ``main_smem_bytes``), or 0 where its PTX declares no dynamic shared memory;
+    ``smem_bytes`` is static + the largest dynamic figure.  Compiles like :func:`resources` (memoised)."""
+    ptx_text, cubin = _artifacts_cached(cfg)
+    static = max(cubin_static_shared(cubin).values(), default=0)
+    planned = {n: getattr(cfg, n) for n in SMEM_FIELDS if type(getattr(cfg, n, None)) is int}
+    out = {"static_smem_bytes": static}
+    if planned:
+        out.update({n: v for n, v in planned.items() if n != "smem_bytes"})
+        out["smem_bytes"] = static + max(planned.values())
+    elif not re.search(r"\.extern\s+\.shared", ptx_text):  # no dynamic shared memory at all
+        out["smem_bytes"] = static
+    return out
 
 
 def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
@@ -402,7 +455,9 @@ def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
 
 
 def resources(op: str = "decode", arch: str = "sm_90a", **config_kw) -> dict[str, int]:
-    """``{"registers": ..., "stack_bytes": ...}`` of one kernel configuration (see :func:`cubin_resources`).
+    """``{"registers": ..., "stack_bytes": ..., "static_smem_bytes": ..., "smem_bytes": ...}`` of one kernel
+    configuration (see :func:`cubin_resources` and :func:`shared_memory`; ``smem_bytes`` is left out only where
+    the config plans no dynamic shared memory its PTX declares).
 
     Compiles like :func:`ptx` with ``--keep-cubin`` (the DSL's own assembler: no GPU and no
     CUDA toolkit needed), so spills are visible on a CPU-only machine.  ``registers`` is the launch
@@ -413,6 +468,7 @@ def resources(op: str = "decode", arch: str = "sm_90a", **config_kw) -> dict[str
     """
     cfg = config(op, arch, **config_kw)
     res = cubin_resources(_cubin_cached(cfg))
+    res.update(shared_memory(cfg))
     regs = getattr(cfg, "registers", None)
     if regs is None:
         regs = getattr(cfg.tiles, "registers", None)

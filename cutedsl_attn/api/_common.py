@@ -9,6 +9,8 @@ what is supported).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -240,6 +242,49 @@ def check_tensor(name: str, t, *, dtype=None, ndim=None, device=None, shape=None
         raise ValueError(f"{name} is on {t.device}, expected {device}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+_ARCH_ENV = "CUTEDSL_ATTN_ARCH"  # compile/arch.py's variable (api/ does not import compile/)
+
+
+def host_tensors_reach_launch() -> bool:
+    """Whether tensors on the host pass :func:`check_devices`: only when cross-compiling on a machine without a
+    GPU (``CUTEDSL_ATTN_ARCH`` set), where plans are built and inspected on host tensors and the launch itself
+    refuses them (:func:`host_launch_error`)."""
+    return bool(os.environ.get(_ARCH_ENV, "").strip()) and not torch.cuda.is_available()
+
+
+def check_devices(where: str, tensors, *, device=None) -> None:
+    """The tensors a kernel reads or writes, on one CUDA device, checked before any planning or compiling.
+
+    Args:
+      where: the entry point's name, for the messages.
+      tensors: ``(name, tensor or None)`` pairs in the entry point's own argument names; None entries are
+        skipped (absent optional arguments), as are non-tensors (their own checks name them).
+      device: the device they must all be on (a wrapper's workspace device); None: the first tensor's.
+
+    Raises:
+      ValueError: two of them on different devices (naming both and their devices), or a device that is not
+        CUDA (naming every argument; host tensors pass only where :func:`host_tensors_reach_launch`).
+    """
+    named = [(n, t) for n, t in tensors if isinstance(t, torch.Tensor)]
+    if not named:
+        return
+    ref_name, ref = (None, torch.device(device)) if device is not None else (named[0][0], named[0][1].device)
+    for n, t in named:
+        if t.device != ref:
+            other = f"{ref_name} is on {ref}" if ref_name is not None else f"the others are on {ref}"
+            raise ValueError(f"{where}: {n} is on {t.device} but {other}: every tensor must be on one CUDA device")
+    if ref.type != "cuda" and not host_tensors_reach_launch():
+        rule = "must be a CUDA tensor" if len(named) == 1 else "must be CUDA tensors"
+        raise ValueError(f"{where}: {', '.join(n for n, _ in named)} {rule}, got {ref}")
+
+
+def host_launch_error(where: str, device) -> ValueError:
+    """The error of a launch reached with host tensors (only when cross-compiling without a GPU, see
+    :func:`host_tensors_reach_launch`): the same rule as :func:`check_devices`."""
+    return ValueError(f"{where}: the inputs must be CUDA tensors to launch, got {device} (host tensors pass the "
+                      f"checks only to build plans when cross-compiling without a GPU, {_ARCH_ENV} set)")
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:

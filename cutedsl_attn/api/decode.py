@@ -32,9 +32,11 @@ from ._common import (
     check_int,
     check_optional_bool,
     check_sm_scale,
+    check_devices,
     check_tensor,
     check_window_left,
     csr_kv_lens,
+    host_launch_error,
     paged_kv_views,
     return_lse_method,
     run_scale,
@@ -263,7 +265,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         Raises:
           TypeError, ValueError: malformed arguments (each message names the argument), ``sm_scale`` not finite
-            in float32.
+            in float32, a workspace off CUDA (before any compile; allowed when cross-compiling without a GPU).
           NotImplementedError: mixed dtypes other than an e4m3 cache, head_dim, group > 16, window_right != 0,
             soft cap together with ALIBI (q_len_per_req > 1 runs the prefill kernel, which serves
             ROPE_LLAMA and ALIBI too); with backend="cudnn" (unless fixed_split_size / disable_split_kv
@@ -283,7 +285,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             (pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, data_type,
              sm_scale, rope_scale, rope_theta, non_blocking, block_tables, seq_lens, fixed_split_size,
              disable_split_kv, q_len_per_req) = (vals[n] for n in _PLAN_POSITIONAL)
-
+        # the index tensors may be on the host (read there); the workspace the kernel writes may not
+        check_devices("BatchDecodeWithPagedKVCacheWrapper.plan", [("float_workspace_buffer", self._workspace)])
         check_pos_encoding_mode(pos_encoding_mode)
         check_bool("non_blocking", non_blocking)
         check_bool("disable_split_kv", disable_split_kv)
@@ -560,13 +563,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         Raises:
           RuntimeError: run before plan.  ValueError/TypeError: shape, dtype, device or layout
-          mismatch with the plan.  NotImplementedError: unsupported options above.
+          mismatch with the plan; a workspace or tensors off CUDA (host tensors are planned, not launched, only
+          when cross-compiling without a GPU).  NotImplementedError: unsupported options above.
         """
         p = self._plan
         if p is None:
             raise RuntimeError("plan() must be called before run()")
         if args:
             raise TypeError("run() takes no extra positional arguments (custom-kernel args are not supported)")
+        if self.device.type != "cuda":  # a host workspace: every other tensor is checked against its device
+            cache = paged_kv_cache if isinstance(paged_kv_cache, torch.Tensor) else None
+            check_devices("BatchDecodeWithPagedKVCacheWrapper.run", [
+                ("float_workspace_buffer", self._workspace), ("q", q), ("paged_kv_cache", cache), ("out", out),
+                ("lse", lse), ("sinks", sinks)])
         check_bool("return_lse", return_lse)
         if check_optional_bool("enable_pdl", enable_pdl):
             raise NotImplementedError("enable_pdl=True is not supported (no programmatic dependent launch yet)")
@@ -630,15 +639,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
                           p["rope_rcp_scale"], p["rope_log2_theta"], output_scale)
         try:
             choice.launch(args)
-        except dispatch.KernelEntryError as e:  # the compiled entry's layout checks, in FlashInfer's names
-            raise e.named(_ARG_NAMES) from None
-        except (ValueError, NotImplementedError):
-            raise
-        except Exception:
-            if q.device.type != "cuda":
-                raise ValueError(
-                    f"q, the kv cache and the workspace must be CUDA tensors to launch, got {q.device}"
-                ) from None
+        except Exception as e:
+            # host tensors reach a launch only when cross-compiling without a GPU: the entry or the launch refuses
+            # them, by device (a layout complaint of the entry keeps its own message)
+            entry = isinstance(e, dispatch.KernelEntryError)
+            if q.device.type != "cuda" and (not isinstance(e, (ValueError, NotImplementedError))
+                                            or entry and "device_type" in str(e)):
+                raise host_launch_error("BatchDecodeWithPagedKVCacheWrapper.run", q.device) from None
+            if entry:  # the compiled entry's layout checks, in FlashInfer's names
+                raise e.named(_ARG_NAMES) from None
             raise
         return (out, lse) if return_lse else out
 

@@ -206,10 +206,12 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
     reference to about 5e-3 relative, the tolerance FlashInfer's tests allow (the state is accumulated in fp32;
     only its MMA operand copy is rounded).  The token-serial recurrent kernel serves the decode step
     (:func:`gated_delta_rule_decode_pretranspose`, :func:`gated_delta_rule_decode`) and the rest of the
-    delta-rule family.  ``CUTEDSL_ATTN_GDN_KERNEL`` forces one: ``auto`` (the default, as above), ``chunked``
-    (the portable chunked kernel) or ``chunked_sm90`` (NotImplementedError naming what they serve where they
-    cannot serve the problem) or ``recurrent`` (this prefill token by token on the recurrent kernel); see
-    :mod:`cutedsl_attn.dispatch.gdn`.
+    delta-rule family.  ``CUTEDSL_ATTN_GDN_KERNEL`` forces one for the problems of its family: ``auto`` (the
+    default, as above), ``chunked`` (the portable chunked kernel), ``chunked_sm90`` (the SM90 chunked main
+    kernel), ``fused_sm90`` (the SM90 fused prep + main kernel, opt-in), ``kda_chunked`` /
+    ``kda_chunked_sm90`` (the portable / SM90 per-channel-decay chunked kernels of KDA / GDN-2) or
+    ``recurrent`` (this prefill token by token on the recurrent kernel); a forced chunked kernel that cannot
+    serve the problem raises NotImplementedError naming what it serves; see :mod:`cutedsl_attn.dispatch.gdn`.
     ``max_seqlen`` is checked and reaches neither kernel: both plan from ``cu_seqlens``.
 
     Context parallel (``use_cp``, FlashInfer's): few long sequences on few heads leave most SMs idle on one

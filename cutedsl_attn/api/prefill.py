@@ -45,8 +45,8 @@ import math
 import torch
 
 from .. import dispatch
-from ._common import (canonical_dtype, check_bool, check_int, check_kv_layout, check_tensor, indptr_host,
-                      return_lse_method, run_scale)
+from ._common import (canonical_dtype, check_bool, check_devices, check_int, check_kv_layout, check_tensor,
+                      indptr_host, return_lse_method, run_scale)
 from ._graph import check_graph_buffer, staged_host_copies
 from ._prefill_base import (
     _BatchPrefillBase,
@@ -433,7 +433,8 @@ def single_prefill_with_kv_cache(
 
     Raises:
       TypeError, ValueError: malformed arguments (naming them), e.g. ``rope_scale``/``rope_theta``
-      not a finite value > 0.  KeyError: bad ``kv_layout`` or ``pos_encoding_mode``.
+      not a finite value > 0; q / k / v (and a mask) not on one CUDA device, before any planning.  KeyError: bad
+      ``kv_layout`` or ``pos_encoding_mode``.
       NotImplementedError: the unsupported options above, head dims, group > 16, ALIBI with a
       soft cap, ``score_mod`` with a soft cap or ALIBI (a bad ``score_mod``: ``TypeError``).
 
@@ -483,6 +484,8 @@ def _single_prefill(q, k, v, *, o_dtype, custom_mask, packed_custom_mask, causal
     check_tensor("q", q, ndim=3)
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
+    check_devices("single_prefill_with_kv_cache", [("q", q), ("k", k), ("v", v), ("custom_mask", custom_mask),
+                                                   ("packed_custom_mask", packed_custom_mask)])
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     if k.shape[:2] != v.shape[:2]:

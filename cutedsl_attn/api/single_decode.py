@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_bool, check_float, check_kv_layout, check_tensor, run_scale
+from ._common import check_bool, check_devices, check_float, check_kv_layout, check_tensor, run_scale
 from ._graph import staged_host_copies
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 
@@ -56,7 +56,7 @@ def single_decode_with_kv_cache(
 
     Raises:
       KeyError: ``kv_layout`` not NHD/HND (as FlashInfer).  TypeError / ValueError: a non-tensor or wrongly
-      shaped q / k / v, k and v shapes differing, q's head_dim not k's, a scale that is not a finite float; the
+      shaped q / k / v, q / k / v not on one CUDA device (before any planning), k and v shapes differing, q's head_dim not k's, a scale that is not a finite float; the
       checks of :meth:`BatchDecodeWithPagedKVCacheWrapper.plan` / ``run`` (head dims, head counts, window).
       NotImplementedError: a q dtype other than fp16/bf16; k and v of different dtypes; a cache dtype other
       than q's or ``torch.float8_e4m3fn`` (``torch.float8_e5m2`` included); a scale given as a tensor;
@@ -102,6 +102,7 @@ def _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_sc
     check_tensor("q", q, ndim=2)
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
+    check_devices("single_decode_with_kv_cache", [("q", q), ("k", k), ("v", v)])
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     if k.shape != v.shape:

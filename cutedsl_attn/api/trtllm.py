@@ -41,8 +41,8 @@ import numbers
 
 import torch
 
-from ._common import (canonical_dtype, check_bool, check_float, check_int, check_kv_layout, check_optional_bool,
-                      check_tensor)
+from ._common import (canonical_dtype, check_bool, check_devices, check_float, check_int, check_kv_layout,
+                      check_optional_bool, check_tensor)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper, MultiRowDecodePrefillWrapper
 
@@ -203,6 +203,13 @@ def _counter_buffer(buf, device) -> None:
         check_tensor("multi_ctas_kv_counter_buffer", buf, device=device)
 
 
+def _cache_entries(name: str, cache):
+    """``(name, tensor)`` pairs of a cache given as one tensor or a ``(k, v)`` tuple, for :func:`check_devices`."""
+    if isinstance(cache, (tuple, list)):
+        return [(f"{name}[{i}]", t) for i, t in enumerate(cache)]
+    return [(name, cache)]
+
+
 def _workspace(workspace_buffer, name: str = "workspace_buffer") -> torch.Tensor:
     check_tensor(name, workspace_buffer)
     return workspace_buffer.view(torch.uint8).reshape(-1)
@@ -279,7 +286,8 @@ def trtllm_batch_decode_with_kv_cache(
       ``out``, or ``(out, lse)`` when ``return_lse``.
 
     Raises:
-      TypeError / ValueError: malformed arguments (each message names it), before any launch.
+      TypeError / ValueError: malformed arguments (each message names it), before any launch; the tensors the
+        kernel reads or writes not on one CUDA device, before any planning.
       RuntimeError: called inside a CUDA-graph capture (the host planning cannot be captured).
       KeyError: unknown ``backend`` or ``kv_layout`` (as FlashInfer).
       NotImplementedError: NVFP4 output (``out_dtype="nvfp4"``, ``o_sf_scale``, ``o_sf_vec_size``) or KV
@@ -311,6 +319,11 @@ def trtllm_batch_decode_with_kv_cache(
     if cp_rank != 0:
         raise ValueError(f"cp_rank must be 0 with cp_world=1, got {cp_rank!r}")
     _check_query("query", query, ndim=3)
+    # the tensors the kernel reads and writes (seq_lens / cum_seq_lens_q may be on the host: planning reads them)
+    check_devices("trtllm_batch_decode_with_kv_cache", [
+        ("query", query), *_cache_entries("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer),
+        ("block_tables", block_tables), ("out", out), ("lse", lse), ("sinks", sinks),
+        ("multi_ctas_kv_counter_buffer", multi_ctas_kv_counter_buffer)])
     if _scalar("o_scale", 1.0 if o_scale is None else o_scale, positive=True) != 1.0:
         raise NotImplementedError("o_scale != 1.0 is not supported: it scales an fp8 output (not served); fold "
                                   "1/o_scale into bmm2_scale")
@@ -394,7 +407,8 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
         ``j`` (the last ``q_seq_len`` keys); every earlier key is visible.  Served on the prefill kernel.
 
     Raises:
-      TypeError / ValueError: malformed arguments (each message names it), before any launch.
+      TypeError / ValueError: malformed arguments (each message names it), before any launch; the tensors the
+        kernel reads or writes not on one CUDA device, before any planning.
       RuntimeError: called inside a CUDA-graph capture.  KeyError: bad ``kv_layout``.
       NotImplementedError: beam width > 1, ragged ``q_cu_seq_lens``, NVFP4 KV (``k_sf_cache`` / ``v_sf_cache``),
         ``enable_pdl=True``, fp8 output, a sliding window with ``q_seq_len > 1``, other dtypes.
@@ -407,6 +421,9 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
                  "enable_pdl=True (PDL)": bool(enable_pdl)})
     q_seq_len = check_int("q_seq_len", q_seq_len, 1)
     _check_query("q", q, ndim=4 if q_seq_len == 1 else 5)
+    check_devices("xqa", [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table),
+                          ("output", output), ("workspace_buffer", workspace_buffer), ("semaphores", semaphores),
+                          ("sinks", sinks)])
     if q.shape[1] != 1:
         raise NotImplementedError(f"beam width {q.shape[1]} is not supported; supported: 1")
     if q_seq_len > 1 and q.shape[2] != q_seq_len:
@@ -499,7 +516,8 @@ def trtllm_batch_context_with_kv_cache(
       ``out``, or ``(out, lse)`` when ``return_lse``.
 
     Raises:
-      TypeError / ValueError: malformed arguments (each message names it), other ``backend`` names.
+      TypeError / ValueError: malformed arguments (each message names it), other ``backend`` names, the tensors
+        the kernel reads or writes not on one CUDA device (before any planning).
       RuntimeError: called inside a CUDA-graph capture.  KeyError: bad ``kv_layout``.
       NotImplementedError: ``window_left >= 0`` with ``causal=False``, NVFP4 output / KV, ``enable_pdl=True``,
         skip-softmax, separate K/V page tables, ``use_fp16_softmax``, ``uses_spcompress``, an fp8 KV cache.
@@ -522,6 +540,10 @@ def trtllm_batch_context_with_kv_cache(
     if not causal and window_left is not None and not isinstance(window_left, bool) and window_left >= 0:
         raise NotImplementedError("window_left >= 0 with causal=False is not supported")
     _check_query("query", query, ndim=3)
+    check_devices("trtllm_batch_context_with_kv_cache", [
+        ("query", query), *_cache_entries("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer),
+        ("block_tables", block_tables), ("out", out), ("lse", lse), ("sinks", sinks),
+        ("multi_ctas_kv_counter_buffer", multi_ctas_kv_counter_buffer)])
     sm_scale = _scalar("bmm1_scale", bmm1_scale, positive=True)
     output_scale = _scalar("bmm2_scale", bmm2_scale, positive=False)
     k, v, page_size, hkv, d = _split_kv_cache(kv_cache, kv_layout)

@@ -35,7 +35,8 @@ import numbers
 
 import torch
 
-from ..api._common import canonical_dtype, check_head_dim, check_heads, check_int, check_tensor, check_window_left
+from ..api._common import (canonical_dtype, check_devices, check_head_dim, check_heads, check_int, check_tensor,
+                           check_window_left)
 from ..api.decode import BatchDecodeWithPagedKVCacheWrapper
 from ..api.prefill_paged import MultiRowDecodePrefillWrapper
 from ..planning import decode as _pd
@@ -545,13 +546,19 @@ def batch_decode_with_paged_kv_cache(
     given, after the same checks).
 
     Raises:
-      TypeError / ValueError: malformed arguments (each named), a mask / window / length rule broken.
+      TypeError / ValueError: malformed arguments (each named), a mask / window / length rule broken, the
+        tensors not on one CUDA device (before any planning).
       NotImplementedError: ``kv_layout="NHD"``, dtypes other than fp16 -> fp16 / bf16 -> bf16 (either over an
         fp8 e4m3 cache), head_dim, GQA group above 16, ``kv_scale_factors``.
     """
     check_kv_layout(kv_layout)
     wl = check_mask(mask_type, window_left)
     check_tensor("q", q)
+    cache = list(paged_kv_cache) if isinstance(paged_kv_cache, (tuple, list)) else [paged_kv_cache]
+    check_devices("batch_decode_with_paged_kv_cache", [
+        ("q", q), *((f"paged_kv_cache[{i}]" if len(cache) > 1 else "paged_kv_cache", t) for i, t in enumerate(cache)),
+        ("block_tables", block_tables), ("seq_lens_kv", seq_lens_kv), ("qo_indptr", qo_indptr), ("out", out),
+        ("workspace_buffer", workspace_buffer)])
     if kv_scale_factors is not None:
         raise NotImplementedError("kv_scale_factors (NVFP4 / fp8 KV scale factors) is not supported; supported: "
                                   "float16 / bfloat16 and per-tensor float8_e4m3fn caches (fold the scales into "
