@@ -216,13 +216,15 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
 
     Context parallel (``use_cp``, FlashInfer's): few long sequences on few heads leave most SMs idle on one
     chain a (sequence, head), so each sequence is cut on the device into P segments of whole 64-token chunks
-    (P from the shapes and the SM count: no sync, CUDA-graph safe); the kernel runs over the segments from the
-    identity with ``v = 0`` and from zeros (each segment's transition ``M`` and offset ``B``: ``H_out = H_in M +
-    B``), the segments are chained in float64, and the kernel reruns them from their true starting states for
-    the output; the final state is the chain's.  Three kernel runs (two at K = V = 64) for a P-fold shorter
-    serial chain; the errors match the plain launch's (about 5e-3 relative in bf16, within 1e-2).
-    ``use_cp="auto"`` takes the plain launch for now: the three runs (each with the prep) measured slower than
-    one plain run on few long sequences (:data:`cutedsl_attn.planning.gdn_cp.CP_AUTO`); True always; False never.
+    (P from the shapes and the SM count: no sync, CUDA-graph safe); the chunked kernels' prep runs once, then
+    their main kernel runs over the segments from the identity with ``U = 0`` and from zeros (each segment's
+    transition ``M`` and offset ``B``: ``H_out = H_in M + B``), the segments are chained in float64, and the main
+    kernel reruns them from their true starting states for the output; the final state is the chain's.  One prep
+    and three main-kernel runs for a P-fold shorter serial chain; outputs and final states equal the plain
+    launch's.  ``use_cp="auto"`` takes it for sequences of at least 512 chunks (32768 tokens) on average when
+    ``N * HO * 2 < num_SMs`` and the split reaches at least 6 segments in one wave
+    (:func:`cutedsl_attn.planning.gdn_cp.cp_num_segments`; measured 2.15x the plain launch at 1 x 65536 tokens,
+    8 heads); True always; False never.
 
     Args:
         q: ``[T, Hq, K]`` (or ``[1, T, Hq, K]``) bfloat16 / float16 CUDA tensor, last dim contiguous, other
@@ -246,8 +248,8 @@ def chunk_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state
             ``output_final_state``.  Must not overlap ``initial_state``, except the very same tensor with
             ``state_indices`` (an in-place pool update).
         state_checkpoints, checkpoint_cu_starts, checkpoint_every_n_tokens, _cp_chunk_len: not served.
-        use_cp: ``"auto"`` (the plain launch for now, above), True (context parallel, at least 2 segments a
-            sequence) or False (never).
+        use_cp: ``"auto"`` (the rule above), True (context parallel, at least 2 segments a sequence) or False
+            (never).
         state_indices: ``[N]`` int32 / int64 pool rows of each sequence's initial and final state, unique.
         backend: ``"auto"`` or ``"cute"`` (the CuTe DSL kernel), or ``"cudnn"`` (never chosen implicitly):
             :func:`cutedsl_attn.api.cudnn_linear.cudnn_chunk_gated_delta_rule`, which refuses state checkpoints,
