@@ -133,6 +133,10 @@ def main():
     gen = torch.Generator().manual_seed(0)
     rd, cp = read_ceiling()
     print(f"read ceiling {rd:.3f} TB/s, copy {cp:.3f} TB/s")
+    a, bm = (torch.randn(8192, 8192, dtype=DT, device=DEV) for _ in range(2))
+    gemm_tf = 2 * 8192**3 / timed(lambda: a @ bm, reps=5) / 1e12  # the compute ceiling of the same run
+    del a, bm
+    print(f"bf16 matmul 8192^3: {gemm_tf:.0f} TFLOP/s")
     ws = torch.empty(256 << 20, dtype=torch.int8, device=DEV)
     results = []
     for (tag, H, B, L, s_q) in [r for r in (ROWS[:2] if args.quick else ROWS) if r[0] in tags]:
@@ -189,6 +193,8 @@ def main():
         if "fi_fa3_us" in row:
             row["fa3_over_ours_time"] = row["fi_fa3_us"] / row["ours_us"]
         row["read_ceiling_tbs"] = rd
+        row["gemm_tflops"] = gemm_tf
+        row["ours_over_gemm"] = row["ours_tflops"] / gemm_tf
         results.append(row)
         print(row, flush=True)
         del q_nope, q_pe, ckv, kpe
@@ -215,11 +221,11 @@ def main():
         os.environ["CUTEDSL_ATTN_MLA_KERNEL"] = env_before
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_mla.json"), "w") as f:
-        json.dump(dict(read_ceiling_tbs=rd, copy_tbs=cp, rows=results), f, indent=1)
+        json.dump(dict(read_ceiling_tbs=rd, copy_tbs=cp, gemm_tflops=gemm_tf, rows=results), f, indent=1)
     variant_cols = [f"v[{v}]_over_{tuned}" for v in args.variants.split(";") if v]
     cols = ["row", "heads", "batch", "kv_len", "s_q", "q", "kv", "ours_kernel", "ours_us", "ours_tflops", "ours_tbs",
             *(["portable_tflops", "sm90_tflops", "sm90_vs_portable_relerr"] if len(kernels) == 2 else []),
-            "read_ceiling_tbs", "bytes_only_us", "ours_over_bytes_only", *variant_cols,
+            "read_ceiling_tbs", "gemm_tflops", "ours_over_gemm", "bytes_only_us", "ours_over_bytes_only", *variant_cols,
             "bf16_over_fp8_time", "fp8_vs_bf16_relerr", "fi_fa3_us", "fi_fa3_tflops", "fa3_over_ours_time",
             "fi_fa2_us", "fi_fa2_tflops"]
     print("| " + " | ".join(cols) + " |")
