@@ -41,7 +41,13 @@ def test_unsupported_and_config_rules():
     assert sm90.override_tiles(sm90.Tiles(), {"num_stages": "3"}).num_stages == 3
     with pytest.raises(ValueError):
         sm90.override_tiles(sm90.Tiles(), {"num_warps": "8"})
-    assert sm90.TUNING_FIELDS == ("tile_v", "num_stages")
+    assert sm90.TUNING_FIELDS == ("tile_v", "num_stages", "tma")
+    assert sm90.Tiles().tma == 0 and sm90.override_tiles(sm90.Tiles(), {"tma": "1"}).tma == 1
+    with pytest.raises(ValueError, match="tma"):
+        sm90.Tiles(tma=2)
+    with pytest.raises(TypeError):
+        sm90.Tiles(tma=True)
+    assert sm90.Config(_problem(), sm90.Tiles(tma=1)) != sm90.Config(_problem(), sm90.Tiles())  # compile key
     assert sm90.default_tiles(_problem(), num_sms=132, chains=256) == sm90.Tiles(tile_v=128)
     assert sm90.default_tiles(_problem(), num_sms=132, chains=8) == sm90.Tiles(tile_v=64)
     for chains, tv in ((128, 128), (99, 128), (98, 64), (32, 64)):  # 128 rows from 3/4 of a wave of chains
@@ -72,6 +78,8 @@ def test_dispatch_opt_in(monkeypatch):
         gdn_choice(_problem(arch="sm_100a"))
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "tile_v=64,num_stages=3")
     assert gdn_choice(p)[1].tiles == sm90.Tiles(tile_v=64, num_stages=3)
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "tma=1")
+    assert gdn_choice(p, chains=1000)[1].tiles == sm90.Tiles(tile_v=128, tma=1)
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "num_warps=8")
     with pytest.raises(ValueError, match="CUTEDSL_ATTN_GDN_TUNE"):
         gdn_choice(p)
@@ -115,6 +123,7 @@ def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", main)
     assert sorted(waits) == ["0", "0", "1"]  # X^T consumed while Y^T is in flight; then two full waits
     assert "cp.async.cg.shared.global" in main and "cp.async.mbarrier.arrive.noinc" in main
+    assert "cp.async.bulk.tensor" not in ptx  # tma = 0: every load a cp.async
     assert "mbarrier.try_wait" in main or "mbarrier.test_wait" in main
     assert "fence.proxy.async" in main  # cp.async writes ordered before wgmma's reads
     # two consumer warpgroups (384 threads) rebalance registers; one (256 threads) needs no setmaxnreg
@@ -125,5 +134,40 @@ def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
     assert len(res) == 2
     for name, r in res.items():
         assert r["stack_bytes"] == 0, (name, r)  # no spills
+    main_res = [r for n, r in res.items() if "main" in n][0]
+    assert main_res["registers"] <= 65536 // (128 * (1 + tv // 64))  # launchable before setmaxnreg
+
+
+TMA_VARIANTS = {
+    "k128_bf16_128x2": (dict(use_qk_l2norm=True), (128, 2)),
+    "k128_fp16_64x3": (dict(dtype="float16"), (64, 3)),
+    "k64_bf16_64x2": (dict(head_dim_k=64, head_dim_v=64), (64, 2)),
+    "k64_fp16_64x3": (dict(dtype="float16", head_dim_k=64, head_dim_v=64, state_dtype="bfloat16"), (64, 3)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(TMA_VARIANTS))
+def test_sm90_kernel_tma_ptx_and_cubin(tmp_path, variant):
+    """``tma = 1``: W / Aqk and full chunks' q / k rows as TMA boxes on an expect-tx mbarrier; the tail chunk's
+    q / k rows, U and the row factors stay cp.async."""
+    kw, (tv, st) = TMA_VARIANTS[variant]
+    p = _problem(**kw)
+    cfg = sm90.Config(p, sm90.Tiles(tile_v=tv, num_stages=st, tma=1))
+    sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
+    (path,) = glob.glob(str(tmp_path / "*.ptx"))
+    ptx = open(path).read()
+    prep, main = ptx.split(".entry")[1], ptx.split(".entry")[2]
+    assert "cp.async.bulk.tensor" not in prep
+    # one box per 128-byte swizzle span (64 columns): W and q / k K / 64 each, Aqk one
+    boxes = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\.tile\.mbarrier::complete_tx", main)
+    assert len(boxes) == 3 * (p.head_dim_k // 64) + 1, boxes
+    assert "mbarrier.arrive.expect_tx" in main
+    assert "cp.async.cg.shared.global" in main and "cp.async.mbarrier.arrive.noinc" in main  # tail rows, U, F
+    assert ".local" not in ptx
+    assert ("setmaxnreg.dec" in main and "setmaxnreg.inc" in main) == (tv == 128)
+    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
+    res = cubin_kernel_resources(open(cub, "rb").read())
+    for name, r in res.items():
+        assert r["stack_bytes"] == 0, (name, r)
     main_res = [r for n, r in res.items() if "main" in n][0]
     assert main_res["registers"] <= 65536 // (128 * (1 + tv // 64))  # launchable before setmaxnreg

@@ -86,7 +86,8 @@ def test_vs_oracle(dims, heads):
 
 
 @pytest.mark.parametrize("tiles", ["tile_v=64,num_stages=2", "tile_v=64,num_stages=3", "tile_v=128,num_stages=2",
-                                   "tile_v=128,num_stages=3"])
+                                   "tile_v=128,num_stages=3", "tile_v=64,num_stages=3,tma=1",
+                                   "tile_v=128,num_stages=2,tma=1", "tile_v=128,num_stages=3,tma=1"])
 def test_tiles(monkeypatch, tiles):
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", tiles)
     kw = make(LENS + [130], 2, 2, 4, 128, 128, l2norm=True)
@@ -119,7 +120,9 @@ def test_log_gates_and_no_initial_state():
     assert rel(o, o_ref) < TOL_O and rel(s, s_ref) < TOL_SC
 
 
-def test_state_pool_in_place():
+@pytest.mark.parametrize("tune", ["", "tma=1"])
+def test_state_pool_in_place(monkeypatch, tune):
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", tune)
     lens = [5, 0, 70, 1]
     kw = make(lens, 2, 2, 4, 128, 128)
     pool = torch.randn(9, 4, 128, 128, device=DEV) * 0.1
@@ -173,3 +176,42 @@ def test_strongly_correlated_keys(gated):
     o, s = run(kw)
     o_ref, s_ref = oracle(**kw, output_final_state=True)
     assert rel(o, o_ref) < 2 * TOL_O and rel(s, s_ref) < 3 * TOL_SC
+
+
+TMA_LENS = [0, 1, 63, 64, 65, 1000, 4097]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dims", [(128, 128), (64, 64), (64, 128), (128, 64)])
+@pytest.mark.parametrize("heads", [(4, 4, 8), (2, 2, 2)])  # GVA, MHA
+def test_tma_loads(monkeypatch, dtype, dims, heads):
+    """``tma=1`` (TMA boxes for W / Aqk and full chunks' q / k rows, cp.async for each tail chunk): the oracle's
+    result, and bit-equal to the cp.async loads (the same bytes land in the same swizzled stages)."""
+    K, V = dims
+    kw = make(TMA_LENS, *heads, K, V, dtype=dtype, l2norm=heads == (4, 4, 8))
+    o0, s0 = (x.clone() for x in run(kw))
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "tma=1")
+    o1, s1 = run(kw)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o1, o_ref) < TOL_O and rel(s1, s_ref) < TOL_SC
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+
+
+def test_tma_loads_context_parallel(monkeypatch):
+    """The context-parallel path's main-only runs (final states only: no q / Aqk loads; the transition run
+    without U) with ``tma=1``: bit-equal to the cp.async loads."""
+    kw = make([4097, 1000, 65], 2, 2, 4, 128, 128, l2norm=True)
+    o0, s0 = (x.clone() for x in run(kw, use_cp=True))
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "tma=1")
+    o1, s1 = run(kw, use_cp=True)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o1, o_ref) < TOL_O and rel(s1, s_ref) < TOL_SC
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+
+
+def test_tma_loads_many_short_and_one_long(monkeypatch):
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "tma=1")
+    kw = make([3, 17, 1, 0, 9, 64, 128] * 4 + [4097], 4, 4, 8, 128, 128, gate_lo=0.9)
+    o, s = run(kw)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o, o_ref) < TOL_O and rel(s, s_ref) < TOL_SC

@@ -19,9 +19,11 @@ register order) and no state copy goes through shared memory.  Per chunk a warpg
 
 The CTA is a producer warpgroup (``cp.async`` of the next chunks' q / k rows, zero past the sequence, and of the
 scratch blocks into the 128-byte-swizzled layouts wgmma reads, on a ring of ``num_stages`` stages with
-mbarriers) and ``tile_v / 64`` consumer warpgroups; one CTA per (V-slice of ``tile_v`` rows, output head,
-sequence).  A sequence of length 0 writes its initial state (zeros without one) as its final state.  Each CTA
-reads its state slice before it writes it and no two CTAs share one, so an in-place pool update is race-free.
+mbarriers; ``Tiles.tma = 1``: W, Aqk and full chunks' q / k rows as TMA boxes on the same mbarriers, a tail
+chunk's rows ``cp.async``, which zero-fills past the sequence inside a ragged batch where TMA would not) and
+``tile_v / 64`` consumer warpgroups; one CTA per (V-slice of ``tile_v`` rows, output head, sequence).  A
+sequence of length 0 writes its initial state (zeros without one) as its final state.  Each CTA reads its state
+slice before it writes it and no two CTAs share one, so an in-place pool update is race-free.
 Served: what the portable chunked kernel serves (GDN, scalar gates, K and V in 64 / 128, a V-major fp32 / bf16
 state), compiled for ``sm_90a`` only.  The per-channel members (KDA, GDN-2) run this main kernel behind their own
 prep (:mod:`cutedsl_attn.sm90.kda_chunked`: a compile-time branch decays the state per K column).
@@ -42,7 +44,7 @@ import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ptx
@@ -59,6 +61,7 @@ from ..planning.gdn import (
     GdnProblem, chunked_launch_tensors,
 )
 from ..planning.gdn_cp import MainRun, main_run_args
+from .gdn_loads import GdnSm90Loads
 
 NAME = "gdn_chunked_sm90"
 #: cache names of the split entry points (the prep alone, the main kernel alone: :func:`compile_prep`,
@@ -77,16 +80,19 @@ _inline = cute.arch.inline_ptx
 @dataclass(frozen=True)
 class Tiles:
     """What the SM90 chunked kernel's main CTA chooses: ``tile_v`` state rows (V-slice) it owns, 64 per consumer
-    warpgroup (64 or 128), and ``num_stages`` of the chunk ring (2 or 3).
+    warpgroup (64 or 128), ``num_stages`` of the chunk ring (2 or 3), and ``tma``: 0 loads every block with
+    ``cp.async``, 1 loads W, Aqk and the q / k rows of full chunks with TMA boxes (a sequence's tail chunk keeps
+    ``cp.async``, which zero-fills its rows past the sequence).
 
     Raises TypeError for a non-int field, ValueError for another value.
     """
 
     tile_v: int = 128
     num_stages: int = 2
+    tma: int = 0
 
     def __post_init__(self):
-        for name in ("tile_v", "num_stages"):
+        for name in ("tile_v", "num_stages", "tma"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {v!r}")
@@ -94,6 +100,8 @@ class Tiles:
             raise ValueError(f"tile_v must be 64 or 128, got {self.tile_v}")
         if self.num_stages not in (2, 3):
             raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
+        if self.tma not in (0, 1):
+            raise ValueError(f"tma must be 0 or 1, got {self.tma}")
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
@@ -224,7 +232,7 @@ def _st_b16(addr, v):
     _inline("{ .reg .b16 h; cvt.u16.u32 h, {$r1}; st.global.b16 [{$r0}], h; }", read_only_args=[Int64(addr), Int32(v)])
 
 
-class GdnChunkedSm90Kernel(GdnPrep):
+class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
     """CuTe DSL SM90 chunked GDN (the shared prep kernel + the wgmma main kernel); see the module docstring.
     Build with :func:`compile`."""
 
@@ -250,6 +258,8 @@ class GdnChunkedSm90Kernel(GdnPrep):
         # a main-only launch (GdnChunkedSm90MainKernel) may skip the outputs and the q / Aqk / U reads
         self.write_output = True
         self.zero_u = False
+        # the subclasses' own Tiles (KDA, the fused kernel) have no TMA option: cp.async loads
+        self.tma = getattr(cfg.tiles, "tma", 0) == 1
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -301,8 +311,21 @@ class GdnChunkedSm90Kernel(GdnPrep):
             sF: cute.struct.Align[cute.struct.MemRange[Float32, S * (self.F_BYTES // 4)], 16]
 
         self.shared_storage = SharedStorage
+        tma_args = (None,) * 8
+        if const_expr(self.tma):
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            box_ck, box_cc = cute.select(s_ck, mode=[0, 1]), cute.select(s_cc, mode=[0, 1])
+            # q / k as (tokens, K, heads), the scratch as (rows, cols, heads, chunks): one box = one stage tile
+            mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1]))
+            mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+            mW_t = cute.make_tensor(mW.iterator, cute.select(mW.layout, mode=[2, 3, 1, 0]))
+            mA_t = cute.make_tensor(mAqk.iterator, cute.select(mAqk.layout, mode=[2, 3, 1, 0]))
+            tma_args = (*cpasync.make_tiled_tma_atom(g2s, mQ_t, box_ck, (C, K), 1),
+                        *cpasync.make_tiled_tma_atom(g2s, mK_t, box_ck, (C, K), 1),
+                        *cpasync.make_tiled_tma_atom(g2s, mW_t, box_ck, (C, K), 1),
+                        *cpasync.make_tiled_tma_atom(g2s, mA_t, box_cc, (C, C), 1))
         self.main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group, flags,
-                  s_ck, s_cc, mma_x, mma_s).launch(
+                  s_ck, s_cc, mma_x, mma_s, *tma_args).launch(
             grid=(self.NVB * mO.shape[1], mCu.shape[0] - 1, 1), block=(128 * (1 + self.NWG), 1, 1),
             smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -310,7 +333,8 @@ class GdnChunkedSm90Kernel(GdnPrep):
     @cute.kernel
     def main(self, mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group: Int32,
              k_group: Int32, flags: Int32, s_ck: cute.ComposedLayout, s_cc: cute.ComposedLayout,
-             mma_x: cute.TiledMma, mma_s: cute.TiledMma):
+             mma_x: cute.TiledMma, mma_s: cute.TiledMma, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_W, tma_W,
+             tma_atom_A, tma_A):
         """One CTA per (V-slice, output head, sequence): warpgroup 0 loads, the others walk the chunk chain."""
         tidx, _, _ = cute.arch.thread_idx()
         bx, n, _ = cute.arch.block_idx()
@@ -324,7 +348,8 @@ class GdnChunkedSm90Kernel(GdnPrep):
         c0 = mChunkOff[n]
         nch = mChunkOff[n + 1] - c0
         # every producer thread arrives when its cp.async copies land (noinc); every consumer thread releases
-        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128)
+        # (with TMA, one more arrival: the elected thread's arrive.expect_tx of the stage's TMA bytes)
+        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 + int(self.tma))
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.NWG)
         pipe = pipeline.PipelineCpAsync.create(barrier_storage=storage.mbar.data_ptr(), num_stages=self.S,
                                                producer_group=producers, consumer_group=consumers, defer_sync=True)
@@ -337,8 +362,14 @@ class GdnChunkedSm90Kernel(GdnPrep):
             for j in cutlass.range(nch, unroll=1):
                 pipe.producer_acquire(state)
                 t0 = bos + j * self.C
-                self._load_chunk(mQ, mK, mW, mU, mAqk, mF, storage, state.index, c0 + j, t0,
-                                 cutlass.min(eos - t0, self.C), ho // q_group, ho // k_group, ho, v0, tidx)
+                if const_expr(self.tma):
+                    self._load_chunk_tma(mQ, mK, mW, mU, mF, storage, pipe, state, c0 + j, t0,
+                                         cutlass.min(eos - t0, self.C), ho // q_group, ho // k_group, ho, v0, tidx,
+                                         warp_idx, s_ck, s_cc, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_W,
+                                         tma_W, tma_atom_A, tma_A)
+                else:
+                    self._load_chunk(mQ, mK, mW, mU, mAqk, mF, storage, state.index, c0 + j, t0,
+                                     cutlass.min(eos - t0, self.C), ho // q_group, ho // k_group, ho, v0, tidx)
                 pipe.producer_commit(state)
                 state.advance()
         else:
@@ -353,61 +384,6 @@ class GdnChunkedSm90Kernel(GdnPrep):
             self._consume(mH0, mH0Idx, mHt, mHtIdx, mO, flags, sQ, sK, sW, sAqk, storage.sU.data_ptr().toint(),
                           storage.sF.data_ptr().toint(), pipe, mma_x, mma_s, n, ho, v0 + wg * 64, wg, bos, eos,
                           nch, ptx.opaque_i32(ctid % 128))
-
-    @cute.jit
-    def _load_chunk(self, mQ, mK, mW, mU, mAqk, mF, storage, stage, c, t0, ln, qh, kh, ho, v0, tid):
-        """Producer warpgroup: cp.async chunk ``c`` (tokens ``t0 .. t0 + ln``) into ring stage ``stage``: q / k
-        rows (zero past ``ln``: rows of the next sequence may hold anything) and W, Aqk into the swizzled tiles,
-        the V-slice of U (padded rows) and the row factors."""
-        C, K, V, BV, RU = self.C, self.K, self.V, self.BV, self.RU
-        HO = mW.shape[1]
-        tile_ck = C * K * 2
-        if const_expr(self.write_output):  # q and Aqk feed the outputs only
-            self._load_qk_rows(mQ, storage.sQ.data_ptr().toint() + stage * tile_ck, t0, ln, qh, tid)
-        self._load_qk_rows(mK, storage.sK.data_ptr().toint() + stage * tile_ck, t0, ln, kh, tid)
-        blk = Int64(c) * HO + ho
-        self._load_tile(mW.iterator.toint() + blk * (C * K * 2), K, storage.sW.data_ptr().toint() + stage * tile_ck,
-                         tid)
-        if const_expr(self.write_output):
-            self._load_tile(mAqk.iterator.toint() + blk * (C * C * 2), C,
-                             storage.sAqk.data_ptr().toint() + stage * (C * C * 2), tid)
-        if const_expr(not self.zero_u):
-            u_src = mU.iterator.toint() + blk * (C * V * 2) + v0 * 2
-            u_dst = storage.sU.data_ptr().toint() + stage * (C * RU)
-            cpr = BV // 8
-            for it in cutlass.range((C * cpr) // 128, unroll=2):
-                idx = it * 128 + tid
-                r = idx // cpr
-                col = idx % cpr
-                ptx.cp_async_16(u_dst + r * RU + col * 16, u_src + (Int64(r) * V + col * 8) * 2, 16)
-        if tid < self.F_BYTES // 16:
-            ptx.cp_async_16(storage.sF.data_ptr().toint() + stage * self.F_BYTES + tid * 16,
-                            mF.iterator.toint() + blk * self.F_BYTES + tid * 16, 16)
-
-    @cute.jit
-    def _load_qk_rows(self, mX, s_dst, t0, ln, head, tid):
-        """cp.async rows ``t0 .. t0 + C`` of head ``head`` of ``mX`` ``[T, H, K]`` into a swizzled (C, K) tile,
-        zero past ``ln`` (the source address stays in bounds: row ``t0``)."""
-        cpr = self.K // 8
-        base = mX.iterator.toint()
-        for it in cutlass.range((self.C * cpr) // 128, unroll=2):
-            idx = it * 128 + tid
-            r = idx // cpr
-            col = idx % cpr
-            ok = r < ln
-            tok = cutlass.select_(ok, t0 + r, t0)
-            goff = Int64(tok) * mX.stride[0] + Int64(head) * mX.stride[1] + col * 8
-            ptx.cp_async_16(s_dst + sw128_offset(r, col, CHUNK), base + goff * 2, cutlass.select_(ok, 16, 0))
-
-    @cute.jit
-    def _load_tile(self, g_base, D: cutlass.Constexpr, s_dst, tid):
-        """cp.async a row-major ``[C, D]`` 16-bit scratch block at ``g_base`` into a swizzled (C, D) tile."""
-        cpr = D // 8
-        for it in cutlass.range((self.C * cpr) // 128, unroll=2):
-            idx = it * 128 + tid
-            r = idx // cpr
-            col = idx % cpr
-            ptx.cp_async_16(s_dst + sw128_offset(r, col, CHUNK), g_base + (Int64(r) * D + col * 8) * 2, 16)
 
     @cute.jit
     def _gemm(self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr):
