@@ -76,6 +76,23 @@ def _prims_ts_args(B=2, ps=16, hkv=2, d=64, pages=6):
                 seq_lens_kv=torch.tensor([20, 33], dtype=torch.int32))
 
 
+def _trtllm_mla_args(B=2, ps=32, pages=4):
+    return dict(query=torch.randn(B, 1, 16, 576).to(BF16), kv_cache=torch.randn(pages, ps, 576).to(BF16),
+                workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8), qk_nope_head_dim=128, kv_lora_rank=512,
+                qk_rope_head_dim=64, block_tables=torch.arange(B * 2, dtype=torch.int32).view(B, 2),
+                seq_lens=torch.tensor([20, 33], dtype=torch.int32), max_seq_len=64)
+
+
+def _xqa_mla_args(B=2, ps=32, pages=4):
+    e4m3 = torch.float8_e4m3fn
+    return dict(q=torch.randn(B, 1, 128, 576).to(e4m3), k_cache=torch.randn(pages, ps, 576).to(e4m3),
+                v_cache=torch.randn(pages, ps, 512).to(e4m3),
+                page_table=torch.arange(B * 2, dtype=torch.int32).view(B, 2),
+                seq_lens=torch.tensor([[20], [33]], dtype=torch.int32),
+                output=torch.empty(B, 1, 128, 512, dtype=BF16), workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8),
+                semaphores=torch.zeros(8, dtype=torch.int32), page_size=ps)
+
+
 # (entry point, its arguments, the argument names the message must list)
 ENTRY_POINTS = {
     "single_decode_with_kv_cache": (ca.single_decode_with_kv_cache, _single_decode_args, ("q", "k", "v")),
@@ -87,6 +104,10 @@ ENTRY_POINTS = {
     "xqa": (ca.xqa, _xqa_args, ("q", "k_cache", "v_cache", "page_table", "output", "workspace_buffer")),
     "batch_decode_with_paged_kv_cache": (prims_ts.batch_decode_with_paged_kv_cache, _prims_ts_args,
                                          ("q", "paged_kv_cache", "block_tables", "seq_lens_kv")),
+    "trtllm_batch_decode_with_kv_cache_mla": (ca.trtllm_batch_decode_with_kv_cache_mla, _trtllm_mla_args,
+                                              ("query", "kv_cache", "workspace_buffer", "block_tables")),
+    "xqa_mla": (ca.xqa_mla, _xqa_mla_args, ("q", "k_cache", "v_cache", "page_table", "output", "workspace_buffer",
+                                             "semaphores")),
 }
 
 

@@ -27,7 +27,9 @@ import torch
 from ..common.constants import LN2 as _LN2
 from ..dispatch import mla_choice, mla_launch, mla_limits, mla_problem, num_sms
 from ..planning.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MlaArgs, plan_mla
-from ._common import check_bool, check_int, check_last_dim_contiguous, check_optional_bool, check_tensor
+from ._common import (
+    check_bool, check_devices, check_int, check_last_dim_contiguous, check_optional_bool, check_tensor,
+)
 from ._pagetable import from_block_tables
 
 __all__ = ["trtllm_batch_decode_with_kv_cache_mla", "xqa_mla"]
@@ -318,6 +320,9 @@ def trtllm_batch_decode_with_kv_cache_mla(
       All raised before any launch.
     """
     _check_backend(backend)
+    check_devices("trtllm_batch_decode_with_kv_cache_mla", [
+        ("query", query), ("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer), ("block_tables", block_tables),
+        ("out", out), ("lse", lse), ("multi_ctas_kv_counter_buffer", multi_ctas_kv_counter_buffer)])
     for n, x in (("is_var_seq", is_var_seq), ("uses_shared_paged_kv_idx", uses_shared_paged_kv_idx),
                  ("return_lse", return_lse), ("enable_dcp", enable_dcp)):
         check_bool(n, x)
@@ -397,6 +402,8 @@ def xqa_mla(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer,
       with storage of its own, ``enable_pdl=True``.  All raised before any launch.
     """
     check_tensor("q", q, ndim=4)
+    check_devices("xqa_mla", [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table),
+                              ("output", output), ("workspace_buffer", workspace_buffer), ("semaphores", semaphores)])
     dev = q.device
     page_size = check_int("page_size", page_size, 1)
     if page_size > MAX_PAGE_SIZE:
