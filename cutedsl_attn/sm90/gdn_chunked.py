@@ -49,18 +49,16 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ptx
 from ..common.dtypes import element_type
+from ..common.gdn_launch import compile_kernel, launch, launch_main, launch_prep, prep_tensors  # noqa: F401
 from ..common.smem import sw128_offset, transpose_view
 from ..common.gdn_prep import (
     PREP_CTAS_PER_SM, PREP_SMEM_CARVEOUT, PREP_THREADS, GdnPrep, prep_smem_bytes, row_pitches,
 )
-from ..compile.arch import compile_options
-from ..compile.fake import gdn_chunked_tensors
 from ..compile.tiles import override_int_fields
 from ..planning.gdn import (
-    CHUNK, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE, GdnArgs,
-    GdnProblem, chunked_launch_tensors,
+    CHUNK, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE, GdnProblem,
 )
-from ..planning.gdn_cp import MainRun, main_run_args
+from ..planning.gdn_cp import MainRun
 from .gdn_loads import GdnSm90Loads
 
 NAME = "gdn_chunked_sm90"
@@ -581,71 +579,20 @@ class GdnChunkedSm90MainKernel(GdnChunkedSm90Kernel):
                           flags, stream)
 
 
-def _fake_args(p: GdnProblem) -> tuple:
-    """Fake tensors in the compiled function's order (:func:`cutedsl_attn.compile.fake.gdn_chunked_tensors`)."""
-    sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
-    return gdn_chunked_tensors(element_type(p.dtype), sdt, p.head_dim_k, p.head_dim_v, CHUNK)
-
-
-def _compile(kernel, p: GdnProblem, keep_ptx_dir, keep_cubin):
-    from cutlass.cute.runtime import make_fake_stream
-
-    opts = compile_options(p.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
-    return cute.compile(kernel, *_fake_args(p), Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(0),
-                        make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
-
-
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile :class:`GdnChunkedSm90Kernel` (prep + main kernels, one function) for ``cfg`` from fake tensors (no
     GPU needed).  Returns the tvm-ffi callable; call it through :func:`launch`.  Raises ValueError for
     ``keep_cubin`` without a ``keep_ptx_dir``."""
-    return _compile(GdnChunkedSm90Kernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
+    return compile_kernel(GdnChunkedSm90Kernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
 
 
 def compile_prep(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile the prep kernel alone (:class:`GdnChunkedSm90PrepKernel`, cache name :data:`NAME_PREP`) for
     ``cfg``; call it through :func:`launch_prep`.  Errors as :func:`compile`'s."""
-    return _compile(GdnChunkedSm90PrepKernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
+    return compile_kernel(GdnChunkedSm90PrepKernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
 
 
 def compile_main(mcfg: MainConfig, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile the main kernel alone (:class:`GdnChunkedSm90MainKernel`, cache name :data:`NAME_MAIN`) for
     ``mcfg``; call it through :func:`launch_main`.  Errors as :func:`compile`'s."""
-    return _compile(GdnChunkedSm90MainKernel(mcfg), mcfg.config.problem, keep_ptx_dir, keep_cubin)
-
-
-def launch(fn, cfg: Config, args: GdnArgs) -> None:
-    """Plan the chunks and allocate the prep kernel's scratch
-    (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`: device tensors, no host sync), then launch ``fn``
-    on torch's current stream."""
-    p = cfg.problem
-    _call(fn, args, chunked_launch_tensors(args, p.head_dim_k, p.head_dim_v))
-
-
-def _call(fn, args: GdnArgs, scratch: tuple) -> None:
-    chunks, chunk_off, w, u, aqk, f = scratch
-    fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
-       args.initial_state_indices, args.output_state, args.output_state_indices, args.output, w, u, aqk, f,
-       args.scale, args.q_group, args.k_group, args.v_group, args.flags)
-
-
-def prep_tensors(args: GdnArgs, cfg: Config) -> tuple:
-    """The chunk plan and the prep's scratch of ``args``' sequences
-    (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`), shared by :func:`launch_prep` and
-    :func:`launch_main`."""
-    return chunked_launch_tensors(args, cfg.problem.head_dim_k, cfg.problem.head_dim_v)
-
-
-def launch_prep(fn, cfg: Config, args: GdnArgs, scratch: tuple) -> None:
-    """Launch :func:`compile_prep`'s ``fn`` on torch's current stream: the prep of ``args``' chunks (q, k, v, the
-    gates, ``args.flags``' gate bits) into ``scratch`` (:func:`prep_tensors`)."""
-    _call(fn, args, scratch)
-
-
-def launch_main(fn, mcfg: MainConfig, args: GdnArgs, scratch: tuple) -> None:
-    """Launch :func:`compile_main`'s ``fn`` on torch's current stream over ``scratch`` (a :func:`launch_prep` of
-    the same chunks: the same ``cu_seqlens``): ``args`` as :func:`launch`'s for ``mcfg.config.problem`` (the
-    transition run: states ``[*, HO, K, K]``); ``args.v`` is never read, ``args.output`` written by the outputs
-    run only (:func:`~cutedsl_attn.planning.gdn_cp.main_run_args`)."""
-    args, scratch = main_run_args(mcfg.run, args, scratch, mcfg.config.problem.head_dim_v)
-    _call(fn, args, scratch)
+    return compile_kernel(GdnChunkedSm90MainKernel(mcfg), mcfg.config.problem, keep_ptx_dir, keep_cubin)

@@ -1,0 +1,68 @@
+"""Host side shared by the two chunked GDN kernel modules (:mod:`cutedsl_attn.portable.gdn_chunked` and
+:mod:`cutedsl_attn.sm90.gdn_chunked`): one compiled-function signature (the fake tensors, the compile call), the
+chunk plan and scratch, and the launches of the whole op, of the prep alone and of a main-only run on a prep's
+scratch.  Each module re-exports :func:`launch`, :func:`prep_tensors`, :func:`launch_prep` and
+:func:`launch_main` as its own and builds its kernels through :func:`compile_kernel`.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..compile.arch import compile_options
+from ..compile.fake import gdn_chunked_tensors
+from .dtypes import element_type
+from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, chunked_launch_tensors
+from ..planning.gdn_cp import main_run_args
+
+
+def compile_kernel(kernel, p: GdnProblem, keep_ptx_dir: str | None, keep_cubin: bool):
+    """``cute.compile`` of a chunked GDN kernel object for ``p`` from fake tensors in the compiled function's
+    order (:func:`cutedsl_attn.compile.fake.gdn_chunked_tensors`; no GPU needed).  Raises ValueError for
+    ``keep_cubin`` without a ``keep_ptx_dir``."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
+    fake = gdn_chunked_tensors(element_type(p.dtype), sdt, p.head_dim_k, p.head_dim_v, CHUNK)
+    opts = compile_options(p.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
+    return cute.compile(kernel, *fake, Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(0),
+                        make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+
+
+def launch(fn, cfg, args: GdnArgs) -> None:
+    """Plan the chunks and allocate the prep kernel's scratch
+    (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`: device tensors, no host sync), then launch ``fn``
+    (the module's ``compile``) on torch's current stream."""
+    p = cfg.problem
+    _call(fn, args, chunked_launch_tensors(args, p.head_dim_k, p.head_dim_v))
+
+
+def _call(fn, args: GdnArgs, scratch: tuple) -> None:
+    chunks, chunk_off, w, u, aqk, f = scratch
+    fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
+       args.initial_state_indices, args.output_state, args.output_state_indices, args.output, w, u, aqk, f,
+       args.scale, args.q_group, args.k_group, args.v_group, args.flags)
+
+
+def prep_tensors(args: GdnArgs, cfg) -> tuple:
+    """The chunk plan and the prep's scratch of ``args``' sequences
+    (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`), shared by :func:`launch_prep` and
+    :func:`launch_main`."""
+    return chunked_launch_tensors(args, cfg.problem.head_dim_k, cfg.problem.head_dim_v)
+
+
+def launch_prep(fn, cfg, args: GdnArgs, scratch: tuple) -> None:
+    """Launch the module's ``compile_prep`` ``fn`` on torch's current stream: the prep of ``args``' chunks (q, k,
+    v, the gates, ``args.flags``' gate bits) into ``scratch`` (:func:`prep_tensors`)."""
+    _call(fn, args, scratch)
+
+
+def launch_main(fn, mcfg, args: GdnArgs, scratch: tuple) -> None:
+    """Launch the module's ``compile_main`` ``fn`` on torch's current stream over ``scratch`` (a
+    :func:`launch_prep` of the same chunks: the same ``cu_seqlens``): ``args`` as :func:`launch`'s for
+    ``mcfg.config.problem`` (the transition run: states ``[*, HO, K, K]``); ``args.v`` is never read,
+    ``args.output`` written by the outputs run only (:func:`~cutedsl_attn.planning.gdn_cp.main_run_args`)."""
+    args, scratch = main_run_args(mcfg.run, args, scratch, mcfg.config.problem.head_dim_v)
+    _call(fn, args, scratch)
