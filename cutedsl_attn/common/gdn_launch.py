@@ -1,8 +1,11 @@
-"""Host side shared by the two chunked GDN kernel modules (:mod:`cutedsl_attn.portable.gdn_chunked` and
-:mod:`cutedsl_attn.sm90.gdn_chunked`): one compiled-function signature (the fake tensors, the compile call), the
-chunk plan and scratch, and the launches of the whole op, of the prep alone and of a main-only run on a prep's
-scratch.  Each module re-exports :func:`launch`, :func:`prep_tensors`, :func:`launch_prep` and
-:func:`launch_main` as its own and builds its kernels through :func:`compile_kernel`.
+"""Host side shared by the chunked delta-rule kernel modules.
+
+The two chunked GDN modules (:mod:`cutedsl_attn.portable.gdn_chunked`, :mod:`cutedsl_attn.sm90.gdn_chunked`) share
+one compiled-function signature (:func:`compile_kernel`), the chunk plan and scratch, and the launches of the whole
+op, of the prep alone and of a main-only run on a prep's scratch (:func:`launch`, :func:`prep_tensors`,
+:func:`launch_prep`, :func:`launch_main`, re-exported by each as its own).  The two per-channel (KDA / GDN-2)
+modules (:mod:`cutedsl_attn.portable.kda_chunked`, :mod:`cutedsl_attn.sm90.kda_chunked`) share theirs
+(:func:`compile_kda_kernel`, :func:`kda_launch_tensors`, :func:`kda_launch`).
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from ..compile.arch import compile_options
-from ..compile.fake import gdn_chunked_tensors
+from ..compile.fake import gdn_chunked_tensors, kda_chunked_tensors
 from .dtypes import element_type
-from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, chunked_launch_tensors
+from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, chunked_launch_tensors, kda_chunked_launch_tensors
 from ..planning.gdn_cp import main_run_args
 
 
@@ -22,13 +25,44 @@ def compile_kernel(kernel, p: GdnProblem, keep_ptx_dir: str | None, keep_cubin: 
     """``cute.compile`` of a chunked GDN kernel object for ``p`` from fake tensors in the compiled function's
     order (:func:`cutedsl_attn.compile.fake.gdn_chunked_tensors`; no GPU needed).  Raises ValueError for
     ``keep_cubin`` without a ``keep_ptx_dir``."""
+    fake = gdn_chunked_tensors(element_type(p.dtype), _state_type(p), p.head_dim_k, p.head_dim_v, CHUNK)
+    return _compile(kernel, p, fake, keep_ptx_dir, keep_cubin)
+
+
+def compile_kda_kernel(kernel, p: GdnProblem, keep_ptx_dir: str | None, keep_cubin: bool):
+    """:func:`compile_kernel` for a per-channel (KDA / GDN-2) chunked kernel object, its fake tensors
+    (:func:`cutedsl_attn.compile.fake.kda_chunked_tensors`) in its compiled function's order."""
+    fake = kda_chunked_tensors(element_type(p.dtype), _state_type(p), p.head_dim_k, p.head_dim_v, CHUNK,
+                               p.erase_write_gates)
+    return _compile(kernel, p, fake, keep_ptx_dir, keep_cubin)
+
+
+def _state_type(p: GdnProblem):
+    return cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
+
+
+def _compile(kernel, p: GdnProblem, fake: tuple, keep_ptx_dir, keep_cubin):
     from cutlass.cute.runtime import make_fake_stream
 
-    sdt = cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32
-    fake = gdn_chunked_tensors(element_type(p.dtype), sdt, p.head_dim_k, p.head_dim_v, CHUNK)
     opts = compile_options(p.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
     return cute.compile(kernel, *fake, Float32(1.0), Int32(1), Int32(1), Int32(1), Int32(0),
                         make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
+
+
+def kda_launch_tensors(args: GdnArgs, cfg) -> tuple:
+    """The chunk plan and the prep's scratch of a per-channel launch
+    (:func:`cutedsl_attn.planning.gdn.kda_chunked_launch_tensors`); ValueError for g / beta of the wrong shapes."""
+    return kda_chunked_launch_tensors(args, cfg.problem)
+
+
+def kda_launch(fn, cfg, args: GdnArgs) -> None:
+    """Plan the chunks and allocate the scratch (:func:`kda_launch_tensors`), then launch ``fn`` (a per-channel
+    module's ``compile``) on torch's current stream.  ``args``: KDA / GDN-2 :class:`GdnArgs` (``g``
+    ``[T, HO, K]``, ``beta`` ``[T, HO]`` or ``[T, HO, K + V]``)."""
+    chunks, chunk_off, qg, kd, w, u, aqk, f = kda_launch_tensors(args, cfg)
+    fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
+       args.initial_state_indices, args.output_state, args.output_state_indices, args.output, qg, kd, w, u, aqk,
+       f, args.scale, args.q_group, args.k_group, args.v_group, args.flags)
 
 
 def launch(fn, cfg, args: GdnArgs) -> None:

@@ -35,18 +35,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.kda_prep import (
     DIAG_LIMIT, IO_MAX, PREP_LAYOUTS, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, prep_smem_bytes,
 )
-from ..common.dtypes import element_type
-from ..compile.arch import compile_options
-from ..compile.fake import kda_chunked_tensors
+from ..common.gdn_launch import compile_kda_kernel
+from ..common.gdn_launch import kda_launch as launch, kda_launch_tensors as launch_tensors  # noqa: F401
 from ..compile.tiles import override_int_fields
-from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, kda_chunked_launch_tensors
+from ..planning.gdn import CHUNK, GdnProblem
 from . import gdn_chunked as _gdn
 
 NAME = "kda_chunked_sm90"
@@ -213,33 +211,8 @@ class KdaChunkedSm90Kernel(KdaPrep, _gdn.GdnChunkedSm90Kernel):
                           Int32(1), flags, stream)
 
 
-def _fake_args(p: GdnProblem) -> tuple:
-    return kda_chunked_tensors(element_type(p.dtype), cutlass.BFloat16 if p.state_dtype == "bfloat16" else Float32,
-                               p.head_dim_k, p.head_dim_v, CHUNK, p.erase_write_gates)
-
-
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile :class:`KdaChunkedSm90Kernel` (prep + main kernels, one function) for ``cfg`` from fake tensors (no
     GPU needed).  Returns the tvm-ffi callable; call it through :func:`launch`.  Raises ValueError for
     ``keep_cubin`` without a ``keep_ptx_dir``."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    opts = compile_options(cfg.problem.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
-    return cute.compile(KdaChunkedSm90Kernel(cfg), *_fake_args(cfg.problem), Float32(1.0), Int32(1), Int32(1),
-                        Int32(1), Int32(0), make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
-
-
-def launch_tensors(args: GdnArgs, cfg: Config) -> tuple:
-    """The chunk plan and the prep's scratch of a launch
-    (:func:`cutedsl_attn.planning.gdn.kda_chunked_launch_tensors`); ValueError for g / beta of the wrong shapes."""
-    return kda_chunked_launch_tensors(args, cfg.problem)
-
-
-def launch(fn, cfg: Config, args: GdnArgs) -> None:
-    """Plan the chunks and allocate the scratch (:func:`launch_tensors`), then launch ``fn`` on torch's current
-    stream.  ``args``: KDA / GDN-2 :class:`GdnArgs` (``g`` ``[T, HO, K]``, ``beta`` ``[T, HO]`` or
-    ``[T, HO, K + V]``)."""
-    chunks, chunk_off, qg, kd, w, u, aqk, f = launch_tensors(args, cfg)
-    fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
-       args.initial_state_indices, args.output_state, args.output_state_indices, args.output, qg, kd, w, u, aqk,
-       f, args.scale, args.q_group, args.k_group, args.v_group, args.flags)
+    return compile_kda_kernel(KdaChunkedSm90Kernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
