@@ -18,11 +18,12 @@ launches (``prep``, ``main``) timed by the torch profiler over ``--profile-reps`
 (``<kernel>_prep_us`` / ``<kernel>_main_us``, device time a call).
 
 Usage: python perf/bench_delta_family.py [--rows kda_32h,kda_64h,gdn2_32h] [--kernel portable|sm90|both]
-[--sm90-tiles "128,2;64,2"] [--prep-ctas 2,3] [--fla] [--recurrent] [--cudnn] [--profile-reps 3]
+[--sm90-tiles "128,2;64,2;128,2,1"] [--prep-ctas 2,3] [--fla] [--recurrent] [--cudnn] [--profile-reps 3]
 [--out FILE.jsonl] (``--kernel``: which of our chunked kernels, default both (the SM90 one needs sm_90a);
-``--sm90-tiles``: the SM90 kernel's ``tile_v,num_stages`` variants, the first the headline (default: its default
-tiles); ``--prep-ctas``: the prep kernel's layouts (``Tiles.prep_ctas``; 3, the compact one, on the KDA rows
-only, label suffix ``_p3``); ``--fla`` times fla (its Triton autotune is the slow part of a run),
+``--sm90-tiles``: the SM90 kernel's ``tile_v,num_stages[,tma]`` variants (``tma`` 0 when left out; 1: the TMA
+loads of ``Tiles.tma``, label suffix ``_tma``), the first the headline (default: its default tiles);
+``--prep-ctas``: the prep kernel's layouts (``Tiles.prep_ctas``; 3, the compact one, on the KDA rows only, label
+suffix ``_p3``); ``--fla`` times fla (its Triton autotune is the slow part of a run),
 ``--recurrent`` the recurrent kernel on the same launch arguments, ``--cudnn`` cuDNN's KDA graph through
 ``recurrent_kda(backend="cudnn")`` on the KDA rows; peers are skipped cleanly when not importable or declining).
 Prints a Markdown table and one JSON line a row.
@@ -155,7 +156,8 @@ def _variants(kernel, problem, B, H, sm90_tiles, prep_ctas):
             tiles = sm90_tiles or [k90.default_tiles(problem, num_sms=132, chains=B * H)]
             for i, t in enumerate(tiles):
                 for pc in layouts:
-                    label = ("sm90" if i == 0 else f"sm90_{t.tile_v}x{t.num_stages}") + ("" if pc == 2 else f"_p{pc}")
+                    label = (("sm90" if i == 0 else f"sm90_{t.tile_v}x{t.num_stages}" + ("_tma" if t.tma else ""))
+                             + ("" if pc == 2 else f"_p{pc}"))
                     out.append((label, k90, k90.Config(problem, dataclasses.replace(t, prep_ctas=pc))))
     return out
 
@@ -264,8 +266,8 @@ def main():
     ap.add_argument("--kernel", default="both", choices=["portable", "sm90", "both"],
                     help="which of our chunked kernels to time (both: the same inputs, their outputs compared)")
     ap.add_argument("--sm90-tiles", default="",
-                    help='SM90 kernel tile variants "tile_v,num_stages;..." (the first is the headline; default: '
-                         "its default tiles)")
+                    help='SM90 kernel tile variants "tile_v,num_stages[,tma];..." (tma 0 when left out; the first '
+                         "is the headline; default: its default tiles)")
     ap.add_argument("--prep-ctas", default="2,3",
                     help="prep layouts to time, by CTAs an SM (2: the default; 3: the compact KDA layout)")
     ap.add_argument("--profile-reps", type=int, default=3,
@@ -282,8 +284,11 @@ def main():
     sm90_tiles = []
     for item in (x.strip() for x in a.sm90_tiles.split(";")):
         if item:
-            tv, st = (int(x) for x in item.split(","))
-            sm90_tiles.append(k90.Tiles(tile_v=tv, num_stages=st))
+            vals = [int(x) for x in item.split(",")]
+            if len(vals) not in (2, 3):
+                raise SystemExit(f"--sm90-tiles item {item!r}: want tile_v,num_stages[,tma]")
+            tv, st, tma = (*vals, 0)[:3]
+            sm90_tiles.append(k90.Tiles(tile_v=tv, num_stages=st, tma=tma))
     prep_ctas = tuple(int(x) for x in a.prep_ctas.split(",") if x.strip())
     if 2 not in prep_ctas:
         raise SystemExit("--prep-ctas must include 2 (the default layout: the headline and the GDN-2 rows)")

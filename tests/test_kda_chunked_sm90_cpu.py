@@ -1,6 +1,7 @@
 """CPU tests of the SM90 chunked KDA / GDN-2 kernel: its contract and its PTX / cubin (cross-compiled for sm_90a;
 the kernel needs an H200 to run), and that the per-channel branch leaves the SM90 GDN main kernel's code alone."""
 
+import dataclasses
 import glob
 import re
 
@@ -35,7 +36,15 @@ def test_unsupported_and_config_rules():
         kda90.Config(_problem(head_dim_v=64), kda90.Tiles(tile_v=128))
     with pytest.raises(TypeError):
         kda90.Config(_problem(), object())
-    assert kda90.TUNING_FIELDS == ("tile_v", "num_stages", "prep_ctas")
+    assert kda90.TUNING_FIELDS == ("tile_v", "num_stages", "prep_ctas", "tma")
+    assert kda90.Tiles().tma == 0 and kda90.override_tiles(kda90.Tiles(), {"tma": "1"}) == kda90.Tiles(tma=1)
+    with pytest.raises(ValueError, match="tma"):
+        kda90.Tiles(tma=2)
+    with pytest.raises(TypeError, match="tma"):
+        kda90.Tiles(tma=True)
+    assert kda90.Config(_problem(), kda90.Tiles(tma=1)) != kda90.Config(_problem(), kda90.Tiles())  # compile key
+    assert kda90.Config(_problem(), kda90.Tiles(tma=1)).main_smem_bytes == \
+        kda90.Config(_problem(), kda90.Tiles()).main_smem_bytes  # the same ring
     assert kda90.override_tiles(kda90.Tiles(), {"num_stages": "3"}).num_stages == 3
     assert kda90.override_tiles(kda90.Tiles(), {"prep_ctas": "3"}) == kda90.Tiles(prep_ctas=3)
     for bad in (dict(tile_v=32), dict(num_stages=4), dict(prep_ctas=4)):
@@ -171,3 +180,60 @@ def test_launch_tensors_mirror_the_portable_kernels(gdn2):
         kda90.launch_tensors(args(torch.zeros(T, ho), beta), cfg)
     with pytest.raises(ValueError, match="beta must be"):
         kda90.launch_tensors(args(g, torch.zeros(T, ho, 3)), cfg)
+
+
+TMA_VARIANTS = {
+    "kda_k128_l2norm_128x2": (dict(), (128, 2)),
+    "kda_k64_v64_fp16_64x3_prep3": (dict(dtype="float16", head_dim_k=64, head_dim_v=64, use_qk_l2norm=False),
+                                    (64, 3, 3)),
+    "gdn2_k128_bf16state_64x3": (dict(erase_write_gates=True, state_dtype="bfloat16"), (64, 3)),
+    "gdn2_k64_v128_64x2": (dict(erase_write_gates=True, head_dim_k=64), (64, 2)),
+}
+
+
+def _unnamed(entry):
+    """One ``.entry`` chunk of a PTX file with its kernel's name (which spells the configuration) replaced."""
+    name = re.match(r"\s*([\w$]+)\(", entry).group(1)
+    return entry.replace(name, "KERNEL")
+
+
+def _cp_async_16(text):
+    """The ``cp.async`` copies of 16 bytes: (all, those whose source size is a register: zero-filling rows)."""
+    copies = re.findall(r"cp\.async\.cg\.shared\.global[^;]*;", text)
+    return copies, [c for c in copies if re.search(r",\s*%r\w*;", c)]
+
+
+@pytest.mark.parametrize("variant", sorted(TMA_VARIANTS))
+def test_sm90_kda_kernel_tma_ptx_and_cubin(tmp_path, variant):
+    """``tma = 1``: W, Aqk and full chunks' Qg / Kd as TMA boxes on the stage's expect-tx mbarrier; U, the row
+    factors and a tail chunk's rows stay cp.async; the prep kernel and the GEMMs are those of ``tma = 0``."""
+    kw, (tv, st, *pc) = TMA_VARIANTS[variant]
+    p = _problem(**kw)
+    tiles = kda90.Tiles(tile_v=tv, num_stages=st, prep_ctas=pc[0] if pc else 2)
+    ptx1, res = _compile(kda90, kda90.Config(p, dataclasses.replace(tiles, tma=1)), tmp_path / "tma")
+    ptx0, _ = _compile(kda90, kda90.Config(p, tiles), tmp_path / "cp")
+    assert re.search(r"\.target\s+sm_90a", ptx1)
+    prep1, main1 = ptx1.split(".entry")[1], ptx1.split(".entry")[2]
+    prep0, main0 = ptx0.split(".entry")[1], ptx0.split(".entry")[2]
+    K = p.head_dim_k
+    assert "cp.async.bulk.tensor" not in ptx0 and "cp.async.bulk.tensor" not in prep1
+    # one box per 128-byte swizzle span (64 columns): W, Qg and Kd K / 64 each, Aqk one
+    boxes = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\.tile\.mbarrier::complete_tx", main1)
+    assert len(boxes) == 3 * (K // 64) + 1, boxes
+    assert "mbarrier.arrive.expect_tx" in main1
+    copies1, zfill1 = _cp_async_16(main1)
+    copies0, zfill0 = _cp_async_16(main0)
+    assert copies1 and zfill1 and zfill0  # U / F and a tail chunk's Qg / Kd rows (zero past the end) by cp.async
+    assert len(copies1) < len(copies0)
+    assert "cp.async.mbarrier.arrive.noinc" in main1 and "fence.proxy.async" in main1
+    assert _unnamed(prep1) == _unnamed(prep0)  # the prep kernel: untouched
+    wg = r"wgmma\.mma_async[^;]*;"
+    assert [re.sub(r"%\w+", "", x) for x in re.findall(wg, main1)] == \
+           [re.sub(r"%\w+", "", x) for x in re.findall(wg, main0)]  # the same GEMMs in the same order
+    assert sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", main1)) == ["0", "0", "1"]
+    assert ("setmaxnreg.dec" in main1 and "setmaxnreg.inc" in main1) == (tv == 128)
+    assert ".local" not in ptx1
+    for name, r in res.items():
+        assert r["stack_bytes"] == 0, (name, r)  # no spills
+    main_res = [r for n, r in res.items() if "main" in n][0]
+    assert main_res["registers"] <= 65536 // (128 * (1 + tv // 64))  # launchable before setmaxnreg

@@ -5,6 +5,7 @@ kernel (the same prep kernel and the same 16-bit roundings: the two agree closel
 Fresh random inputs every run; outputs and written states NaN-poisoned before each launch.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -25,7 +26,7 @@ from cutedsl_attn.portable import kda_chunked as chk  # noqa: E402
 from cutedsl_attn.ref import delta_family as rd  # noqa: E402
 from cutedsl_attn.sm90 import kda_chunked as kda90  # noqa: E402
 # the portable kernel's GPU test helpers (pytest puts tests/ on sys.path): the same inputs and oracle
-from test_kda_chunked_gpu import LENS, NAN, TOL_O, TOL_S16, TOL_SC, inputs, oracle, rel  # noqa: E402
+from test_kda_chunked_gpu import LENS, NAN, TOL_O, TOL_S16, TOL_SC, cu_of, inputs, oracle, rel  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -191,4 +192,116 @@ def test_api_recurrent_kda_forced(monkeypatch):
                              output_final_state=True)
     assert calls, "the SM90 chunked KDA kernel did not run"
     assert o is out and s is h0
+    assert rel(o, o_ref) < TOL_O and rel(h0, ref_state) < TOL_SC
+
+
+def _tma_pair(d, tiles, h0):
+    """``[(output, final state)]`` of ``tiles`` with ``tma=0`` and with ``tma=1`` on the same inputs (fresh
+    NaN-poisoned outputs and states each)."""
+    V, K = d["v"].shape[2], d["q"].shape[2]
+    ho = max(d["q"].shape[1], d["v"].shape[1])
+    outs = []
+    for tma in (0, 1):
+        ht = torch.full((d["cu"].shape[0] - 1, ho, V, K), NAN, device=DEV)
+        o = run_direct(kda90, d, h0=h0, ht=ht, tiles=dataclasses.replace(tiles, tma=tma))
+        outs.append((o, ht))
+    return outs
+
+
+# (K, V), (tile_v, num_stages)
+TMA_SHAPES = {"k128_v128_64x2": ((128, 128), (64, 2)), "k128_v128_128x3": ((128, 128), (128, 3)),
+              "k64_v64_64x3": ((64, 64), (64, 3)), "k64_v128_128x2": ((64, 128), (128, 2)),
+              "k128_v64_64x2": ((128, 64), (64, 2))}
+
+
+@pytest.mark.parametrize("shape", sorted(TMA_SHAPES))
+@pytest.mark.parametrize("gate", ["mild", "inf"])
+@pytest.mark.parametrize("mode", ["kda", "gdn2"])
+def test_tma_loads_bit_equal_and_vs_oracle(mode, gate, shape):
+    """``tma=1`` (W, Aqk, Qg, Kd of every chunk by TMA boxes; a tail chunk's box reads the next sequence's rows,
+    or the TMA unit's zeros past T): bit-equal to the cp.async loads and the oracle's result, over the varlen
+    lengths 0, 1, 15, 16, 17, 63, 64, 65, 1000, 4097."""
+    (K, V), tiles = TMA_SHAPES[shape]
+    heads = (2, 2, 4) if mode == "kda" else (4, 2, 2)  # KDA: GVA; GDN-2: GQA
+    d = inputs(LENS, *heads, K=K, V=V, gate=gate, gdn2=mode == "gdn2")
+    h0 = torch.randn(len(LENS), max(heads[0], heads[2]), V, K, device=DEV) * 0.1
+    (o0, s0), (o1, s1) = _tma_pair(d, kda90.Tiles(tile_v=tiles[0], num_stages=tiles[1]), h0)
+    o_ref, s_ref = oracle(d, h0)
+    assert rel(o1, o_ref) < TOL_O and rel(s1, s_ref) < TOL_SC
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+    assert torch.equal(s1[0], h0[0])  # a zero-length sequence: final state = initial state
+
+
+@pytest.mark.parametrize("lens", [[15], [1, 15, 17], [17, 4097, 40], [64, 63, 65], [100, 0, 28]])
+def test_tma_tail_chunks_read_neighbour_rows(lens):
+    """Tail chunks beside full ones (ragged lengths, a launch shorter than one box): with ``tma=1`` the full
+    chunks' Qg / Kd go by boxes and the tail rows by zero-filling copies, bit for bit the cp.async loads'."""
+    d = inputs(lens, 2, 2, 4, gate="strong")
+    h0 = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
+    (o0, s0), (o1, s1) = _tma_pair(d, kda90.Tiles(tile_v=64, num_stages=2), h0)
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+    o_ref, s_ref = oracle(d, h0)
+    assert rel(o1, o_ref) < TOL_O and rel(s1, s_ref) < TOL_SC
+
+
+@pytest.mark.parametrize("mode", ["kda", "gdn2"])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_tma_pools_in_place(mode, state_dtype):
+    """``tma=1`` on an indexed state pool updated in place (fp32 and bf16 states): the cp.async loads' pool bit
+    for bit, the oracle's states, rows no sequence owns untouched."""
+    lens = [65, 0, 300, 16, 4097, 1]
+    d = inputs(lens, 2, 2, 4, gdn2=mode == "gdn2")
+    sdt = torch.float32 if state_dtype == "float32" else torch.bfloat16
+    pool0 = (torch.randn(9, 4, 128, 128, device=DEV) * 0.1).to(sdt)
+    idx = torch.tensor([7, 2, 0, 5, 8, 3], device=DEV, dtype=torch.int32)
+    before = pool0.clone()
+    o_ref, s_ref = oracle(d, pool0[idx.long()].double())
+    pools, outs = [], []
+    for tma in (0, 1):
+        pool = before.clone()
+        outs.append(run_direct(kda90, d, h0=pool, ht=pool, h0_idx=idx, ht_idx=idx, state_dtype=state_dtype,
+                               tiles=kda90.Tiles(tile_v=64, num_stages=3, tma=tma)))
+        pools.append(pool)
+    assert torch.equal(outs[1], outs[0]) and torch.equal(pools[1], pools[0])
+    tol_s = TOL_SC if state_dtype == "float32" else TOL_S16
+    assert rel(outs[1], o_ref) < TOL_O and rel(pools[1][idx.long()], s_ref) < tol_s
+    others = [r for r in range(9) if r not in idx.tolist()]
+    assert torch.equal(pools[1][others], before[others])
+    assert torch.equal(pools[1][2], before[2])  # the zero-length sequence's row: its initial state
+
+
+def test_tma_compact_prep_and_fp16():
+    """``tma=1`` with the compact prep layout (``prep_ctas=3``) and fp16 io: bit-equal to the cp.async loads."""
+    lens = [0, 1, 64, 65, 1000, 17]
+    d = inputs(lens, 2, 2, 4, gate="safe", dtype=torch.float16)
+    h0 = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
+    (o0, s0), (o1, s1) = _tma_pair(d, kda90.Tiles(tile_v=128, num_stages=2, prep_ctas=3), h0)
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+    o_ref, s_ref = oracle(d, h0)
+    assert rel(o1, o_ref) < TOL_O and rel(s1, s_ref) < TOL_SC
+
+
+def test_tma_through_the_tune_env(monkeypatch):
+    """``CUTEDSL_ATTN_GDN_TUNE=tma=1`` reaches the SM90 chunked KDA kernel through the public API."""
+    from cutedsl_attn.api import delta_family as api
+    from cutedsl_attn.dispatch import gdn as dg
+
+    if "kda_chunked_sm90" not in dg._FORCED:
+        pytest.skip("kda_chunked_sm90 is not a CUTEDSL_ATTN_GDN_KERNEL value yet")
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "kda_chunked_sm90")
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "tma=1")
+    calls = []
+    real = kda90.launch
+    monkeypatch.setattr(kda90, "launch", lambda fn, cfg, args: (calls.append(cfg), real(fn, cfg, args)))
+    H, HV, T = 2, 4, sum(LENS)
+    q, k = (torch.randn(1, T, H, 128, device=DEV).bfloat16() for _ in range(2))
+    v = torch.randn(1, T, HV, 128, device=DEV).bfloat16()
+    g = (-torch.rand(1, T, HV, 128, device=DEV) * 0.5).bfloat16()
+    beta = torch.rand(1, T, HV, device=DEV).bfloat16()
+    cu = cu_of(LENS)
+    h0 = torch.randn(len(LENS), HV, 128, 128, device=DEV) * 0.1
+    ref_state = h0.double()
+    o_ref, _ = rd.recurrent_kda(q, k, v, g, beta, initial_state=ref_state, cu_seqlens=cu)
+    o, s = api.recurrent_kda(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, output_final_state=True)
+    assert calls and all(c.tiles.tma == 1 for c in calls), calls
     assert rel(o, o_ref) < TOL_O and rel(h0, ref_state) < TOL_SC

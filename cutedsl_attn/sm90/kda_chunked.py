@@ -18,10 +18,12 @@ One launch of :func:`compile`'s function runs two kernels on the stream:
   end) and ``2^G_last`` per key channel (``G_last`` at the chunk's last token, the sequence's last in a ragged
   final chunk), in one of two shared-memory layouts (``Tiles.prep_ctas``: 2 or, KDA only, 3 CTAs an SM);
 * **main**: the SM90 chunked GDN main kernel (:mod:`cutedsl_attn.sm90.gdn_chunked`) with its per-channel branch:
-  its producer loads ``Qg`` / ``Kd`` in place of q / k (zero past the sequence's end, group 1: they are per
-  output head already) and the ``(2 C + K)`` fp32 factors of ``F``; its consumers, which hold ``S`` untransposed
-  as the wgmma accumulator (M = 64 state rows, N = K), scale each accumulator element by its K column's
-  ``2^G_last`` before the update's wgmma accumulates ``(V'^T diag(kf)) Kd`` onto it.
+  its producer loads ``Qg`` / ``Kd`` in place of q / k (group 1: they are per output head already) and the
+  ``(2 C + K)`` fp32 factors of ``F``, by ``cp.async`` (zero past the sequence's end) or, with ``Tiles.tma = 1``,
+  ``W``, ``Aqk`` and full chunks' ``Qg`` / ``Kd`` by TMA boxes (a tail chunk's ``Qg`` / ``Kd`` rows by ``cp.async``,
+  zero past the sequence: the next sequence's rows never enter this one's products); its consumers, which hold ``S`` untransposed as the wgmma accumulator (M = 64
+  state rows, N = K), scale each accumulator element by its K column's ``2^G_last`` before the update's wgmma
+  accumulates ``(V'^T diag(kf)) Kd`` onto it.
 
 Exact for any gate the API accepts (``g <= 0``, ``-inf`` included; the prep's factors never exceed the io
 dtype's range).  A sequence of length 0 writes its initial state (zeros without one) as its final state; each
@@ -55,9 +57,11 @@ SMEM_LIMIT = _gdn.SMEM_LIMIT
 @dataclass(frozen=True)
 class Tiles:
     """What the kernel chooses: the main kernel's ``tile_v`` and ``num_stages`` (as
-    :class:`cutedsl_attn.sm90.gdn_chunked.Tiles`, whose checks apply) and ``prep_ctas``, the prep kernel's
+    :class:`cutedsl_attn.sm90.gdn_chunked.Tiles`, whose checks apply), ``prep_ctas``, the prep kernel's
     shared-memory layout by the CTAs an SM it fits (:data:`~cutedsl_attn.common.kda_prep.PREP_LAYOUTS`: 2, every
-    operand in a buffer of its own; 3, the compact layout, KDA only).
+    operand in a buffer of its own; 3, the compact layout, KDA only), and ``tma``: 0 loads every block of the
+    main kernel with ``cp.async``, 1 loads ``W``, ``Aqk`` and full chunks' ``Qg`` / ``Kd`` with TMA
+    boxes (``U``, ``F`` and a tail chunk's rows stay ``cp.async``).
 
     Raises TypeError for a non-int field, ValueError for another value.
     """
@@ -65,9 +69,10 @@ class Tiles:
     tile_v: int = 128
     num_stages: int = 2
     prep_ctas: int = 2
+    tma: int = 0
 
     def __post_init__(self):
-        _gdn.Tiles(tile_v=self.tile_v, num_stages=self.num_stages)  # the main kernel's checks
+        _gdn.Tiles(tile_v=self.tile_v, num_stages=self.num_stages, tma=self.tma)  # the main kernel's checks
         if isinstance(self.prep_ctas, bool) or not isinstance(self.prep_ctas, int):
             raise TypeError(f"prep_ctas must be an int, got {self.prep_ctas!r}")
         if self.prep_ctas not in PREP_LAYOUTS:
