@@ -18,8 +18,9 @@ fp8-query element and 2 per output element; FLOPs as above.
 
 ``--kernel`` picks our bf16 kernel (``CUTEDSL_ATTN_MLA_KERNEL``): ``sm90`` (the automatic choice on sm_90a),
 ``portable`` or ``both`` (the default: each timed on the same inputs; ``ours_*`` columns are the first of them,
-the SM90 one, ``<kernel>_*`` columns each, ``sm90_vs_portable_relerr`` the difference of their outputs).  fp8 rows
-always run the portable kernel (the one that serves fp8 caches).  ``--variants`` times extra tiles
+the SM90 one, ``<kernel>_*`` columns each, ``sm90_vs_portable_relerr`` the difference of their outputs); fp8 rows
+the same (the SM90 kernel's fp8 path through ``CUTEDSL_ATTN_MLA_SM90_UNVERIFIED=1`` while its switch is off;
+``<kernel>_kernel`` names the kernel that ran).  ``--variants`` times extra tiles
 (``CUTEDSL_ATTN_MLA_TUNE`` values) of the SM90 kernel when it is timed (else of the portable one) on every bf16 row
 (``v[...]_*`` columns: time, TFLOP/s, relative error against the default tiles); ``--rows`` keeps some row tags.
 
@@ -46,6 +47,7 @@ DEV = torch.device("cuda")
 DT = torch.bfloat16
 DC, DR, PS = 512, 64, 64
 SM_SCALE = 1.0 / math.sqrt(128 + 64)
+UNVERIFIED_ENV = "CUTEDSL_ATTN_MLA_SM90_UNVERIFIED"  # opts the SM90 kernel into its fp8 path before its switch
 # (tag, heads, batch, kv_len, qo_len)
 ROWS = [("a", 128, 64, 4096, 1), ("a", 128, 64, 8192, 1), ("a", 128, 132, 4096, 1), ("a", 128, 132, 8192, 1),
         ("b", 128, 64, 4096, 2), ("b", 128, 64, 8192, 2), ("b", 128, 132, 4096, 2), ("b", 128, 132, 8192, 2),
@@ -84,7 +86,7 @@ def fp8_bytes(B, L, H, q_bytes, s_q=1):
 
 def bench_fp8(H, B, L, q_dtype, gen, ws, timed_fn):
     """One fp8-cache row through trtllm_batch_decode_with_kv_cache_mla: (plan-once launch seconds, relative error
-    of O against the bf16 wrapper on the same values)."""
+    of O against the bf16 wrapper on the same values, the kernel's NAME, O)."""
     from cutedsl_attn.api import mla_trtllm
     from cutedsl_attn.api.mla import BatchMLAPagedAttentionWrapper
     from cutedsl_attn.dispatch import mla_launch
@@ -107,7 +109,7 @@ def bench_fp8(H, B, L, q_dtype, gen, ws, timed_fn):
            bt.view(-1), seq_lens, H, DC, DR, PS, False, SM_SCALE, DT, DT)
     o16 = w.run(q16[..., :DC], q16[..., DC:], kv16[..., :DC], kv16[..., DC:])
     err = ((out.view(B, H, DC).float() - o16.float()).norm() / o16.float().norm()).item()
-    return t, err
+    return t, err, module.NAME, out
 
 
 def main():
@@ -200,19 +202,37 @@ def main():
         del q_nope, q_pe, ckv, kpe
         torch.cuda.empty_cache()
 
-    os.environ["CUTEDSL_ATTN_MLA_KERNEL"] = "portable"  # fp8 rows: the portable kernel serves them either way
     bf16_us = {(r["heads"], r["batch"], r["kv_len"]): r["ours_us"] for r in results if r["s_q"] == 1}
+    unverified_before = os.environ.get(UNVERIFIED_ENV)
     for (tag, H, B, L, q_dtype) in [r for r in (FP8_ROWS[:1] if args.quick else FP8_ROWS) if "e" in tags]:
         fl, _ = flops_bytes(B, L, H)
         nb = fp8_bytes(B, L, H, 1 if q_dtype == E4M3 else 2)
-        t, err = bench_fp8(H, B, L, q_dtype, gen, ws, timed)
         row = dict(row=tag, heads=H, batch=B, kv_len=L, s_q=1, page=PS, q="fp8" if q_dtype == E4M3 else "bf16",
-                   kv="fp8", ours_us=t * 1e6, ours_tflops=fl / t / 1e12, ours_tbs=nb / t / 1e12, fp8_vs_bf16_relerr=err,
-                   read_ceiling_tbs=rd)
+                   kv="fp8", read_ceiling_tbs=rd)
+        outs = {}
+        for kname in kernels:
+            os.environ["CUTEDSL_ATTN_MLA_KERNEL"] = kname
+            if kname == "sm90":  # (its fp8 path, opted into until its verification switch is on)
+                os.environ[UNVERIFIED_ENV] = "1"
+            t, err, name, o = bench_fp8(H, B, L, q_dtype, gen, ws, timed)
+            if unverified_before is None:
+                os.environ.pop(UNVERIFIED_ENV, None)
+            else:
+                os.environ[UNVERIFIED_ENV] = unverified_before
+            outs[kname] = o
+            row.update({f"{kname}_us": t * 1e6, f"{kname}_tflops": fl / t / 1e12, f"{kname}_tbs": nb / t / 1e12,
+                        f"{kname}_kernel": name, f"{kname}_fp8_vs_bf16_relerr": err})
+            if "ours_us" not in row:
+                row.update(ours_kernel=name, ours_us=t * 1e6, ours_tflops=fl / t / 1e12, ours_tbs=nb / t / 1e12,
+                           fp8_vs_bf16_relerr=err)
+        if len(outs) == 2:
+            a, b = outs["sm90"].float(), outs["portable"].float()
+            row["sm90_vs_portable_relerr"] = ((a - b).norm() / b.norm()).item()
         if (H, B, L) in bf16_us:
             row["bf16_over_fp8_time"] = bf16_us[(H, B, L)] / row["ours_us"]
         results.append(row)
         print(row, flush=True)
+        del outs
         torch.cuda.empty_cache()
 
     if env_before is None:

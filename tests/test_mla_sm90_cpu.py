@@ -5,6 +5,7 @@ import glob
 import re
 import subprocess
 
+import cutlass
 import pytest
 import torch
 
@@ -16,6 +17,12 @@ sm90 = pytest.importorskip("cutedsl_attn.sm90.mla")
 
 def _problem(**kw):
     return MlaProblem(**{**dict(dtype="bfloat16", page_size=64), **kw})
+
+
+@pytest.fixture(autouse=True)
+def verified_paths_only(monkeypatch):
+    """Every test starts from the default: the paths awaiting GPU verification refused."""
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED", raising=False)
 
 
 def test_unsupported_and_config_rules():
@@ -43,7 +50,9 @@ def test_unsupported_and_config_rules():
             sm90.Tiles(**{field: bad})
     with pytest.raises(TypeError):
         sm90.Tiles(merge_kernel=True)
-    assert sm90.TUNING_FIELDS == ("num_stages", "consumer_registers", "schedule", "merge_kernel")
+    assert sm90.TUNING_FIELDS == ("num_stages", "consumer_registers", "schedule", "merge_kernel", "fp8_loads")
+    with pytest.raises(ValueError, match="fp8_loads"):
+        sm90.Tiles(fp8_loads=2)
     assert (sm90.Tiles().schedule, sm90.Tiles().merge_kernel) == (0, 0)  # field defaults: signal first, in-kernel merge
     assert sm90.override_tiles(sm90.Tiles(), {"schedule": "1", "merge_kernel": "1"}) == sm90.Tiles(schedule=1,
                                                                                                      merge_kernel=1)
@@ -261,3 +270,171 @@ def test_load_order_follows_the_schedule():
     k1 = MlaSm90Kernel(sm90.Config(_problem(), sm90.Tiles(schedule=1)))
     assert [k0._load_order(c) for c in (0, 1)] == [(0, 1, 2), (1, 0, 2)]
     assert [k1._load_order(c) for c in (0, 1)] == [(1, 2, 0), (0, 2, 1)]
+
+
+FP8 = "float8_e4m3fn"
+
+
+def test_unverified_paths_switch(monkeypatch):
+    """Small pages and fp8 reach the SM90 kernel only through their verification switches or the opt-in variable;
+    page sizes that do not divide 64 never do."""
+    from cutedsl_attn import dispatch as d
+    from cutedsl_attn.portable import mla_decode as md
+    from cutedsl_attn.sm90.mla import config as c
+
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_KERNEL", raising=False)
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE", raising=False)
+    assert (c.SMALL_PAGES_VERIFIED, c.FP8_VERIFIED) == (False, False)
+    new = [dict(page_size=ps) for ps in (1, 2, 4, 8, 16, 32)] + [
+        dict(kv_dtype=FP8), dict(kv_dtype=FP8, page_size=16), dict(dtype="float16", kv_dtype=FP8),
+        dict(dtype=FP8, kv_dtype=FP8), dict(dtype=FP8, kv_dtype=FP8, page_size=1, causal=True)]
+    for kw in new:
+        reason = sm90.unsupported_reason(_problem(**kw))
+        assert reason is not None and "CUTEDSL_ATTN_MLA_SM90_UNVERIFIED" in reason, (kw, reason)
+        assert d.mla_choice(_problem(**kw))[0] is md, kw
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED", "0")  # only "1" opts in
+    assert sm90.unsupported_reason(_problem(page_size=16)) is not None
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED", "1")
+    for kw in new:
+        assert sm90.unsupported_reason(_problem(**kw)) is None, kw
+        module, cfg = d.mla_choice(_problem(**kw))
+        assert module is sm90, kw
+        fp8 = cfg.problem.kv_fp8
+        assert cfg.tiles == sm90.Tiles(merge_kernel=1) and cfg.tiles.fp8_loads == 1, kw  # fp8 staged in the stage
+        assert cfg.gather and cfg.mma_dtype is (cutlass.Float16 if fp8 else cfg.cutlass_dtype)
+        assert cfg.widen_q == (kw.get("dtype", "bfloat16") != "float16" and fp8)
+        assert cfg.cutlass_dtype is {"float16": cutlass.Float16}.get(kw.get("dtype"), cutlass.BFloat16)  # o's
+    assert not sm90.Config(_problem(), sm90.Tiles()).gather
+    for ps in (3, 48, 63):  # not a divisor of 64: a block would straddle a page
+        reason = sm90.unsupported_reason(_problem(page_size=ps))
+        assert reason is not None and "page_size" in reason and "portable kernel" in reason
+        assert d.mla_choice(_problem(page_size=ps))[0] is md
+    assert "sm_90a only" in sm90.unsupported_reason(_problem(arch="sm_100a", page_size=16))
+    # the lead's switches after the GPU run: no variable needed
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED")
+    monkeypatch.setattr(c, "SMALL_PAGES_VERIFIED", True)
+    assert sm90.unsupported_reason(_problem(page_size=1)) is None
+    assert "fp8" in sm90.unsupported_reason(_problem(page_size=1, kv_dtype=FP8))
+    monkeypatch.setattr(c, "FP8_VERIFIED", True)
+    assert sm90.unsupported_reason(_problem(page_size=1, kv_dtype=FP8)) is None
+
+
+def test_gathered_rows_write_the_tma_layout():
+    """The producer's row gather (:mod:`cutedsl_attn.sm90.mla.loads`): every thread owns one row and half of its
+    pieces, the 128 threads cover each (row, piece) of a 64 x 576 block exactly once at the offset the TMA boxes
+    use (``sw128_offset``), and the eight lanes of a quarter warp hit eight distinct 16-byte bank groups."""
+    from cutedsl_attn.common.smem import sw128_offset
+    from cutedsl_attn.sm90.mla import loads
+    from cutedsl_attn.sm90.mla.config import GROUP_CHUNKS
+
+    for fp8 in (False, True):
+        assert sorted(loads.block_row(t, fp8) for t in range(0, 128, 2)) == list(range(64))
+        seen = {}
+        for tid in range(128):
+            r, h, x16 = loads.block_row(tid, fp8), tid % 2, loads.swizzle_mask(tid, fp8)
+            for g, chunks in enumerate(GROUP_CHUNKS):
+                col0 = chunks[0] * 8
+                base = chunks[0] * loads.CHUNK_BYTES + r * 128
+                if fp8:
+                    pieces = [(k, e, col0 + 4 * k + 2 * h + e) for k in range(len(chunks) * 2) for e in range(2)]
+                    offs = [(k * 2 + e, base + loads.piece_offset(k, x16, True, e), c) for k, e, c in pieces]
+                else:
+                    offs = [(k, base + loads.piece_offset(k, x16, False), col0 + 2 * k + h)
+                            for k in range(len(chunks) * 4)]
+                for step, off, c in offs:
+                    assert off == sw128_offset(r, c, 64), (fp8, tid, g, step)
+                    seen.setdefault((g, step, tid // 8), []).append(off)
+        assert sum(len(v) for v in seen.values()) == 64 * 72
+        for key, offs in seen.items():  # one store instruction's quarter warp: distinct bank groups
+            assert len({(o % 128) // 16 for o in offs}) == 8, (fp8, key, offs)
+    # fp8 staged in place (Tiles.fp8_loads 1): fp8 piece k of a group is copied into the thread's own 16-bit slot
+    # (n/2 + k // 2, k % 2) and widened in piece order into slots (k, 0), (k, 1): every staged piece is read
+    # before a write lands on it, and the staging slots are the thread's own
+    for tid in range(128):
+        x16 = loads.swizzle_mask(tid, True)
+        for n in (8, 2):  # a ckv group's and the kpe group's fp8 pieces per thread
+            own = {loads.piece_offset(k, x16, True, e) for k in range(n) for e in range(2)}
+            mem = {loads.piece_offset(n // 2 + k // 2, x16, True, k % 2): ("fp8", k) for k in range(n)}
+            assert set(mem) <= own and len(mem) == n
+            for k in range(n):
+                assert mem[loads.piece_offset(n // 2 + k // 2, x16, True, k % 2)] == ("fp8", k), (tid, n, k)
+                for e in range(2):
+                    mem[loads.piece_offset(k, x16, True, e)] = ("f16", k)
+            assert set(mem) == own and all(v[0] == "f16" for v in mem.values())
+
+
+REG = dict(fp8_loads=0, consumer_registers=224)  # fp8 through registers: the producer's 56 registers
+GATHER_VARIANTS = {
+    "p1": (dict(page_size=1), {}),
+    "p16_fp16_causal": (dict(page_size=16, dtype="float16", causal=True), {}),
+    "p32": (dict(page_size=32), {}),
+    "p32_s_first": (dict(page_size=32, causal=True), dict(schedule=1)),
+    "fp8kv_p64": (dict(kv_dtype=FP8), {}),
+    "fp8kv_p16_causal": (dict(kv_dtype=FP8, page_size=16, causal=True), {}),
+    "fp8kv_fp16q_p1": (dict(dtype="float16", kv_dtype=FP8, page_size=1), {}),
+    "fp8q_p64": (dict(dtype=FP8, kv_dtype=FP8), {}),
+    "fp8q_p32": (dict(dtype=FP8, kv_dtype=FP8, page_size=32), {}),
+    "fp8kv_p64_registers": (dict(kv_dtype=FP8), REG),
+    "fp8q_p16_registers": (dict(dtype=FP8, kv_dtype=FP8, page_size=16), REG),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(GATHER_VARIANTS))
+def test_sm90_gather_ptx_and_cubin(tmp_path, monkeypatch, variant):
+    """Small pages and fp8 caches (forced through the opt-in variable): every block gathered (no TMA), fp8 widened
+    to f16 (staged in the stage by cp.async, or through registers), the same GEMMs as page 64, and no spills in the
+    producer's 40 / 56 registers."""
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED", "1")
+    kw, tiles = GATHER_VARIANTS[variant]
+    p = _problem(**kw)
+    cfg = sm90.Config(p, sm90.Tiles(**{"merge_kernel": 1, **tiles}))
+    sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
+    (path,) = glob.glob(str(tmp_path / "*.ptx"))
+    ptx = open(path).read()
+    assert re.search(r"\.target\s+sm_90a", ptx)
+    assert len(re.findall(r"\.entry\s+(\S+)\(", ptx)) == 2  # the main kernel and the merge kernel
+    ab = "f16" if p.kv_fp8 or p.dtype == "float16" else "bf16"
+    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.{ab}\.{ab}\s", ptx)) == 3 * 36
+    assert len(re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.{ab}\.{ab}\s", ptx)) == 3 * 4
+    assert "cp.async.bulk.tensor" not in ptx  # no TMA: every block is gathered row by row
+    n_cp = len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))
+    n_ld = len(re.findall(r"ld\.global\.nc\.v4\.b32", ptx))
+    if p.kv_fp8:
+        staged = cfg.tiles.fp8_loads == 1
+        # 16 e4m3 a piece, 18 per thread and block (8 + 8 ckv, 2 kpe): staged, one cp.async each (2 stages);
+        # through registers, 16-byte loads (the ckv loops rolled by 4)
+        assert n_ld == (0 if staged else 2 * (4 + 4 + 2)), n_ld
+        n_kv = 2 * 18 if staged else 0
+        assert "cvt.rn.f16x2.e4m3x2" in ptx and "st.shared.v4.b32" in ptx
+        assert "mbarrier.arrive" in ptx and "fence.proxy.async" in ptx
+        # Q by cp.async (one rolled loop; 8-byte pieces of an fp8 q), widened in place unless it is f16
+        assert n_cp == n_kv + (0 if p.q_fp8 else 1)
+        assert ("cp.async.ca.shared.global" in ptx) == p.q_fp8
+        if p.dtype == "bfloat16":
+            assert "cvt.rn.f16x2.f32" in ptx
+    else:
+        # Q (one rolled loop) and per stage 16 + 16 + 4 pieces a thread; the tail-page gather of page 64 is gone
+        assert n_cp == 1 + 2 * 36
+        assert "cvt.rn.f16x2.e4m3x2" not in ptx
+        assert "cp.async.mbarrier.arrive.noinc" in ptx
+    # each row's page id once per block: a 64-bit product of page id and page stride
+    assert "mul.wide.s32" in ptx or "mul.lo.s64" in ptx
+    c, pr = cfg.registers
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{pr}\b", ptx)
+    assert ".local" not in ptx
+    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
+    res = cubin_kernel_resources(open(cub, "rb").read())
+    assert all(x["stack_bytes"] == 0 for x in res.values()), res  # no spills (the producer's 40 or 56 included)
+    r = max(res.values(), key=lambda x: x["registers"])
+    assert 256 * c + 128 * pr <= r["registers"] * cfg.num_threads
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm) for the SASS checks")
+    sass = subprocess.run([tool, "-c", cub], check=True, capture_output=True, text=True).stdout
+    assert not re.search(r"\b(STL|LDL)\b", sass)
+    hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\b", sass)
+    assert hgmma.count("64") == 3 * 36 and hgmma.count("256") == 3 * 4
+    assert len(re.findall(r"WARPGROUP\.DEPBAR", sass)) <= 6
+    if p.kv_fp8:
+        assert "F2FP.F16.E4M3.UNPACK_B" in sass
+        assert ("LDG.E.128.CONSTANT" in sass) == (cfg.tiles.fp8_loads == 0)

@@ -1,4 +1,5 @@
-"""GPU tests of the SM90 MLA decode kernel (the automatic choice on sm_90a for 16-bit page-64 problems) against the
+"""GPU tests of the SM90 MLA decode kernel (the automatic choice on sm_90a for 16-bit page-64 problems; small pages
+and fp8 caches forced through ``CUTEDSL_ATTN_MLA_SM90_UNVERIFIED=1`` until their switches are on) against the
 float64 oracle.
 
 Through ``BatchMLAPagedAttentionWrapper`` with ``CUTEDSL_ATTN_MLA_KERNEL`` unset (every test asserts the plan chose
@@ -51,11 +52,11 @@ def rel(x, y):
     return ((x - y).norm() / max(y.norm().item(), 1e-30)).item()
 
 
-def make(qo_lens, kv_lens, H, *, dtype=torch.bfloat16, spare_pages=5, page_base=0, ckv=None, kpe=None):
-    """Random q, 64-token paged caches with NaN in every slot no request owns (spare pages included), the CSR
+def make(qo_lens, kv_lens, H, *, dtype=torch.bfloat16, spare_pages=5, page_base=0, ckv=None, kpe=None, ps=PS):
+    """Random q, ``ps``-token paged caches with NaN in every slot no request owns (spare pages included), the CSR
     arrays (int32, GPU); pages are a random permutation of ``page_base + [0, n)``."""
     B = len(kv_lens)
-    npages = [-(-L // PS) for L in kv_lens]
+    npages = [-(-L // ps) for L in kv_lens]
     n = sum(npages) + spare_pages
     ids = (torch.randperm(n, device=DEV) + page_base).to(torch.int32)
     kv_indptr = torch.tensor([0] + torch.tensor(npages, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32,
@@ -67,19 +68,19 @@ def make(qo_lens, kv_lens, H, *, dtype=torch.bfloat16, spare_pages=5, page_base=
     q_nope = torch.randn(T, H, DC, device=DEV).to(dtype)
     q_pe = torch.randn(T, H, DR, device=DEV).to(dtype)
     if ckv is None:
-        ckv = torch.full((page_base + n, PS, DC), float("nan"), device=DEV, dtype=dtype)
-        kpe = torch.full((page_base + n, PS, DR), float("nan"), device=DEV, dtype=dtype)
+        ckv = torch.full((page_base + n, ps, DC), float("nan"), device=DEV, dtype=dtype)
+        kpe = torch.full((page_base + n, ps, DR), float("nan"), device=DEV, dtype=dtype)
     for b in range(B):
         L = kv_lens[b]
         if L == 0:
             continue
         pg = kv_indices[int(kv_indptr[b]): int(kv_indptr[b + 1])].long()
-        c = torch.randn(len(pg) * PS, DC, device=DEV)
-        r = torch.randn(len(pg) * PS, DR, device=DEV)
+        c = torch.randn(len(pg) * ps, DC, device=DEV)
+        r = torch.randn(len(pg) * ps, DR, device=DEV)
         c[L:] = float("nan")  # the tail of the last page: no request owns it
         r[L:] = float("nan")
-        ckv[pg] = c.view(-1, PS, DC).to(dtype)
-        kpe[pg] = r.view(-1, PS, DR).to(dtype)
+        ckv[pg] = c.view(-1, ps, DC).to(dtype)
+        kpe[pg] = r.view(-1, ps, DR).to(dtype)
     return q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, torch.tensor(kv_lens, dtype=torch.int32,
                                                                                    device=DEV)
 
@@ -96,7 +97,7 @@ def _compare(o, l, o_ref, lse_ref):
 def check(case, H, *, causal=False, dtype=torch.bfloat16, sm_scale=SM_SCALE, expect_split=None):
     q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len_arr = case
     w = BatchMLAPagedAttentionWrapper(workspace())
-    w.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, H, DC, DR, PS, causal, sm_scale, dtype, dtype)
+    w.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, H, DC, DR, ckv.shape[1], causal, sm_scale, dtype, dtype)
     assert w._plan["module"].NAME == "mla_decode_sm90", "the automatic choice is not the SM90 kernel"
     if expect_split is not None:
         assert (w._plan["split_tokens"] > 0) == expect_split, w._plan["split_tokens"]
@@ -350,3 +351,245 @@ def test_cuda_graph_replay_after_replan(monkeypatch, tune):
         o_ref, lse_ref = ref.mla_paged_attention(q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices,
                                                  kv_len_arr, sm_scale=SM_SCALE)
         _compare(out, lse, o_ref, lse_ref)
+
+
+# ------------------------------------------------------------------ small pages and fp8 (gathered blocks)
+@pytest.fixture
+def unverified(monkeypatch):
+    """The SM90 kernel's gathered paths (small pages, fp8), opted into until their switches are on."""
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED", "1")
+
+
+SMALL_PAGES = [1, 16, 32]
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("ps", SMALL_PAGES)
+def test_small_pages_lengths(ps, H):
+    # one token, page and block boundaries (a block spans 64 / ps pages), an empty request, NaN tails, 5000
+    lens = sorted({1, max(1, ps - 1), ps, ps + 1, 2 * ps + 1, 63, 64, 65, 127, 128, 129, 1000, 5000}) + [0]
+    check(make([1] * len(lens), lens, H, ps=ps), H)
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("ps", [2, 4, 8])
+def test_other_page_sizes_dividing_64(ps):
+    check(make([1] * 6, [1, ps + 1, 64, 65, 3000, 0], 64, ps=ps), 64)
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("ps", SMALL_PAGES)
+@pytest.mark.parametrize("lens", [[32768], [16384, 100], [8192, 8191, 65]])
+def test_small_pages_split_kv(ps, H, lens):
+    """Split pieces start inside blocks (16-token multiples): the rows before a piece's start are zeroed."""
+    check(make([1] * len(lens), lens, H, ps=ps), H, expect_split=True)
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("ps", SMALL_PAGES)
+@pytest.mark.parametrize("qo_lens,kv_lens,H", [([2, 3, 1, 2], [9, 100, 1, 4096], 128), ([2, 4], [1, 2], 128),
+                                               ([2] * 4, [513] * 4, 16)])
+def test_small_pages_multi_token_rows(qo_lens, kv_lens, H, ps, causal):
+    check(make(qo_lens, kv_lens, H, ps=ps), H, causal=causal)
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("tune", ["schedule=1", "merge_kernel=0"])
+def test_small_pages_tuning_variants(monkeypatch, tune):
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", tune)
+    check(make([1] * 6, [1, 15, 16, 17, 0, 4096], 128, ps=16), 128)
+    check(make([1, 1], [20000, 9000], 128, ps=1), 128, expect_split=True)
+    check(make([2, 3], [50, 3000], 64, ps=32, dtype=torch.float16), 64, causal=True, dtype=torch.float16)
+
+
+@pytest.mark.usefixtures("unverified")
+def test_small_pages_match_page_64():
+    """The same tokens in 16-token pages (gathered) and in 64-token pages (TMA): the same O to rounding."""
+    lens = [5, 64, 700, 4096, 0, 129]
+    case16 = make([1] * len(lens), lens, 128, ps=16)
+    _, out16, lse16 = check(case16, 128)
+    q_nope, q_pe, ckv, kpe, qo_indptr, kv_indptr, kv_indices, kv_len_arr = case16
+    # regroup each request's 16-token pages into 64-token pages (NaN past its end)
+    ckv64, kpe64, ind64, ptr64 = [], [], [], [0]
+    for b, L in enumerate(lens):
+        pg = kv_indices[int(kv_indptr[b]): int(kv_indptr[b + 1])].long()
+        n64 = -(-L // 64)
+        c = torch.full((n64 * 64, DC), float("nan"), dtype=torch.bfloat16, device=DEV)
+        r = torch.full((n64 * 64, DR), float("nan"), dtype=torch.bfloat16, device=DEV)
+        c[:L] = ckv[pg].reshape(-1, DC)[:L]
+        r[:L] = kpe[pg].reshape(-1, DR)[:L]
+        ind64 += list(range(len(ckv64), len(ckv64) + n64))
+        ckv64 += list(c.view(n64, 64, DC))
+        kpe64 += list(r.view(n64, 64, DR))
+        ptr64.append(ptr64[-1] + n64)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    case64 = (q_nope, q_pe, torch.stack(ckv64), torch.stack(kpe64), qo_indptr, torch.tensor(ptr64, **i32),
+              torch.tensor(ind64, **i32), kv_len_arr)
+    _, out64, lse64 = check(case64, 128)
+    assert rel(out16, out64) < TOL_O
+    fin = torch.isfinite(lse64)
+    assert torch.equal(fin, torch.isfinite(lse16)) and (lse16[fin] - lse64[fin]).abs().max().item() < TOL_LSE
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("ps", [1, 32])
+def test_small_pages_trtllm_entry(ps, launched):
+    """The combined ``[pages, ps, 576]`` cache: ckv / kpe rows gathered by stride (1152-byte rows)."""
+    from cutedsl_attn.api.mla_trtllm import trtllm_batch_decode_with_kv_cache_mla
+
+    H, D = 128, DC + DR
+    seq_lens = [1, 63, 64, 65, 0, 5000]
+    B = len(seq_lens)
+    npages = [-(-L // ps) for L in seq_lens]
+    n = sum(npages) + 3
+    ids = torch.randperm(n, device=DEV).to(torch.int32)
+    bt = torch.full((B, max(npages) + 1), -1, dtype=torch.int32, device=DEV)
+    kv = torch.full((n, ps, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    pos = 0
+    for b, L in enumerate(seq_lens):
+        if L:
+            pg = ids[pos: pos + npages[b]]
+            pos += npages[b]
+            bt[b, : npages[b]] = pg
+            rows = torch.randn(npages[b] * ps, D, device=DEV)
+            rows[L:] = float("nan")
+            kv[pg.long()] = rows.view(-1, ps, D).to(torch.bfloat16)
+    query = torch.randn(B, 2, H, D, device=DEV).to(torch.bfloat16)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    out = torch.full((B, 2, H, DC), float("nan"), dtype=torch.bfloat16, device=DEV)
+    o = trtllm_batch_decode_with_kv_cache_mla(query, kv, workspace(), 128, 512, 64, bt, sl, max(seq_lens), out=out,
+                                              bmm1_scale=0.04, bmm2_scale=1.5)
+    assert launched == ["mla_decode_sm90"]
+    o = o[0] if isinstance(o, tuple) else o
+    kv_indptr = torch.tensor([0] + torch.tensor(npages).cumsum(0).tolist(), dtype=torch.int32)
+    kv_indices = torch.cat([bt[b, : npages[b]].cpu() for b in range(B)])
+    q = query.reshape(B * 2, H, D)
+    o_ref, _ = ref.mla_paged_attention(q[..., :DC], q[..., DC:], kv[..., :DC], kv[..., DC:],
+                                       torch.arange(B + 1, dtype=torch.int32) * 2, kv_indptr, kv_indices,
+                                       sl.cpu(), sm_scale=0.04, causal=True)
+    assert rel(o.reshape(B * 2, H, DC), o_ref.to(DEV) * 1.5) < TOL_O
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("ps", [1, 32])
+def test_small_pages_page_ids_past_32_bit_offsets(ps):
+    """Page ids whose ``page_id * page_stride`` passes 2^32 elements (the page ids times the stride in 64 bits)."""
+    stride = ps * DC
+    base = (1 << 32) // stride + 7
+    lens = [100, 4096, 33]
+    n = sum(-(-L // ps) for L in lens) + 2
+    need = (base + n) * ps * (DC + DR) * 2
+    free, _ = torch.cuda.mem_get_info()
+    if need + (4 << 30) > min(free, 40 << 30):
+        pytest.skip(f"needs {need / 2**30:.1f} GiB for the caches; {free / 2**30:.1f} GiB free (limit 40 GiB)")
+    ckv = torch.empty((base + n, ps, DC), dtype=torch.bfloat16, device=DEV)
+    kpe = torch.empty((base + n, ps, DR), dtype=torch.bfloat16, device=DEV)
+    ckv[base:] = float("nan")
+    kpe[base:] = float("nan")
+    q_nope, q_pe, _, _, qo_indptr, kv_indptr, kv_indices, kv_len_arr = make(
+        [1, 1, 1], lens, 128, page_base=base, spare_pages=2, ckv=ckv, kpe=kpe, ps=ps)
+    assert int(kv_indices.min()) * stride >= 1 << 32
+    w = BatchMLAPagedAttentionWrapper(workspace())
+    w.plan(qo_indptr, kv_indptr, kv_indices, kv_len_arr, 128, DC, DR, ps, False, SM_SCALE, torch.bfloat16,
+           torch.bfloat16)
+    assert w._plan["module"].NAME == "mla_decode_sm90"
+    out = torch.full((3, 128, DC), float("nan"), dtype=torch.bfloat16, device=DEV)
+    w.run(q_nope, q_pe, ckv, kpe, out=out)
+    o_ref, _ = ref.mla_paged_attention(q_nope, q_pe, ckv[base:], kpe[base:], qo_indptr, kv_indptr,
+                                       kv_indices - base, kv_len_arr, sm_scale=SM_SCALE)
+    assert rel(out, o_ref) < TOL_O
+    del ckv, kpe
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The NAMEs of the MLA kernels the dispatch layer launches during the test (its launch, wrapped)."""
+    from cutedsl_attn.dispatch import mla as d
+
+    seen, real = [], d._mla_launch_direct
+
+    def spy(module, cfg, args):
+        seen.append(module.NAME)
+        real(module, cfg, args)
+
+    monkeypatch.setattr(d, "_mla_launch_direct", spy)
+    return seen
+
+
+# fp8 caches through the trtllm / xqa entry points (the fp8 tests' inputs, oracle and tolerances)
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("ps", [1, 16, 32, 64])
+@pytest.mark.parametrize("q_dtype", ["e4m3", "bfloat16", "float16"])
+def test_fp8_kv_matches_oracle(q_dtype, ps, H, q_len, launched):
+    from test_mla_fp8_gpu import E4M3, check_trtllm  # (tests/ is on sys.path)
+
+    qd = {"e4m3": E4M3, "bfloat16": torch.bfloat16, "float16": torch.float16}[q_dtype]
+    check_trtllm([1, max(1, ps - 1), ps, ps + 1, 0, 63, 64, 65, 1000, 5000], q_len, H, ps, q_dtype=qd)
+    assert launched == ["mla_decode_sm90"]
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("q_len,H,ps", [(1, 128, 64), (2, 16, 32), (1, 128, 1)])
+def test_fp8_kv_split_kv_and_scales(q_len, H, ps, launched):
+    from test_mla_fp8_gpu import SM_SCALE as S, check_trtllm
+
+    check_trtllm([8192, 4000], q_len, H, ps)
+    check_trtllm([32768], q_len, H, ps)
+    # fp8 per-tensor scales fused as FlashInfer documents: bmm1 = q_scale * k_scale * sm_scale, bmm2 = v * o
+    check_trtllm([70, 3, 500], q_len, H, ps, bmm1=0.5 * 2.0 * S, bmm2=1.5 * 0.25)
+    check_trtllm([16384], q_len, H, ps, bmm1=-0.02, bmm2=3.0)
+    assert set(launched) == {"mla_decode_sm90"}
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("tune", ["fp8_loads=0,consumer_registers=224", "schedule=1", "merge_kernel=0"])
+def test_fp8_tuning_variants(monkeypatch, tune, launched):
+    """fp8 bytes through registers instead of staged in the stage, and the other Tiles variants, over fp8."""
+    from test_mla_fp8_gpu import E4M3, check_trtllm
+
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", tune)
+    check_trtllm([1, 15, 16, 17, 0, 63, 64, 65, 5000], 2, 128, 16, q_dtype=E4M3)
+    check_trtllm([1, 64, 65, 0, 3000], 1, 16, 64, q_dtype=torch.bfloat16)
+    check_trtllm([32768], 1, 128, 1, q_dtype=torch.bfloat16)
+    assert set(launched) == {"mla_decode_sm90"}
+
+
+@pytest.mark.usefixtures("unverified")
+@pytest.mark.parametrize("ps", [32, 64])
+def test_fp8_xqa_mla(ps, launched):
+    from test_mla_fp8_gpu import SM_SCALE as S, check_xqa
+
+    for lens in ([2], [15, 256], [514, 2048], [16384, 3, 0]):
+        check_xqa(lens, ps, q_scale=0.5 * S, kv_scale=0.75)
+    assert set(launched) == {"mla_decode_sm90"}
+
+
+@pytest.mark.usefixtures("unverified")
+def test_fp8_kv_page_ids_past_32_bit_offsets(launched):
+    """fp8 page 32 x 576 bytes: page ids past 2^32 / stride (1 byte per element)."""
+    from test_mla_fp8_gpu import D as D8, E4M3, SM_SCALE as S, make as make8, oracle
+
+    ps = 32
+    stride = ps * D8
+    base = (1 << 32) // stride + 7
+    lens = [100, 4096, 33]
+    n = sum(-(-L // ps) for L in lens) + 5
+    free, _ = torch.cuda.mem_get_info()
+    if (base + n) * stride + (4 << 30) > min(free, 40 << 30):
+        pytest.skip(f"needs {(base + n) * stride / 2**30:.1f} GiB for the cache")
+    from cutedsl_attn.api.mla_trtllm import trtllm_batch_decode_with_kv_cache_mla
+
+    query, kv, bt, sl = make8(lens, 1, 128, ps, q_dtype=E4M3, kv_dtype=E4M3, page_base=base)
+    assert int(bt[bt >= 0].min()) * stride >= 1 << 32
+    out = torch.full((3, 1, 128, DC), float("nan"), dtype=torch.bfloat16, device=DEV)
+    trtllm_batch_decode_with_kv_cache_mla(query, kv, workspace(), 128, 512, 64, bt, sl, max(lens), out=out,
+                                          bmm1_scale=S)
+    assert launched == ["mla_decode_sm90"]
+    o_ref, _ = oracle(query, kv, bt, sl, ps, sm_scale=S, out_scale=1.0)
+    assert rel(out.cpu(), o_ref) < TOL_O

@@ -1,12 +1,13 @@
 """Kernel choice and launch of MLA (part of :mod:`cutedsl_attn.dispatch`, which re-exports its public names).
 
 On sm_90a the SM90 kernel (:mod:`cutedsl_attn.sm90.mla`: TMA pages + wgmma, 64-row tiles, O split across two
-consumer warpgroups) serves every problem it can: bf16 / fp16 q with caches of q's dtype and page size 64, any head
-count, qo_len, causal or not, split-KV.  The portable decode kernel (16-row mma.sync tiles; page sizes 1..64,
-fp8 e4m3 caches) serves the rest and every other arch.  ``CUTEDSL_ATTN_MLA_KERNEL``: ``auto`` (the default, as
-above), ``sm90`` (the same: the SM90 kernel where it serves the problem) or ``portable`` (forces the portable
-kernel).  Under torch.compile the launch is the custom op cutedsl_attn::mla_decode_portable or
-cutedsl_attn::mla_decode_sm90.
+consumer warpgroups) serves every problem its ``unsupported_reason`` accepts: bf16 / fp16 q with caches of q's
+dtype and page size 64, any head count, qo_len, causal or not, split-KV; page sizes dividing 64 and fp8 e4m3
+caches / q once their GPU verification switches are on (or ``CUTEDSL_ATTN_MLA_SM90_UNVERIFIED=1``).  The portable
+decode kernel (16-row mma.sync tiles; page sizes 1..64, fp8 e4m3 caches) serves the rest and every other arch.
+``CUTEDSL_ATTN_MLA_KERNEL``: ``auto`` (the default, as above), ``sm90`` (the same: the SM90 kernel where it serves
+the problem) or ``portable`` (forces the portable kernel).  Under torch.compile the launch is the custom op
+cutedsl_attn::mla_decode_portable or cutedsl_attn::mla_decode_sm90.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512,
 
 def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
     """``(kernel module, config)`` serving ``problem``: the SM90 kernel where it serves the problem (its
-    ``unsupported_reason`` is None: sm_90a, 16-bit caches of q's dtype, page size 64), else the portable kernel;
+    ``unsupported_reason`` is None: sm_90a, 16-bit caches of q's dtype at page size 64; smaller pages and fp8
+    while their switches say so), else the portable kernel;
     ``CUTEDSL_ATTN_MLA_KERNEL=portable`` forces the portable kernel.  ``CUTEDSL_ATTN_MLA_TUNE``
     (``"key=value,..."`` over the chosen kernel's ``Tiles`` fields, tuning experiments) overrides the default
     tiles.

@@ -3,12 +3,14 @@
 The kernel contract (what dispatch uses): :data:`NAME`, :class:`Tiles`, :class:`Config` (``Config(problem,
 tiles)``, the compile key), :func:`unsupported_reason`, :func:`default_tiles`, :func:`override_tiles` with
 :data:`TUNING_FIELDS`, :func:`compile` and :func:`launch`.  Modules: ``config`` (the dataclasses), ``kernel``
-(roles, main loop, epilogue, in-kernel split-KV merge), ``merge`` (the separate split-KV merge kernel of
-``Tiles.merge_kernel``).
+(roles, main loop, epilogue, in-kernel split-KV merge), ``loads`` (the producer's row-gathered blocks of small
+pages and fp8 caches, Q widened to f16), ``merge`` (the separate split-KV merge kernel of ``Tiles.merge_kernel``).
 
 Conventions (FlashInfer's MLA, as the portable kernel): logits ``sm_scale * (q_nope . ckv + q_pe . kpe)``, LSE
 base 2, causal bottom-right, empty rows give O = 0 and LSE = -inf, ``output_scale`` applied in fp32 before the
-16-bit rounding; page offsets are 64-bit products.  The work table is :func:`cutedsl_attn.planning.mla.plan_mla`'s
+16-bit rounding; page offsets are 64-bit products.  fp8 e4m3 caches (and an fp8 q) are widened exactly to f16 on
+load and both GEMMs run in f16 (a bf16 q rounded to f16), as in the portable kernel; scales stay the caller's
+(``sm_scale``, ``output_scale``).  The work table is :func:`cutedsl_attn.planning.mla.plan_mla`'s
 (16-row tiles); this kernel runs 64-row tiles, ``ceil(16 * num_row_tiles / 64)`` of them per work item.
 """
 

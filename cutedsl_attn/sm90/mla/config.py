@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+
+import cutlass
 
 from ...common.dtypes import element_type
 from ...compile.tiles import check_int_fields, override_int_fields
@@ -13,14 +16,19 @@ NAME = "mla_decode_sm90"
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one CTA may use on sm_90a
 TILE_M = 64  # packed query rows per CTA: the M of one warpgroup's wgmma
-BLOCK_N = 64  # KV tokens per block: one page
+BLOCK_N = 64  # KV tokens per block: one page of 64 tokens, or 64 // page_size smaller ones
 D_QK = HEAD_DIM_CKV + HEAD_DIM_KPE  # 576
 CHUNK_COLS = 64  # columns of one 128-byte-swizzled smem chunk (one TMA box)
 NUM_CHUNKS = D_QK // CHUNK_COLS  # 9: chunks 0..3 = O's left half, 4..7 its right half, 8 = kpe (then P)
 V_HALF = HEAD_DIM_CKV // 2  # 256 columns of O per consumer warpgroup
 NUM_GROUPS = 3  # release groups of a stage: ckv left half, ckv right half, kpe / P
 GROUP_CHUNKS = ((0, 1, 2, 3), (4, 5, 6, 7), (8,))
-PAGE_SIZES = (64,)
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # a 64-token block spans 64 // page_size whole pages
+#: whether the gathered small-page path (page_size < 64) and the fp8 path (e4m3 caches, fp8 q) have passed the GPU
+#: tests; until then :func:`unsupported_reason` refuses them unless :data:`UNVERIFIED_ENV` is "1"
+SMALL_PAGES_VERIFIED = False
+FP8_VERIFIED = False
+UNVERIFIED_ENV = "CUTEDSL_ATTN_MLA_SM90_UNVERIFIED"
 #: registers a thread launches with (384 threads share the 64 Ki file in multiples of 8): setmaxnreg moves registers
 #: within the CTA's 168 x 384 pool, so the warpgroups' budgets must sum to it, not to 64 Ki (an inc that cannot be
 #: met blocks forever)
@@ -31,6 +39,10 @@ LAUNCH_REGISTERS = 65536 // 384 // 8 * 8
 SCHEDULE_SIGNAL_FIRST = 0  # wait for the other warpgroup's m_{n-1}, apply its factor, then issue S_n and P V
 SCHEDULE_S_FIRST = 1  # issue S_n (the groups freed first) before that wait, its own-half group after P_{n-1} V
 
+#: how the producer brings fp8 cache bytes in (:attr:`Tiles.fp8_loads`; the loads module's docstring has both)
+FP8_LOADS_REGISTERS = 0  # 16-byte ld.global.nc into registers, four in flight per thread
+FP8_LOADS_STAGED = 1  # cp.async of a whole block into the stage's own slots, widened in place
+
 
 @dataclass(frozen=True)
 class Tiles:
@@ -40,7 +52,10 @@ class Tiles:
     at most 56), ``schedule`` the consumers' order per block (:data:`SCHEDULE_SIGNAL_FIRST` or
     :data:`SCHEDULE_S_FIRST`; the producer loads a stage's groups in the order that schedule frees them),
     ``merge_kernel`` where split-KV partials are merged (0: by the last CTA of a (request, row tile) to finish;
-    1: by a second kernel of the same launch, 64 CTAs a row tile: :mod:`cutedsl_attn.sm90.mla.merge`).
+    1: by a second kernel of the same launch, 64 CTAs a row tile: :mod:`cutedsl_attn.sm90.mla.merge`),
+    ``fp8_loads`` how fp8 caches are loaded (:data:`FP8_LOADS_STAGED`: ``cp.async`` into the stage, widened in
+    place; :data:`FP8_LOADS_REGISTERS`: 16-byte loads into registers, widened on the way, which needs the
+    producer's 56 registers of ``consumer_registers`` 224 or less not to spill; unused by 16-bit caches).
 
     Raises TypeError for a non-int field, ValueError for a value out of range.
     """
@@ -49,6 +64,7 @@ class Tiles:
     consumer_registers: int = 232
     schedule: int = SCHEDULE_SIGNAL_FIRST
     merge_kernel: int = 0
+    fp8_loads: int = FP8_LOADS_STAGED
 
     def __post_init__(self):
         check_int_fields(self)
@@ -60,6 +76,9 @@ class Tiles:
         if self.merge_kernel not in (0, 1):
             raise ValueError(f"merge_kernel must be 0 (the last CTA merges) or 1 (a merge kernel), got "
                              f"{self.merge_kernel}")
+        if self.fp8_loads not in (FP8_LOADS_REGISTERS, FP8_LOADS_STAGED):
+            raise ValueError(f"fp8_loads must be {FP8_LOADS_REGISTERS} (registers) or {FP8_LOADS_STAGED} (staged "
+                             f"in the stage), got {self.fp8_loads}")
         if self.schedule not in (SCHEDULE_SIGNAL_FIRST, SCHEDULE_S_FIRST):
             raise ValueError(f"schedule must be {SCHEDULE_SIGNAL_FIRST} (signal first) or {SCHEDULE_S_FIRST} "
                              f"(S first), got {self.schedule}")
@@ -74,19 +93,31 @@ def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
     return override_int_fields(tiles, items)
 
 
+def _unverified_allowed() -> bool:
+    return os.environ.get(UNVERIFIED_ENV, "").strip() == "1"
+
+
 def unsupported_reason(problem: MlaProblem) -> str | None:
-    """Why the SM90 MLA kernel cannot serve ``problem``, or None.  It serves sm_90a, 16-bit q / o with caches of
-    q's dtype, page size 64, any head count and query length, causal or not.  Raises TypeError when
-    ``problem`` is not an MlaProblem."""
+    """Why the SM90 MLA kernel cannot serve ``problem``, or None.  It serves sm_90a, any head count and query
+    length, causal or not, with 16-bit q / o over caches of q's dtype at page size 64 (TMA pages); page sizes
+    1, 2, 4, .., 32 (gathered pages) and fp8 e4m3 caches / q (widened to f16 on load) while their switches
+    (:data:`SMALL_PAGES_VERIFIED`, :data:`FP8_VERIFIED`) are on or ``CUTEDSL_ATTN_MLA_SM90_UNVERIFIED=1``.
+    Raises TypeError when ``problem`` is not an MlaProblem."""
     if not isinstance(problem, MlaProblem):
         raise TypeError(f"problem must be an MlaProblem, got {type(problem).__name__}")
     if problem.arch != "sm_90a":
         return f"the SM90 MLA kernel runs on sm_90a only, got {problem.arch!r} (the portable kernel serves it)"
-    if problem.q_fp8 or problem.kv_fp8:
-        return "the SM90 MLA kernel serves 16-bit caches only, not fp8 (the portable kernel serves them)"
     if problem.page_size not in PAGE_SIZES:
-        return (f"the SM90 MLA kernel serves page_size {PAGE_SIZES} (one TMA block per page), got "
+        return (f"the SM90 MLA kernel serves page_size {PAGE_SIZES} (whole pages per 64-token block), got "
                 f"{problem.page_size} (the portable kernel serves it)")
+    unverified = []
+    if problem.kv_fp8 and not FP8_VERIFIED:
+        unverified.append("fp8 caches")
+    if problem.page_size < BLOCK_N and not SMALL_PAGES_VERIFIED:
+        unverified.append(f"page_size {problem.page_size}")
+    if unverified and not _unverified_allowed():
+        return (f"the SM90 MLA kernel's path for {' and '.join(unverified)} awaits its GPU verification ("
+                f"{UNVERIFIED_ENV}=1 enables it; the portable kernel serves it)")
     return None
 
 
@@ -94,9 +125,11 @@ def default_tiles(problem: MlaProblem, *, num_sms: int) -> Tiles:
     """The default tiles (``num_sms`` unused: the planner fills the GPU by splitting):
 
     ==============================  ==========================================================================
-    every problem served            two 64-token stages, 232 consumer registers (O half 128 + S 32 + P 16),
+    16-bit caches                   two 64-token stages, 232 consumer registers (O half 128 + S 32 + P 16),
                                     split-KV partials merged by the merge kernel (4.5x the in-kernel merge at
                                     batch 1, 32768 tokens; within 1-3% elsewhere)
+    fp8 caches                      the same, the fp8 bytes staged in the stage by ``cp.async`` (a block in
+                                    flight in no registers: the producer's 40 suffice)
     ==============================  ==========================================================================
     """
     return Tiles(merge_kernel=1)
@@ -127,16 +160,32 @@ class Config:
 
     @property
     def cutlass_dtype(self):
-        """q's, the caches' and o's 16-bit type."""
-        return element_type(self.problem.dtype)
+        """o's 16-bit type (q's, bf16 for an fp8 q)."""
+        return element_type(self.problem.out_dtype)
 
     @property
     def q_cutlass_dtype(self):
-        return self.cutlass_dtype
+        return cutlass.Float8E4M3FN if self.problem.q_fp8 else self.cutlass_dtype
 
     @property
     def kv_cutlass_dtype(self):
-        return self.cutlass_dtype
+        return cutlass.Float8E4M3FN if self.problem.kv_fp8 else self.cutlass_dtype
+
+    @property
+    def mma_dtype(self):
+        """The 16-bit type of the wgmmas and of Q / K / V / P in shared memory: f16 under fp8 caches (e4m3 widens
+        exactly to f16; the portable kernel's choice), else q's."""
+        return cutlass.Float16 if self.problem.kv_fp8 else self.cutlass_dtype
+
+    @property
+    def gather(self) -> bool:
+        """Whether the producer loads every block row by row (small pages, fp8 caches) instead of TMA pages."""
+        return self.problem.page_size < BLOCK_N or self.problem.kv_fp8
+
+    @property
+    def widen_q(self) -> bool:
+        """Whether Q passes through registers to become :attr:`mma_dtype` (fp8 q; bf16 q over fp8 caches)."""
+        return self.problem.q_fp8 or (self.problem.kv_fp8 and self.problem.dtype == "bfloat16")
 
     @property
     def num_threads(self) -> int:

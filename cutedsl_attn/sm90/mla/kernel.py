@@ -3,9 +3,12 @@
 Roles (384 threads, one CTA per (64-row tile, work item), registers rebalanced by ``setmaxnreg``):
 
 * producer warpgroup (warps 0..3): gathers the tile's 64 packed Q rows ``[q_nope | q_pe]`` with ``cp.async``
-  (zero past the request's rows), then streams the item's pages: block ``n`` (page ``t0 // 64 + n``) into stage
-  ``n % 2`` -- 9 TMA boxes of 64 x 64, or for the page holding the request's end a ``cp.async`` gather that zeroes
-  the slots past ``kv_len`` (unused page slots may hold NaN; a zero P would not cancel them in P V);
+  (zero past the request's rows; through registers, widened to f16, for an fp8 q or a bf16 q over fp8 caches),
+  then streams the item's 64-token blocks: block ``n`` (tokens from ``(t0 // 64 + n) * 64``) into stage ``n % 2``.
+  Page size 64: 9 TMA boxes of 64 x 64 of one page, or for the page holding the request's end a ``cp.async``
+  gather that zeroes the slots past ``kv_len`` (unused page slots may hold NaN; a zero P would not cancel them in
+  P V).  Smaller pages and fp8 caches: every block gathered row by row (:mod:`cutedsl_attn.sm90.mla.loads`: each
+  row's own page, ``cp.async`` or fp8 loads widened to f16 in registers, rows outside the item zeroed);
 * consumer warpgroup ``w`` (0, 1) owns O's columns ``[256 w, 256 w + 256)`` (128 fp32 registers) and the blocks
   ``n % 2 == w``.  For its block ``n`` it computes S = Q K^T (wgmma, both operands in shared memory), takes the
   running max ``m_{n-1}`` the other warpgroup published with block ``n - 1``, runs the softmax step, publishes
@@ -50,6 +53,7 @@ from ...planning.decode import (
 from ...planning.mla import HEAD_DIM_CKV, W_Q_START, W_QO_LEN
 from .config import (BLOCK_N, CHUNK_COLS, D_QK, GROUP_CHUNKS, NUM_CHUNKS, NUM_GROUPS, SCHEDULE_S_FIRST, TILE_M, V_HALF,
                      Config)
+from .loads import ProducerLoads
 from .merge import MERGE_CTAS_PER_TILE, MERGE_THREADS, SplitMerge
 
 CONSUMER_BAR = 1  # named barrier of the two consumer warpgroups (256 threads); 0 is __syncthreads
@@ -71,12 +75,17 @@ def _mul_pinned(a, b):
                                 read_only_args=[Float32(a), Float32(b)])
 
 
-class MlaSm90Kernel(SplitMerge):
+class MlaSm90Kernel(SplitMerge, ProducerLoads):
     """CuTe DSL SM90 MLA decode of one :class:`~cutedsl_attn.sm90.mla.config.Config` (build with ``compile``)."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.dtype = cfg.cutlass_dtype
+        self.dtype = cfg.mma_dtype  # the wgmmas' and shared memory's
+        self.o_dtype = cfg.cutlass_dtype
+        self.gather = cfg.gather
+        self.kv_fp8 = cfg.problem.kv_fp8
+        self.q_fp8 = cfg.problem.q_fp8
+        self.page_size = cfg.problem.page_size
         self.S = cfg.tiles.num_stages
         self.registers = cfg.registers
         self.causal = cfg.problem.causal
@@ -101,12 +110,14 @@ class MlaSm90Kernel(SplitMerge):
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, BLOCK_N, D_QK), dt, self.S)
         box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, BLOCK_N, CHUNK_COLS), dt, 1),
                           mode=[0, 1])
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        # the caches as (slot in page, dim, page): one box = one page's 64 slots x 64 columns
-        mCkv_t = cute.make_tensor(mCkv.iterator, cute.select(mCkv.layout, mode=[1, 2, 0]))
-        mKpe_t = cute.make_tensor(mKpe.iterator, cute.select(mKpe.layout, mode=[1, 2, 0]))
-        tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(g2s, mCkv_t, box, (BLOCK_N, CHUNK_COLS), 1)
-        tma_atom_p, tma_p = cpasync.make_tiled_tma_atom(g2s, mKpe_t, box, (BLOCK_N, CHUNK_COLS), 1)
+        tma_atom_c, tma_c, tma_atom_p, tma_p = None, None, None, None  # (gathered blocks: no TMA)
+        if const_expr(not self.gather):
+            g2s = cpasync.CopyBulkTensorTileG2SOp()
+            # the caches as (slot in page, dim, page): one box = one page's 64 slots x 64 columns
+            mCkv_t = cute.make_tensor(mCkv.iterator, cute.select(mCkv.layout, mode=[1, 2, 0]))
+            mKpe_t = cute.make_tensor(mKpe.iterator, cute.select(mKpe.layout, mode=[1, 2, 0]))
+            tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(g2s, mCkv_t, box, (BLOCK_N, CHUNK_COLS), 1)
+            tma_atom_p, tma_p = cpasync.make_tiled_tma_atom(g2s, mKpe_t, box, (BLOCK_N, CHUNK_COLS), 1)
 
         @cute.struct
         class SharedStorage:
@@ -142,8 +153,9 @@ class MlaSm90Kernel(SplitMerge):
         empty = storage.mbar_empty.data_ptr()
         q_bar = storage.mbar_q.data_ptr()
         if warp_idx == 0:
-            cpasync.prefetch_descriptor(tma_atom_c)
-            cpasync.prefetch_descriptor(tma_atom_p)
+            if const_expr(not self.gather):
+                cpasync.prefetch_descriptor(tma_atom_c)
+                cpasync.prefetch_descriptor(tma_atom_p)
             with cute.arch.elect_one():
                 for i in cutlass.range_constexpr(2 * NUM_GROUPS):
                     cute.arch.mbarrier_init(full + i, 128)  # the producer's 128 threads
@@ -191,13 +203,20 @@ class MlaSm90Kernel(SplitMerge):
         """The producer warpgroup: Q, then the item's pages."""
         H = mQn.shape[1]
         rows = mWork[wi, W_QO_LEN] * H
-        self._load_q(mQn, mQp, sQ_addr, q_bar, mWork[wi, W_Q_START], tile * TILE_M, rows, H, tid)
+        if const_expr(self.cfg.widen_q):
+            self._load_q_widen(mQn, mQp, sQ_addr, q_bar, mWork[wi, W_Q_START], tile * TILE_M, rows, H, tid)
+        else:
+            self._load_q(mQn, mQp, sQ_addr, q_bar, mWork[wi, W_Q_START], tile * TILE_M, rows, H, tid)
         t0 = mWork[wi, W_TOK_START]
         t1 = mWork[wi, W_TOK_END]
         pg0 = t0 // BLOCK_N
         n_blk = Int32(cutlass.select_(t1 > t0, (t1 - 1) // BLOCK_N - pg0 + 1, 0))
-        self._produce(mCkv, mKpe, mIdx, tma_atom_c, tma_c, tma_atom_p, tma_p, sK, sK_addr, full, empty,
-                      mWork[wi, W_PAGE_OFF], pg0, n_blk, mWork[wi, W_KV_LEN], tid)
+        if const_expr(self.gather):
+            self._produce_rows(mCkv, mKpe, mIdx, sK_addr, full, empty, mWork[wi, W_PAGE_OFF], pg0, n_blk, t0, t1,
+                               tid)
+        else:
+            self._produce(mCkv, mKpe, mIdx, tma_atom_c, tma_c, tma_atom_p, tma_p, sK, sK_addr, full, empty,
+                          mWork[wi, W_PAGE_OFF], pg0, n_blk, mWork[wi, W_KV_LEN], tid)
         ptx.cp_async_wait(0)  # no producer thread leaves with its tail-page copies still in flight
 
     @cute.jit
@@ -270,24 +289,6 @@ class MlaSm90Kernel(SplitMerge):
                 tXs, tXg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2),
                                                  cute.group_modes(src, 0, 2))
                 cute.copy(atom, tXg, tXs, tma_bar_ptr=bar)
-
-    @cute.jit
-    def _gather_group(self, mCkv, mKpe, s_stage, g: cutlass.Constexpr, page, valid_rows, tid):
-        """``cp.async`` group ``g`` of page ``page`` into the stage at ``s_stage`` (same swizzled layout as the
-        boxes), slots ``valid_rows ..`` zero-filled (never read: rows clamp to slot 0, which the block holds)."""
-        ckv = len(GROUP_CHUNKS[g]) > 1
-        per_row = 32 if ckv else 8  # 16-byte pieces of the group per row
-        col0 = GROUP_CHUNKS[g][0] * 8
-        mX = mCkv if const_expr(ckv) else mKpe
-        base = mX.iterator.toint() + Int64(page) * mX.stride[0] * 2
-        for it in cutlass.range(BLOCK_N * per_row // 128, unroll=1):
-            idx = it * 128 + tid
-            r = idx // per_row
-            p = idx % per_row
-            ok = r < valid_rows
-            r_c = Int32(cutlass.select_(ok, r, 0))
-            src = base + Int64(r_c) * mX.stride[1] * 2 + (p + (col0 if const_expr(ckv) else 0)) * 16
-            ptx.cp_async_16(s_stage + sw128_offset(r, col0 + p, BLOCK_N), src, cutlass.select_(ok, 16, 0))
 
     # ------------------------------------------------------------------ consumer warpgroups
     @cute.jit
@@ -574,7 +575,7 @@ class MlaSm90Kernel(SplitMerge):
                   output_scale, w, warp, g, t):
         """Row sums of both warpgroups -> O's half ``w`` / l (x ``output_scale``, 16-bit; or the fp32 partial of
         a split item) and, from warpgroup 0, the base-2 LSE."""
-        dt = self.dtype
+        dt = self.o_dtype
         for h in cutlass.range_constexpr(2):
             x = row_l[h]
             x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
@@ -613,7 +614,7 @@ class MlaSm90Kernel(SplitMerge):
     def _merge(self, mO, mLSE, mPO, mPLSE, mWork, wi, tile, sBuf, cnt_addr, output_scale, ctid):
         """Split-KV, the last CTA of (request, row tile): the consumer warpgroups merge every piece's partial into
         O (x ``output_scale``, folded into the fp32 weights, kept in the stages at ``sBuf``) and the LSE."""
-        dt = self.dtype
+        dt = self.o_dtype
         H = mO.shape[1]
         rows = mWork[wi, W_QO_LEN] * H
         row0 = tile * TILE_M

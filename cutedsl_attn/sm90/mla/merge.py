@@ -29,7 +29,7 @@ MERGE_CTAS_PER_TILE = (TILE_M // MERGE_ROWS) * (HEAD_DIM_CKV // MERGE_COLS)  # 6
 
 
 class SplitMerge:
-    """Mixin of :class:`~cutedsl_attn.sm90.mla.kernel.MlaSm90Kernel`: the merge kernel (``self.dtype`` O's type)."""
+    """Mixin of :class:`~cutedsl_attn.sm90.mla.kernel.MlaSm90Kernel`: the merge kernel (``self.o_dtype`` O's type)."""
 
     @cute.kernel
     def merge(self, mO, mLSE, mPO, mPLSE, mWork, output_scale: Float32):
@@ -37,7 +37,7 @@ class SplitMerge:
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         _, n_y, _ = cute.arch.grid_dim()
-        dt = self.dtype
+        dt = self.o_dtype
         H = mO.shape[1]
         R = mPO.shape[1]
         tile = bx // MERGE_CTAS_PER_TILE
