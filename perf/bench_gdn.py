@@ -14,12 +14,13 @@ gates, o, the final state) at the measured read bandwidth.  ``--recurrent`` also
 recurrent kernel (the decode kernel) on the prefill rows.
 
 Usage: python perf/bench_gdn.py [--quick] [--out DIR] [--tiles "tv,warps,prefetch,lanes;..."]
-[--sm90 ["tv,stages[,tma];..."]] [--cp ["P,..."]] [--cp-tiles "tv,..."] [--cp-rounds N] [--no-peers] [--gdp]
-[--fused "p,..."]
+[--sm90 ["tv,stages[,tma[,persistent[,prep]]];..."]] [--cp ["P,..."]] [--cp-tiles "tv,..."] [--cp-rounds N]
+[--no-peers] [--gdp] [--fused "p,..."]
 (peers are skipped cleanly when not importable; ``--tiles`` also times those recurrent-kernel tiles on the
 prefill rows, ``ours_<tiles>_ms``, next to the default's; ``--sm90`` times the opt-in SM90 chunked kernel,
-its default tiles or those given (``tma`` 0 when left out), ``sm90_<tile_v>x<stages>[_tma]_ms``, and its
-output's error against the default's).
+its default tiles or those given (``tma``, ``persistent`` and ``prep`` 0 when left out; ``prep`` 1: the SM90
+prep on wgmma), ``sm90_<tile_v>x<stages>[_tma][_p<persistent>][_prep90]_ms``, and its output's error against the
+default's).
 ``ours_ms`` is the plain launch (one chain a sequence and head); every row also records the segment count
 ``use_cp="auto"`` takes (``cp_auto_segments``, 1: the plain launch).  ``--cp`` times the context-parallel path
 (one prep shared by three main-kernel runs) with the segments the forced path plans, or each count given,
@@ -212,12 +213,13 @@ def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, c
             c2 = chk.Config(problem, chk.Tiles(tile_v=tv, num_warps=nw))
             fn = get_compiled(chk.NAME, c2, chk.compile)
             row[f"chunked_{tv}x{nw}_ms"] = timer(lambda: chk.launch(fn, c2, args), reps=10) * 1e3
-        for tv, ns, tma in sm90_tiles:  # the opt-in SM90 chunked kernel; (0, 0, 0): its default tiles
+        for tv, ns, tma, pers, prep in sm90_tiles:  # the opt-in SM90 chunked kernel; tv 0: its default tiles
             t90 = chk90.default_tiles(problem, num_sms=132, chains=B * max(hqk, hv)) if tv == 0 else \
-                chk90.Tiles(tile_v=tv, num_stages=ns, tma=tma)
+                chk90.Tiles(tile_v=tv, num_stages=ns, tma=tma, persistent=pers, prep=prep)
             c4 = chk90.Config(problem, t90)
             fn = get_compiled(chk90.NAME, c4, chk90.compile)
-            key = f"sm90_{t90.tile_v}x{t90.num_stages}" + ("_tma" if t90.tma else "")
+            key = (f"sm90_{t90.tile_v}x{t90.num_stages}" + ("_tma" if t90.tma else "") +
+                   (f"_p{t90.persistent}" if t90.persistent else "") + ("_prep90" if t90.prep else ""))
             row[key + "_ms"] = timer(lambda: chk90.launch(fn, c4, args), reps=10) * 1e3
             row[f"rel_err_{key}_vs_default_o"] = rel(o, o_default)
             gdn_launch(problem, args)  # the default kernel's outputs again for the peers' comparisons
@@ -401,7 +403,8 @@ def main():
     ap.add_argument("--chunked-tiles", default="", help="extra chunked tiles 'tile_v,num_warps;...'")
     ap.add_argument("--recurrent", action="store_true", help="also time the recurrent kernel on rows (b), (c)")
     ap.add_argument("--sm90", nargs="?", const="default", default="",
-                    help="also time the SM90 chunked kernel: its default tiles, or 'tile_v,num_stages[,tma];...'")
+                    help="also time the SM90 chunked kernel: its default tiles, or "
+                         "'tile_v,num_stages[,tma[,persistent[,prep]]];...'")
     ap.add_argument("--rows", default="", help="prefill rows, e.g. 'a,c' (default: all; 'none': no GDN row)")
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--cp", nargs="?", const="plan", default="",
@@ -414,9 +417,9 @@ def main():
     a = ap.parse_args()
     variants = [tuple(int(x) for x in v.split(",")) for v in a.tiles.split(";") if v.strip()]
     ctiles = [tuple(int(x) for x in v.split(",")) for v in a.chunked_tiles.split(";") if v.strip()]
-    # 'tv,stages' or 'tv,stages,tma' (tma 0 when left out)
-    sm90 = [(0, 0, 0)] if a.sm90 == "default" else [(*(int(x) for x in v.split(",")), 0)[:3]
-                                                    for v in a.sm90.split(";") if v.strip()]
+    # 'tv,stages[,tma[,persistent[,prep]]]' (tma, persistent and prep 0 when left out)
+    sm90 = [(0, 0, 0, 0, 0)] if a.sm90 == "default" else [(*(int(x) for x in v.split(",")), 0, 0, 0)[:5]
+                                                          for v in a.sm90.split(";") if v.strip()]
     torch.manual_seed(0)
     timer = KernelTimer(DEV)
     bw = read_bandwidth(timer)

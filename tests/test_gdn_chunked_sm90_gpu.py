@@ -215,3 +215,139 @@ def test_tma_loads_many_short_and_one_long(monkeypatch):
     o, s = run(kw)
     o_ref, s_ref = oracle(**kw, output_final_state=True)
     assert rel(o, o_ref) < TOL_O and rel(s, s_ref) < TOL_SC
+
+
+# ``persistent``: n >= 2 caps the grid at n CTAs, so each CTA walks many items at any batch size
+PERSISTENT = ["persistent=1", "persistent=3", "tile_v=64,persistent=1", "tile_v=64,num_stages=3,persistent=2",
+              "tma=1,persistent=1", "tma=1,tile_v=64,num_stages=3,persistent=5"]
+P_LENS = LENS + [3, 17, 1, 0, 9, 128] * 3  # and many short sequences beside the long one
+
+
+def _plain(tune):
+    """The same tiles on the one-CTA-an-item grid."""
+    return ",".join(kv for kv in tune.split(",") if not kv.startswith("persistent"))
+
+
+def run_both(monkeypatch, tune, kw, **extra):
+    """(plain outputs, persistent outputs) of ``tune``'s tiles on the two grids."""
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", _plain(tune))
+    plain = tuple(x.clone() for x in run(kw, **extra))
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", tune)
+    return plain, run(kw, **extra)
+
+
+@pytest.mark.parametrize("tune", PERSISTENT)
+@pytest.mark.parametrize("heads", [(4, 4, 8), (8, 4, 4)])  # GVA, GQA
+def test_persistent_vs_oracle_and_plain(monkeypatch, tune, heads):
+    """The persistent grid walks the same items with the same per-chunk code: the oracle's result, bit-equal to
+    the one-CTA-an-item grid."""
+    kw = make(P_LENS, *heads, 128, 128, l2norm=heads == (8, 4, 4))
+    (o0, s0), (o1, s1) = run_both(monkeypatch, tune, kw)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o1, o_ref) < TOL_O and rel(s1, s_ref) < TOL_SC
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+
+
+@pytest.mark.parametrize("dims,dtype", [((64, 64), torch.float16), ((64, 128), torch.bfloat16),
+                                        ((128, 64), torch.bfloat16)])
+@pytest.mark.parametrize("tune", ["persistent=1", "persistent=2"])
+def test_persistent_head_dims(monkeypatch, dims, dtype, tune):
+    kw = make(P_LENS, 2, 2, 4, *dims, dtype=dtype, init=tune == "persistent=1")
+    (o0, s0), (o1, s1) = run_both(monkeypatch, tune, kw)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o1, o_ref) < TOL_O and rel(s1, s_ref) < TOL_SC
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+
+
+def test_persistent_more_items_than_sms(monkeypatch):
+    """512 items (64 ragged sequences x 8 heads) on the SM-count grid: each CTA walks about four, longest first."""
+    torch.manual_seed(1234)
+    lens = torch.randint(1, 1500, (64,)).tolist()
+    lens[3], lens[40] = 0, 4097
+    kw = make(lens, 2, 2, 8, 128, 128, l2norm=True)
+    (o0, s0), (o1, s1) = run_both(monkeypatch, "persistent=1", kw)
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+
+
+def test_persistent_only_empty_and_tiny_sequences(monkeypatch):
+    """Items without chunks copy their initial state; the ring state of the next items is unchanged by them."""
+    kw = make([0, 0, 1, 0, 65, 0], 2, 2, 4, 128, 128)
+    (o0, s0), (o1, s1) = run_both(monkeypatch, "persistent=2", kw)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o1, o_ref) < TOL_O and rel(s1, s_ref) < TOL_SC
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)
+    assert torch.equal(s1[[0, 1, 3, 5]], kw["initial_state"][[0, 1, 3, 5]])
+
+
+def test_persistent_bf16_state(monkeypatch):
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "persistent=3")
+    kw = make(P_LENS, 2, 2, 4, 128, 128, state_dtype=torch.bfloat16)
+    o, s = run(kw, state_dtype=torch.bfloat16)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert s.dtype == torch.bfloat16 and rel(o, o_ref) < TOL_O and rel(s, s_ref) < TOL_S16
+
+
+@pytest.mark.parametrize("tune", ["persistent=1", "persistent=2", "tma=1,persistent=2"])
+def test_persistent_state_pool_in_place(monkeypatch, tune):
+    """Pool rows read then written in place by items that follow one another on a CTA."""
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", tune)
+    lens = [5, 0, 70, 1, 300, 64]
+    kw = make(lens, 2, 2, 4, 128, 128)
+    pool = torch.randn(11, 4, 128, 128, device=DEV) * 0.1
+    idx = torch.tensor([7, 2, 0, 5, 10, 3], device=DEV, dtype=torch.int32)
+    before = pool.clone()
+    o, s = api.chunk_gated_delta_rule(**dict(kw, initial_state=pool), state_indices=idx, output_state=pool,
+                                      output_final_state=True)
+    o_ref, s_ref = oracle(**dict(kw, initial_state=before[idx.long()]), output_final_state=True)
+    assert s is pool and rel(o, o_ref) < TOL_O and rel(s[idx.long()], s_ref) < TOL_SC
+    others = [r for r in range(11) if r not in idx.tolist()]
+    assert torch.equal(s[others], before[others])
+
+
+@pytest.mark.parametrize("tune", ["persistent=1", "persistent=2"])
+def test_persistent_loop_of_calls_on_ragged_batch(monkeypatch, tune):
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", tune)
+    lens = [37, 0, 5, 129, 64, 1, 12, 700]
+    st = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
+    st_ref = st.double()
+    for _ in range(100):  # a public SM100 GDN kernel deadlocked in such a loop
+        kw = make(lens, 2, 2, 4, 128, 128, init=False)
+        o, st = run(dict(kw, initial_state=st))
+        o_ref, st_ref = oracle(**dict(kw, initial_state=st_ref), output_final_state=True)
+        assert rel(o, o_ref) < TOL_O
+    torch.cuda.synchronize()
+    assert rel(st, st_ref) < TOL_SC
+
+
+def test_persistent_cuda_graph_replay(monkeypatch):
+    """The order and the grid size are planned from shapes and device tensors at launch: a captured call replays
+    on new inputs of the same shapes."""
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "persistent=1")
+    lens = [5, 40, 0, 17, 300, 64]
+    kw = make(lens, 2, 2, 4, 128, 128)
+    T, n = sum(lens), len(lens)
+    out = torch.full((T, 4, 128), float("nan"), device=DEV, dtype=torch.bfloat16)
+    st = torch.full((n, 4, 128, 128), float("nan"), device=DEV)
+    api.chunk_gated_delta_rule(**kw, output=out, output_state=st, output_final_state=True)  # compile, warm up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        api.chunk_gated_delta_rule(**kw, output=out, output_state=st, output_final_state=True)
+    for _ in range(2):
+        for name in ("q", "v", "initial_state"):
+            kw[name].copy_((torch.randn_like(kw[name], dtype=torch.float32) * 0.5).to(kw[name].dtype))
+        out.fill_(float("nan"))
+        st.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_ref, s_ref = oracle(**kw, output_final_state=True)
+        assert rel(out, o_ref) < TOL_O and rel(st, s_ref) < TOL_SC
+
+
+def test_persistent_context_parallel(monkeypatch):
+    """The context-parallel path's main-only runs on the persistent grid: bit-equal to the plain grid's."""
+    kw = make([4097, 1000, 65], 2, 2, 4, 128, 128, l2norm=True)
+    (o0, s0), (o1, s1) = run_both(monkeypatch, "persistent=1", kw, use_cp=True)
+    o_ref, s_ref = oracle(**kw, output_final_state=True)
+    assert rel(o1, o_ref) < TOL_O and rel(s1, s_ref) < TOL_SC
+    assert torch.equal(o1, o0) and torch.equal(s1, s0)

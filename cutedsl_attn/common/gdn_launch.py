@@ -5,10 +5,15 @@ one compiled-function signature (:func:`compile_kernel`), the chunk plan and scr
 op, of the prep alone and of a main-only run on a prep's scratch (:func:`launch`, :func:`prep_tensors`,
 :func:`launch_prep`, :func:`launch_main`, re-exported by each as its own).  The two per-channel (KDA / GDN-2)
 modules (:mod:`cutedsl_attn.portable.kda_chunked`, :mod:`cutedsl_attn.sm90.kda_chunked`) share theirs
-(:func:`compile_kda_kernel`, :func:`kda_launch_tensors`, :func:`kda_launch`).
+(:func:`compile_kda_kernel`, :func:`kda_launch_tensors`, :func:`kda_launch`).  A kernel object with ``takes_plan``
+(the SM90 main kernel on a persistent grid, ``Tiles.persistent``) takes two more arguments after the scratch: the
+work order (:func:`~cutedsl_attn.planning.gdn.plan_sequences`, built at launch from the chunk offsets) and the
+grid size (:func:`work_plan`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import cutlass
 import cutlass.cute as cute
@@ -17,7 +22,9 @@ from cutlass import Float32, Int32
 from ..compile.arch import compile_options
 from ..compile.fake import gdn_chunked_tensors, kda_chunked_tensors
 from .dtypes import element_type
-from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, chunked_launch_tensors, kda_chunked_launch_tensors
+from ..planning.gdn import (
+    CHUNK, GdnArgs, GdnProblem, chunked_launch_tensors, kda_chunked_launch_tensors, plan_sequences,
+)
 from ..planning.gdn_cp import main_run_args
 
 
@@ -26,6 +33,10 @@ def compile_kernel(kernel, p: GdnProblem, keep_ptx_dir: str | None, keep_cubin: 
     order (:func:`cutedsl_attn.compile.fake.gdn_chunked_tensors`; no GPU needed).  Raises ValueError for
     ``keep_cubin`` without a ``keep_ptx_dir``."""
     fake = gdn_chunked_tensors(element_type(p.dtype), _state_type(p), p.head_dim_k, p.head_dim_v, CHUNK)
+    if getattr(kernel, "takes_plan", False):
+        from cutlass.cute.runtime import make_fake_compact_tensor
+
+        fake = (*fake, make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4), Int32(1))
     return _compile(kernel, p, fake, keep_ptx_dir, keep_cubin)
 
 
@@ -67,17 +78,46 @@ def kda_launch(fn, cfg, args: GdnArgs) -> None:
 
 def launch(fn, cfg, args: GdnArgs) -> None:
     """Plan the chunks and allocate the prep kernel's scratch
-    (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`: device tensors, no host sync), then launch ``fn``
-    (the module's ``compile``) on torch's current stream."""
+    (:func:`~cutedsl_attn.planning.gdn.chunked_launch_tensors`: device tensors, no host sync), with
+    ``cfg.tiles.persistent`` the work plan too (:func:`work_plan`), then launch ``fn`` (the module's ``compile``)
+    on torch's current stream."""
     p = cfg.problem
-    _call(fn, args, chunked_launch_tensors(args, p.head_dim_k, p.head_dim_v))
+    scratch = chunked_launch_tensors(args, p.head_dim_k, p.head_dim_v)
+    _call(fn, args, scratch, work_plan(cfg, args, scratch[1]))
 
 
-def _call(fn, args: GdnArgs, scratch: tuple) -> None:
+def _call(fn, args: GdnArgs, scratch: tuple, plan=None) -> None:
     chunks, chunk_off, w, u, aqk, f = scratch
+    extra = () if plan is None else plan
     fn(args.q, args.k, args.v, args.g, args.beta, args.cu_seqlens, chunks, chunk_off, args.initial_state,
        args.initial_state_indices, args.output_state, args.output_state_indices, args.output, w, u, aqk, f,
-       args.scale, args.q_group, args.k_group, args.v_group, args.flags)
+       *extra, args.scale, args.q_group, args.k_group, args.v_group, args.flags)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def work_plan(cfg, args: GdnArgs, chunk_offsets):
+    """The persistent main kernel's ``(order, grid)`` for ``cfg`` (a config whose ``tiles`` may have
+    ``persistent``), or None when ``persistent`` is 0 or absent: ``order`` the sequences longest first
+    (:func:`~cutedsl_attn.planning.gdn.plan_sequences` on ``chunk_offsets``' device, no host sync) and ``grid``
+    = min(work items, the cap): with ``persistent`` 1 the SM count of ``args.q``'s device times
+    ``cfg.main_ctas_per_sm``, with ``n >= 2`` n.  Work items = N x HO x (head_dim_v / tile_v), from shapes."""
+    persistent = getattr(cfg.tiles, "persistent", 0)
+    if not persistent:
+        return None
+    ctas = persistent
+    if persistent == 1:
+        import torch
+
+        dev = args.q.device
+        ctas = _num_sms(torch.cuda.current_device() if dev.index is None else dev.index) * cfg.main_ctas_per_sm
+    items = (chunk_offsets.shape[0] - 1) * args.output.shape[1] * (cfg.problem.head_dim_v // cfg.tiles.tile_v)
+    return plan_sequences(chunk_offsets), max(1, min(items, ctas))
 
 
 def prep_tensors(args: GdnArgs, cfg) -> tuple:
@@ -99,4 +139,4 @@ def launch_main(fn, mcfg, args: GdnArgs, scratch: tuple) -> None:
     ``mcfg.config.problem`` (the transition run: states ``[*, HO, K, K]``); ``args.v`` is never read,
     ``args.output`` written by the outputs run only (:func:`~cutedsl_attn.planning.gdn_cp.main_run_args`)."""
     args, scratch = main_run_args(mcfg.run, args, scratch, mcfg.config.problem.head_dim_v)
-    _call(fn, args, scratch)
+    _call(fn, args, scratch, work_plan(mcfg.config, args, scratch[1]))

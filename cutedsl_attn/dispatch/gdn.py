@@ -293,8 +293,11 @@ def gdn_launch_cp(problem: GdnProblem, args: GdnArgs, segments: int, *, device_i
     both = FLAG_HAS_INITIAL_STATE | FLAG_WRITE_STATE
     dev, f32, K, V, ns = args.q.device, torch.float32, problem.head_dim_k, problem.head_dim_v, n_seq * P
     seg = _cp_seg_args(args, seg_cu, gates)
-    # the prep does not depend on the main kernel's tiles: one compiled prep serves every split
-    prep_cfg = module.Config(cfg.problem, module.default_tiles(cfg.problem, num_sms=num_sms(device_index)))
+    # the prep does not depend on the main kernel's tiles: one compiled prep serves every split (the chosen prep)
+    prep_tiles = module.default_tiles(cfg.problem, num_sms=num_sms(device_index))
+    if hasattr(cfg.tiles, "prep"):
+        prep_tiles = dataclasses.replace(prep_tiles, prep=cfg.tiles.prep)
+    prep_cfg = module.Config(cfg.problem, prep_tiles)
     scratch = module.prep_tensors(seg, prep_cfg)
     offs = torch.empty(ns, ho, V, K, device=dev, dtype=f32)
     _cp_launch_prep(module, prep_cfg, seg._replace(initial_state=offs, output_state=offs), scratch)  # not read

@@ -154,6 +154,38 @@ def plan_chunks(cu_seqlens, total_tokens: int, chunk: int = CHUNK):
     return chunks, offsets.to(torch.int32)
 
 
+def plan_sequences(chunk_offsets):
+    """The work order of a persistent chunked GDN main kernel, built on ``chunk_offsets``' device without a host
+    read-back (CUDA-graph safe): the sequence ids sorted by chunk count, longest first (stable: ties keep id
+    order).  The kernel's work items are (sequence, output head, V-slice); item position ``p`` of the sorted
+    order is sequence ``order[p // per_seq]`` and its item ``p % per_seq`` (= ``ho num_vb + vb``), so the heads
+    and V-slices of one sequence stay adjacent, run side by side and share its q / k rows in L2.  The CTAs deal
+    the positions among themselves in snake order (:func:`persistent_walk`).
+
+    ``chunk_offsets``: int ``[N + 1]`` (:func:`plan_chunks`' second table).  Returns int32 ``[N]``.
+    """
+    import torch
+
+    return torch.argsort(chunk_offsets[1:] - chunk_offsets[:-1], descending=True, stable=True).to(torch.int32)
+
+
+def persistent_walk(num_items: int, grid: int, cta: int) -> list[int]:
+    """The positions (into :func:`plan_sequences`' item order) CTA ``cta`` of a persistent grid of ``grid`` CTAs
+    walks, as the kernel computes them: round ``r`` deals positions ``r grid .. r grid + grid - 1`` to CTAs
+    ``0 .. grid - 1``, reversed when ``r`` is odd (the CTA that took a round's shortest item takes the next
+    round's longest), so each CTA walks its items longest first and every position is walked once.  A static
+    deal, not an atomic counter: no counter to reset every launch (CUDA-graph replay) and no hand-over of a
+    claimed item from the producer warpgroup to the consumer warpgroups, which each compute their walk.
+
+    Raises ValueError unless ``0 <= cta < grid <= num_items``.
+    """
+    if not 0 <= cta < grid <= num_items:
+        raise ValueError(f"need 0 <= cta < grid <= num_items, got cta {cta}, grid {grid}, num_items {num_items}")
+    full, m = divmod(num_items, grid)
+    last = cta < m if full % 2 == 0 else grid - 1 - cta < m
+    return [r * grid + (grid - 1 - cta if r % 2 else cta) for r in range(full + int(last))]
+
+
 def chunked_launch_tensors(args: GdnArgs, head_dim_k: int, head_dim_v: int) -> tuple:
     """``(chunks, chunk_offsets, W, U, Aqk, F)`` of a chunked GDN launch: :func:`plan_chunks` on the device and
     the prep kernel's scratch (``W`` / ``U`` / ``Aqk`` ``[chunks, HO, CHUNK, K / V / CHUNK]`` in q's dtype, the

@@ -1,4 +1,5 @@
-"""Chunked gated delta rule (GDN) prefill for SM90 (Hopper): the portable prep kernel, then a main kernel on
+"""Chunked gated delta rule (GDN) prefill for SM90 (Hopper): a prep kernel (by default the SM90 one on ``wgmma``,
+:mod:`cutedsl_attn.sm90.gdn_prep`; ``Tiles.prep = 0`` the shared ``mma.sync`` one), then a main kernel on
 ``wgmma`` with the fp32 state in a consumer warpgroup's accumulator registers.
 
 Per chunk of ``C = 64`` tokens (the prep kernel's scratch, :mod:`cutedsl_attn.common.gdn_prep`: ``W``, ``U``,
@@ -21,9 +22,11 @@ The CTA is a producer warpgroup (``cp.async`` of the next chunks' q / k rows, ze
 scratch blocks into the 128-byte-swizzled layouts wgmma reads, on a ring of ``num_stages`` stages with
 mbarriers; ``Tiles.tma = 1``: W, Aqk and full chunks' q / k rows as TMA boxes on the same mbarriers, a tail
 chunk's rows ``cp.async``, which zero-fills past the sequence inside a ragged batch where TMA would not) and
-``tile_v / 64`` consumer warpgroups; one CTA per (V-slice of ``tile_v`` rows, output head, sequence).  A
-sequence of length 0 writes its initial state (zeros without one) as its final state.  Each CTA reads its state
-slice before it writes it and no two CTAs share one, so an in-place pool update is race-free.
+``tile_v / 64`` consumer warpgroups; one CTA per (V-slice of ``tile_v`` rows, output head, sequence), or
+(``Tiles.persistent``, :mod:`cutedsl_attn.sm90.gdn_persistent`) a grid of about one CTA an SM, each walking
+its items longest first on one ring.  A sequence of length 0 writes its initial state (zeros without one) as its
+final state.  Each CTA reads its state slice before it writes it and no two CTAs share one, so an in-place pool
+update is race-free.
 Served: what the portable chunked kernel serves (GDN, scalar gates, K and V in 64 / 128, a V-major fp32 / bf16
 state), compiled for ``sm_90a`` only.  The per-channel members (KDA, GDN-2) run this main kernel behind their own
 prep (:mod:`cutedsl_attn.sm90.kda_chunked`: a compile-time branch decays the state per K column).
@@ -52,7 +55,7 @@ from ..common.dtypes import element_type
 from ..common.gdn_launch import compile_kernel, launch, launch_main, launch_prep, prep_tensors  # noqa: F401
 from ..common.smem import sw128_offset, transpose_view
 from ..common.gdn_prep import (
-    PREP_CTAS_PER_SM, PREP_SMEM_CARVEOUT, PREP_THREADS, GdnPrep, prep_smem_bytes, row_pitches,
+    PREP_CTAS_PER_SM, PREP_SMEM_CARVEOUT, PREP_THREADS, prep_smem_bytes, row_pitches,
 )
 from ..compile.tiles import override_int_fields
 from ..planning.gdn import (
@@ -60,6 +63,8 @@ from ..planning.gdn import (
 )
 from ..planning.gdn_cp import MainRun
 from .gdn_loads import GdnSm90Loads
+from .gdn_persistent import GdnSm90PlanCall, GdnSm90Persistent
+from .gdn_prep import GdnPrepSm90
 
 NAME = "gdn_chunked_sm90"
 #: cache names of the split entry points (the prep alone, the main kernel alone: :func:`compile_prep`,
@@ -73,6 +78,9 @@ CONSUMER_REGS = 232
 PRODUCER_REGS = 40  # the cp.async address arithmetic of rolled loops
 
 _inline = cute.arch.inline_ptx
+MAX_PERSISTENT_CTAS = 65535  # Tiles.persistent as a CTA cap
+SM_SMEM_BYTES = 228 * 1024  # shared memory an SM (1 KiB of it reserved a CTA)
+MAIN_MIN_REGS = 168  # registers a main-kernel thread takes at the least (ptxas, the served configurations)
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,12 @@ class Tiles:
     """What the SM90 chunked kernel's main CTA chooses: ``tile_v`` state rows (V-slice) it owns, 64 per consumer
     warpgroup (64 or 128), ``num_stages`` of the chunk ring (2 or 3), and ``tma``: 0 loads every block with
     ``cp.async``, 1 loads W, Aqk and the q / k rows of full chunks with TMA boxes (a sequence's tail chunk keeps
-    ``cp.async``, which zero-fills its rows past the sequence).
+    ``cp.async``, which zero-fills its rows past the sequence).  ``persistent``: 0 one CTA per work item
+    (V-slice, output head, sequence); 1 a grid of ``min(items, num_sms * Config.main_ctas_per_sm)`` CTAs, each
+    walking its share of the items longest first (:func:`~cutedsl_attn.planning.gdn.persistent_walk`);
+    ``n >= 2`` the same with at most ``n`` CTAs (a fixed grid: several items a CTA at any size).  ``prep``: 0 the
+    shared prep kernel (:mod:`cutedsl_attn.common.gdn_prep`, ``mma.sync``), 1 the SM90 prep kernel
+    (:mod:`cutedsl_attn.sm90.gdn_prep`, the chunk products on ``wgmma``); both write the same scratch.
 
     Raises TypeError for a non-int field, ValueError for another value.
     """
@@ -88,9 +101,11 @@ class Tiles:
     tile_v: int = 128
     num_stages: int = 2
     tma: int = 0
+    persistent: int = 0
+    prep: int = 0
 
     def __post_init__(self):
-        for name in ("tile_v", "num_stages", "tma"):
+        for name in ("tile_v", "num_stages", "tma", "persistent", "prep"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {v!r}")
@@ -100,6 +115,10 @@ class Tiles:
             raise ValueError(f"num_stages must be 2 or 3, got {self.num_stages}")
         if self.tma not in (0, 1):
             raise ValueError(f"tma must be 0 or 1, got {self.tma}")
+        if not 0 <= self.persistent <= MAX_PERSISTENT_CTAS:
+            raise ValueError(f"persistent must be in [0, {MAX_PERSISTENT_CTAS}], got {self.persistent}")
+        if self.prep not in (0, 1):
+            raise ValueError(f"prep must be 0 or 1, got {self.prep}")
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
@@ -175,6 +194,13 @@ class Config:
         """The ring (each swizzled buffer 1 KiB aligned), the mbarriers and the allocator's alignment slack."""
         return self.tiles.num_stages * self.stage_bytes + 2 * 1024
 
+    @property
+    def main_ctas_per_sm(self) -> int:
+        """Main CTAs an SM holds (the persistent grid's multiple of the SM count): what shared memory and the
+        register file (:data:`MAIN_MIN_REGS` a thread) fit, at least one."""
+        regs = 65536 // (128 * (1 + self.num_wg) * MAIN_MIN_REGS)
+        return max(1, min(regs, SM_SMEM_BYTES // (self.main_smem_bytes + 1024)))
+
 
 @dataclass(frozen=True)
 class MainConfig:
@@ -211,12 +237,14 @@ def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = Non
                                           quarters of a wave of them already keeps the memory system busy
     fewer chains                          64 rows: twice the CTAs of a chain (faster with one long sequence
                                           of few heads)
+    every problem                         the SM90 prep on wgmma (``prep = 1``: 1.43-1.45x the shared prep's
+                                          speed on rows (a)-(c), (e), the same scratch bit for bit)
     ====================================  =====================================================================
     """
     # the measurements: perf/RESULTS.md, "Gated delta rule family"
     if 64 in (problem.head_dim_k, problem.head_dim_v) or (chains is not None and chains * 4 < num_sms * 3):
-        return Tiles(tile_v=64, num_stages=2)
-    return Tiles(tile_v=128, num_stages=2)
+        return Tiles(tile_v=64, num_stages=2, prep=1)
+    return Tiles(tile_v=128, num_stages=2, prep=1)
 
 
 def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
@@ -230,7 +258,7 @@ def _st_b16(addr, v):
     _inline("{ .reg .b16 h; cvt.u16.u32 h, {$r1}; st.global.b16 [{$r0}], h; }", read_only_args=[Int64(addr), Int32(v)])
 
 
-class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
+class GdnChunkedSm90Kernel(GdnPrepSm90, GdnSm90Loads, GdnSm90Persistent):
     """CuTe DSL SM90 chunked GDN (the shared prep kernel + the wgmma main kernel); see the module docstring.
     Build with :func:`compile`."""
 
@@ -256,8 +284,11 @@ class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
         # a main-only launch (GdnChunkedSm90MainKernel) may skip the outputs and the q / Aqk / U reads
         self.write_output = True
         self.zero_u = False
-        # the subclasses' own Tiles (KDA, the fused kernel) have no TMA option: cp.async loads
+        # the fused kernel's Tiles has no TMA option (KDA's has): cp.async loads
         self.tma = getattr(cfg.tiles, "tma", 0) == 1
+        self.persistent = getattr(cfg.tiles, "persistent", 0) > 0
+        # the subclasses' Tiles (KDA, the fused kernel) have no prep option: they launch their own prep
+        self.use_prep_sm90 = getattr(cfg.tiles, "prep", 0) == 1
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -273,17 +304,26 @@ class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
     @cute.jit
     def _launch_prep(self, mQ, mK, mV, mG, mBeta, mChunks, mO, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
                      flags, stream):
-        """Launch the shared prep kernel (traced inside ``__call__``): one CTA per (chunk, output head)."""
-        self.prep(mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
-                  flags).launch(grid=(mChunks.shape[0] * mO.shape[1], 1, 1), block=(PREP_THREADS, 1, 1),
-                                smem=prep_smem_bytes(self.K, self.V), stream=stream,
-                                min_blocks_per_mp=PREP_CTAS_PER_SM, preferred_smem_carveout=PREP_SMEM_CARVEOUT)
+        """Launch the prep kernel (traced inside ``__call__``): one CTA per (chunk, output head); the shared one,
+        or (``Tiles.prep = 1``) the SM90 one on wgmma."""
+        if const_expr(self.use_prep_sm90):
+            self.launch_prep_sm90(mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale, q_group, k_group,
+                                  v_group, flags, stream)
+        else:
+            self.prep(mQ, mK, mV, mG, mBeta, mChunks, mW, mU, mAqk, mF, scale, q_group, k_group, v_group,
+                      flags).launch(grid=(mChunks.shape[0] * mO.shape[1], 1, 1), block=(PREP_THREADS, 1, 1),
+                                    smem=prep_smem_bytes(self.K, self.V), stream=stream,
+                                    min_blocks_per_mp=PREP_CTAS_PER_SM, preferred_smem_carveout=PREP_SMEM_CARVEOUT)
 
     @cute.jit
     def _launch_main(self, mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group,
-                     flags, stream):
+                     flags, stream, mPlan=None, num_ctas=None):
         """Launch the main kernel (traced inside ``__call__``): the MMAs, the swizzled stage layouts, the shared
-        storage; ``mQ`` / ``mK`` are the q / k the chunk products read (the per-channel prep's Qg / Kd there)."""
+        storage; ``mQ`` / ``mK`` are the q / k the chunk products read (the per-channel prep's Qg / Kd there);
+        ``mPlan`` / ``num_ctas``: the persistent grid's sequence order
+        (:func:`~cutedsl_attn.planning.gdn.plan_sequences`) and size (``Tiles.persistent``)."""
+        if const_expr(self.persistent and mPlan is None):
+            raise ValueError("Tiles.persistent needs the plan tensor: build the kernel with compile / compile_main")
         C, K, S, dt = self.C, self.K, self.S, self.io
         K_MAJOR = cute.nvgpu.OperandMajorMode.K
         MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
@@ -309,6 +349,20 @@ class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
             sF: cute.struct.Align[cute.struct.MemRange[Float32, S * (self.F_BYTES // 4)], 16]
 
         self.shared_storage = SharedStorage
+        tma_args = self._tma_atoms(mQ, mK, mW, mAqk, s_ck, s_cc)
+        grid = (self.NVB * mO.shape[1], mCu.shape[0] - 1, 1)
+        if const_expr(self.persistent):
+            grid = (num_ctas, 1, 1)
+        self.main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group, flags,
+                  s_ck, s_cc, mma_x, mma_s, *tma_args, mPlan).launch(
+            grid=grid, block=(128 * (1 + self.NWG), 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    def _tma_atoms(self, mQ, mK, mW, mAqk, s_ck, s_cc):
+        """The main kernel's TMA atoms and coordinate tensors (called while :meth:`_launch_main` traces): with
+        ``Tiles.tma = 1`` ``(atom_Q, tma_Q, atom_K, tma_K, atom_W, tma_W, atom_A, tma_A)``, one box = one stage's
+        (C, K) or (C, C) tile; eight Nones otherwise.  The per-channel subclass's Qg / Kd ([T, HO, K], as q / k)
+        take the same atoms."""
+        C, K = self.C, self.K
         tma_args = (None,) * 8
         if const_expr(self.tma):
             g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -322,29 +376,31 @@ class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
                         *cpasync.make_tiled_tma_atom(g2s, mK_t, box_ck, (C, K), 1),
                         *cpasync.make_tiled_tma_atom(g2s, mW_t, box_ck, (C, K), 1),
                         *cpasync.make_tiled_tma_atom(g2s, mA_t, box_cc, (C, C), 1))
-        self.main(mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group, k_group, flags,
-                  s_ck, s_cc, mma_x, mma_s, *tma_args).launch(
-            grid=(self.NVB * mO.shape[1], mCu.shape[0] - 1, 1), block=(128 * (1 + self.NWG), 1, 1),
-            smem=SharedStorage.size_in_bytes(), stream=stream)
+        return tma_args
 
     # ================================================================== main kernel
     @cute.kernel
     def main(self, mQ, mK, mCu, mChunkOff, mH0, mH0Idx, mHt, mHtIdx, mO, mW, mU, mAqk, mF, q_group: Int32,
              k_group: Int32, flags: Int32, s_ck: cute.ComposedLayout, s_cc: cute.ComposedLayout,
              mma_x: cute.TiledMma, mma_s: cute.TiledMma, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_W, tma_W,
-             tma_atom_A, tma_A):
-        """One CTA per (V-slice, output head, sequence): warpgroup 0 loads, the others walk the chunk chain."""
+             tma_atom_A, tma_A, mPlan):
+        """One CTA per (V-slice, output head, sequence), or (``Tiles.persistent``) per share of the walk over
+        ``mPlan``'s order, its items one after the other on one ring: warpgroup 0 loads, the others consume."""
         tidx, _, _ = cute.arch.thread_idx()
-        bx, n, _ = cute.arch.block_idx()
+        bx, by, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        vb = bx % self.NVB
-        ho = bx // self.NVB
-        v0 = vb * self.BV
-        bos = mCu[n]
-        eos = mCu[n + 1]
-        c0 = mChunkOff[n]
-        nch = mChunkOff[n + 1] - c0
+        if const_expr(self.persistent):
+            walk = self._walk(mCu, mO, bx)
+        else:
+            n = by
+            vb = bx % self.NVB
+            ho = bx // self.NVB
+            v0 = vb * self.BV
+            bos = mCu[n]
+            eos = mCu[n + 1]
+            c0 = mChunkOff[n]
+            nch = mChunkOff[n + 1] - c0
         # every producer thread arrives when its cp.async copies land (noinc); every consumer thread releases
         # (with TMA, one more arrival: the elected thread's arrive.expect_tx of the stage's TMA bytes)
         producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 + int(self.tma))
@@ -353,23 +409,23 @@ class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
                                                producer_group=producers, consumer_group=consumers, defer_sync=True)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
+        tma = (tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_W, tma_W, tma_atom_A, tma_A)
         if warp_idx < 4:
             if const_expr(self.NWG > 1):  # 384 threads: 168 registers each at launch
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S)
-            for j in cutlass.range(nch, unroll=1):
-                pipe.producer_acquire(state)
-                t0 = bos + j * self.C
-                if const_expr(self.tma):
-                    self._load_chunk_tma(mQ, mK, mW, mU, mF, storage, pipe, state, c0 + j, t0,
-                                         cutlass.min(eos - t0, self.C), ho // q_group, ho // k_group, ho, v0, tidx,
-                                         warp_idx, s_ck, s_cc, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_W,
-                                         tma_W, tma_atom_A, tma_A)
-                else:
-                    self._load_chunk(mQ, mK, mW, mU, mAqk, mF, storage, state.index, c0 + j, t0,
-                                     cutlass.min(eos - t0, self.C), ho // q_group, ho // k_group, ho, v0, tidx)
-                pipe.producer_commit(state)
-                state.advance()
+            if const_expr(self.persistent):
+                # both roles walk the same items, so the ring's state at an item's start follows from the chunks
+                # before it (no hand-over between the warpgroups)
+                done = Int32(0)
+                for r in cutlass.range(walk[0], unroll=1):
+                    _n, h_i, v_i, bos_i, eos_i, c_i, nch_i = self._walk_item(mPlan, mCu, mChunkOff, walk, r, bx)
+                    self._produce(mQ, mK, mW, mU, mAqk, mF, storage, pipe, self._ring_state(done, 1), c_i, nch_i,
+                                  bos_i, eos_i, h_i, v_i, q_group, k_group, tidx, warp_idx, s_ck, s_cc, *tma)
+                    done += nch_i
+            else:
+                self._produce(mQ, mK, mW, mU, mAqk, mF, storage, pipe,
+                              pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.S), c0, nch, bos,
+                              eos, ho, v0, q_group, k_group, tidx, warp_idx, s_ck, s_cc, *tma)
         else:
             if const_expr(self.NWG > 1):
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -379,9 +435,39 @@ class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
             sK = storage.sK.get_tensor(s_ck.outer, swizzle=s_ck.inner)
             sW = storage.sW.get_tensor(s_ck.outer, swizzle=s_ck.inner)
             sAqk = storage.sAqk.get_tensor(s_cc.outer, swizzle=s_cc.inner)
-            self._consume(mH0, mH0Idx, mHt, mHtIdx, mO, flags, sQ, sK, sW, sAqk, storage.sU.data_ptr().toint(),
-                          storage.sF.data_ptr().toint(), pipe, mma_x, mma_s, n, ho, v0 + wg * 64, wg, bos, eos,
-                          nch, ptx.opaque_i32(ctid % 128))
+            if const_expr(self.persistent):
+                done = Int32(0)
+                for r in cutlass.range(walk[0], unroll=1):
+                    n_i, h_i, v_i, bos_i, eos_i, _c, nch_i = self._walk_item(mPlan, mCu, mChunkOff, walk, r, bx)
+                    self._consume(mH0, mH0Idx, mHt, mHtIdx, mO, flags, sQ, sK, sW, sAqk,
+                                  storage.sU.data_ptr().toint(), storage.sF.data_ptr().toint(), pipe, mma_x, mma_s,
+                                  n_i, h_i, v_i + wg * 64, wg, bos_i, eos_i, nch_i, ptx.opaque_i32(ctid % 128),
+                                  self._ring_state(done, 0))
+                    done += nch_i
+            else:
+                self._consume(mH0, mH0Idx, mHt, mHtIdx, mO, flags, sQ, sK, sW, sAqk, storage.sU.data_ptr().toint(),
+                              storage.sF.data_ptr().toint(), pipe, mma_x, mma_s, n, ho, v0 + wg * 64, wg, bos, eos,
+                              nch, ptx.opaque_i32(ctid % 128))
+
+    @cute.jit
+    def _produce(self, mQ, mK, mW, mU, mAqk, mF, storage, pipe, state, c0, nch, bos, eos, ho, v0, q_group, k_group,
+                 tidx, warp_idx, s_ck, s_cc, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_W, tma_W, tma_atom_A,
+                 tma_A):
+        """Producer warpgroup: load chunks ``c0 .. c0 + nch`` (tokens ``bos .. eos``) of head ``ho``'s V-slice
+        ``v0`` into the ring from pipeline state ``state`` on."""
+        for j in cutlass.range(nch, unroll=1):
+            pipe.producer_acquire(state)
+            t0 = bos + j * self.C
+            if const_expr(self.tma):
+                self._load_chunk_tma(mQ, mK, mW, mU, mF, storage, pipe, state, c0 + j, t0,
+                                     cutlass.min(eos - t0, self.C), ho // q_group, ho // k_group, ho, v0, tidx,
+                                     warp_idx, s_ck, s_cc, tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_W,
+                                     tma_W, tma_atom_A, tma_A)
+            else:
+                self._load_chunk(mQ, mK, mW, mU, mAqk, mF, storage, state.index, c0 + j, t0,
+                                 cutlass.min(eos - t0, self.C), ho // q_group, ho // k_group, ho, v0, tidx)
+            pipe.producer_commit(state)
+            state.advance()
 
     @cute.jit
     def _gemm(self, tiled_mma, acc, tA, tB, zero_init: cutlass.Constexpr):
@@ -405,8 +491,9 @@ class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
 
     @cute.jit
     def _consume(self, mH0, mH0Idx, mHt, mHtIdx, mO, flags, sQ, sK, sW, sAqk, sU_base, sF_base, pipe, mma_x, mma_s,
-                 n, ho, vw, wg, bos, eos, nch, tid):
-        """One consumer warpgroup: state rows ``vw .. vw + 64`` of head ``ho``, the chunks of sequence ``n``.
+                 n, ho, vw, wg, bos, eos, nch, tid, state=None):
+        """One consumer warpgroup: state rows ``vw .. vw + 64`` of head ``ho``, the chunks of sequence ``n``, from
+        the ring's pipeline state ``state`` on (None: the ring's start).
         Accumulator element ``4 j + 2 h + e`` of a thread is row ``16 warp + g + 8 h``, column ``8 j + 2 t + e``."""
         C, K, V, RU, io = self.C, self.K, self.V, self.RU, self.io
         HO = mO.shape[1]
@@ -440,7 +527,8 @@ class GdnChunkedSm90Kernel(GdnPrep, GdnSm90Loads):
             self._state_io(mH0, fS, Int64(row) * HO + ho, vw, warp, g, t, False)
         self._to16(acc_S, tXrS)
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.S)
+        if const_expr(state is None):
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.S)
         o_base = mO.iterator.toint()
         o_tok = Int64(HO) * (V * 2)  # bytes a token of O
         vl = wg * 64 + warp * 16 + g  # the thread's first row within the CTA's V-slice (U's columns)
@@ -564,6 +652,8 @@ class GdnChunkedSm90MainKernel(GdnChunkedSm90Kernel):
     """The main kernel alone, over a prep's scratch (the prep's arguments accepted and unused), computing what
     ``MainConfig.run`` names.  Build with :func:`compile_main`."""
 
+    runs_prep = False  # the persistent entry (GdnSm90PlanCall) launches the main kernel alone
+
     def __init__(self, mcfg: MainConfig):
         super().__init__(mcfg.config)
         self.write_output = mcfg.run is MainRun.OUTPUT
@@ -579,11 +669,20 @@ class GdnChunkedSm90MainKernel(GdnChunkedSm90Kernel):
                           flags, stream)
 
 
+class GdnChunkedSm90PersistentKernel(GdnSm90PlanCall, GdnChunkedSm90Kernel):
+    """:class:`GdnChunkedSm90Kernel` on a persistent grid.  Build with :func:`compile`."""
+
+
+class GdnChunkedSm90PersistentMainKernel(GdnSm90PlanCall, GdnChunkedSm90MainKernel):
+    """:class:`GdnChunkedSm90MainKernel` on a persistent grid.  Build with :func:`compile_main`."""
+
+
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile :class:`GdnChunkedSm90Kernel` (prep + main kernels, one function) for ``cfg`` from fake tensors (no
     GPU needed).  Returns the tvm-ffi callable; call it through :func:`launch`.  Raises ValueError for
     ``keep_cubin`` without a ``keep_ptx_dir``."""
-    return compile_kernel(GdnChunkedSm90Kernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
+    kernel = GdnChunkedSm90PersistentKernel if cfg.tiles.persistent else GdnChunkedSm90Kernel
+    return compile_kernel(kernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
 
 
 def compile_prep(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
@@ -595,4 +694,5 @@ def compile_prep(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bo
 def compile_main(mcfg: MainConfig, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile the main kernel alone (:class:`GdnChunkedSm90MainKernel`, cache name :data:`NAME_MAIN`) for
     ``mcfg``; call it through :func:`launch_main`.  Errors as :func:`compile`'s."""
-    return compile_kernel(GdnChunkedSm90MainKernel(mcfg), mcfg.config.problem, keep_ptx_dir, keep_cubin)
+    kernel = GdnChunkedSm90PersistentMainKernel if mcfg.config.tiles.persistent else GdnChunkedSm90MainKernel
+    return compile_kernel(kernel(mcfg), mcfg.config.problem, keep_ptx_dir, keep_cubin)
