@@ -19,8 +19,7 @@ fp8-query element and 2 per output element; FLOPs as above.
 ``--kernel`` picks our bf16 kernel (``CUTEDSL_ATTN_MLA_KERNEL``): ``sm90`` (the automatic choice on sm_90a),
 ``portable`` or ``both`` (the default: each timed on the same inputs; ``ours_*`` columns are the first of them,
 the SM90 one, ``<kernel>_*`` columns each, ``sm90_vs_portable_relerr`` the difference of their outputs); fp8 rows
-the same (the SM90 kernel's fp8 path through ``CUTEDSL_ATTN_MLA_SM90_UNVERIFIED=1`` while its switch is off;
-``<kernel>_kernel`` names the kernel that ran).  ``--variants`` times extra tiles
+the same (``<kernel>_kernel`` names the kernel that ran).  ``--variants`` times extra tiles
 (``CUTEDSL_ATTN_MLA_TUNE`` values) of the SM90 kernel when it is timed (else of the portable one) on every bf16 row
 (``v[...]_*`` columns: time, TFLOP/s, relative error against the default tiles); ``--rows`` keeps some row tags.
 
@@ -47,7 +46,6 @@ DEV = torch.device("cuda")
 DT = torch.bfloat16
 DC, DR, PS = 512, 64, 64
 SM_SCALE = 1.0 / math.sqrt(128 + 64)
-UNVERIFIED_ENV = "CUTEDSL_ATTN_MLA_SM90_UNVERIFIED"  # opts the SM90 kernel into its fp8 path before its switch
 # (tag, heads, batch, kv_len, qo_len)
 ROWS = [("a", 128, 64, 4096, 1), ("a", 128, 64, 8192, 1), ("a", 128, 132, 4096, 1), ("a", 128, 132, 8192, 1),
         ("b", 128, 64, 4096, 2), ("b", 128, 64, 8192, 2), ("b", 128, 132, 4096, 2), ("b", 128, 132, 8192, 2),
@@ -113,6 +111,7 @@ def bench_fp8(H, B, L, q_dtype, gen, ws, timed_fn):
 
 
 def main():
+    global PS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
@@ -121,8 +120,10 @@ def main():
     ap.add_argument("--no-peers", action="store_true", help="skip FlashInfer's fa3 / fa2 MLA")
     ap.add_argument("--kernel", choices=("portable", "sm90", "both"), default="both",
                     help="our bf16 MLA kernel (CUTEDSL_ATTN_MLA_KERNEL); both: time each on the same inputs")
+    ap.add_argument("--page", type=int, default=PS, help="page size of every row (default 64)")
     ap.add_argument("--rows", default="a,b,c,d,e", help="row tags to run, comma-separated (a b c d: bf16, e: fp8)")
     args = ap.parse_args()
+    PS = args.page
     from cutedsl_attn.api.mla import BatchMLAPagedAttentionWrapper
 
     kernels = ("sm90", "portable") if args.kernel == "both" else (args.kernel,)
@@ -203,22 +204,17 @@ def main():
         torch.cuda.empty_cache()
 
     bf16_us = {(r["heads"], r["batch"], r["kv_len"]): r["ours_us"] for r in results if r["s_q"] == 1}
-    unverified_before = os.environ.get(UNVERIFIED_ENV)
     for (tag, H, B, L, q_dtype) in [r for r in (FP8_ROWS[:1] if args.quick else FP8_ROWS) if "e" in tags]:
         fl, _ = flops_bytes(B, L, H)
         nb = fp8_bytes(B, L, H, 1 if q_dtype == E4M3 else 2)
         row = dict(row=tag, heads=H, batch=B, kv_len=L, s_q=1, page=PS, q="fp8" if q_dtype == E4M3 else "bf16",
                    kv="fp8", read_ceiling_tbs=rd)
         outs = {}
+        seed = int(torch.randint(1 << 30, (1,), generator=gen))
         for kname in kernels:
             os.environ["CUTEDSL_ATTN_MLA_KERNEL"] = kname
-            if kname == "sm90":  # (its fp8 path, opted into until its verification switch is on)
-                os.environ[UNVERIFIED_ENV] = "1"
-            t, err, name, o = bench_fp8(H, B, L, q_dtype, gen, ws, timed)
-            if unverified_before is None:
-                os.environ.pop(UNVERIFIED_ENV, None)
-            else:
-                os.environ[UNVERIFIED_ENV] = unverified_before
+            torch.manual_seed(seed)  # the same cache, query and page table for each kernel
+            t, err, name, o = bench_fp8(H, B, L, q_dtype, torch.Generator().manual_seed(seed), ws, timed)
             outs[kname] = o
             row.update({f"{kname}_us": t * 1e6, f"{kname}_tflops": fl / t / 1e12, f"{kname}_tbs": nb / t / 1e12,
                         f"{kname}_kernel": name, f"{kname}_fp8_vs_bf16_relerr": err})

@@ -450,6 +450,7 @@ def test_ptx_and_resources(tmp_path, arch, dtype, page_size, causal, tiles):
 def test_tuning_hook(monkeypatch):
     from cutedsl_attn import dispatch as d
 
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "portable")  # the portable kernel's tuning (sm_90a: SM90's)
     pb = MlaProblem("bfloat16", 16)
     assert d.mla_choice(pb)[1].tiles == md.default_tiles(pb, num_sms=132)
     monkeypatch.setenv(d.MLA_TUNE_ENV, "tile_n=16,num_stages=4")

@@ -124,7 +124,8 @@ def test_trtllm_fp8_small_pages_and_fp16_query():
 
 @pytest.mark.parametrize("tune", ["tile_n=16,num_stages=6", "tile_n=32,num_stages=3"])
 def test_trtllm_fp8_other_tiles(monkeypatch, tune):
-    # 16-token chunks widen two lanes a row; a 3-deep ring keeps one chunk in flight
+    # the portable kernel's tiles: 16-token chunks widen two lanes a row; a 3-deep ring keeps one chunk in flight
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "portable")
     monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", tune)
     check_trtllm([1, 31, 33, 0, 700], 2, 16, 32, q_dtype=E4M3)
     check_trtllm([5000], 1, 128, 64, q_dtype=torch.bfloat16)

@@ -19,24 +19,17 @@ def _problem(**kw):
     return MlaProblem(**{**dict(dtype="bfloat16", page_size=64), **kw})
 
 
-@pytest.fixture(autouse=True)
-def verified_paths_only(monkeypatch):
-    """Every test starts from the default: the paths awaiting GPU verification refused."""
-    monkeypatch.delenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED", raising=False)
-
-
 def test_unsupported_and_config_rules():
     assert sm90.unsupported_reason(_problem()) is None
     assert sm90.unsupported_reason(_problem(dtype="float16", causal=True)) is None
-    for kw, word in ((dict(arch="sm_100a"), "sm_90a only"), (dict(page_size=16), "page_size"),
-                     (dict(page_size=1), "page_size"), (dict(kv_dtype="float8_e4m3fn"), "fp8"),
-                     (dict(dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn"), "fp8")):
+    for kw, word in ((dict(arch="sm_100a"), "sm_90a only"), (dict(page_size=48), "page_size"),
+                     (dict(page_size=3), "page_size")):
         reason = sm90.unsupported_reason(_problem(**kw))
         assert reason is not None and word in reason and "portable kernel" in reason, (kw, reason)
     with pytest.raises(TypeError):
         sm90.unsupported_reason("mla")
     with pytest.raises(ValueError, match="cannot serve"):
-        sm90.Config(_problem(page_size=32), sm90.Tiles())
+        sm90.Config(_problem(page_size=48), sm90.Tiles())
     with pytest.raises(TypeError):
         sm90.Config(_problem(), object())
     with pytest.raises(ValueError, match="num_stages"):
@@ -80,7 +73,7 @@ def test_dispatch_default_and_fallbacks(monkeypatch):
     p = _problem()
     monkeypatch.delenv("CUTEDSL_ATTN_MLA_KERNEL", raising=False)
     monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE", raising=False)
-    # the automatic choice on sm_90a: the SM90 kernel wherever it serves the problem
+    # the automatic choice on sm_90a: the SM90 kernel at page 64
     for env in (None, "auto", "sm90"):
         if env is None:
             monkeypatch.delenv("CUTEDSL_ATTN_MLA_KERNEL", raising=False)
@@ -91,10 +84,11 @@ def test_dispatch_default_and_fallbacks(monkeypatch):
         for kw in (dict(causal=True), dict(dtype="float16"), dict(dtype="float16", causal=True)):
             assert d.mla_choice(_problem(**kw))[0] is sm90, (env, kw)
         # what the SM90 kernel does not serve falls back to the portable kernel
-        for kw in (dict(page_size=16), dict(page_size=1), dict(page_size=32), dict(page_size=63),
-                   dict(kv_dtype="float8_e4m3fn"), dict(dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn"),
-                   dict(arch="sm_100a"), dict(arch="sm_103a")):
+        for kw in (dict(page_size=63), dict(page_size=48), dict(arch="sm_100a"), dict(arch="sm_103a"),
+                   dict(arch="sm_100a", kv_dtype="float8_e4m3fn")):
             assert d.mla_choice(_problem(**kw))[0] is md, (env, kw)
+        for kw in (dict(page_size=16), dict(page_size=1), dict(page_size=32)):  # gathered pages: when forced
+            assert d.mla_choice(_problem(**kw))[0] is (sm90 if env == "sm90" else md), (env, kw)
     lim = d.mla_limits(module, cfg)
     assert lim["ctas_per_sm"] == 1 and lim["tile_m"] == 64  # one 64-row CTA per SM
     assert lim["max_splits_per_request"] == cfg.max_splits_per_request >= 128
@@ -275,29 +269,31 @@ def test_load_order_follows_the_schedule():
 FP8 = "float8_e4m3fn"
 
 
-def test_unverified_paths_switch(monkeypatch):
-    """Small pages and fp8 reach the SM90 kernel only through their verification switches or the opt-in variable;
-    page sizes that do not divide 64 never do."""
+def test_small_pages_and_fp8_routing(monkeypatch):
+    """On sm_90a: fp8 caches / q at page 64 go to the SM90 kernel from FP8_SM90_MIN_HEADS heads (the portable
+    kernel below, measured faster there); page sizes dividing 64 are served by the SM90 kernel's gathered path
+    but chosen only where CUTEDSL_ATTN_MLA_KERNEL=sm90 forces it (not yet timed against the portable kernel);
+    page sizes that do not divide 64 and other archs go to the portable kernel."""
     from cutedsl_attn import dispatch as d
     from cutedsl_attn.portable import mla_decode as md
-    from cutedsl_attn.sm90.mla import config as c
 
     monkeypatch.delenv("CUTEDSL_ATTN_MLA_KERNEL", raising=False)
     monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE", raising=False)
-    assert (c.SMALL_PAGES_VERIFIED, c.FP8_VERIFIED) == (False, False)
-    new = [dict(page_size=ps) for ps in (1, 2, 4, 8, 16, 32)] + [
-        dict(kv_dtype=FP8), dict(kv_dtype=FP8, page_size=16), dict(dtype="float16", kv_dtype=FP8),
-        dict(dtype=FP8, kv_dtype=FP8), dict(dtype=FP8, kv_dtype=FP8, page_size=1, causal=True)]
-    for kw in new:
-        reason = sm90.unsupported_reason(_problem(**kw))
-        assert reason is not None and "CUTEDSL_ATTN_MLA_SM90_UNVERIFIED" in reason, (kw, reason)
-        assert d.mla_choice(_problem(**kw))[0] is md, kw
-    monkeypatch.setenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED", "0")  # only "1" opts in
-    assert sm90.unsupported_reason(_problem(page_size=16)) is not None
-    monkeypatch.setenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED", "1")
-    for kw in new:
+    small = [dict(page_size=ps) for ps in (1, 2, 4, 8, 16, 32)] + [
+        dict(kv_dtype=FP8, page_size=16), dict(dtype=FP8, kv_dtype=FP8, page_size=1, causal=True)]
+    fp8_64 = [dict(kv_dtype=FP8), dict(dtype="float16", kv_dtype=FP8), dict(dtype=FP8, kv_dtype=FP8)]
+    for kw in small + fp8_64:
         assert sm90.unsupported_reason(_problem(**kw)) is None, kw
-        module, cfg = d.mla_choice(_problem(**kw))
+    for kw in small:
+        assert d.mla_choice(_problem(**kw))[0] is md, kw  # auto: the portable kernel
+    for kw in fp8_64:
+        assert d.mla_choice(_problem(**kw), num_heads=128)[0] is sm90, kw
+        assert d.mla_choice(_problem(**kw), num_heads=16)[0] is md, kw  # few heads: the portable kernel
+    assert d.mla_choice(_problem(kv_dtype=FP8), num_heads=d.FP8_SM90_MIN_HEADS)[0] is sm90
+    assert d.mla_choice(_problem(), num_heads=16)[0] is sm90  # 16-bit caches at page 64: any head count
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")  # forced: every problem the SM90 kernel serves
+    for kw in small + fp8_64:
+        module, cfg = d.mla_choice(_problem(**kw), num_heads=16)
         assert module is sm90, kw
         fp8 = cfg.problem.kv_fp8
         assert cfg.tiles == sm90.Tiles(merge_kernel=1) and cfg.tiles.fp8_loads == 1, kw  # fp8 staged in the stage
@@ -310,13 +306,6 @@ def test_unverified_paths_switch(monkeypatch):
         assert reason is not None and "page_size" in reason and "portable kernel" in reason
         assert d.mla_choice(_problem(page_size=ps))[0] is md
     assert "sm_90a only" in sm90.unsupported_reason(_problem(arch="sm_100a", page_size=16))
-    # the lead's switches after the GPU run: no variable needed
-    monkeypatch.delenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED")
-    monkeypatch.setattr(c, "SMALL_PAGES_VERIFIED", True)
-    assert sm90.unsupported_reason(_problem(page_size=1)) is None
-    assert "fp8" in sm90.unsupported_reason(_problem(page_size=1, kv_dtype=FP8))
-    monkeypatch.setattr(c, "FP8_VERIFIED", True)
-    assert sm90.unsupported_reason(_problem(page_size=1, kv_dtype=FP8)) is None
 
 
 def test_gathered_rows_write_the_tma_layout():
@@ -381,10 +370,9 @@ GATHER_VARIANTS = {
 
 @pytest.mark.parametrize("variant", sorted(GATHER_VARIANTS))
 def test_sm90_gather_ptx_and_cubin(tmp_path, monkeypatch, variant):
-    """Small pages and fp8 caches (forced through the opt-in variable): every block gathered (no TMA), fp8 widened
+    """Small pages and fp8 caches: every block gathered (no TMA), fp8 widened
     to f16 (staged in the stage by cp.async, or through registers), the same GEMMs as page 64, and no spills in the
     producer's 40 / 56 registers."""
-    monkeypatch.setenv("CUTEDSL_ATTN_MLA_SM90_UNVERIFIED", "1")
     kw, tiles = GATHER_VARIANTS[variant]
     p = _problem(**kw)
     cfg = sm90.Config(p, sm90.Tiles(**{"merge_kernel": 1, **tiles}))

@@ -189,7 +189,7 @@ class BatchMLAPagedAttentionWrapper:
 
         dev_index = self.device.index if self.device.type == "cuda" else None
         problem = mla_problem(dtype=q_dt, page_size=page_size, causal=causal, device_index=dev_index)
-        module, cfg = mla_choice(problem, device_index=dev_index)
+        module, cfg = mla_choice(problem, device_index=dev_index, num_heads=num_heads)
         lim = mla_limits(module, cfg)
         sms = num_sms(dev_index)
         max_q = int(qo_lens.max()) if B else 1

@@ -624,5 +624,7 @@ def decode_schedule(problem: DecodeProblem, kv_lens, page_offsets, *, num_kv_hea
 
 # the delta-rule family and MLA: their own modules, re-exported here (dispatch stays the one place a kernel is chosen)
 from .gdn import gdn_arch, gdn_choice, gdn_launch  # noqa: E402
-from .mla import MLA_TUNE_ENV, mla_choice, mla_launch, mla_limits, mla_problem  # noqa: E402
+from .mla import (  # noqa: E402
+    FP8_SM90_MIN_HEADS, MLA_KERNEL_ENV, MLA_TUNE_ENV, mla_choice, mla_launch, mla_limits, mla_problem,
+)
 

@@ -1,12 +1,14 @@
 """Kernel choice and launch of MLA (part of :mod:`cutedsl_attn.dispatch`, which re-exports its public names).
 
 On sm_90a the SM90 kernel (:mod:`cutedsl_attn.sm90.mla`: TMA pages + wgmma, 64-row tiles, O split across two
-consumer warpgroups) serves every problem its ``unsupported_reason`` accepts: bf16 / fp16 q with caches of q's
-dtype and page size 64, any head count, qo_len, causal or not, split-KV; page sizes dividing 64 and fp8 e4m3
-caches / q once their GPU verification switches are on (or ``CUTEDSL_ATTN_MLA_SM90_UNVERIFIED=1``).  The portable
-decode kernel (16-row mma.sync tiles; page sizes 1..64, fp8 e4m3 caches) serves the rest and every other arch.
-``CUTEDSL_ATTN_MLA_KERNEL``: ``auto`` (the default, as above), ``sm90`` (the same: the SM90 kernel where it serves
-the problem) or ``portable`` (forces the portable kernel).  Under torch.compile the launch is the custom op
+consumer warpgroups) serves page size 64: bf16 / fp16 q with caches of q's dtype (any head count, qo_len, causal
+or not, split-KV) and fp8 e4m3 caches / q (widened to f16 in shared memory) from ``FP8_SM90_MIN_HEADS`` query
+heads; fewer heads with fp8 go to the portable kernel, measured faster there.  The SM90 kernel's gathered path for
+page sizes dividing 64 (verified on the H200, not yet timed against the portable kernel) runs only where
+``CUTEDSL_ATTN_MLA_KERNEL=sm90`` forces it.  The portable decode kernel (16-row mma.sync tiles; page sizes 1..64,
+fp8 e4m3 caches) serves the rest and every other arch.  ``CUTEDSL_ATTN_MLA_KERNEL``: ``auto`` (the default, as
+above), ``sm90`` (the SM90 kernel wherever it serves the problem: any page size dividing 64, any head count) or
+``portable`` (forces the portable kernel).  Under torch.compile the launch is the custom op
 cutedsl_attn::mla_decode_portable or cutedsl_attn::mla_decode_sm90.
 """
 
@@ -30,6 +32,10 @@ MLA_KERNEL_ENV = "CUTEDSL_ATTN_MLA_KERNEL"  # "auto" (default: the SM90 kernel w
 _MLA_KERNELS = ("auto", "portable", "sm90")
 
 _MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
+#: fp8 caches with fewer query heads than this go to the portable kernel even on sm_90a: the SM90 kernel's 64-row
+#: tiles and in-stage widening lose to the portable kernel's 16-row tiles at 16 heads (1.03-1.11x), win 3.3-3.5x
+#: at 128 heads (perf/RESULTS.md, "MLA")
+FP8_SM90_MIN_HEADS = 64
 
 
 def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512, head_dim_kpe: int = 64,
@@ -43,10 +49,11 @@ def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512,
                       head_dim_kpe=head_dim_kpe, causal=bool(causal), arch=target_arch(dev), kv_dtype=kv)
 
 
-def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
+def mla_choice(problem: MlaProblem, *, device_index: int | None = None, num_heads: int | None = None):
     """``(kernel module, config)`` serving ``problem``: the SM90 kernel where it serves the problem (its
-    ``unsupported_reason`` is None: sm_90a, 16-bit caches of q's dtype at page size 64; smaller pages and fp8
-    while their switches say so), else the portable kernel;
+    ``unsupported_reason`` is None: sm_90a, page sizes dividing 64, 16-bit or fp8 caches) at page size 64 except
+    fp8 caches with ``num_heads`` (query heads, when given) below :data:`FP8_SM90_MIN_HEADS`, else the portable
+    kernel; ``CUTEDSL_ATTN_MLA_KERNEL=sm90`` takes the SM90 kernel wherever it serves;
     ``CUTEDSL_ATTN_MLA_KERNEL=portable`` forces the portable kernel.  ``CUTEDSL_ATTN_MLA_TUNE``
     (``"key=value,..."`` over the chosen kernel's ``Tiles`` fields, tuning experiments) overrides the default
     tiles.
@@ -57,7 +64,10 @@ def mla_choice(problem: MlaProblem, *, device_index: int | None = None):
     if forced not in _MLA_KERNELS:
         raise ValueError(f"{MLA_KERNEL_ENV} must be one of {_MLA_KERNELS}, got {forced!r}")
     m = _mla_portable
-    if forced != "portable" and _mla_sm90.unsupported_reason(problem) is None:
+    # auto: the SM90 kernel where it is measured faster (page 64; fp8 from FP8_SM90_MIN_HEADS heads)
+    measured = problem.page_size == 64 and not (problem.kv_fp8 and num_heads is not None
+                                               and num_heads < FP8_SM90_MIN_HEADS)
+    if (forced == "sm90" or (forced == "auto" and measured)) and _mla_sm90.unsupported_reason(problem) is None:
         m = _mla_sm90
     reason = m.unsupported_reason(problem)
     if reason is not None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 
 import cutlass
@@ -24,11 +23,6 @@ V_HALF = HEAD_DIM_CKV // 2  # 256 columns of O per consumer warpgroup
 NUM_GROUPS = 3  # release groups of a stage: ckv left half, ckv right half, kpe / P
 GROUP_CHUNKS = ((0, 1, 2, 3), (4, 5, 6, 7), (8,))
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # a 64-token block spans 64 // page_size whole pages
-#: whether the gathered small-page path (page_size < 64) and the fp8 path (e4m3 caches, fp8 q) have passed the GPU
-#: tests; until then :func:`unsupported_reason` refuses them unless :data:`UNVERIFIED_ENV` is "1"
-SMALL_PAGES_VERIFIED = False
-FP8_VERIFIED = False
-UNVERIFIED_ENV = "CUTEDSL_ATTN_MLA_SM90_UNVERIFIED"
 #: registers a thread launches with (384 threads share the 64 Ki file in multiples of 8): setmaxnreg moves registers
 #: within the CTA's 168 x 384 pool, so the warpgroups' budgets must sum to it, not to 64 Ki (an inc that cannot be
 #: met blocks forever)
@@ -93,15 +87,10 @@ def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
     return override_int_fields(tiles, items)
 
 
-def _unverified_allowed() -> bool:
-    return os.environ.get(UNVERIFIED_ENV, "").strip() == "1"
-
-
 def unsupported_reason(problem: MlaProblem) -> str | None:
     """Why the SM90 MLA kernel cannot serve ``problem``, or None.  It serves sm_90a, any head count and query
     length, causal or not, with 16-bit q / o over caches of q's dtype at page size 64 (TMA pages); page sizes
-    1, 2, 4, .., 32 (gathered pages) and fp8 e4m3 caches / q (widened to f16 on load) while their switches
-    (:data:`SMALL_PAGES_VERIFIED`, :data:`FP8_VERIFIED`) are on or ``CUTEDSL_ATTN_MLA_SM90_UNVERIFIED=1``.
+    1, 2, 4, .., 32 (gathered pages) and fp8 e4m3 caches / q (widened to f16 on load).
     Raises TypeError when ``problem`` is not an MlaProblem."""
     if not isinstance(problem, MlaProblem):
         raise TypeError(f"problem must be an MlaProblem, got {type(problem).__name__}")
@@ -110,14 +99,6 @@ def unsupported_reason(problem: MlaProblem) -> str | None:
     if problem.page_size not in PAGE_SIZES:
         return (f"the SM90 MLA kernel serves page_size {PAGE_SIZES} (whole pages per 64-token block), got "
                 f"{problem.page_size} (the portable kernel serves it)")
-    unverified = []
-    if problem.kv_fp8 and not FP8_VERIFIED:
-        unverified.append("fp8 caches")
-    if problem.page_size < BLOCK_N and not SMALL_PAGES_VERIFIED:
-        unverified.append(f"page_size {problem.page_size}")
-    if unverified and not _unverified_allowed():
-        return (f"the SM90 MLA kernel's path for {' and '.join(unverified)} awaits its GPU verification ("
-                f"{UNVERIFIED_ENV}=1 enables it; the portable kernel serves it)")
     return None
 
 
