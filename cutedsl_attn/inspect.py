@@ -184,9 +184,9 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
         ``arch`` (the SM90 TMA + wgmma kernel on ``sm_90a`` where it applies, else the portable one, which
         also serves an fp8 ``kv_dtype``; ``kernel="portable"``, ``"sm90"`` or ``"sm100"`` (the tcgen05
         kernel, ``sm_100a`` / ``sm_103a``) forces one); ``"mla"``: the MLA decode kernel
-        :func:`cutedsl_attn.dispatch.mla_choice` picks (the SM90 one on ``sm_90a`` for 16-bit caches of q's
-        dtype at page size 64, else the portable one; ``CUTEDSL_ATTN_MLA_KERNEL=portable`` forces the
-        portable one); ``"gdn"``:
+        :func:`cutedsl_attn.dispatch.mla_choice` picks (the SM90 one on ``sm_90a`` at page size 64, fp8 caches
+        included: the head count is not known here, so the choice of 64 heads and more; else the portable
+        one; ``CUTEDSL_ATTN_MLA_KERNEL=portable|sm90`` forces one); ``"gdn"``:
         the gated-delta-rule kernel dispatch picks (a chunked kernel for GDN / GDP prefill, the per-channel
         chunked one for KDA / GDN-2 prefill, recurrent for the decode step and a K-major state), keys as
         :data:`DEFAULTS`).
@@ -287,7 +287,7 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
 
 def _mla_config(dispatch, arch: str, merged: dict):
     """The Config of the MLA decode kernel :func:`cutedsl_attn.dispatch.mla_choice` picks for ``arch`` (the SM90
-    one on ``sm_90a`` at page size 64 with 16-bit caches, else the portable one; dispatch's tiles; the problem
+    one on ``sm_90a`` at page size 64, fp8 caches included, else the portable one; dispatch's tiles; the problem
     built here, not by ``dispatch.mla_problem``, which takes the target from the environment)."""
     from .planning.mla import MlaProblem
 

@@ -17,10 +17,10 @@ Usage: python perf/bench_gdn.py [--quick] [--out DIR] [--tiles "tv,warps,prefetc
 [--sm90 ["tv,stages[,tma[,persistent[,prep]]];..."]] [--cp ["P,..."]] [--cp-tiles "tv,..."] [--cp-rounds N]
 [--no-peers] [--gdp] [--fused "p,..."]
 (peers are skipped cleanly when not importable; ``--tiles`` also times those recurrent-kernel tiles on the
-prefill rows, ``ours_<tiles>_ms``, next to the default's; ``--sm90`` times the opt-in SM90 chunked kernel,
-its default tiles or those given (``tma``, ``persistent`` and ``prep`` 0 when left out; ``prep`` 1: the SM90
-prep on wgmma), ``sm90_<tile_v>x<stages>[_tma][_p<persistent>][_prep90]_ms``, and its output's error against the
-default's).
+prefill rows, ``ours_<tiles>_ms``, next to the default's; ``--sm90`` times the SM90 chunked kernel (auto's
+choice on sm_90a), its default tiles or those given (``tma``, ``persistent`` and ``prep`` 0 when left out;
+``prep`` 1: the SM90 prep on wgmma), ``sm90_<tile_v>x<stages>[_tma][_p<persistent>][_prep90]_ms``, and its
+output's error against the default's).
 ``ours_ms`` is the plain launch (one chain a sequence and head); every row also records the segment count
 ``use_cp="auto"`` takes (``cp_auto_segments``, 1: the plain launch).  ``--cp`` times the context-parallel path
 (one prep shared by three main-kernel runs) with the segments the forced path plans, or each count given,
@@ -213,7 +213,7 @@ def bench_prefill(timer, found, rows_wanted, bw, variants=(), recurrent=False, c
             c2 = chk.Config(problem, chk.Tiles(tile_v=tv, num_warps=nw))
             fn = get_compiled(chk.NAME, c2, chk.compile)
             row[f"chunked_{tv}x{nw}_ms"] = timer(lambda: chk.launch(fn, c2, args), reps=10) * 1e3
-        for tv, ns, tma, pers, prep in sm90_tiles:  # the opt-in SM90 chunked kernel; tv 0: its default tiles
+        for tv, ns, tma, pers, prep in sm90_tiles:  # the SM90 chunked kernel; tv 0: its default tiles
             t90 = chk90.default_tiles(problem, num_sms=132, chains=B * max(hqk, hv)) if tv == 0 else \
                 chk90.Tiles(tile_v=tv, num_stages=ns, tma=tma, persistent=pers, prep=prep)
             c4 = chk90.Config(problem, t90)

@@ -116,7 +116,7 @@ CASES = [
     ([200, 1], 64, 2, 8, 128, torch.float16, "NHD", True),
     ([513] * 8, 16, 2, 4, 64, torch.float16, "HND", False),
     ([9, 300], 16, 2, 8, 256, torch.bfloat16, "NHD", False),
-    ([300, 1029], 16, 1, 16, 128, torch.bfloat16, "NHD", True),  # group > 8: O = P V, not the transposed form
+    ([300, 1029], 16, 1, 16, 128, torch.bfloat16, "NHD", True),  # group 16, the largest GQA group served
     ([77, 500], 24, 2, 4, 64, torch.float16, "HND", True),  # page 24: the per-row gather
 ]
 

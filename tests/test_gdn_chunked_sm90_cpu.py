@@ -118,7 +118,7 @@ def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
         assert n64 == 2 * (K // 16) + 2 * (C // 16) and nk == n64
     else:
         assert n64 == 2 * (K // 16) + C // 16 and nk == C // 16
-    # prep = 0 (the default): the shared prep kernel on mma.sync
+    # prep = 0 (the Tiles field's default; default_tiles picks 1): the shared prep kernel on mma.sync
     assert "wgmma" not in prep and "mma.sync.aligned.m16n8k16" in prep
     assert "mma.sync" not in main
     assert "wgmma.fence.sync.aligned" in main and "wgmma.commit_group.sync.aligned" in main

@@ -167,12 +167,9 @@ def test_per_channel_decay_is_per_k_column():
 
 
 def test_api_recurrent_kda_forced(monkeypatch):
-    """Through the public API with ``CUTEDSL_ATTN_GDN_KERNEL=kda_chunked_sm90`` (opt-in), in place on the state."""
+    """Through the public API with ``CUTEDSL_ATTN_GDN_KERNEL=kda_chunked_sm90`` (forced), in place on the state."""
     from cutedsl_attn.api import delta_family as api
-    from cutedsl_attn.dispatch import gdn as dg
 
-    if "kda_chunked_sm90" not in dg._FORCED:
-        pytest.skip("kda_chunked_sm90 is not a CUTEDSL_ATTN_GDN_KERNEL value yet")
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "kda_chunked_sm90")
     monkeypatch.delenv("CUTEDSL_ATTN_GDN_TUNE", raising=False)
     calls = []
@@ -218,8 +215,8 @@ TMA_SHAPES = {"k128_v128_64x2": ((128, 128), (64, 2)), "k128_v128_128x3": ((128,
 @pytest.mark.parametrize("gate", ["mild", "inf"])
 @pytest.mark.parametrize("mode", ["kda", "gdn2"])
 def test_tma_loads_bit_equal_and_vs_oracle(mode, gate, shape):
-    """``tma=1`` (W, Aqk, Qg, Kd of every chunk by TMA boxes; a tail chunk's box reads the next sequence's rows,
-    or the TMA unit's zeros past T): bit-equal to the cp.async loads and the oracle's result, over the varlen
+    """``tma=1`` (W, Aqk and full chunks' Qg / Kd by TMA boxes; a tail chunk's rows by zero-filling cp.async):
+    bit-equal to the cp.async loads and the oracle's result, over the varlen
     lengths 0, 1, 15, 16, 17, 63, 64, 65, 1000, 4097."""
     (K, V), tiles = TMA_SHAPES[shape]
     heads = (2, 2, 4) if mode == "kda" else (4, 2, 2)  # KDA: GVA; GDN-2: GQA
@@ -284,10 +281,7 @@ def test_tma_compact_prep_and_fp16():
 def test_tma_through_the_tune_env(monkeypatch):
     """``CUTEDSL_ATTN_GDN_TUNE=tma=1`` reaches the SM90 chunked KDA kernel through the public API."""
     from cutedsl_attn.api import delta_family as api
-    from cutedsl_attn.dispatch import gdn as dg
 
-    if "kda_chunked_sm90" not in dg._FORCED:
-        pytest.skip("kda_chunked_sm90 is not a CUTEDSL_ATTN_GDN_KERNEL value yet")
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_KERNEL", "kda_chunked_sm90")
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "tma=1")
     calls = []

@@ -23,14 +23,6 @@ DC, DR = 512, 64
 D = DC + DR
 
 
-def _chosen(cfg, args):
-    """The kernel module dispatch picks for the launch's problem and head count (on sm_90a: the SM90 kernel, or
-    the portable one for fp8 caches at few heads)."""
-    from cutedsl_attn import dispatch as d
-
-    return d.mla_choice(cfg.problem, num_heads=args.q_nope.shape[1])[0]
-
-
 @pytest.fixture
 def cross(monkeypatch):
     monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
@@ -134,6 +126,19 @@ def _oracle_from_args(args, cfg, query, kv_cache, block_tables, seq_lens, PS):
     return (o * args.output_scale).view(B, q_len, H, DC)
 
 
+def test_trtllm_fp8_kernel_by_head_count(cross, launched):
+    """On sm_90a an fp8 cache at page 64 runs the SM90 kernel from FP8_SM90_MIN_HEADS query heads and the portable
+    one below (the entry point passes its head count to dispatch); page 32 stays on the portable kernel."""
+    from cutedsl_attn import dispatch as d
+    from cutedsl_attn.sm90 import mla as sm90
+
+    for H, PS, want in ((128, 64, sm90), (d.FP8_SM90_MIN_HEADS, 64, sm90), (16, 64, md), (128, 32, md)):
+        launched.clear()
+        api.trtllm_batch_decode_with_kv_cache_mla(**_case(H=H, PS=PS, lens=(40, 0, 64)), bmm1_scale=0.1)
+        (module, _, _), = launched
+        assert module is want, (H, PS, module.NAME)
+
+
 @pytest.mark.parametrize("q_dtype,kv_dtype,out_dtype", [
     (E4M3, E4M3, torch.bfloat16), (torch.bfloat16, E4M3, torch.bfloat16), (torch.float16, E4M3, torch.float16)])
 def test_trtllm_fp8_problem_views_and_scales(cross, launched, q_dtype, kv_dtype, out_dtype):
@@ -144,7 +149,7 @@ def test_trtllm_fp8_problem_views_and_scales(cross, launched, q_dtype, kv_dtype,
     bmm2 = v_scale * o_scale
     out = api.trtllm_batch_decode_with_kv_cache_mla(**a, bmm1_scale=bmm1, bmm2_scale=bmm2)
     (module, cfg, args), = launched
-    assert module is _chosen(cfg, args) and out.dtype == out_dtype and args.out.dtype == out_dtype
+    assert module is md and out.dtype == out_dtype and args.out.dtype == out_dtype
     assert cfg.problem.kv_fp8 and cfg.problem.q_fp8 == (q_dtype == E4M3)
     assert cfg.problem.out_dtype == str(out_dtype).replace("torch.", "")
     assert args.sm_scale == bmm1 and args.output_scale == bmm2  # nothing else multiplies in
@@ -217,7 +222,7 @@ def test_xqa_mla_scales_and_views(cross, launched, form, q_scale, kv_scale):
     a = _xqa_case(form=form)
     assert api.xqa_mla(**a, q_scale=q_scale, kv_scale=kv_scale) is None
     (module, cfg, args), = launched
-    assert module is _chosen(cfg, args) and cfg.problem.q_fp8 and cfg.problem.out_dtype == "bfloat16" and not cfg.problem.causal
+    assert module is md and cfg.problem.q_fp8 and cfg.problem.out_dtype == "bfloat16" and not cfg.problem.causal
     assert args.sm_scale == q_scale * kv_scale and args.output_scale == kv_scale
     assert args.out.data_ptr() == a["output"].data_ptr() and args.out.shape == (2, 128, DC)
     assert args.ckv.shape == (6, 32, DC) and args.kpe.data_ptr() == a["k_cache"].data_ptr() + DC

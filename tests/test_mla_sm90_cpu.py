@@ -272,7 +272,7 @@ FP8 = "float8_e4m3fn"
 def test_small_pages_and_fp8_routing(monkeypatch):
     """On sm_90a: fp8 caches / q at page 64 go to the SM90 kernel from FP8_SM90_MIN_HEADS heads (the portable
     kernel below, measured faster there); page sizes dividing 64 are served by the SM90 kernel's gathered path
-    but chosen only where CUTEDSL_ATTN_MLA_KERNEL=sm90 forces it (not yet timed against the portable kernel);
+    but chosen only where CUTEDSL_ATTN_MLA_KERNEL=sm90 forces it;
     page sizes that do not divide 64 and other archs go to the portable kernel."""
     from cutedsl_attn import dispatch as d
     from cutedsl_attn.portable import mla_decode as md

@@ -1,8 +1,9 @@
-"""GPU tests of the SM90 MLA decode kernel (the automatic choice on sm_90a: 16-bit caches at page 64 by TMA,
-pages dividing 64 gathered, fp8 caches / q widened in shared memory) against the float64 oracle.
+"""GPU tests of the SM90 MLA decode kernel against the float64 oracle: its automatic choice on sm_90a (page 64:
+16-bit caches by TMA, fp8 caches from 64 query heads) with ``CUTEDSL_ATTN_MLA_KERNEL`` unset, and its gathered
+pages (sizes dividing 64) and fp8 caches at any head count with ``CUTEDSL_ATTN_MLA_KERNEL=sm90`` (every test
+asserts the SM90 kernel ran).
 
-Through ``BatchMLAPagedAttentionWrapper`` with ``CUTEDSL_ATTN_MLA_KERNEL`` unset (every test asserts the plan chose
-the SM90 kernel),
+Through ``BatchMLAPagedAttentionWrapper``,
 through ``trtllm_batch_decode_with_kv_cache_mla`` (one combined cache: strided ckv / kpe views), and by a direct
 launch of the compiled kernel.  Fresh random inputs every run; outputs and LSE poisoned with NaN before each
 launch; NaN in every page slot no request owns; relative Frobenius error of O and absolute error of the base-2
@@ -353,9 +354,16 @@ def test_cuda_graph_replay_after_replan(monkeypatch, tune):
 
 
 # ------------------------------------------------------------------ small pages and fp8 (gathered blocks)
+@pytest.fixture
+def forced_sm90(monkeypatch):
+    """The SM90 kernel wherever it serves: auto keeps pages below 64, and fp8 below 64 heads, on the portable one."""
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")
+
+
 SMALL_PAGES = [1, 16, 32]
 
 
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("ps", SMALL_PAGES)
 def test_small_pages_lengths(ps, H):
@@ -364,11 +372,13 @@ def test_small_pages_lengths(ps, H):
     check(make([1] * len(lens), lens, H, ps=ps), H)
 
 
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("ps", [2, 4, 8])
 def test_other_page_sizes_dividing_64(ps):
     check(make([1] * 6, [1, ps + 1, 64, 65, 3000, 0], 64, ps=ps), 64)
 
 
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("ps", SMALL_PAGES)
 @pytest.mark.parametrize("lens", [[32768], [16384, 100], [8192, 8191, 65]])
@@ -381,10 +391,12 @@ def test_small_pages_split_kv(ps, H, lens):
 @pytest.mark.parametrize("ps", SMALL_PAGES)
 @pytest.mark.parametrize("qo_lens,kv_lens,H", [([2, 3, 1, 2], [9, 100, 1, 4096], 128), ([2, 4], [1, 2], 128),
                                                ([2] * 4, [513] * 4, 16)])
+@pytest.mark.usefixtures("forced_sm90")
 def test_small_pages_multi_token_rows(qo_lens, kv_lens, H, ps, causal):
     check(make(qo_lens, kv_lens, H, ps=ps), H, causal=causal)
 
 
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("tune", ["schedule=1", "merge_kernel=0"])
 def test_small_pages_tuning_variants(monkeypatch, tune):
     monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", tune)
@@ -393,6 +405,7 @@ def test_small_pages_tuning_variants(monkeypatch, tune):
     check(make([2, 3], [50, 3000], 64, ps=32, dtype=torch.float16), 64, causal=True, dtype=torch.float16)
 
 
+@pytest.mark.usefixtures("forced_sm90")
 def test_small_pages_match_page_64():
     """The same tokens in 16-token pages (gathered) and in 64-token pages (TMA): the same O to rounding."""
     lens = [5, 64, 700, 4096, 0, 129]
@@ -421,6 +434,7 @@ def test_small_pages_match_page_64():
     assert torch.equal(fin, torch.isfinite(lse16)) and (lse16[fin] - lse64[fin]).abs().max().item() < TOL_LSE
 
 
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("ps", [1, 32])
 def test_small_pages_trtllm_entry(ps, launched):
     """The combined ``[pages, ps, 576]`` cache: ckv / kpe rows gathered by stride (1152-byte rows)."""
@@ -459,6 +473,7 @@ def test_small_pages_trtllm_entry(ps, launched):
     assert rel(o.reshape(B * 2, H, DC), o_ref.to(DEV) * 1.5) < TOL_O
 
 
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("ps", [1, 32])
 def test_small_pages_page_ids_past_32_bit_offsets(ps):
     """Page ids whose ``page_id * page_stride`` passes 2^32 elements (the page ids times the stride in 64 bits)."""
@@ -506,6 +521,7 @@ def launched(monkeypatch):
 
 
 # fp8 caches through the trtllm / xqa entry points (the fp8 tests' inputs, oracle and tolerances)
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("q_len", [1, 2])
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("ps", [1, 16, 32, 64])
@@ -518,6 +534,7 @@ def test_fp8_kv_matches_oracle(q_dtype, ps, H, q_len, launched):
     assert launched == ["mla_decode_sm90"]
 
 
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("q_len,H,ps", [(1, 128, 64), (2, 16, 32), (1, 128, 1)])
 def test_fp8_kv_split_kv_and_scales(q_len, H, ps, launched):
     from test_mla_fp8_gpu import SM_SCALE as S, check_trtllm
@@ -530,6 +547,7 @@ def test_fp8_kv_split_kv_and_scales(q_len, H, ps, launched):
     assert set(launched) == {"mla_decode_sm90"}
 
 
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("tune", ["fp8_loads=0,consumer_registers=224", "schedule=1", "merge_kernel=0"])
 def test_fp8_tuning_variants(monkeypatch, tune, launched):
     """fp8 bytes through registers instead of staged in the stage, and the other Tiles variants, over fp8."""
@@ -542,6 +560,7 @@ def test_fp8_tuning_variants(monkeypatch, tune, launched):
     assert set(launched) == {"mla_decode_sm90"}
 
 
+@pytest.mark.usefixtures("forced_sm90")
 @pytest.mark.parametrize("ps", [32, 64])
 def test_fp8_xqa_mla(ps, launched):
     from test_mla_fp8_gpu import SM_SCALE as S, check_xqa
@@ -551,6 +570,7 @@ def test_fp8_xqa_mla(ps, launched):
     assert set(launched) == {"mla_decode_sm90"}
 
 
+@pytest.mark.usefixtures("forced_sm90")
 def test_fp8_kv_page_ids_past_32_bit_offsets(launched):
     """fp8 page 32 x 576 bytes: page ids past 2^32 / stride (1 byte per element)."""
     from test_mla_fp8_gpu import D as D8, E4M3, SM_SCALE as S, make as make8, oracle

@@ -34,15 +34,6 @@ XQA_MLA_PARAMS = [
     ("sm_count", None), ("enable_pdl", None)]
 
 
-
-def _chosen(cfg, args):
-    """The kernel module dispatch picks for the launch's problem and head count (on sm_90a: the SM90 kernel, or
-    the portable one for fp8 caches at few heads)."""
-    from cutedsl_attn import dispatch as d
-
-    return d.mla_choice(cfg.problem, num_heads=args.q_nope.shape[1])[0]
-
-
 def _params(fn):
     return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
 
@@ -95,7 +86,7 @@ def test_scales_views_and_plan_reach_mla_args(cross, launched):
     a = _case(q_len=2)
     out, lse = api.trtllm_batch_decode_with_kv_cache_mla(**a, bmm1_scale=0.125, bmm2_scale=0.5, return_lse=True)
     (module, cfg, args), = launched
-    assert isinstance(args, MlaArgs) and module is _chosen(cfg, args)
+    assert isinstance(args, MlaArgs) and module is md
     assert args.sm_scale == 0.125 and args.output_scale == 0.5  # bmm1 as the logit multiplier, bmm2 on O
     assert cfg.problem.causal and cfg.problem.page_size == 32 and cfg.problem.dtype == "bfloat16"
     q, kv = a["query"], a["kv_cache"]

@@ -4,8 +4,8 @@ On sm_90a the SM90 kernel (:mod:`cutedsl_attn.sm90.mla`: TMA pages + wgmma, 64-r
 consumer warpgroups) serves page size 64: bf16 / fp16 q with caches of q's dtype (any head count, qo_len, causal
 or not, split-KV) and fp8 e4m3 caches / q (widened to f16 in shared memory) from ``FP8_SM90_MIN_HEADS`` query
 heads; fewer heads with fp8 go to the portable kernel, measured faster there.  The SM90 kernel's gathered path for
-page sizes dividing 64 (verified on the H200, not yet timed against the portable kernel) runs only where
-``CUTEDSL_ATTN_MLA_KERNEL=sm90`` forces it.  The portable decode kernel (16-row mma.sync tiles; page sizes 1..64,
+page sizes dividing 64 runs only where ``CUTEDSL_ATTN_MLA_KERNEL=sm90`` forces it (auto keeps the portable
+kernel at page sizes below 64).  The portable decode kernel (16-row mma.sync tiles; page sizes 1..64,
 fp8 e4m3 caches) serves the rest and every other arch.  ``CUTEDSL_ATTN_MLA_KERNEL``: ``auto`` (the default, as
 above), ``sm90`` (the SM90 kernel wherever it serves the problem: any page size dividing 64, any head count) or
 ``portable`` (forces the portable kernel).  Under torch.compile the launch is the custom op
@@ -28,13 +28,13 @@ from ..sm90 import mla as _mla_sm90
 from . import _dtype_name, _override, _parse_tune, num_sms
 
 MLA_TUNE_ENV = "CUTEDSL_ATTN_MLA_TUNE"  # "key=value,..." over the MLA kernel's Tiles fields: tuning experiments
-MLA_KERNEL_ENV = "CUTEDSL_ATTN_MLA_KERNEL"  # "auto" (default: the SM90 kernel where it serves), "sm90", "portable"
+MLA_KERNEL_ENV = "CUTEDSL_ATTN_MLA_KERNEL"  # "auto" (default: see the module docstring), "sm90", "portable"
 _MLA_KERNELS = ("auto", "portable", "sm90")
 
 _MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
-#: fp8 caches with fewer query heads than this go to the portable kernel even on sm_90a: the SM90 kernel's 64-row
-#: tiles and in-stage widening lose to the portable kernel's 16-row tiles at 16 heads (1.03-1.11x), win 3.3-3.5x
-#: at 128 heads (perf/RESULTS.md, "MLA")
+# the measurements behind it: perf/RESULTS.md, "MLA"
+#: fp8 caches below this many query heads go to the portable kernel on sm_90a: its 16-row tiles beat the SM90
+#: kernel's 64-row tiles and in-stage widening at few heads
 FP8_SM90_MIN_HEADS = 64
 
 

@@ -1,6 +1,7 @@
-"""Chunked gated delta rule (GDN) prefill for SM90 (Hopper): a prep kernel (by default the SM90 one on ``wgmma``,
-:mod:`cutedsl_attn.sm90.gdn_prep`; ``Tiles.prep = 0`` the shared ``mma.sync`` one), then a main kernel on
-``wgmma`` with the fp32 state in a consumer warpgroup's accumulator registers.
+"""Chunked gated delta rule (GDN) prefill for SM90 (Hopper): a prep kernel (:func:`default_tiles` picks the SM90
+one on ``wgmma``, :mod:`cutedsl_attn.sm90.gdn_prep`; ``Tiles.prep = 0``, the field's default, the shared
+``mma.sync`` one), then a main kernel on ``wgmma`` with the fp32 state in a consumer warpgroup's accumulator
+registers.
 
 Per chunk of ``C = 64`` tokens (the prep kernel's scratch, :mod:`cutedsl_attn.common.gdn_prep`: ``W``, ``U``,
 ``Aqk`` in the io dtype, the fp32 row factors ``qf = scale rq gamma``, ``kf = rk gamma_last / gamma`` and
@@ -237,8 +238,8 @@ def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = Non
                                           quarters of a wave of them already keeps the memory system busy
     fewer chains                          64 rows: twice the CTAs of a chain (faster with one long sequence
                                           of few heads)
-    every problem                         the SM90 prep on wgmma (``prep = 1``: 1.43-1.45x the shared prep's
-                                          speed on rows (a)-(c), (e), the same scratch bit for bit)
+    every problem                         the SM90 prep on wgmma (``prep = 1``): faster than the shared prep,
+                                          the same scratch bit for bit
     ====================================  =====================================================================
     """
     # the measurements: perf/RESULTS.md, "Gated delta rule family"
@@ -259,7 +260,8 @@ def _st_b16(addr, v):
 
 
 class GdnChunkedSm90Kernel(GdnPrepSm90, GdnSm90Loads, GdnSm90Persistent):
-    """CuTe DSL SM90 chunked GDN (the shared prep kernel + the wgmma main kernel); see the module docstring.
+    """CuTe DSL SM90 chunked GDN (a prep kernel, ``default_tiles``' the SM90 wgmma one, + the wgmma main kernel);
+    see the module docstring.
     Build with :func:`compile`."""
 
     prep_heads_fastest = True  # the prep's 1-D grid: GVA heads sharing q / k rows run side by side

@@ -20,10 +20,10 @@ One launch of :func:`compile`'s function runs two kernels on the stream:
 * **main**: the SM90 chunked GDN main kernel (:mod:`cutedsl_attn.sm90.gdn_chunked`) with its per-channel branch:
   its producer loads ``Qg`` / ``Kd`` in place of q / k (group 1: they are per output head already) and the
   ``(2 C + K)`` fp32 factors of ``F``, by ``cp.async`` (zero past the sequence's end) or, with ``Tiles.tma = 1``,
-  ``W``, ``Aqk`` and full chunks' ``Qg`` / ``Kd`` by TMA boxes (a tail chunk's ``Qg`` / ``Kd`` rows by ``cp.async``,
-  zero past the sequence: the next sequence's rows never enter this one's products); its consumers, which hold ``S`` untransposed as the wgmma accumulator (M = 64
-  state rows, N = K), scale each accumulator element by its K column's ``2^G_last`` before the update's wgmma
-  accumulates ``(V'^T diag(kf)) Kd`` onto it.
+  ``W``, ``Aqk`` and full chunks' ``Qg`` / ``Kd`` by TMA boxes (a tail chunk's ``Qg`` / ``Kd`` rows by
+  ``cp.async``, zero past the sequence: the next sequence's rows never enter this one's products); its consumers,
+  which hold ``S`` untransposed as the wgmma accumulator (M = 64 state rows, N = K), scale each accumulator element
+  by its K column's ``2^G_last`` before the update's wgmma accumulates ``(V'^T diag(kf)) Kd`` onto it.
 
 Exact for any gate the API accepts (``g <= 0``, ``-inf`` included; the prep's factors never exceed the io
 dtype's range).  A sequence of length 0 writes its initial state (zeros without one) as its final state; each

@@ -8,7 +8,8 @@ Roles (384 threads, one CTA per (64-row tile, work item), registers rebalanced b
   Page size 64: 9 TMA boxes of 64 x 64 of one page, or for the page holding the request's end a ``cp.async``
   gather that zeroes the slots past ``kv_len`` (unused page slots may hold NaN; a zero P would not cancel them in
   P V).  Smaller pages and fp8 caches: every block gathered row by row (:mod:`cutedsl_attn.sm90.mla.loads`: each
-  row's own page, ``cp.async`` or fp8 loads widened to f16 in registers, rows outside the item zeroed);
+  row's own page; 16-bit rows by ``cp.async``, fp8 bytes ``cp.async``-staged in the stage and widened in place
+  (``Tiles.fp8_loads = 0``: through registers), rows outside the item zeroed);
 * consumer warpgroup ``w`` (0, 1) owns O's columns ``[256 w, 256 w + 256)`` (128 fp32 registers) and the blocks
   ``n % 2 == w``.  For its block ``n`` it computes S = Q K^T (wgmma, both operands in shared memory), takes the
   running max ``m_{n-1}`` the other warpgroup published with block ``n - 1``, runs the softmax step, publishes
