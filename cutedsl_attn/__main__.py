@@ -29,8 +29,8 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=["decode", "prefill", "mla", "gdn"],
                    help="kernel family (decode: the paged-decode kernel, see --kernel; prefill: the prefill kernel "
                         "dispatch picks for --arch, see --kernel; mla: the MLA decode kernel dispatch picks (on "
-                        "sm_90a the SM90 one at page size 64 with 16-bit caches, else the portable one; "
-                        "CUTEDSL_ATTN_MLA_KERNEL=portable forces it); gdn: the GDN prefill kernel dispatch picks (on "
+                        "sm_90a the SM90 one at page size 64, fp8 caches included (the choice for 64 heads and more), "
+                        "else the portable one; CUTEDSL_ATTN_MLA_KERNEL=portable|sm90 forces one); gdn: the GDN prefill kernel dispatch picks (on "
                         "sm_90a the SM90 chunked one; other GDN problems through cutedsl_attn.inspect's keywords))")
     p.add_argument("--arch", default=os.environ.get("CUTEDSL_ATTN_ARCH") or "sm_90a",
                    help="target architecture: sm_90a, sm_100a, sm_103a, hopper, blackwell (default: "

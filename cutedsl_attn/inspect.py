@@ -72,8 +72,8 @@ key                   values                                        default
 ===================== ============================================= ===========
 
 Config keys of op ``"gdn"`` (a :class:`cutedsl_attn.planning.gdn.GdnProblem`; the kernel and tiles are what
-:func:`cutedsl_attn.dispatch.gdn_choice` picks: the chunked kernel for GDN prefill, the recurrent kernel for the
-decode step and the rest of the delta-rule family):
+:func:`cutedsl_attn.dispatch.gdn_choice` picks: the chunked kernel for GDN / GDP prefill, the per-channel chunked
+kernel for KDA / GDN-2 prefill, the recurrent kernel for the decode step):
 
 ===================== ============================================= ===========
 key                   values                                        default
@@ -98,7 +98,8 @@ key                   values                                        default
 
 The environment is not consulted for the target (``arch`` is explicit), but the dispatch layer's
 switches are: ``CUTEDSL_ATTN_PREFILL_KERNEL=portable`` makes ``kernel="auto"`` pick the portable kernel
-(an explicit ``kernel="sm90"`` overrides it), ``CUTEDSL_ATTN_GDN_KERNEL`` forces a GDN kernel, and the tuning
+(an explicit ``kernel="sm90"`` overrides it), ``CUTEDSL_ATTN_GDN_KERNEL`` forces a GDN kernel,
+``CUTEDSL_ATTN_MLA_KERNEL`` an MLA one, and the tuning
 hooks (``CUTEDSL_ATTN_*_TUNE``) override the chosen kernel's tiles.
 """
 

@@ -8,7 +8,8 @@ after the token's update.  Gates: GDN-2 and KDA natural-log decay per key channe
 
 Backends (``backend`` in ``"auto"``, ``"cute"``, ``"cudnn"``): ``"cute"`` is this package's CuTe DSL kernels
 (Gated DeltaProduct: the chunked GDN kernels on the expanded timeline; GDN-2 and KDA prefill: the per-channel
-chunked kernel of :mod:`cutedsl_attn.portable.kda_chunked`; the KDA decode step: the token-serial recurrent kernel
+chunked kernel, :mod:`cutedsl_attn.sm90.kda_chunked` on SM90 and :mod:`cutedsl_attn.portable.kda_chunked`
+elsewhere; the KDA decode step: the token-serial recurrent kernel
 of :mod:`cutedsl_attn.portable.gdn_recurrent`; ``CUTEDSL_ATTN_GDN_KERNEL=recurrent`` runs all of them on the
 recurrent kernel, GDP on its sub-token variant);
 ``"cudnn"`` the cuDNN frontend graphs of :mod:`cutedsl_attn.api.cudnn_linear`.  ``"auto"``

@@ -5,8 +5,10 @@ MLA with weight absorption (DeepSeek V2/V3/R1): ``s = sm_scale * (q_nope . ckv +
 ``return_lse_base_on_e``); causal is bottom-right; empty requests give O = 0 and LSE = -inf; ``sm_scale`` is
 taken as given (DeepSeek uses the pre-absorption head dim, ``1 / sqrt(128 + 64)``).
 
-What runs where: the portable CuTe DSL MLA kernel (``mma.sync``, query heads packed into 16-row tiles,
-split-KV merged in the same launch) on SM90 and, cross-compiled only, SM100/SM103.
+What runs where (:func:`cutedsl_attn.dispatch.mla_choice`): on SM90 the SM90 CuTe DSL MLA kernel (TMA +
+``wgmma``, query rows packed into 64-row tiles) at page size 64, the portable one (``mma.sync``, 16-row tiles)
+at other page sizes; on SM100/SM103 (cross-compiled only) the portable one.  Split-KV partials are merged in the
+same launch.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ O in fp32 before the 16-bit rounding.  Multi-token rows (``q_len > 1``) are bott
 bf16 / fp16 (query of the same dtype) or fp8 e4m3 (query fp8 e4m3, O bf16, as FlashInfer's; or a 16-bit
 query, O in its dtype): fp8 values are widened exactly in the kernel and the per-tensor scales live only in
 ``bmm1_scale`` / ``bmm2_scale``.  ``xqa_mla`` is the fp8 e4m3 form with ``q_scale`` / ``kv_scale``: logits
-``q_scale * kv_scale * (q . k)`` (no ``1/sqrt(d)``) and O times ``kv_scale``.  Both run the same portable CuTe
-DSL MLA kernel as ``BatchMLAPagedAttentionWrapper`` (on Hopper too, where FlashInfer routes them to SM100 /
-SM120-only kernels); the query and cache are passed as strided views, never copied.
+``q_scale * kv_scale * (q . k)`` (no ``1/sqrt(d)``) and O times ``kv_scale``.  Both run the MLA kernels
+``BatchMLAPagedAttentionWrapper`` runs, chosen by :func:`cutedsl_attn.dispatch.mla_choice` with the query's head
+count (on Hopper too, where FlashInfer routes them to SM100 / SM120-only kernels); the query and cache are
+passed as strided views, never copied.
 
 Each call plans on the host (it reads ``seq_lens`` and the used part of ``block_tables`` to the CPU), so it
 synchronises with the device and cannot be captured in a CUDA graph; capture

@@ -15,7 +15,8 @@ prefill; ``kda_chunked``: KDA and GDN-2 prefill; ``recurrent``: all), raising No
 serves when it cannot serve such a problem; other problems keep the automatic choice.
 ``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's tiles (its ``TUNING_FIELDS``).  Few
 long sequences on few heads may take the context-parallel path (:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the
-chosen kernel run over segments of each sequence (``use_cp=True``; ``"auto"`` keeps the plain launch for now).
+chosen kernel run over segments of each sequence (``use_cp=True``; ``"auto"`` takes it where
+:func:`cutedsl_attn.planning.gdn_cp` says it pays: long sequences that cannot fill the SMs).
 Under torch.compile the launch is the custom op cutedsl_attn::gdn_chunked, cutedsl_attn::gdn_chunked_sm90,
 cutedsl_attn::gdn_fused_sm90, cutedsl_attn::kda_chunked, cutedsl_attn::kda_chunked_sm90 or cutedsl_attn::gdn_recurrent (by the kernel chosen), and the
 context-parallel path's prep and main-only runs cutedsl_attn::gdn_chunked_cp / cutedsl_attn::gdn_chunked_sm90_cp; eager

@@ -13,7 +13,7 @@ Per chunk of ``C = 64`` tokens of one sequence and output head (cumulative log2 
 
 One launch of :func:`compile`'s function runs two kernels on the stream:
 
-* **prep** (:mod:`cutedsl_attn.common.gdn_prep`, shared with the SM90 chunked kernel), one CTA per (chunk,
+* **prep** (:mod:`cutedsl_attn.common.gdn_prep`, also the SM90 chunked kernel's with ``Tiles.prep = 0``), one CTA per (chunk,
   output head), every chunk at once: the ``K K^T`` and ``Q K^T`` products
   (``mma.sync``, fp32 accumulation), the decay masks, ``T`` by forward substitution in fp32 (one thread a
   column), then ``W``, ``U`` (``mma.sync`` with ``T`` rounded to the io dtype, as FlashInfer's SM100 kernel

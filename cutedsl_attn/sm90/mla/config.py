@@ -22,6 +22,7 @@ NUM_CHUNKS = D_QK // CHUNK_COLS  # 9: chunks 0..3 = O's left half, 4..7 its righ
 V_HALF = HEAD_DIM_CKV // 2  # 256 columns of O per consumer warpgroup
 NUM_GROUPS = 3  # release groups of a stage: ckv left half, ckv right half, kpe / P
 GROUP_CHUNKS = ((0, 1, 2, 3), (4, 5, 6, 7), (8,))
+SWAP_TILE_N = (16, 32)  # query rows on the wgmma N dimension of the swapped form (Tiles.swap_ab)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # a 64-token block spans 64 // page_size whole pages
 #: registers a thread launches with (384 threads share the 64 Ki file in multiples of 8): setmaxnreg moves registers
 #: within the CTA's 168 x 384 pool, so the warpgroups' budgets must sum to it, not to 64 Ki (an inc that cannot be
@@ -49,7 +50,10 @@ class Tiles:
     1: by a second kernel of the same launch, 64 CTAs a row tile: :mod:`cutedsl_attn.sm90.mla.merge`),
     ``fp8_loads`` how fp8 caches are loaded (:data:`FP8_LOADS_STAGED`: ``cp.async`` into the stage, widened in
     place; :data:`FP8_LOADS_REGISTERS`: 16-byte loads into registers, widened on the way, which needs the
-    producer's 56 registers of ``consumer_registers`` 224 or less not to spill; unused by 16-bit caches).
+    producer's 56 registers of ``consumer_registers`` 224 or less not to spill; unused by 16-bit caches),
+    ``swap_ab`` 1 for the small-head form (:mod:`cutedsl_attn.sm90.mla.swapab`: the packed query rows on the
+    wgmma N dimension, ``tile_n`` of them, 16 or 32; all ``q_len x heads`` rows of a request must fit one tile,
+    checked at launch; 16-bit caches only), 0 for the rows on M (``tile_n`` then keeps its default).
 
     Raises TypeError for a non-int field, ValueError for a value out of range.
     """
@@ -59,6 +63,8 @@ class Tiles:
     schedule: int = SCHEDULE_SIGNAL_FIRST
     merge_kernel: int = 0
     fp8_loads: int = FP8_LOADS_STAGED
+    swap_ab: int = 0
+    tile_n: int = SWAP_TILE_N[-1]
 
     def __post_init__(self):
         check_int_fields(self)
@@ -73,6 +79,13 @@ class Tiles:
         if self.fp8_loads not in (FP8_LOADS_REGISTERS, FP8_LOADS_STAGED):
             raise ValueError(f"fp8_loads must be {FP8_LOADS_REGISTERS} (registers) or {FP8_LOADS_STAGED} (staged "
                              f"in the stage), got {self.fp8_loads}")
+        if self.swap_ab not in (0, 1):
+            raise ValueError(f"swap_ab must be 0 (query rows on the wgmma M) or 1 (on N), got {self.swap_ab}")
+        if self.tile_n not in SWAP_TILE_N:
+            raise ValueError(f"tile_n must be one of {SWAP_TILE_N}, got {self.tile_n}")
+        if not self.swap_ab and self.tile_n != SWAP_TILE_N[-1]:
+            raise ValueError(f"tile_n (the query rows on N) applies to swap_ab=1 only, got tile_n {self.tile_n} "
+                             f"with swap_ab 0")
         if self.schedule not in (SCHEDULE_SIGNAL_FIRST, SCHEDULE_S_FIRST):
             raise ValueError(f"schedule must be {SCHEDULE_SIGNAL_FIRST} (signal first) or {SCHEDULE_S_FIRST} "
                              f"(S first), got {self.schedule}")
@@ -132,6 +145,8 @@ class Config:
         reason = unsupported_reason(self.problem)
         if reason is not None:
             raise ValueError(f"the SM90 MLA kernel cannot serve this problem: {reason}")
+        if self.tiles.swap_ab and self.problem.kv_fp8:
+            raise ValueError("Tiles.swap_ab=1 serves caches of q's 16-bit dtype, not fp8 caches (swap_ab=0 does)")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"{self.tiles} needs {self.smem_bytes} bytes of shared memory, more than {SMEM_LIMIT}")
 
@@ -195,7 +210,8 @@ class Config:
     @property
     def smem_bytes(self) -> int:
         """Q, the stages, 1 KiB alignment slack and the barriers / row exchanges."""
-        return self.q_bytes + self.tiles.num_stages * self.stage_bytes + 1024 + 2048
+        swap = 4 * 1024 if self.tiles.swap_ab else 0  # the swapped form's cross-warp column exchanges
+        return self.q_bytes + self.tiles.num_stages * self.stage_bytes + 1024 + 2048 + swap
 
     @property
     def max_splits_per_request(self) -> int:
