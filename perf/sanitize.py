@@ -72,15 +72,26 @@ CASES = (
     # GDN prefill runs the chunked kernel by default: the recurrent one is forced here to keep it in the sweep
     Case("gdn_prefill", "gated delta rule (recurrent)", "_gdn_prefill",
          env=(("CUTEDSL_ATTN_GDN_KERNEL", "recurrent"),)),
-    # on sm_90a the chunked GDN main kernel is the wgmma one; the portable twin is forced in the next case
+    # on sm_90a the chunked GDN runs the SM90 wgmma prep (prep=1) and the wgmma main kernel; the portable twin is
+    # forced in the next case, the shared mma.sync prep in gdn_prefill_sm90_prep0
     Case("gdn_prefill_chunked", "gated delta rule (chunked: prep + main kernel)", "_gdn_prefill_chunked"),
     Case("gdn_prefill_chunked_portable", "gated delta rule (chunked, portable main kernel)", "_gdn_prefill_chunked",
          env=(("CUTEDSL_ATTN_GDN_KERNEL", "chunked"),)),
+    # the SM90 chunked GDN's tuning variants: a persistent grid of 2 CTAs (each walks 16 (V-slice, head, sequence)
+    # items on one ring, an empty sequence's among them), TMA loads, the shared mma.sync prep
+    Case("gdn_prefill_sm90_persistent", "gated delta rule (SM90 chunked, persistent grid of 2 CTAs)",
+         "_gdn_prefill_varlen", env=(("CUTEDSL_ATTN_GDN_TUNE", "persistent=2"),)),
+    Case("gdn_prefill_sm90_tma", "gated delta rule (SM90 chunked, TMA loads)", "_gdn_prefill_chunked",
+         env=(("CUTEDSL_ATTN_GDN_TUNE", "tma=1"),)),
+    Case("gdn_prefill_sm90_prep0", "gated delta rule (SM90 chunked main kernel, shared mma.sync prep)",
+         "_gdn_prefill_chunked", env=(("CUTEDSL_ATTN_GDN_TUNE", "prep=0"),)),
     Case("kda_prefill", "KDA (chunked, per-channel decay: prep + main kernel)", "_kda_prefill"),
     Case("kda_prefill_recurrent", "KDA (recurrent, per-channel decay)", "_kda_prefill",
          env=(("CUTEDSL_ATTN_GDN_KERNEL", "recurrent"),)),
     Case("kda_prefill_sm90", "KDA (chunked: per-channel prep + SM90 wgmma main kernel)", "_kda_prefill",
          env=(("CUTEDSL_ATTN_GDN_KERNEL", "kda_chunked_sm90"),)),
+    Case("kda_prefill_sm90_tma", "KDA (chunked: per-channel prep + SM90 wgmma main kernel, TMA loads)",
+         "_kda_prefill", env=(("CUTEDSL_ATTN_GDN_KERNEL", "kda_chunked_sm90"), ("CUTEDSL_ATTN_GDN_TUNE", "tma=1"))),
     Case("mla_decode", "MLA decode (portable)", "_mla_decode"),
     # page 64 on sm_90a: the SM90 MLA kernel by default (2 requests split into one-page work items, two of them
     # gathered tail pages, merged by the last CTA); then its tuning variants (the S-first schedule, the merge kernel)
@@ -88,6 +99,12 @@ CASES = (
     Case("mla_tuned_sm90", "MLA decode (SM90 wgmma, S-first schedule, merge kernel)", "_mla_decode_p64",
          env=(("CUTEDSL_ATTN_MLA_TUNE", "schedule=1,merge_kernel=1"),)),
     Case("mla_decode_fp8", "MLA decode (portable), fp8 e4m3 cache (trtllm MLA, q_len 2)", "_mla_decode_fp8"),
+    # the SM90 MLA kernel's gathered path (auto keeps pages below 64 on the portable kernel: forced here) and its
+    # fp8 path (auto takes it for fp8 caches at page 64 from 64 query heads)
+    Case("mla_decode_sm90_small_pages", "MLA decode (SM90 wgmma, gathered 16-token pages)", "_mla_decode_p16",
+         env=(("CUTEDSL_ATTN_MLA_KERNEL", "sm90"),)),
+    Case("mla_decode_sm90_fp8", "MLA decode (SM90 wgmma), fp8 e4m3 cache (trtllm MLA, 128 heads, q_len 2, page 64)",
+         "_mla_decode_fp8_p64"),
 )
 
 
@@ -158,9 +175,10 @@ SUPPRESSIONS: tuple[Suppression, ...] = (
     # BAR.SYNC 1, 64 at +0x20490) / BAR.SYNC 0 at +0x20770 / step 2's LDS of T_bb; step 4's LDS of A_{H1,H0}
     # / BAR.SYNC 0 at +0x22700 / step 4's STS of R at +0x228f0, +0x22910 / BAR.SYNC 0 at +0x22950 / step 5's LDS;
     # step 5's STS of T_{H1,H0} at +0x23e20 / BAR.SYNC 0 at +0x23e80 / the W GEMM's LDS of T^T at +0x23ed0.  On
-    # sm_90a KDA prefill runs this kernel by default too: kda_prefill is the same build
+    # sm_90a KDA prefill runs this kernel by default too: kda_prefill is the same build; Tiles.tma changes the main
+    # kernel only (kda_prefill_sm90_tma's prep is the same SASS)
     *(Suppression(case, "racecheck", _race(_KDA_SM90_PREP, ("Write", w), ("Read", r)), _INVERSE_CTA_BAR)
-      for case in ("kda_prefill", "kda_prefill_sm90")
+      for case in ("kda_prefill", "kda_prefill_sm90", "kda_prefill_sm90_tma")
       for w, reads in ((0x20720, (0x20860, 0x20880, 0x20890)),
                        (0x228F0, (0x21F80, 0x21FD0, 0x22230, 0x224E0, 0x22960)),
                        (0x22910, (0x21F60, 0x22050, 0x222A0, 0x22470, 0x22980)),
@@ -312,36 +330,37 @@ def _prefill_multirow_fp8():
         bmm1_scale=0.5 / HEAD_DIM ** 0.5, bmm2_scale=2.0, kv_layout="NHD", q_len_per_req=q_len, return_lse=True)
 
 
-def _gdn_prefill():
-    # two sequences of 64 and 128 tokens, 4 heads, K = V = 128, initial and final state
+def _gdn_chunked(cu_seqlens):
+    # sequences at offsets cu_seqlens, 4 heads, K = V = 128, l2norm, initial and final state
     import torch
 
     import cutedsl_attn as ca
 
-    T, H = 192, 4
+    T, H = cu_seqlens[-1], 4
     q, k, v = _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM)
     g = torch.rand(T, H, device=_dev()) * 0.1 + 0.9
     beta = torch.rand(T, H, device=_dev())
-    s0 = torch.randn(2, H, HEAD_DIM, HEAD_DIM, device=_dev()) * 0.01
-    return ca.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
-                                     cu_seqlens=_indptr((64, 128)), use_qk_l2norm_in_kernel=True)
+    s0 = torch.randn(len(cu_seqlens) - 1, H, HEAD_DIM, HEAD_DIM, device=_dev()) * 0.01
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=_dev())
+    return ca.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                     use_qk_l2norm_in_kernel=True)
+
+
+def _gdn_prefill():
+    # two sequences of 64 and 128 tokens
+    return _gdn_chunked((0, 64, 192))
 
 
 def _gdn_prefill_chunked():
     # three sequences of 1, 64 and 135 tokens (cu_seqlens [0, 1, 65, 200]: a one-token chunk, one full chunk, a
-    # ragged tail), 4 heads, K = V = 128, l2norm, initial and final state
-    import torch
+    # ragged tail)
+    return _gdn_chunked((0, 1, 65, 200))
 
-    import cutedsl_attn as ca
 
-    T, H = 200, 4
-    q, k, v = _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM)
-    g = torch.rand(T, H, device=_dev()) * 0.1 + 0.9
-    beta = torch.rand(T, H, device=_dev())
-    s0 = torch.randn(3, H, HEAD_DIM, HEAD_DIM, device=_dev()) * 0.01
-    cu = torch.tensor([0, 1, 65, 200], dtype=torch.int32, device=_dev())
-    return ca.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=cu,
-                                     use_qk_l2norm_in_kernel=True)
+def _gdn_prefill_varlen():
+    # four sequences of 1, 64, 0 and 135 tokens (the empty one writes its initial state as its final state): with
+    # the default 64-row V-slices, 32 (V-slice, head, sequence) items
+    return _gdn_chunked((0, 1, 65, 65, 200))
 
 
 def _kda_prefill():
@@ -356,39 +375,75 @@ def _kda_prefill():
     return ca.recurrent_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=_indptr((64, 128)))
 
 
-def _mla_decode():
-    # 2 requests of 1 query over 100 / 300 latent tokens, 16 heads, page 16, pages shuffled
+def _mla_run(lens, H, ckv, kpe, kv_indptr, indices):
+    """BatchMLAPagedAttentionWrapper over the pages ``ckv`` ``[pages, ps, 512]`` / ``kpe`` ``[pages, ps, 64]``: one
+    random query per request of ``lens`` latent tokens, ``H`` heads, bf16."""
     import torch
 
     import cutedsl_attn as ca
 
-    lens, H, ps = (100, 300), 16, 16
-    npages = [(n + ps - 1) // ps for n in lens]
-    total = sum(npages)
-    ckv, kpe = _randn(total, ps, 512), _randn(total, ps, 64)
     w = ca.BatchMLAPagedAttentionWrapper(_workspace())
-    w.plan(_indptr((1, 1)), _indptr(npages), torch.randperm(total, device=_dev()).to(torch.int32),
-           torch.tensor(lens, dtype=torch.int32, device=_dev()), H, 512, 64, ps, False, 1.0 / (192 ** 0.5),
-           torch.bfloat16, torch.bfloat16)
-    return w.run(_randn(2, H, 512), _randn(2, H, 64), ckv, kpe, return_lse=True)
+    w.plan(_indptr((1,) * len(lens)), kv_indptr, indices, torch.tensor(lens, dtype=torch.int32, device=_dev()), H,
+           512, 64, ckv.shape[1], False, 1.0 / (192 ** 0.5), torch.bfloat16, torch.bfloat16)
+    return w.run(_randn(len(lens), H, 512), _randn(len(lens), H, 64), ckv, kpe, return_lse=True)
 
 
-def _mla_decode_p64():
-    # 2 requests of 1 query over 100 / 300 latent tokens (a partial last page each), 64 heads, page 64, pages
+def _mla_decode(H=16, ps=16):
+    # 2 requests of 1 query over 100 / 300 latent tokens (a partial last page each), 16 heads, page 16, pages
     # shuffled
     import torch
 
-    import cutedsl_attn as ca
-
-    lens, H, ps = (100, 300), 64, 64
+    lens = (100, 300)
     npages = [(n + ps - 1) // ps for n in lens]
     total = sum(npages)
     ckv, kpe = _randn(total, ps, 512), _randn(total, ps, 64)
-    w = ca.BatchMLAPagedAttentionWrapper(_workspace())
-    w.plan(_indptr((1, 1)), _indptr(npages), torch.randperm(total, device=_dev()).to(torch.int32),
-           torch.tensor(lens, dtype=torch.int32, device=_dev()), H, 512, 64, ps, False, 1.0 / (192 ** 0.5),
-           torch.bfloat16, torch.bfloat16)
-    return w.run(_randn(2, H, 512), _randn(2, H, 64), ckv, kpe, return_lse=True)
+    return _mla_run(lens, H, ckv, kpe, _indptr(npages), torch.randperm(total, device=_dev()).to(torch.int32))
+
+
+def _mla_decode_p64():
+    # _mla_decode at 64 heads, page 64
+    return _mla_decode(H=64, ps=64)
+
+
+def _mla_pool(lens, ps, dtype, spare=2):
+    """A pool of ``ps``-token pages ``[pages, ps, 576]`` in ``dtype`` holding random ``[ckv | kpe]`` rows of
+    ``lens`` tokens a request on shuffled pages, NaN in every slot no request owns (the last pages' tails and
+    ``spare`` unused pages), and its CSR table ``(kv_indptr, kv_indices)``."""
+    import torch
+
+    npages = [(n + ps - 1) // ps for n in lens]
+    pool = torch.full((sum(npages) + spare, ps, 576), float("nan"), device=_dev())
+    kv_indptr, indices = _indptr(npages), torch.randperm(pool.shape[0], device=_dev()).to(torch.int32)[: sum(npages)]
+    for b, n in enumerate(lens):
+        rows = torch.randn(npages[b] * ps, 576, device=_dev())
+        rows[n:] = float("nan")
+        pool[indices[int(kv_indptr[b]): int(kv_indptr[b + 1])].long()] = rows.view(-1, ps, 576)
+    return pool.to(dtype), kv_indptr, indices
+
+
+def _mla_decode_p16():
+    # 3 requests of 1 query over 7 / 100 / 300 latent tokens (the planner splits the two longer into 64-token work
+    # items), 16 heads (one 64-row tile, its rows past the heads unused), page 16, pool from _mla_pool
+    import torch
+
+    lens = (7, 100, 300)
+    kv, kv_indptr, indices = _mla_pool(lens, 16, torch.bfloat16)
+    return _mla_run(lens, 16, kv[..., :512].contiguous(), kv[..., 512:].contiguous(), kv_indptr, indices)
+
+
+def _mla_decode_fp8_p64():
+    # trtllm MLA: 2 requests of 2 query rows (bottom-right causal) over 100 / 300 latent tokens (split into
+    # 64-token work items), 128 heads, bf16 q over an fp8 e4m3 combined cache, page 64, pool from _mla_pool
+    import torch
+
+    import cutedsl_attn as ca
+
+    lens, H, ps, q_len = (100, 300), 128, 64, 2
+    kv, kv_indptr, indices = _mla_pool(lens, ps, torch.float8_e4m3fn)
+    return ca.trtllm_batch_decode_with_kv_cache_mla(
+        _randn(len(lens), q_len, H, 576), kv, _workspace(), 128, 512, 64, _block_table(kv_indptr, indices),
+        torch.tensor(lens, dtype=torch.int32, device=_dev()), max(lens), bmm1_scale=0.7 / (192 ** 0.5),
+        bmm2_scale=1.5, return_lse=True)
 
 
 def _mla_decode_fp8():

@@ -91,6 +91,7 @@ _MLA_MERGE_KERNEL_REPORTS = [_race_report(("Write", 0xB2F0), ("Read", 0xB4B0, 16
 @pytest.mark.parametrize("case,log_reports", [
     ("kda_prefill_sm90", _KDA_REPORTS),
     ("kda_prefill", _KDA_REPORTS),  # KDA prefill's default kernel on sm_90a: the same build
+    ("kda_prefill_sm90_tma", _KDA_REPORTS),  # Tiles.tma changes the main kernel only: the same prep
     ("mla_decode_sm90", _MLA_REPORTS),
     ("mla_decode_sm90", _MLA_MERGE_KERNEL_REPORTS),
 ])
@@ -113,6 +114,8 @@ def test_sm90_kda_prep_and_mla_epilogue_pairs_explained(case, log_reports):
     # the same reports in the cases of other builds (the recurrent KDA kernel, the tuned MLA schedule)
     (_racecheck_log(_KDA_REPORTS[3]), "kda_prefill_recurrent"),
     (_racecheck_log(_MLA_REPORTS[0]), "mla_tuned_sm90"),
+    (_racecheck_log(_MLA_REPORTS[0]), "mla_decode_sm90_small_pages"),
+    (_racecheck_log(_MLA_REPORTS[0]), "mla_decode_sm90_fp8"),
 ])
 def test_sm90_kda_prep_and_mla_suppressions_stay_narrow(log, case):
     assert san.count(case, "racecheck", log) == (1, 1, 0)
@@ -219,6 +222,37 @@ def test_gdn_cases_cover_both_kernels():
     assert dict(by["gdn_prefill"].env) == {"CUTEDSL_ATTN_GDN_KERNEL": "recurrent"}
     assert "CUTEDSL_ATTN_GDN_KERNEL" not in dict(by["gdn_prefill_chunked"].env)
     assert "CUTEDSL_ATTN_PREFILL_KERNEL" not in dict(by["prefill_portable_multirow_fp8"].env)  # fp8: portable always
+
+
+def test_sm90_tuning_variant_cases():
+    # each SM90 tuning variant forces its knob alone; the gathered MLA path needs the forced kernel (auto keeps
+    # pages below 64 on the portable kernel), the fp8 one does not (auto takes it at page 64 from 64 heads)
+    by = {c.name: c for c in san.CASES}
+    assert {n: dict(by[n].env) for n in ("gdn_prefill_sm90_persistent", "gdn_prefill_sm90_tma",
+                                        "gdn_prefill_sm90_prep0", "kda_prefill_sm90_tma")} == {
+        "gdn_prefill_sm90_persistent": {"CUTEDSL_ATTN_GDN_TUNE": "persistent=2"},
+        "gdn_prefill_sm90_tma": {"CUTEDSL_ATTN_GDN_TUNE": "tma=1"},
+        "gdn_prefill_sm90_prep0": {"CUTEDSL_ATTN_GDN_TUNE": "prep=0"},
+        "kda_prefill_sm90_tma": {"CUTEDSL_ATTN_GDN_KERNEL": "kda_chunked_sm90", "CUTEDSL_ATTN_GDN_TUNE": "tma=1"},
+    }
+    assert dict(by["mla_decode_sm90_small_pages"].env) == {"CUTEDSL_ATTN_MLA_KERNEL": "sm90"}
+    assert by["mla_decode_sm90_fp8"].env == ()
+
+
+def test_mla_pool_poisons_unowned_slots(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(san, "_dev", lambda: torch.device("cpu"))
+    lens, ps = (7, 100, 300), 16
+    pool, kv_indptr, indices = san._mla_pool(lens, ps, torch.bfloat16)
+    assert pool.shape == (1 + 7 + 19 + 2, ps, 576) and kv_indptr.tolist() == [0, 1, 8, 27]
+    assert len(set(indices.tolist())) == indices.numel() == 27
+    owned = torch.zeros(pool.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        slots = torch.zeros((kv_indptr[b + 1] - kv_indptr[b]) * ps, dtype=torch.bool)
+        slots[:n] = True
+        owned[indices[kv_indptr[b]: kv_indptr[b + 1]].long()] = slots.view(-1, ps)
+    assert torch.isfinite(pool[owned].float()).all()
+    assert torch.isnan(pool[~owned].float()).all()
 
 
 def test_block_table_from_csr(monkeypatch):
