@@ -1138,24 +1138,27 @@ def test_gdn_forced_kernel_refusal_is_a_value_error(monkeypatch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_inspect_ptx_fp8_prefill_mla_gdn(arch):
-    """The new ops cross-compile for each target: mma.sync kernels (no tcgen05; wgmma only in GDN's SM90 main
-    kernel), e4m3 widened by cvt where a cache is fp8, the chunked GDN module with its two entries (prep and main
-    kernel), no local memory."""
+    """The new ops cross-compile for each target, no tcgen05 and no local memory: the portable kernels on
+    mma.sync (e4m3 widened by cvt where a cache is fp8); on sm_90a the SM90 ones on wgmma: GDN's prep and main
+    kernel, and MLA's fp8 path at page 64 (its main kernel and the split-KV merge kernel)."""
     texts = {
         "prefill_fp8": ci.ptx("prefill", arch, page_size=16, causal=True, kv_dtype="fp8"),
         "mla": ci.ptx("mla", arch, page_size=32),  # page 32: the portable kernel on every arch
-        "mla_fp8": ci.ptx("mla", arch, kv_dtype="fp8"),
+        "mla_fp8_p32": ci.ptx("mla", arch, page_size=32, kv_dtype="fp8"),
+        "mla_fp8": ci.ptx("mla", arch, kv_dtype="fp8"),  # page 64: the SM90 kernel on sm_90a
         "gdn": ci.ptx("gdn", arch),
     }
+    sm90 = {"gdn", "mla_fp8"} if arch == "sm_90a" else set()
     for name, t in texts.items():
         s = ci.instruction_summary(t)
         assert re.search(rf"^\.target\s+{arch}\s*$", t, re.M), name
-        assert s["mma.sync"] > 0 and s["tcgen05"] == 0, name  # the prep kernel of gdn is mma.sync everywhere
-        # on sm_90a GDN's main kernel is the wgmma one
-        assert (s["wgmma"] > 0) == (name == "gdn" and arch == "sm_90a"), name
+        assert s["tcgen05"] == 0, name
+        assert (s["wgmma"] > 0) == (name in sm90), name
+        assert (s["mma.sync"] > 0) == (name not in sm90), name  # sm_90a: GDN's prep on wgmma too (prep = 1)
         assert s["ld.local"] == s["st.local"] == 0, name
-        assert t.count(".entry") == (2 if name == "gdn" else 1), name
-        assert ("cvt.rn.f16x2.e4m3x2" in t) == name.endswith("fp8"), name
+        assert t.count(".entry") == (2 if name in ("gdn", "mla_fp8") and (name == "gdn" or arch == "sm_90a")
+                                     else 1), name
+        assert ("cvt.rn.f16x2.e4m3x2" in t) == ("fp8" in name), name
 
 
 def test_decode_config_takes_the_fp8_cache_and_the_sm100_kernel():
