@@ -21,7 +21,9 @@ fp8-query element and 2 per output element; FLOPs as above.
 the SM90 one, ``<kernel>_*`` columns each, ``sm90_vs_portable_relerr`` the difference of their outputs); fp8 rows
 the same (``<kernel>_kernel`` names the kernel that ran).  ``--variants`` times extra tiles
 (``CUTEDSL_ATTN_MLA_TUNE`` values) of the SM90 kernel when it is timed (else of the portable one) on every bf16 row
-(``v[...]_*`` columns: time, TFLOP/s, relative error against the default tiles); ``--rows`` keeps some row tags.
+(``v[...]_*`` columns: time, TFLOP/s, relative error against the default tiles; ``v[...]_error`` the reason a
+variant refuses a row, e.g. ``swap_ab=1`` past its ``tile_n`` packed rows: time it on row c, 16 heads);
+``--rows`` keeps some row tags.
 
 Usage:  python perf/bench_mla.py [--out DIR] [--quick] [--kernel portable|sm90|both] [--rows a,b,c,d,e]
         [--variants 'key=value,...;key=value,...'] [--no-peers]
@@ -176,7 +178,11 @@ def main():
                 wv.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, H, DC, DR, PS, causal, SM_SCALE, DT, DT)
             finally:
                 os.environ.pop("CUTEDSL_ATTN_MLA_TUNE")
-            ov = wv.run(q_nope, q_pe, ckv, kpe)
+            try:
+                ov = wv.run(q_nope, q_pe, ckv, kpe)
+            except ValueError as e:  # a variant refusing the row (swap_ab=1 past tile_n packed rows): kept as text
+                row[f"v[{var}]_error"] = str(e)
+                continue
             row[f"v[{var}]_relerr"] = ((ov.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
             tv = timed(lambda: wv.run(q_nope, q_pe, ckv, kpe, out=ov))
             row[f"v[{var}]_us"] = tv * 1e6

@@ -43,7 +43,8 @@ def test_unsupported_and_config_rules():
             sm90.Tiles(**{field: bad})
     with pytest.raises(TypeError):
         sm90.Tiles(merge_kernel=True)
-    assert sm90.TUNING_FIELDS == ("num_stages", "consumer_registers", "schedule", "merge_kernel", "fp8_loads")
+    assert sm90.TUNING_FIELDS == ("num_stages", "consumer_registers", "schedule", "merge_kernel", "fp8_loads",
+                                  "swap_ab", "tile_n")
     with pytest.raises(ValueError, match="fp8_loads"):
         sm90.Tiles(fp8_loads=2)
     assert (sm90.Tiles().schedule, sm90.Tiles().merge_kernel) == (0, 0)  # field defaults: signal first, in-kernel merge
@@ -51,7 +52,7 @@ def test_unsupported_and_config_rules():
                                                                                                      merge_kernel=1)
     assert sm90.override_tiles(sm90.Tiles(), {"consumer_registers": "240"}).consumer_registers == 240
     with pytest.raises(ValueError):
-        sm90.override_tiles(sm90.Tiles(), {"tile_n": "32"})
+        sm90.override_tiles(sm90.Tiles(), {"tile_m": "32"})
     assert sm90.default_tiles(_problem(), num_sms=132) == sm90.Tiles(merge_kernel=1)
     cfg = sm90.Config(_problem(), sm90.Tiles())
     assert cfg.smem_bytes <= 227 * 1024 and cfg.num_threads == 384 and cfg.tile_m == 64
@@ -426,3 +427,123 @@ def test_sm90_gather_ptx_and_cubin(tmp_path, monkeypatch, variant):
     if p.kv_fp8:
         assert "F2FP.F16.E4M3.UNPACK_B" in sass
         assert ("LDG.E.128.CONSTANT" in sass) == (cfg.tiles.fp8_loads == 0)
+
+
+# ------------------------------------------------------------------ the small-head form (Tiles.swap_ab)
+def test_swap_ab_rules(monkeypatch):
+    """swap_ab 0 / 1 and tile_n 16 / 32 (tile_n only with swap_ab), 16-bit caches only, reachable through
+    CUTEDSL_ATTN_MLA_TUNE; the default tiles keep swap_ab 0."""
+    from cutedsl_attn import dispatch as d
+
+    assert (sm90.Tiles().swap_ab, sm90.Tiles().tile_n) == (0, 0)
+    assert sm90.Tiles(swap_ab=1) == sm90.Tiles(swap_ab=1, tile_n=32)  # tile_n 0: 32 rows under swap_ab
+    assert sm90.default_tiles(_problem(), num_sms=132).swap_ab == 0
+    for bad in (dict(swap_ab=2), dict(swap_ab=1, tile_n=64), dict(swap_ab=1, tile_n=8), dict(tile_n=16),
+                dict(tile_n=32)):
+        with pytest.raises(ValueError, match="swap_ab|tile_n"):
+            sm90.Tiles(**bad)
+    assert sm90.override_tiles(sm90.Tiles(), {"swap_ab": "1", "tile_n": "16"}) == sm90.Tiles(swap_ab=1, tile_n=16)
+    with pytest.raises(ValueError, match="fp8"):
+        sm90.Config(_problem(kv_dtype="float8_e4m3fn"), sm90.Tiles(swap_ab=1))
+    for kw in (dict(), dict(page_size=16, causal=True), dict(dtype="float16", page_size=1)):
+        cfg = sm90.Config(_problem(**kw), sm90.Tiles(swap_ab=1))
+        assert cfg.smem_bytes <= 227 * 1024 and cfg.tile_m == 64
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", "swap_ab=1")
+    module, cfg = d.mla_choice(_problem(), num_heads=16)
+    assert module is sm90 and cfg.tiles == sm90.Tiles(merge_kernel=1, swap_ab=1, tile_n=32)
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", "swap_ab=1,tile_n=16,merge_kernel=0")
+    assert d.mla_choice(_problem(page_size=16))[1].tiles == sm90.Tiles(swap_ab=1, tile_n=16)
+
+
+def test_swap_ab_launch_refuses_rows_past_tile_n():
+    """The packed rows (the plan's 16-row tiles) must fit tile_n: a named ValueError, nothing launched."""
+    from cutedsl_attn.planning.mla import MlaArgs
+
+    calls = []
+    names = ("q_nope", "q_pe", "ckv", "kpe", "indices", "work", "out", "lse", "part_o", "part_lse", "counters")
+    for tile_n, row_tiles, ok in ((16, 1, True), (16, 2, False), (32, 2, True), (32, 3, False), (32, 4, False)):
+        cfg = sm90.Config(_problem(), sm90.Tiles(swap_ab=1, tile_n=tile_n))
+        args = MlaArgs(*names, 0.5, row_tiles, 1.0)
+        if ok:
+            sm90.launch(lambda *a: calls.append(a), cfg, args)
+            assert calls.pop() == (*names, 0.5, 1.0, 1)  # one CTA a work item
+        else:
+            with pytest.raises(ValueError, match="tile_n"):
+                sm90.launch(lambda *a: calls.append(a), cfg, args)
+            assert not calls
+
+
+def test_swap_ab_p_t_layout():
+    """P^T's 16-bit stores land where the O^T GEMM's B operand (the kpe chunk's first tile_n rows, K-major) reads
+    them: the TMA boxes' swizzled layout, each (query row, token) once."""
+    from cutedsl_attn.common.smem import sw128_offset
+    from cutedsl_attn.sm90.mla.swapab import pt_offset
+
+    seen = set()
+    for col in range(32):
+        for warp in range(4):
+            for g in range(8):
+                for h in range(2):
+                    tok = 16 * warp + g + 8 * h
+                    off = pt_offset(col, warp, g, h)
+                    # the kpe chunk is the stage's chunk 8: 16-byte piece 64 + tok // 8 of row col, element tok % 8
+                    assert off + 8 * 64 * 128 == sw128_offset(col, 64 + tok // 8, 64) + (tok % 8) * 2
+                    seen.add(off)
+    assert len(seen) == 32 * 64 and max(seen) < 32 * 128
+
+
+SWAP_VARIANTS = {
+    "bf16_p64_n16": (dict(), dict(tile_n=16)),
+    "bf16_p64_n32_causal": (dict(causal=True), dict()),
+    "bf16_p16_n32": (dict(page_size=16), dict()),
+    "bf16_p16_n16_causal_merge_in_kernel": (dict(page_size=16, causal=True), dict(tile_n=16, merge_kernel=0)),
+    "fp16_p64_n32_merge_in_kernel": (dict(dtype="float16"), dict(merge_kernel=0)),
+    "fp16_p16_n16_causal_s_first": (dict(dtype="float16", page_size=16, causal=True), dict(tile_n=16, schedule=1)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(SWAP_VARIANTS))
+def test_swap_ab_ptx_and_cubin(tmp_path, variant):
+    """The swapped GEMMs: S^T = K Q^T as m64n{tile_n}k16 (36 k16 steps over [ckv | kpe], both operands K-major)
+    and O^T = V^T P^T as 8 M tiles x 4 k16 steps (V^T MN-major: trans-a 1), each at two sites (one per consumer
+    warpgroup's stage); no other MMA, no local memory, setmaxnreg kept by ptxas, no spills."""
+    kw, tiles = SWAP_VARIANTS[variant]
+    p = _problem(**kw)
+    cfg = sm90.Config(p, sm90.Tiles(**{"merge_kernel": 1, "swap_ab": 1, **tiles}))
+    n = cfg.tiles.tile_n
+    sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
+    (path,) = glob.glob(str(tmp_path / "*.ptx"))
+    ptx = open(path).read()
+    assert re.search(r"\.target\s+sm_90a", ptx)
+    assert len(re.findall(r"\.entry\s+(\S+)\(", ptx)) == (2 if cfg.tiles.merge_kernel else 1)
+    ab = "bf16" if p.dtype == "bfloat16" else "f16"
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.(\w+)\s", ptx)
+    assert shapes and set(shapes) == {(f"m64n{n}k16", ab, ab)}, set(shapes)
+    # the immediates: scale-a, scale-b, trans-a, trans-b
+    trans = re.findall(r"wgmma\.mma_async[^;]*,\s*1,\s*1,\s*([01]),\s*([01]);", ptx)
+    assert trans.count(("0", "0")) == 2 * 36 and trans.count(("1", "0")) == 2 * 8 * 4 and len(trans) == len(shapes)
+    assert "mma.sync" not in ptx
+    assert ("cp.async.bulk.tensor" in ptx) == (p.page_size == 64)  # the kernel's producer: TMA pages or the gather
+    assert "fence.proxy.async" in ptx and "st.shared.u16" in ptx  # P^T written for wgmma's reads
+    assert re.search(r"bar\.sync\s+%r\d+,\s*128;|barrier\.sync(\.aligned)?\s+%r\d+,\s*128;", ptx)  # per warpgroup
+    assert ".local" not in ptx
+    c, pr = cfg.registers
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{pr}\b", ptx)
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{c}\b", ptx)
+    assert re.search(r"\.minnctapersm\s+1\b", ptx)  # pins the entry register count: ptxas keeps setmaxnreg
+    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
+    res = cubin_kernel_resources(open(cub, "rb").read())
+    assert all(x["stack_bytes"] == 0 for x in res.values()), res
+    r = max(res.values(), key=lambda x: x["registers"])
+    assert r["registers"] <= 65536 // cfg.num_threads
+    assert 256 * c + 128 * pr <= r["registers"] * cfg.num_threads, (c, pr, r["registers"])
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("no nvdisasm (pip install nvidia-cuda-nvdisasm) for the SASS checks")
+    sass = subprocess.run([tool, "-c", cub], check=True, capture_output=True, text=True).stdout
+    assert not re.search(r"\b(STL|LDL)\b", sass)
+    assert len(re.findall(r"USETMAXREG", sass)) == 2  # (dropped silently without .minnctapersm)
+    hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\b", sass)
+    assert hgmma.count(str(n)) == 2 * (36 + 32) and len(hgmma) == 2 * (36 + 32)
+    assert len(re.findall(r"WARPGROUP\.DEPBAR", sass)) <= 6

@@ -593,3 +593,85 @@ def test_fp8_kv_page_ids_past_32_bit_offsets(launched):
     assert launched == ["mla_decode_sm90"]
     o_ref, _ = oracle(query, kv, bt, sl, ps, sm_scale=S, out_scale=1.0)
     assert rel(out.cpu(), o_ref) < TOL_O
+
+
+# ------------------------------------------------------------------ the small-head form (Tiles.swap_ab)
+def _swap_env(monkeypatch, tune="swap_ab=1"):
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", tune)
+
+
+def check_swap(case, H, **kw):
+    """:func:`check` asserting the swapped kernel ran (the plan's tiles carry swap_ab 1)."""
+    w, out, lse = check(case, H, **kw)
+    assert w._plan["cfg"].tiles.swap_ab == 1, w._plan["cfg"].tiles
+    return w, out, lse
+
+
+SWAP_LENS = [1, 15, 16, 17, 63, 64, 65, 0, 127, 128, 129, 1000, 5000]  # page / block boundaries, an empty request
+
+
+@pytest.mark.parametrize("tune", ["swap_ab=1", "swap_ab=1,tile_n=16"])
+@pytest.mark.parametrize("ps", [64, 16])
+@pytest.mark.parametrize("H", [16, 32])
+def test_swap_ab_decode_lengths(monkeypatch, H, ps, tune):
+    """q_len 1 at 16 and 32 heads (32 on tile_n 16 is refused: its own test), TMA pages and gathered ones."""
+    if H > 16 and "tile_n=16" in tune:
+        pytest.skip("32 packed rows do not fit tile_n 16")
+    _swap_env(monkeypatch, tune)
+    check_swap(make([1] * len(SWAP_LENS), SWAP_LENS, H, ps=ps), H)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("ps", [64, 16])
+def test_swap_ab_two_token_rows(monkeypatch, ps, causal):
+    """q_len 2 x 16 heads = 32 packed rows (token-major), causal bottom-right or not, mixed with q_len 1."""
+    _swap_env(monkeypatch)
+    check_swap(make([2, 1, 2, 2, 2], [9, 100, 0, 65, 4096], 16, ps=ps), 16, causal=causal)
+    if causal:
+        check_swap(make([2, 2], [1, 2], 16, ps=ps), 16, causal=True)  # a first row that sees no key
+
+
+@pytest.mark.parametrize("tune", ["swap_ab=1", "swap_ab=1,merge_kernel=0", "swap_ab=1,tile_n=16,schedule=1"])
+@pytest.mark.parametrize("ps", [64, 16])
+def test_swap_ab_split_kv(monkeypatch, ps, tune):
+    """Split-KV partials of the swapped epilogue through both merges (the merge kernel, the last CTA), a second
+    run of the same plan bit-equal (the counters reset), 32 heads and split causal two-token rows."""
+    _swap_env(monkeypatch, tune)
+    case = make([1, 1, 1], [32768, 100, 8191], 16, ps=ps)
+    w, out, lse = check_swap(case, 16, expect_split=True)
+    out2, lse2 = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    w.run(*case[:4], out=out2, lse=lse2, return_lse=True)
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
+    check_swap(make([1], [20000], 16, ps=ps), 16, expect_split=True)
+    if "tile_n=16" not in tune:
+        check_swap(make([1, 1], [20000, 9000], 32, ps=ps), 32, expect_split=True)
+        check_swap(make([2, 1], [20000, 5000], 16, ps=ps), 16, causal=True, expect_split=True)
+
+
+def test_swap_ab_float16_and_matches_default(monkeypatch):
+    """float16, a negative scale; the same batch through swap_ab 0 within tolerance of swap_ab 1."""
+    _swap_env(monkeypatch)
+    case = make([1, 1, 2], [70, 3, 4000], 16, dtype=torch.float16)
+    check_swap(case, 16, dtype=torch.float16, causal=True)
+    check_swap(case, 16, dtype=torch.float16, sm_scale=-0.05)
+    case = make([1] * 6, [5, 64, 700, 4096, 0, 129], 32)
+    _, out, lse = check_swap(case, 32)
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", "swap_ab=0")
+    w = BatchMLAPagedAttentionWrapper(workspace())
+    w.plan(*case[4:], 32, DC, DR, PS, False, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    assert w._plan["cfg"].tiles.swap_ab == 0
+    o0, l0 = w.run(*case[:4], return_lse=True)
+    assert rel(out, o0) < TOL_O
+    fin = torch.isfinite(l0)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse[fin] - l0[fin]).abs().max().item() < TOL_LSE
+
+
+@pytest.mark.parametrize("tune,H,q_len", [("swap_ab=1", 32, 2), ("swap_ab=1", 64, 1), ("swap_ab=1,tile_n=16", 32, 1)])
+def test_swap_ab_refuses_rows_past_tile_n(monkeypatch, tune, H, q_len):
+    """More packed rows than tile_n: a ValueError naming tile_n at plan time, before any launch."""
+    _swap_env(monkeypatch, tune)
+    case = make([q_len, q_len], [100, 300], H)
+    w = BatchMLAPagedAttentionWrapper(workspace())
+    with pytest.raises(ValueError, match="tile_n"):
+        w.plan(*case[4:], H, DC, DR, PS, False, SM_SCALE, torch.bfloat16, torch.bfloat16)

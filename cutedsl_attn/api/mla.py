@@ -20,6 +20,7 @@ import torch
 
 from ..common.constants import LN2 as _LN2
 from ..dispatch import mla_choice, mla_launch, mla_limits, mla_problem, num_sms
+from ..planning.mla import TILE_M as PLAN_TILE_M
 from ..planning.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MlaArgs, max_work_rows, plan_mla
 from ._common import canonical_dtype, check_bool, check_int, check_last_dim_contiguous, check_tensor, indptr_host
 from ._graph import FixedBuffers, check_graph_buffer
@@ -214,6 +215,10 @@ class BatchMLAPagedAttentionWrapper:
         wp = plan_mla(qo_lens, lens, qo_h[:-1], kv_h[:-1], num_heads=num_heads, page_size=page_size, num_sms=sms,
                       ctas_per_sm=lim["ctas_per_sm"], tile_m=lim["tile_m"], num_rows=num_rows,
                       max_splits_per_request=lim["max_splits_per_request"], fixed_row_tiles=fixed_tiles)
+        tile_n = getattr(cfg.tiles, "tile_n", 0) if getattr(cfg.tiles, "swap_ab", 0) else 0
+        if tile_n and wp.row_tiles * PLAN_TILE_M > tile_n:  # refused at plan time, not at run()
+            raise ValueError(f"CUTEDSL_ATTN_MLA_TUNE's swap_ab=1 holds at most tile_n={tile_n} packed query rows "
+                             f"(qo_len x num_heads) a request, the plan has {wp.row_tiles * PLAN_TILE_M}")
         n_part = wp.work.shape[0] if self._use_cuda_graph else max(1, wp.num_partials)
         R = wp.rows
         po_bytes = n_part * R * HEAD_DIM_CKV * 4

@@ -4,7 +4,8 @@ The kernel contract (what dispatch uses): :data:`NAME`, :class:`Tiles`, :class:`
 tiles)``, the compile key), :func:`unsupported_reason`, :func:`default_tiles`, :func:`override_tiles` with
 :data:`TUNING_FIELDS`, :func:`compile` and :func:`launch`.  Modules: ``config`` (the dataclasses), ``kernel``
 (roles, main loop, epilogue, in-kernel split-KV merge), ``loads`` (the producer's row-gathered blocks of small
-pages and fp8 caches, Q widened to f16), ``merge`` (the separate split-KV merge kernel of ``Tiles.merge_kernel``).
+pages and fp8 caches, Q widened to f16), ``merge`` (the separate split-KV merge kernel of ``Tiles.merge_kernel``),
+``swapab`` (the consumer side of ``Tiles.swap_ab``: up to 32 packed query rows on the wgmma N dimension).
 
 Conventions (FlashInfer's MLA, as the portable kernel): logits ``sm_scale * (q_nope . ckv + q_pe . kpe)``, LSE
 base 2, causal bottom-right, empty rows give O = 0 and LSE = -inf, ``output_scale`` applied in fp32 before the
@@ -26,6 +27,7 @@ from ...planning.mla import MLA_WORK_COLS, MlaArgs
 from .config import (NAME, TILE_M, TUNING_FIELDS, Config, Tiles, default_tiles, override_tiles,
                      unsupported_reason)
 from .kernel import MlaSm90Kernel
+from .swapab import MlaSm90SwapAbKernel
 
 __all__ = ["NAME", "Tiles", "Config", "unsupported_reason", "default_tiles", "override_tiles", "TUNING_FIELDS",
            "compile", "launch", "num_tiles"]
@@ -43,7 +45,8 @@ def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = 
     from cutlass.cute.runtime import make_fake_stream
 
     opts = compile_options(cfg.arch, keep_ptx_dir=keep_ptx_dir, keep_cubin=keep_cubin)
-    return cute.compile(MlaSm90Kernel(cfg), *mla_tensors(cfg, MLA_WORK_COLS), Float32(1.0), Float32(1.0), Int32(1),
+    kernel = MlaSm90SwapAbKernel(cfg) if cfg.tiles.swap_ab else MlaSm90Kernel(cfg)
+    return cute.compile(kernel, *mla_tensors(cfg, MLA_WORK_COLS), Float32(1.0), Float32(1.0), Int32(1),
                         make_fake_stream(use_tvm_ffi_env_stream=True), options=opts)
 
 
@@ -51,8 +54,14 @@ def launch(fn, cfg: Config, args: MlaArgs) -> None:
     """Launch ``fn`` (:func:`compile` of ``cfg``) on torch's current stream over ``num_tiles(args.num_row_tiles)``
     x ``args.work.shape[0]`` CTAs; the only code that knows its argument order.  ``args``: an
     :class:`~cutedsl_attn.planning.mla.MlaArgs` (``part_o`` / ``part_lse`` rows, ``counters`` as the plan sized
-    them: this kernel's tiles cover no more rows or counters than the plan's); ``counters`` must read 0."""
+    them: this kernel's tiles cover no more rows or counters than the plan's); ``counters`` must read 0.
+    Raises ValueError, before the launch, when ``cfg.tiles.swap_ab`` is 1 and the plan's packed rows
+    (``num_row_tiles`` 16-row tiles: the longest request's ``q_len x heads``) do not fit ``cfg.tiles.tile_n``."""
     (q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, num_row_tiles,
      output_scale) = args
+    if cfg.tiles.swap_ab and num_row_tiles * PLAN_TILE_M > cfg.tiles.tile_n:
+        raise ValueError(f"Tiles.swap_ab=1 holds at most tile_n={cfg.tiles.tile_n} packed query rows (q_len x "
+                         f"heads) a request, the plan has {num_row_tiles * PLAN_TILE_M}; use swap_ab=0 or a "
+                         f"larger tile_n")
     fn(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse, counters, sm_scale, output_scale,
        num_tiles(num_row_tiles))

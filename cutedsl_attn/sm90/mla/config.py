@@ -53,7 +53,8 @@ class Tiles:
     producer's 56 registers of ``consumer_registers`` 224 or less not to spill; unused by 16-bit caches),
     ``swap_ab`` 1 for the small-head form (:mod:`cutedsl_attn.sm90.mla.swapab`: the packed query rows on the
     wgmma N dimension, ``tile_n`` of them, 16 or 32; all ``q_len x heads`` rows of a request must fit one tile,
-    checked at launch; 16-bit caches only), 0 for the rows on M (``tile_n`` then keeps its default).
+    checked at launch; 16-bit caches only; ``tile_n`` 0 there means 32), 0 for the rows on M (``tile_n`` then
+    stays 0).
 
     Raises TypeError for a non-int field, ValueError for a value out of range.
     """
@@ -64,7 +65,7 @@ class Tiles:
     merge_kernel: int = 0
     fp8_loads: int = FP8_LOADS_STAGED
     swap_ab: int = 0
-    tile_n: int = SWAP_TILE_N[-1]
+    tile_n: int = 0
 
     def __post_init__(self):
         check_int_fields(self)
@@ -81,11 +82,13 @@ class Tiles:
                              f"in the stage), got {self.fp8_loads}")
         if self.swap_ab not in (0, 1):
             raise ValueError(f"swap_ab must be 0 (query rows on the wgmma M) or 1 (on N), got {self.swap_ab}")
-        if self.tile_n not in SWAP_TILE_N:
-            raise ValueError(f"tile_n must be one of {SWAP_TILE_N}, got {self.tile_n}")
-        if not self.swap_ab and self.tile_n != SWAP_TILE_N[-1]:
-            raise ValueError(f"tile_n (the query rows on N) applies to swap_ab=1 only, got tile_n {self.tile_n} "
-                             f"with swap_ab 0")
+        if not self.swap_ab and self.tile_n != 0:
+            raise ValueError(f"tile_n (the query rows on the wgmma N) applies to swap_ab=1 only, got tile_n "
+                             f"{self.tile_n} with swap_ab 0")
+        if self.swap_ab and self.tile_n == 0:
+            object.__setattr__(self, "tile_n", SWAP_TILE_N[-1])  # (one compile key for the derived and given 32)
+        if self.swap_ab and self.tile_n not in SWAP_TILE_N:
+            raise ValueError(f"tile_n must be one of {SWAP_TILE_N} (or 0: 32) with swap_ab=1, got {self.tile_n}")
         if self.schedule not in (SCHEDULE_SIGNAL_FIRST, SCHEDULE_S_FIRST):
             raise ValueError(f"schedule must be {SCHEDULE_SIGNAL_FIRST} (signal first) or {SCHEDULE_S_FIRST} "
                              f"(S first), got {self.schedule}")
