@@ -38,7 +38,10 @@ def from_block_tables(block_tables, seq_lens, page_size: int, device, non_blocki
     if (kv_lens < 0).any():
         raise ValueError("seq_lens must be >= 0")
     if B and int(kv_lens.max()) > block_tables.shape[1] * page_size:
-        raise ValueError("block_tables is too narrow for seq_lens: need ceil(seq_len/page_size) columns")
+        need = -(-int(kv_lens.max()) // page_size)
+        raise ValueError(f"block_tables is too narrow for seq_lens: the longest sequence ({int(kv_lens.max())} "
+                         f"tokens at page_size {page_size}) needs {need} columns, block_tables has "
+                         f"{block_tables.shape[1]}")
     flat = (block_tables if block_tables.is_contiguous() else block_tables.contiguous()).reshape(-1)
     return kv_lens, torch.arange(B, dtype=torch.int64) * block_tables.shape[1], flat
 

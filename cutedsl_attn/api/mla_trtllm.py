@@ -90,7 +90,8 @@ def _not_served(**options) -> None:
     """NotImplementedError for the first option not at its served value (name -> (value, served value))."""
     for name, (value, ok) in options.items():
         if (value is not None) if ok is None else (isinstance(value, torch.Tensor) or value != ok):
-            raise NotImplementedError(f"{name}={value!r} is not supported (only {ok!r}); {_SERVED}")
+            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise NotImplementedError(f"{name}={shown} is not supported (only {ok!r}); {_SERVED}")
 
 
 def _flat_view(name: str, t: torch.Tensor, shape) -> torch.Tensor:
