@@ -211,37 +211,13 @@ class GdnPrep:
             # V is first read by the U GEMM: it lands while Aqk, K K^T and the inverse are computed
             self._load_rows(mV, sV, RV, V, tok0, ln, vh, tidx, PREP_THREADS)
             ptx.cp_async_commit()
-            if tidx < C:
-                lg = Float32(0.0)  # log2 alpha (alpha = 1 past the chunk's end)
-                b = Float32(0.0)
-                if tidx < ln:
-                    b = Float32(1.0)
-                    if (flags & FLAG_HAS_BETA) != 0:
-                        b = mBeta[tok0 + tidx, ho]
-                    if (flags & FLAG_HAS_G) != 0:
-                        x = mG[tok0 + tidx, ho]
-                        if const_expr(self.log_gate):
-                            lg = x * Float32(LOG2E)
-                        else:
-                            lg = ptx.lg2(cutlass.max(x, Float32(LINEAR_GATE_FLOOR)))
-                ptx.st_shared_f32(sG + tidx * 4, lg)
-                ptx.st_shared_f32(sB + tidx * 4, b)
+            self._gates_to_smem(mG, mBeta, sG, sB, tok0, ln, ho, flags, tidx)
             ptx.cp_async_wait(1)
             cute.arch.sync_threads()
 
             # cumulative log2 decay (warp 0) and the l2 normalisers (every warp, its 16 rows of q and k)
             if warp == 0:
-                x0 = ptx.ld_shared_f32(sG + (2 * lane) * 4)
-                x1 = ptx.ld_shared_f32(sG + (2 * lane + 1) * 4)
-                s = x0 + x1
-                for sh in cutlass.range_constexpr(5):
-                    y = cute.arch.shuffle_sync_up(s, offset=1 << sh)
-                    if lane >= (1 << sh):
-                        s = s + y
-                ptx.st_shared_f32(sG + (2 * lane) * 4, s - x1)
-                ptx.st_shared_f32(sG + (2 * lane + 1) * 4, s)
-                b2 = ptx.ld_shared_v2_f32(sB + (2 * lane) * 4)
-                _st_shared_v2_f32(sBG + (2 * lane) * 4, b2[0] * ptx.ex2(s - x1), b2[1] * ptx.ex2(s))
+                self._cumsum_gates(sG, sB, sBG, lane)
             self._normalise_rows(sQ, sRq, warp, lane)
             self._normalise_rows(sK, sRk, warp, lane)
             cute.arch.sync_threads()
@@ -288,17 +264,59 @@ class GdnPrep:
                 self._store_slab(mU.iterator.toint() + blk * (C * V * 2), accu, V, nh * 64, r0, g, t)
 
             # row factors: scale rq gamma (the Q S^T rows), rk gamma_last / gamma (the state-update rows)
-            if tidx < C:
-                gl = ptx.ld_shared_f32(sG + (ln - 1) * 4)
-                gt = ptx.ld_shared_f32(sG + tidx * 4)
-                ok = tidx < ln
-                qf = cutlass.select_(ok, scale * ptx.ld_shared_f32(sRq + tidx * 4) * ptx.ex2(gt), Float32(0.0))
-                kf = cutlass.select_(ok, ptx.ld_shared_f32(sRk + tidx * 4) * ptx.ex2(gl - gt), Float32(0.0))
-                f_base = mF.iterator.toint() + blk * (3 * C * 4)
-                _st_f32(f_base + tidx * 4, qf)
-                _st_f32(f_base + (C + tidx) * 4, kf)
-                _st_f32(f_base + (2 * C + tidx) * 4, ptx.ex2(gl))
+            self._row_factors(mF, sG, sRq, sRk, blk, ln, scale, tidx)
 
+
+    @cute.jit
+    def _gates_to_smem(self, mG, mBeta, sG, sB, tok0, ln, ho, flags, tidx):
+        """log2 alpha (0, i.e. alpha = 1, past the chunk's end) and beta (0 past the end) of the chunk's tokens
+        -> the fp32 rows at ``sG``, ``sB`` (threads ``tidx < C``)."""
+        if tidx < self.C:
+            lg = Float32(0.0)
+            b = Float32(0.0)
+            if tidx < ln:
+                b = Float32(1.0)
+                if (flags & FLAG_HAS_BETA) != 0:
+                    b = mBeta[tok0 + tidx, ho]
+                if (flags & FLAG_HAS_G) != 0:
+                    x = mG[tok0 + tidx, ho]
+                    if const_expr(self.log_gate):
+                        lg = x * Float32(LOG2E)
+                    else:
+                        lg = ptx.lg2(cutlass.max(x, Float32(LINEAR_GATE_FLOOR)))
+            ptx.st_shared_f32(sG + tidx * 4, lg)
+            ptx.st_shared_f32(sB + tidx * 4, b)
+
+    @cute.jit
+    def _cumsum_gates(self, sG, sB, sBG, lane):
+        """One warp: ``sG`` <- its inclusive prefix sum (the cumulative log2 decay G), ``sBG`` <- beta 2^G."""
+        x0 = ptx.ld_shared_f32(sG + (2 * lane) * 4)
+        x1 = ptx.ld_shared_f32(sG + (2 * lane + 1) * 4)
+        s = x0 + x1
+        for sh in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_up(s, offset=1 << sh)
+            if lane >= (1 << sh):
+                s = s + y
+        ptx.st_shared_f32(sG + (2 * lane) * 4, s - x1)
+        ptx.st_shared_f32(sG + (2 * lane + 1) * 4, s)
+        b2 = ptx.ld_shared_v2_f32(sB + (2 * lane) * 4)
+        _st_shared_v2_f32(sBG + (2 * lane) * 4, b2[0] * ptx.ex2(s - x1), b2[1] * ptx.ex2(s))
+
+    @cute.jit
+    def _row_factors(self, mF, sG, sRq, sRk, blk, ln, scale, tidx):
+        """F of scratch block ``blk``: ``scale rq gamma`` and ``rk gamma_last / gamma`` (0 past the chunk's end),
+        ``gamma_last`` (threads ``tidx < C``)."""
+        C = self.C
+        if tidx < C:
+            gl = ptx.ld_shared_f32(sG + (ln - 1) * 4)
+            gt = ptx.ld_shared_f32(sG + tidx * 4)
+            ok = tidx < ln
+            qf = cutlass.select_(ok, scale * ptx.ld_shared_f32(sRq + tidx * 4) * ptx.ex2(gt), Float32(0.0))
+            kf = cutlass.select_(ok, ptx.ld_shared_f32(sRk + tidx * 4) * ptx.ex2(gl - gt), Float32(0.0))
+            f_base = mF.iterator.toint() + blk * (3 * C * 4)
+            _st_f32(f_base + tidx * 4, qf)
+            _st_f32(f_base + (C + tidx) * 4, kf)
+            _st_f32(f_base + (2 * C + tidx) * 4, ptx.ex2(gl))
     @cute.jit
     def _aqk_rows(self, mAqk, sQ, sK, sG, blk, r0, scale, lane):
         """Rows ``r0 .. r0 + 16`` of ``Aqk = scale tril(Q K^T . Gamma)`` (diagonal kept) -> global, io dtype."""

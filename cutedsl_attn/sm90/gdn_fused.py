@@ -47,14 +47,13 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ptx
-from ..common.gdn_prep import LINEAR_GATE_FLOOR, row_pitches
-from ..common.constants import LOG2E
+from ..common.gdn_prep import row_pitches
 from ..common.smem import sw128_offset
 from ..compile.arch import compile_options
 from ..compile.fake import gdn_chunked_tensors
 from ..compile.tiles import override_int_fields
 from ..common.dtypes import element_type
-from ..planning.gdn import CHUNK, FLAG_HAS_BETA, FLAG_HAS_G, GdnArgs, GdnProblem
+from ..planning.gdn import CHUNK, GdnArgs, GdnProblem
 from . import gdn_chunked as _chunked
 
 NAME = "gdn_fused_sm90"
@@ -385,21 +384,7 @@ class GdnFusedSm90Kernel(_chunked.GdnChunkedSm90Kernel):
         # V is first read by the U GEMM: it lands while Aqk, K K^T and the inverse are computed
         self._load_v_slice(mV, sV, t0, ln, vh, v0, tid)
         ptx.cp_async_commit()
-        if tid < C:
-            lg = Float32(0.0)  # log2 alpha (alpha = 1 past the chunk's end)
-            b = Float32(0.0)
-            if tid < ln:
-                b = Float32(1.0)
-                if (flags & FLAG_HAS_BETA) != 0:
-                    b = mBeta[t0 + tid, ho]
-                if (flags & FLAG_HAS_G) != 0:
-                    x = mG[t0 + tid, ho]
-                    if const_expr(self.log_gate):
-                        lg = x * Float32(LOG2E)
-                    else:
-                        lg = ptx.lg2(cutlass.max(x, Float32(LINEAR_GATE_FLOOR)))
-            ptx.st_shared_f32(sG + tid * 4, lg)
-            ptx.st_shared_f32(sB + tid * 4, b)
+        self._gates_to_smem(mG, mBeta, sG, sB, t0, ln, ho, flags, tid)
         ptx.cp_async_wait(1)
         _prep_sync(bar)
 

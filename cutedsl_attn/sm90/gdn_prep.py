@@ -33,15 +33,13 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ptx
-from ..common.constants import LOG2E
 from ..common.dtypes import element_type
 from ..common.gdn_launch import compile_kernel, launch_prep
 from ..common.gdn_prep import (
-    LINEAR_GATE_FLOOR, PREP_CTAS_PER_SM, PREP_SMEM_CARVEOUT, PREP_THREADS, GdnPrep, _normalise_batch, _st_f32,
-    _st_shared_v2_f32, row_pitches,
+    PREP_CTAS_PER_SM, PREP_SMEM_CARVEOUT, PREP_THREADS, GdnPrep, _normalise_batch, row_pitches,
 )
 from ..common.smem import sw128_offset, transpose_view
-from ..planning.gdn import CHUNK, FLAG_HAS_BETA, FLAG_HAS_G, GdnArgs, GdnProblem, chunked_launch_tensors
+from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, chunked_launch_tensors
 
 NAME = "gdn_prep_sm90"
 ARCH = "sm_90a"
@@ -162,13 +160,13 @@ class GdnPrepSm90(GdnPrep):
             # V is first read by the U GEMM: it lands while Aqk, K K^T and the inverse are computed
             self._p90_load_rows(mV, aV, V, tok0, ln, ho // v_group, tidx)
             ptx.cp_async_commit()
-            self._p90_gates(mG, mBeta, sG, sB, tok0, ln, ho, flags, tidx)
+            self._gates_to_smem(mG, mBeta, sG, sB, tok0, ln, ho, flags, tidx)
             ptx.cp_async_wait(1)
             cute.arch.sync_threads()
 
             # cumulative log2 decay (warp 0) and the l2 normalisers (every warp, its 16 rows of q and k)
             if warp == 0:
-                self._p90_cumsum(sG, sB, sBG, lane)
+                self._cumsum_gates(sG, sB, sBG, lane)
             self._p90_normalise_rows(aQ, sRq, warp, lane)
             self._p90_normalise_rows(aK, sRk, warp, lane)
             ptx.fence_proxy_async_shared()  # cp.async and l2-norm writes (generic proxy) -> wgmma reads
@@ -240,7 +238,7 @@ class GdnPrepSm90(GdnPrep):
             self._p90_stage(aV, cute.make_tensor(acc_u.iterator, cute.make_layout(cute.size(acc_u))), V, r0, g, t)
             cute.arch.sync_threads()
             self._p90_store_tile(aV, V, mU.iterator.toint() + blk * (C * V * 2), tidx)
-            self._p90_row_factors(mF, sG, sRq, sRk, blk, ln, scale, tidx)
+            self._row_factors(mF, sG, sRq, sRk, blk, ln, scale, tidx)
 
     # ------------------------------------------------------------------ phases
     @cute.jit
@@ -257,40 +255,6 @@ class GdnPrepSm90(GdnPrep):
             tok = cutlass.select_(ok, tok0 + r, tok0)
             goff = Int64(tok) * mX.stride[0] + Int64(head) * mX.stride[1] + col * 8
             ptx.cp_async_16(s_dst + sw128_offset(r, col, self.C), base + goff * 2, cutlass.select_(ok, 16, 0))
-
-    @cute.jit
-    def _p90_gates(self, mG, mBeta, sG, sB, tok0, ln, ho, flags, tidx):
-        """log2 alpha (0 past the chunk's end) and beta (0 past the end) of the chunk's tokens -> sG, sB."""
-        if tidx < self.C:
-            lg = Float32(0.0)
-            b = Float32(0.0)
-            if tidx < ln:
-                b = Float32(1.0)
-                if (flags & FLAG_HAS_BETA) != 0:
-                    b = mBeta[tok0 + tidx, ho]
-                if (flags & FLAG_HAS_G) != 0:
-                    x = mG[tok0 + tidx, ho]
-                    if const_expr(self.log_gate):
-                        lg = x * Float32(LOG2E)
-                    else:
-                        lg = ptx.lg2(cutlass.max(x, Float32(LINEAR_GATE_FLOOR)))
-            ptx.st_shared_f32(sG + tidx * 4, lg)
-            ptx.st_shared_f32(sB + tidx * 4, b)
-
-    @cute.jit
-    def _p90_cumsum(self, sG, sB, sBG, lane):
-        """One warp: sG <- its inclusive prefix sum (the cumulative log2 decay G), sBG <- beta 2^G."""
-        x0 = ptx.ld_shared_f32(sG + (2 * lane) * 4)
-        x1 = ptx.ld_shared_f32(sG + (2 * lane + 1) * 4)
-        s = x0 + x1
-        for sh in cutlass.range_constexpr(5):
-            y = cute.arch.shuffle_sync_up(s, offset=1 << sh)
-            if lane >= (1 << sh):
-                s = s + y
-        ptx.st_shared_f32(sG + (2 * lane) * 4, s - x1)
-        ptx.st_shared_f32(sG + (2 * lane + 1) * 4, s)
-        b2 = ptx.ld_shared_v2_f32(sB + (2 * lane) * 4)
-        _st_shared_v2_f32(sBG + (2 * lane) * 4, b2[0] * ptx.ex2(s - x1), b2[1] * ptx.ex2(s))
 
     @cute.jit
     def _p90_normalise_rows(self, sX, sR, warp, lane):
@@ -379,21 +343,6 @@ class GdnPrepSm90(GdnPrep):
             col = idx % cpr
             w = ptx.ld_shared_v4_b32(s_tile + sw128_offset(r, col, self.C))
             ptx.st_global_v4_b32(g_base + (Int64(r) * D + col * 8) * 2, w[0], w[1], w[2], w[3])
-
-    @cute.jit
-    def _p90_row_factors(self, mF, sG, sRq, sRk, blk, ln, scale, tidx):
-        """F: ``scale rq gamma`` and ``rk gamma_last / gamma`` (0 past the chunk's end), ``gamma_last``."""
-        C = self.C
-        if tidx < C:
-            gl = ptx.ld_shared_f32(sG + (ln - 1) * 4)
-            gt = ptx.ld_shared_f32(sG + tidx * 4)
-            ok = tidx < ln
-            qf = cutlass.select_(ok, scale * ptx.ld_shared_f32(sRq + tidx * 4) * ptx.ex2(gt), Float32(0.0))
-            kf = cutlass.select_(ok, ptx.ld_shared_f32(sRk + tidx * 4) * ptx.ex2(gl - gt), Float32(0.0))
-            f_base = mF.iterator.toint() + blk * (3 * C * 4)
-            _st_f32(f_base + tidx * 4, qf)
-            _st_f32(f_base + (C + tidx) * 4, kf)
-            _st_f32(f_base + (2 * C + tidx) * 4, ptx.ex2(gl))
 
 
 class GdnPrepSm90Kernel(GdnPrepSm90):
