@@ -93,19 +93,10 @@ class MlaSm90Kernel(SplitMerge, ProducerLoads):
         self.schedule = cfg.tiles.schedule
         self.merge_kernel = cfg.tiles.merge_kernel
 
-    @cute.jit
-    def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mIdx: cute.Tensor,
-                 mWork: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mPO: cute.Tensor, mPLSE: cute.Tensor,
-                 mCnt: cute.Tensor, sm_scale: Float32, output_scale: Float32, num_tiles: Int32, stream):
+    def _stage_layouts_and_tma(self, mCkv, mKpe):
+        """(sQ layout, stage ring layout, TMA atom / tensor of ckv, of kpe) of the kernel entry (traced inside
+        ``__call__``; the atoms None for gathered blocks), shared by the swapped-AB entry."""
         dt = self.dtype
-        K_MAJOR = cute.nvgpu.OperandMajorMode.K
-        MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
-        mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
-                                                   tiler_mn=(TILE_M, BLOCK_N))
-        mma_rs = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
-                                                   tiler_mn=(TILE_M, V_HALF), a_source=warpgroup.OperandSource.RMEM)
-        mma_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
-                                                   tiler_mn=(TILE_M, V_HALF))
         sQ_layout = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, BLOCK_N, D_QK), dt, 1),
                                 mode=[0, 1])
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, BLOCK_N, D_QK), dt, self.S)
@@ -119,6 +110,22 @@ class MlaSm90Kernel(SplitMerge, ProducerLoads):
             mKpe_t = cute.make_tensor(mKpe.iterator, cute.select(mKpe.layout, mode=[1, 2, 0]))
             tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(g2s, mCkv_t, box, (BLOCK_N, CHUNK_COLS), 1)
             tma_atom_p, tma_p = cpasync.make_tiled_tma_atom(g2s, mKpe_t, box, (BLOCK_N, CHUNK_COLS), 1)
+        return sQ_layout, sK_layout, tma_atom_c, tma_c, tma_atom_p, tma_p
+
+    @cute.jit
+    def __call__(self, mQn: cute.Tensor, mQp: cute.Tensor, mCkv: cute.Tensor, mKpe: cute.Tensor, mIdx: cute.Tensor,
+                 mWork: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, mPO: cute.Tensor, mPLSE: cute.Tensor,
+                 mCnt: cute.Tensor, sm_scale: Float32, output_scale: Float32, num_tiles: Int32, stream):
+        dt = self.dtype
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        MN_MAJOR = cute.nvgpu.OperandMajorMode.MN
+        mma_qk = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, K_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
+                                                   tiler_mn=(TILE_M, BLOCK_N))
+        mma_rs = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
+                                                   tiler_mn=(TILE_M, V_HALF), a_source=warpgroup.OperandSource.RMEM)
+        mma_ss = sm90_utils.make_trivial_tiled_mma(dt, dt, K_MAJOR, MN_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
+                                                   tiler_mn=(TILE_M, V_HALF))
+        sQ_layout, sK_layout, tma_atom_c, tma_c, tma_atom_p, tma_p = self._stage_layouts_and_tma(mCkv, mKpe)
 
         @cute.struct
         class SharedStorage:

@@ -26,15 +26,14 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
+from cutlass.cute.nvgpu import warpgroup
 
 from ...common import ptx
 from ...common.constants import NEG_INF
 from ...common.smem import transpose_view
 from ...planning.decode import W_NUM_SPLITS, W_PART_BASE, W_SPLIT_IDX, W_TOK_END, W_TOK_START, W_KV_LEN
 from ...planning.mla import HEAD_DIM_CKV, W_Q_START, W_QO_LEN
-from .config import BLOCK_N, CHUNK_COLS, D_QK, GROUP_CHUNKS, NUM_CHUNKS, NUM_GROUPS, TILE_M, Config
+from .config import BLOCK_N, D_QK, GROUP_CHUNKS, NUM_CHUNKS, NUM_GROUPS, TILE_M, Config
 from .kernel import CHUNK_BYTES, CONSUMER_BAR, MlaSm90Kernel, _mul_pinned, _opaque_zero
 from .merge import MERGE_CTAS_PER_TILE, MERGE_THREADS
 
@@ -77,18 +76,7 @@ class MlaSm90SwapAbKernel(MlaSm90Kernel):
         mma_ot = sm90_utils.make_trivial_tiled_mma(dt, dt, MN_MAJOR, K_MAJOR, Float32, atom_layout_mnk=(1, 1, 1),
                                                    tiler_mn=(64, N))
         # the shared layouts and TMA boxes of the kernel (the producer is the same)
-        sQ_layout = cute.select(sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_M, BLOCK_N, D_QK), dt, 1),
-                                mode=[0, 1])
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, BLOCK_N, D_QK), dt, self.S)
-        box = cute.select(sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_M, BLOCK_N, CHUNK_COLS), dt, 1),
-                          mode=[0, 1])
-        tma_atom_c, tma_c, tma_atom_p, tma_p = None, None, None, None
-        if const_expr(not self.gather):
-            g2s = cpasync.CopyBulkTensorTileG2SOp()
-            mCkv_t = cute.make_tensor(mCkv.iterator, cute.select(mCkv.layout, mode=[1, 2, 0]))
-            mKpe_t = cute.make_tensor(mKpe.iterator, cute.select(mKpe.layout, mode=[1, 2, 0]))
-            tma_atom_c, tma_c = cpasync.make_tiled_tma_atom(g2s, mCkv_t, box, (BLOCK_N, CHUNK_COLS), 1)
-            tma_atom_p, tma_p = cpasync.make_tiled_tma_atom(g2s, mKpe_t, box, (BLOCK_N, CHUNK_COLS), 1)
+        sQ_layout, sK_layout, tma_atom_c, tma_c, tma_atom_p, tma_p = self._stage_layouts_and_tma(mCkv, mKpe)
 
         @cute.struct
         class SharedStorage:
