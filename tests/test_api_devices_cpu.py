@@ -85,8 +85,8 @@ def _trtllm_mla_args(B=2, ps=32, pages=4):
 
 def _xqa_mla_args(B=2, ps=32, pages=4):
     e4m3 = torch.float8_e4m3fn
-    return dict(q=torch.randn(B, 1, 128, 576).to(e4m3), k_cache=torch.randn(pages, ps, 576).to(e4m3),
-                v_cache=torch.randn(pages, ps, 512).to(e4m3),
+    k_cache = torch.randn(pages, ps, 576).to(e4m3)
+    return dict(q=torch.randn(B, 1, 128, 576).to(e4m3), k_cache=k_cache, v_cache=k_cache[..., :512],
                 page_table=torch.arange(B * 2, dtype=torch.int32).view(B, 2),
                 seq_lens=torch.tensor([[20], [33]], dtype=torch.int32),
                 output=torch.empty(B, 1, 128, 512, dtype=BF16), workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8),

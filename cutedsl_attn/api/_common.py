@@ -232,16 +232,18 @@ def csr_kv_lens(indptr, last_page_len, B: int, page_size: int, *,
 
 
 def check_tensor(name: str, t, *, dtype=None, ndim=None, device=None, shape=None) -> None:
+    """``t`` a tensor of ``dtype`` / ``ndim`` / ``shape`` on ``device`` (each None: any), TypeError / ValueError
+    naming ``name`` otherwise; the device is checked last, so a wrong shape or dtype is reported as such."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"The dtype of {name} ({t.dtype}) does not match the expected {dtype}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
 _ARCH_ENV = "CUTEDSL_ATTN_ARCH"  # compile/arch.py's variable (api/ does not import compile/)
@@ -252,6 +254,28 @@ def host_tensors_reach_launch() -> bool:
     GPU (``CUTEDSL_ATTN_ARCH`` set), where plans are built and inspected on host tensors and the launch itself
     refuses them (:func:`host_launch_error`)."""
     return bool(os.environ.get(_ARCH_ENV, "").strip()) and not torch.cuda.is_available()
+
+
+def check_one_device(where: str, tensors, *, device=None):
+    """The first half of :func:`check_devices`: the tensors on one device, CUDA or not (an entry point calls it
+    first, checks shapes and dtypes, then calls :func:`check_devices` with the same pairs before planning, so a
+    wrong shape or dtype is reported as such whatever the device).  Arguments as :func:`check_devices`.
+
+    Returns:
+      ``(named, device)``: the tensor entries ``[(name, tensor)]`` and their one device (None: no tensor).
+
+    Raises:
+      ValueError: two of them on different devices, naming both and their devices.
+    """
+    named = [(n, t) for n, t in tensors if isinstance(t, torch.Tensor)]
+    if not named:
+        return named, None
+    ref_name, ref = (None, torch.device(device)) if device is not None else (named[0][0], named[0][1].device)
+    for n, t in named:
+        if t.device != ref:
+            other = f"{ref_name} is on {ref}" if ref_name is not None else f"the others are on {ref}"
+            raise ValueError(f"{where}: {n} is on {t.device} but {other}: every tensor must be on one CUDA device")
+    return named, ref
 
 
 def check_devices(where: str, tensors, *, device=None) -> None:
@@ -267,15 +291,8 @@ def check_devices(where: str, tensors, *, device=None) -> None:
       ValueError: two of them on different devices (naming both and their devices), or a device that is not
         CUDA (naming every argument; host tensors pass only where :func:`host_tensors_reach_launch`).
     """
-    named = [(n, t) for n, t in tensors if isinstance(t, torch.Tensor)]
-    if not named:
-        return
-    ref_name, ref = (None, torch.device(device)) if device is not None else (named[0][0], named[0][1].device)
-    for n, t in named:
-        if t.device != ref:
-            other = f"{ref_name} is on {ref}" if ref_name is not None else f"the others are on {ref}"
-            raise ValueError(f"{where}: {n} is on {t.device} but {other}: every tensor must be on one CUDA device")
-    if ref.type != "cuda" and not host_tensors_reach_launch():
+    named, ref = check_one_device(where, tensors, device=device)
+    if ref is not None and ref.type != "cuda" and not host_tensors_reach_launch():
         rule = "must be a CUDA tensor" if len(named) == 1 else "must be CUDA tensors"
         raise ValueError(f"{where}: {', '.join(n for n, _ in named)} {rule}, got {ref}")
 

@@ -19,6 +19,7 @@ from ..planning.prefill import PrefillArgs, max_tiles, plan_prefill
 from ._common import (
     canonical_dtype,
     check_bool,
+    check_devices,
     check_float,
     check_heads,
     check_int,
@@ -29,6 +30,7 @@ from ._common import (
     check_optional_bool,
     check_tensor,
     check_window_left,
+    host_launch_error,
     run_scale,
 )
 from ._graph import FixedBuffers, changed_keys, check_graph_buffer, pinned_if_capturing, to_device
@@ -190,6 +192,7 @@ class _BatchPrefillBase:
 
     _paged = False
     _arg_names = _RAGGED_NAMES
+    _launch_entry = None  # the entry point a host launch's error names (None: this wrapper's run)
 
     def _init_common(self, float_workspace_buffer, kv_layout, use_cuda_graph, backend, jit_args, jit_kwargs,
                      variant_owns_mask) -> None:
@@ -299,6 +302,8 @@ class _BatchPrefillBase:
         # the shape part of the problem (kept for forward()'s re-dispatch) and the options part
         problem_kw = dict(dtype=dt, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, group_size=group,
                           page_size=page_size, use_custom_mask=use_mask, score_mod=score_mod)
+        # every argument is checked by now; the index arrays may be on the host, the workspace the kernel writes not
+        check_devices(f"{type(self).__name__}.plan", [("float_workspace_buffer", self._workspace)])
         choice = self._choose(problem_kw, causal, window_left, cap, pos_encoding_mode, scale)
         tile_m = choice.tile_m
         if use_mask and self._use_cuda_graph:
@@ -511,15 +516,15 @@ class _BatchPrefillBase:
                                p["window_left"], p["rope_rcp_scale"], p["rope_log2_theta"], output_scale)
             try:
                 choice.launch(args)
-            except dispatch.KernelEntryError as e:  # the compiled entry's layout checks, in FlashInfer's names
-                raise e.named(self._arg_names) from None
-            except NotImplementedError:
-                raise
-            except Exception:
-                if q.device.type != "cuda":
-                    raise ValueError(
-                        f"q, k, v and the workspace must be CUDA tensors to launch, got {q.device}"
-                    ) from None
+            except Exception as e:
+                # host tensors reach a launch only when cross-compiling without a GPU: the entry or the launch refuses
+                # them, by device (a layout complaint of the entry keeps its own message)
+                entry = isinstance(e, dispatch.KernelEntryError)
+                if q.device.type != "cuda" and not isinstance(e, NotImplementedError) and (
+                        not entry or "device_type" in str(e)):
+                    raise host_launch_error(self._launch_entry or f"{type(self).__name__}.run", q.device) from None
+                if entry:  # the compiled entry's layout checks, in FlashInfer's names
+                    raise e.named(self._arg_names) from None
                 raise
         if want_lse:
             if lse_layout == "NH":

@@ -33,6 +33,7 @@ from ._common import (
     check_optional_bool,
     check_sm_scale,
     check_devices,
+    check_one_device,
     check_tensor,
     check_window_left,
     csr_kv_lens,
@@ -119,6 +120,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
       TypeError / ValueError: bad workspace, missing CUDA-graph buffers.
       NotImplementedError: unsupported backend or ``jit_args``.
     """
+
+    _launch_entry = "BatchDecodeWithPagedKVCacheWrapper.run"  # a host launch's error names it (single decode: its own)
 
     def __init__(
         self,
@@ -285,8 +288,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             (pos_encoding_mode, window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, data_type,
              sm_scale, rope_scale, rope_theta, non_blocking, block_tables, seq_lens, fixed_split_size,
              disable_split_kv, q_len_per_req) = (vals[n] for n in _PLAN_POSITIONAL)
-        # the index tensors may be on the host (read there); the workspace the kernel writes may not
-        check_devices("BatchDecodeWithPagedKVCacheWrapper.plan", [("float_workspace_buffer", self._workspace)])
         check_pos_encoding_mode(pos_encoding_mode)
         check_bool("non_blocking", non_blocking)
         check_bool("disable_split_kv", disable_split_kv)
@@ -355,6 +356,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 f"mismatches the batch size set during initialization {self._fixed_batch_size}"
             )
 
+        # every argument is checked by now; the index tensors may be on the host, the workspace the kernel writes not
+        check_devices("BatchDecodeWithPagedKVCacheWrapper.plan", [("float_workspace_buffer", self._workspace)])
         backend = _decode_cudnn.resolve(self, kv_lens, num_kv_heads, head_dim, q_dt, kv_dt, pos_encoding_mode, cap,
                                         window_left, q_len_per_req, fixed_split_size is not None or disable_split_kv,
                                         use_table)
@@ -501,6 +504,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                             paged_kv_last_page_len_buf=self._last_page_len_buf)
             self._multirow = MultiRowDecodePrefillWrapper(self._workspace, self._kv_layout, backend="cute",
                                                           use_cuda_graph=self._use_cuda_graph, **gbuf)
+            self._multirow._launch_entry = "BatchDecodeWithPagedKVCacheWrapper.run"
         self._multirow.plan(to_device(qo_indptr, self.device, True), indptr, indices, last_page_len, num_qo_heads,
                             num_kv_heads, head_dim, page_size, block_tables=block_tables, seq_lens=seq_lens,
                             **plan_kw)
@@ -571,11 +575,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise RuntimeError("plan() must be called before run()")
         if args:
             raise TypeError("run() takes no extra positional arguments (custom-kernel args are not supported)")
-        if self.device.type != "cuda":  # a host workspace: every other tensor is checked against its device
-            cache = paged_kv_cache if isinstance(paged_kv_cache, torch.Tensor) else None
-            check_devices("BatchDecodeWithPagedKVCacheWrapper.run", [
-                ("float_workspace_buffer", self._workspace), ("q", q), ("paged_kv_cache", cache), ("out", out),
-                ("lse", lse), ("sinks", sinks)])
+        devices = self._run_devices(q, paged_kv_cache, out, lse, sinks)
         check_bool("return_lse", return_lse)
         if check_optional_bool("enable_pdl", enable_pdl):
             raise NotImplementedError("enable_pdl=True is not supported (no programmatic dependent launch yet)")
@@ -590,6 +590,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if p.get("cudnn") is not None:
             shape = (p["B"] * p.get("q_len", 1), p["num_qo_heads"], p["head_dim"])
             check_tensor("q", q, shape=shape, dtype=p["dtype"], device=self.device)
+            check_devices("BatchDecodeWithPagedKVCacheWrapper.run", devices)
             r = _decode_cudnn.run(self, p["cudnn"], q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale,
                                   v_scale=v_scale, out=out, lse=lse, return_lse=return_lse, sinks=sinks)
             if r is not _decode_cudnn.DECLINED:
@@ -598,6 +599,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             shape = (p["B"] * p["q_len"], p["num_qo_heads"], p["head_dim"])
             if not isinstance(q, torch.Tensor) or q.shape != shape:
                 check_tensor("q", q, shape=shape)
+            check_devices("BatchDecodeWithPagedKVCacheWrapper.run", devices)
             return self._multirow.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
                                       lse=lse, return_lse=return_lse, sinks=sinks)
         B, Hq, D, dt = p["B"], p["num_qo_heads"], p["head_dim"], p["dtype"]
@@ -627,6 +629,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if q_scale is not None or k_scale is not None or v_scale is not None:
             sm_scale *= run_scale("q_scale", q_scale) * run_scale("k_scale", k_scale)
             output_scale = run_scale("v_scale", v_scale)
+        check_devices("BatchDecodeWithPagedKVCacheWrapper.run", devices)
         if B == 0:  # an empty batch: nothing to launch (a zero-size grid is not launchable)
             return (out, lse) if return_lse else out
         if self.device.index is not None and self.device.index != torch.cuda.current_device():
@@ -645,11 +648,22 @@ class BatchDecodeWithPagedKVCacheWrapper:
             entry = isinstance(e, dispatch.KernelEntryError)
             if q.device.type != "cuda" and (not isinstance(e, (ValueError, NotImplementedError))
                                             or entry and "device_type" in str(e)):
-                raise host_launch_error("BatchDecodeWithPagedKVCacheWrapper.run", q.device) from None
+                raise host_launch_error(self._launch_entry, q.device) from None
             if entry:  # the compiled entry's layout checks, in FlashInfer's names
                 raise e.named(_ARG_NAMES) from None
             raise
         return (out, lse) if return_lse else out
+
+    def _run_devices(self, q, paged_kv_cache, out, lse, sinks) -> list:
+        """run()'s ``(name, tensor)`` pairs, checked on one device now and by ``check_devices`` once the shapes
+        and dtypes are; only with a host workspace (none: a CUDA one is checked against each tensor)."""
+        if self.device.type == "cuda":
+            return []
+        cache = paged_kv_cache if isinstance(paged_kv_cache, torch.Tensor) else None
+        pairs = [("float_workspace_buffer", self._workspace), ("q", q), ("paged_kv_cache", cache), ("out", out),
+                 ("lse", lse), ("sinks", sinks)]
+        check_one_device("BatchDecodeWithPagedKVCacheWrapper.run", pairs)
+        return pairs
 
     run_return_lse = return_lse_method("[batch_size, num_qo_heads]")
     forward = run

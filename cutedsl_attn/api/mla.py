@@ -22,7 +22,8 @@ from ..common.constants import LN2 as _LN2
 from ..dispatch import mla_choice, mla_launch, mla_limits, mla_problem, num_sms
 from ..planning.mla import TILE_M as PLAN_TILE_M
 from ..planning.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MlaArgs, max_work_rows, plan_mla
-from ._common import canonical_dtype, check_bool, check_int, check_last_dim_contiguous, check_tensor, indptr_host
+from ._common import (canonical_dtype, check_bool, check_devices, check_int, check_last_dim_contiguous,
+                      check_tensor, indptr_host)
 from ._graph import FixedBuffers, check_graph_buffer
 
 _BACKENDS = ("auto", "cute")
@@ -190,6 +191,8 @@ class BatchMLAPagedAttentionWrapper:
                 raise ValueError(f"kv_indices ({int(kv_h[-1])} pages) does not fit the constructor's kv_indices "
                                  f"buffer ({self._kv_indices_buf.shape[0]})")
 
+        # every argument is checked by now; the index arrays may be on the host, the workspace the kernel writes not
+        check_devices("BatchMLAPagedAttentionWrapper.plan", [("float_workspace_buffer", self._workspace)])
         dev_index = self.device.index if self.device.type == "cuda" else None
         problem = mla_problem(dtype=q_dt, page_size=page_size, causal=causal, device_index=dev_index)
         module, cfg = mla_choice(problem, device_index=dev_index, num_heads=num_heads)
@@ -201,7 +204,7 @@ class BatchMLAPagedAttentionWrapper:
         if self._use_cuda_graph:
             # a captured run() keeps the kernel, its grid, scalars and tensor shapes
             sig = dict(num_heads=num_heads, page_size=page_size, causal=causal, dtype=q_dt, cfg=cfg,
-                       sm_scale=float(sm_scale), tokens=int(qo_h[-1]))
+                       sm_scale=float(sm_scale), tokens=int(qo_h[-1]), split=lim["split"])
             if self._graph_sig is None:
                 sig["row_tiles"] = -(-max_q * num_heads // 16)
             else:
@@ -211,10 +214,11 @@ class BatchMLAPagedAttentionWrapper:
                 sig = self._graph_sig
             fixed_tiles = sig["row_tiles"]
             num_rows = max_work_rows(B, fixed_tiles, num_sms=sms, ctas_per_sm=lim["ctas_per_sm"],
-                                     tile_m=lim["tile_m"])
+                                     tile_m=lim["tile_m"], split=lim["split"])
         wp = plan_mla(qo_lens, lens, qo_h[:-1], kv_h[:-1], num_heads=num_heads, page_size=page_size, num_sms=sms,
                       ctas_per_sm=lim["ctas_per_sm"], tile_m=lim["tile_m"], num_rows=num_rows,
-                      max_splits_per_request=lim["max_splits_per_request"], fixed_row_tiles=fixed_tiles)
+                      max_splits_per_request=lim["max_splits_per_request"], fixed_row_tiles=fixed_tiles,
+                      split=lim["split"])
         tile_n = getattr(cfg.tiles, "tile_n", 0) if getattr(cfg.tiles, "swap_ab", 0) else 0
         if tile_n and wp.row_tiles * PLAN_TILE_M > tile_n:  # refused at plan time, not at run()
             raise ValueError(f"CUTEDSL_ATTN_MLA_TUNE's swap_ab=1 holds at most tile_n={tile_n} packed query rows "
@@ -225,7 +229,8 @@ class BatchMLAPagedAttentionWrapper:
         off = (po_bytes + 255) // 256 * 256
         if off + n_part * R * 4 > self._workspace.numel():
             raise ValueError(f"float_workspace_buffer holds {self._workspace.numel()} bytes, the plan needs "
-                             f"{off + n_part * R * 4} (split-KV partials)")
+                             f"{off + n_part * R * 4} (split-KV partials: {n_part} pieces x {R} rows x "
+                             f"({HEAD_DIM_CKV} + 1) fp32); give a larger buffer")
         n_cnt = max(1, B * wp.row_tiles)
 
         # --- device buffers (fixed addresses in CUDA-graph mode); every check is done by now

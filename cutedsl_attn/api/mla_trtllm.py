@@ -29,7 +29,8 @@ from ..common.constants import LN2 as _LN2
 from ..dispatch import mla_choice, mla_launch, mla_limits, mla_problem, num_sms
 from ..planning.mla import HEAD_DIM_CKV, HEAD_DIM_KPE, MlaArgs, plan_mla
 from ._common import (
-    check_bool, check_devices, check_int, check_last_dim_contiguous, check_optional_bool, check_tensor,
+    check_bool, check_devices, check_int, check_last_dim_contiguous, check_one_device, check_optional_bool,
+    check_tensor, host_launch_error,
 )
 from ._pagetable import from_block_tables
 
@@ -114,8 +115,10 @@ def _check_used_pages(name: str, table: torch.Tensor, kv_lens: torch.Tensor, pag
 
 
 def _prepare(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, block_tables,
-             seq_lens, max_seq_len, out, bmm1_scale, bmm2_scale, lse, return_lse, multi_ctas_kv_counter_buffer):
-    """Validate, plan and build the launch: ``(module, cfg, args, out, lse_or_None, num_work)``."""
+             seq_lens, max_seq_len, out, bmm1_scale, bmm2_scale, lse, return_lse, multi_ctas_kv_counter_buffer,
+             devices):
+    """Validate, plan and build the launch: ``(module, cfg, args, out, lse_or_None, num_work)``; ``devices`` the
+    ``(name, tensor)`` pairs that must be on one CUDA device, checked once shapes and dtypes are."""
     qk_nope_head_dim = check_int("qk_nope_head_dim", qk_nope_head_dim, 1)  # folded into bmm1_scale by the caller
     kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, 1)
     qk_rope_head_dim = check_int("qk_rope_head_dim", qk_rope_head_dim, 1)
@@ -180,6 +183,7 @@ def _prepare(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, 
     elif return_lse:
         lse = torch.empty((T, H), dtype=torch.float32, device=dev)
     lse_k = lse.view(T, H) if lse is not None else torch.empty((T, H), dtype=torch.float32, device=dev)
+    check_devices("trtllm_batch_decode_with_kv_cache_mla", devices)
 
     if T == 0:
         return None, None, None, out, lse, 0
@@ -234,8 +238,8 @@ def _plan_args(q, kv_cache, kv_lens, page_off, flat, q_len, o, lse_k, bmm1, bmm2
 
 def _launch(module, cfg, args: MlaArgs) -> None:
     dev = args.q_nope.device
-    if dev.type != "cuda":
-        raise ValueError(f"query, kv_cache and the workspace must be CUDA tensors to launch, got {dev}")
+    if dev.type != "cuda":  # host tensors pass the checks only when cross-compiling without a GPU
+        raise host_launch_error("trtllm_batch_decode_with_kv_cache_mla", dev)
     with torch.cuda.device(dev):
         mla_launch(module, cfg, args)
 
@@ -323,9 +327,11 @@ def trtllm_batch_decode_with_kv_cache_mla(
       All raised before any launch.
     """
     _check_backend(backend)
-    check_devices("trtllm_batch_decode_with_kv_cache_mla", [
-        ("query", query), ("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer), ("block_tables", block_tables),
-        ("out", out), ("lse", lse), ("multi_ctas_kv_counter_buffer", multi_ctas_kv_counter_buffer)])
+    devices = [("query", query), ("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer),
+               ("block_tables", block_tables), ("out", out), ("lse", lse),
+               ("multi_ctas_kv_counter_buffer", multi_ctas_kv_counter_buffer)]
+    # one device now; CUDA once the shapes and dtypes are checked (a wrong shape is reported as such anywhere)
+    check_one_device("trtllm_batch_decode_with_kv_cache_mla", devices)
     for n, x in (("is_var_seq", is_var_seq), ("uses_shared_paged_kv_idx", uses_shared_paged_kv_idx),
                  ("return_lse", return_lse), ("enable_dcp", enable_dcp)):
         check_bool(n, x)
@@ -345,7 +351,7 @@ def trtllm_batch_decode_with_kv_cache_mla(
         raise ValueError(f"return_lse_base must be None, 'base2' or 'basee', got {return_lse_base!r}")
     module, cfg, args, out, lse, num_work = _prepare(
         query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank, qk_rope_head_dim, block_tables,
-        seq_lens, max_seq_len, out, bmm1_scale, bmm2_scale, lse, return_lse, multi_ctas_kv_counter_buffer)
+        seq_lens, max_seq_len, out, bmm1_scale, bmm2_scale, lse, return_lse, multi_ctas_kv_counter_buffer, devices)
     if num_work:
         _launch(module, cfg, args)
     if return_lse_base == "basee" and lse is not None:
@@ -405,8 +411,9 @@ def xqa_mla(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer,
       with storage of its own, ``enable_pdl=True``.  All raised before any launch.
     """
     check_tensor("q", q, ndim=4)
-    check_devices("xqa_mla", [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table),
-                              ("output", output), ("workspace_buffer", workspace_buffer), ("semaphores", semaphores)])
+    devices = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table), ("output", output),
+               ("workspace_buffer", workspace_buffer), ("semaphores", semaphores)]
+    check_one_device("xqa_mla", devices)  # CUDA once the shapes and dtypes are checked
     dev = q.device
     page_size = check_int("page_size", page_size, 1)
     if page_size > MAX_PAGE_SIZE:
@@ -454,6 +461,7 @@ def xqa_mla(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer,
     except ValueError as e:  # the shared checks name trtllm's argument
         raise ValueError(str(e).replace("block_tables", "page_table")) from None
     _check_used_pages("page_table", page_table, kv_lens, page_size, kv.shape[0])
+    check_devices("xqa_mla", devices)
     if B == 0:
         return None
     lse = torch.empty((B, H), dtype=torch.float32, device=dev)
@@ -461,5 +469,10 @@ def xqa_mla(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer,
                                              _flat_view("output", output, (B, H, HEAD_DIM_CKV)), lse, q_sc * kv_sc,
                                              kv_sc, workspace_buffer, None, sms)
     if num_work:
-        _launch(module, cfg, args)
+        try:
+            _launch(module, cfg, args)
+        except ValueError:
+            if dev.type != "cuda":  # the launch's host refusal, in this entry point's name
+                raise host_launch_error("xqa_mla", dev) from None
+            raise
     return None

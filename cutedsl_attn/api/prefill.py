@@ -45,8 +45,8 @@ import math
 import torch
 
 from .. import dispatch
-from ._common import (canonical_dtype, check_bool, check_devices, check_int, check_kv_layout, check_tensor,
-                      indptr_host, return_lse_method, run_scale)
+from ._common import (canonical_dtype, check_bool, check_devices, check_int, check_kv_layout, check_one_device,
+                      check_tensor, indptr_host, return_lse_method, run_scale)
 from ._graph import check_graph_buffer, staged_host_copies
 from ._prefill_base import (
     _BatchPrefillBase,
@@ -484,8 +484,8 @@ def _single_prefill(q, k, v, *, o_dtype, custom_mask, packed_custom_mask, causal
     check_tensor("q", q, ndim=3)
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
-    check_devices("single_prefill_with_kv_cache", [("q", q), ("k", k), ("v", v), ("custom_mask", custom_mask),
-                                                   ("packed_custom_mask", packed_custom_mask)])
+    devices = [("q", q), ("k", k), ("v", v), ("custom_mask", custom_mask), ("packed_custom_mask", packed_custom_mask)]
+    check_one_device("single_prefill_with_kv_cache", devices)  # CUDA once the shapes and dtypes are checked
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     if k.shape[:2] != v.shape[:2]:
@@ -504,9 +504,11 @@ def _single_prefill(q, k, v, *, o_dtype, custom_mask, packed_custom_mask, causal
             raise ValueError(f"custom_mask must have shape [qo_len, kv_len] = {(qo_len, kv_len)}, "
                              f"got {tuple(custom_mask.shape)}")
         custom_mask = custom_mask.reshape(-1)
+    check_devices("single_prefill_with_kv_cache", devices)
     # a wrapper per call, dropped after it: no device tensor outlives the call (a CUDA-graph pool, e.g. of
     # torch.compile's reduce-overhead mode, must hold only the outputs)
     w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(16, dtype=torch.uint8, device=q.device), "NHD")
+    w._launch_entry = "single_prefill_with_kv_cache"
     # k_scale joins the softmax scale at plan time, so the kernel choice sees the effective scale
     ks = run_scale("k_scale", k_scale)
     if ks != 1.0 and isinstance(sm_scale, (int, float, type(None))) and not isinstance(sm_scale, bool):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_bool, check_devices, check_float, check_kv_layout, check_tensor, run_scale
+from ._common import (check_bool, check_devices, check_float, check_head_dim, check_heads, check_kv_layout,
+                      check_one_device, check_tensor, run_scale)
 from ._graph import staged_host_copies
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 
@@ -102,7 +103,8 @@ def _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_sc
     check_tensor("q", q, ndim=2)
     check_tensor("k", k, ndim=3)
     check_tensor("v", v, ndim=3)
-    check_devices("single_decode_with_kv_cache", [("q", q), ("k", k), ("v", v)])
+    devices = [("q", q), ("k", k), ("v", v)]
+    check_one_device("single_decode_with_kv_cache", devices)  # CUDA once the shapes and dtypes are checked
     if kv_layout == "HND":
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     if k.shape != v.shape:
@@ -112,11 +114,15 @@ def _single_decode(q, k, v, kv_layout, pos_encoding_mode, use_tensor_cores, q_sc
     if q.shape[1] != d:
         raise ValueError(f"q head_dim {q.shape[1]} != k head_dim {d}")
     kv_dt = _kv_data_type(q, k, v)
+    check_head_dim(d)
+    check_heads(hq, hkv)
+    check_devices("single_decode_with_kv_cache", devices)
     dev = q.device
     # a wrapper, workspace and page ids per call, dropped after it: no device tensor outlives the call (a
     # CUDA-graph pool, e.g. of torch.compile's reduce-overhead mode, must hold only the outputs)
     ws = torch.empty(_single_workspace_bytes(kv_len, hq, d), dtype=torch.uint8, device=dev)
     wrapper = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    wrapper._launch_entry = "single_decode_with_kv_cache"  # a host launch's error names this entry point
     indptr = torch.tensor([0, kv_len], dtype=torch.int32)
     last = torch.tensor([1 if kv_len > 0 else 0], dtype=torch.int32)
     with staged_host_copies():  # the same call may be captured next (CUDA graphs)
