@@ -21,9 +21,13 @@ fp8-query element and 2 per output element; FLOPs as above.
 the SM90 one, ``<kernel>_*`` columns each, ``sm90_vs_portable_relerr`` the difference of their outputs); fp8 rows
 the same (``<kernel>_kernel`` names the kernel that ran).  ``--variants`` times extra tiles
 (``CUTEDSL_ATTN_MLA_TUNE`` values) of the SM90 kernel when it is timed (else of the portable one) on every bf16 row
-(``v[...]_*`` columns: time, TFLOP/s, relative error against the default tiles; ``v[...]_error`` the reason a
-variant refuses a row, e.g. ``swap_ab=1`` past its ``tile_n`` packed rows: time it on row c, 16 heads);
-``--rows`` keeps some row tags.
+(``v[...]_*`` columns: time, TFLOP/s, relative error against the default tiles, the plan's work items and longest
+piece; ``v[...]_error`` the reason a variant refuses a row, e.g. ``swap_ab=1`` past its ``tile_n`` packed rows:
+time it on row c, 16 heads).  A variant may also hold the planner's split keys (``split_waves``: 0 the modelled
+split, the default; > 0 pieces filling that many waves of CTAs; ``split_min_tokens``: the shortest piece, a
+multiple of 64), e.g. ``--rows d --kernel sm90 --no-peers --variants 'split_waves=1;split_waves=2;split_waves=4'``
+(row d, one request of 32768 tokens on 132 SMs: 64, 128, 256 pieces), alone or with tiles fields
+(``'merge_kernel=0,split_waves=2'``).  ``--rows`` keeps some row tags.
 
 Usage:  python perf/bench_mla.py [--out DIR] [--quick] [--kernel portable|sm90|both] [--rows a,b,c,d,e]
         [--variants 'key=value,...;key=value,...'] [--no-peers]
@@ -117,8 +121,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--variants", default="", help="extra tiles of our kernel (the SM90 one when timed), "
-                    "';'-separated CUTEDSL_ATTN_MLA_TUNE values, e.g. 'schedule=1;merge_kernel=1'")
+    ap.add_argument("--variants", default="", help="extra tiles / split plans of our kernel (the SM90 one when "
+                    "timed), ';'-separated CUTEDSL_ATTN_MLA_TUNE values, e.g. 'schedule=1;merge_kernel=0' or "
+                    "'split_waves=2;split_waves=4,split_min_tokens=128'")
     ap.add_argument("--no-peers", action="store_true", help="skip FlashInfer's fa3 / fa2 MLA")
     ap.add_argument("--kernel", choices=("portable", "sm90", "both"), default="both",
                     help="our bf16 MLA kernel (CUTEDSL_ATTN_MLA_KERNEL); both: time each on the same inputs")
@@ -173,16 +178,17 @@ def main():
         os.environ["CUTEDSL_ATTN_MLA_KERNEL"] = tuned
         for var in [v for v in args.variants.split(";") if v]:
             os.environ["CUTEDSL_ATTN_MLA_TUNE"] = var
-            try:
+            try:  # a variant refusing the row (swap_ab=1 past tile_n packed rows, at plan time): kept as text
                 wv = BatchMLAPagedAttentionWrapper(ws)
                 wv.plan(qo_indptr, kv_indptr, kv_indices, kv_lens, H, DC, DR, PS, causal, SM_SCALE, DT, DT)
-            finally:
-                os.environ.pop("CUTEDSL_ATTN_MLA_TUNE")
-            try:
                 ov = wv.run(q_nope, q_pe, ckv, kpe)
-            except ValueError as e:  # a variant refusing the row (swap_ab=1 past tile_n packed rows): kept as text
+            except ValueError as e:
                 row[f"v[{var}]_error"] = str(e)
                 continue
+            finally:
+                os.environ.pop("CUTEDSL_ATTN_MLA_TUNE")
+            row[f"v[{var}]_work"] = wv._plan["num_work"]
+            row[f"v[{var}]_split_tokens"] = wv._plan["split_tokens"]
             row[f"v[{var}]_relerr"] = ((ov.float() - ref_o.float()).norm() / ref_o.float().norm()).item()
             tv = timed(lambda: wv.run(q_nope, q_pe, ckv, kpe, out=ov))
             row[f"v[{var}]_us"] = tv * 1e6
@@ -244,8 +250,9 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_mla.json"), "w") as f:
         json.dump(dict(read_ceiling_tbs=rd, copy_tbs=cp, gemm_tflops=gemm_tf, rows=results), f, indent=1)
-    variant_cols = [f"v[{v}]_over_{tuned}" for v in args.variants.split(";") if v]
-    cols = ["row", "heads", "batch", "kv_len", "s_q", "q", "kv", "ours_kernel", "ours_us", "ours_tflops", "ours_tbs",
+    variant_cols = [c for v in args.variants.split(";") if v for c in (f"v[{v}]_work", f"v[{v}]_over_{tuned}")]
+    cols = ["row", "heads", "batch", "kv_len", "s_q", "q", "kv", "ours_kernel", "ours_work", "ours_us", "ours_tflops",
+            "ours_tbs",
             *(["portable_tflops", "sm90_tflops", "sm90_vs_portable_relerr"] if len(kernels) == 2 else []),
             "read_ceiling_tbs", "gemm_tflops", "ours_over_gemm", "bytes_only_us", "ours_over_bytes_only", *variant_cols,
             "bf16_over_fp8_time", "fp8_vs_bf16_relerr", "fi_fa3_us", "fi_fa3_tflops", "fa3_over_ours_time",

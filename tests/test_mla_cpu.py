@@ -12,7 +12,7 @@ from cutedsl_attn import ref
 from cutedsl_attn.api import mla as api
 from cutedsl_attn.planning.decode import WORK_COLS, plan_paged_decode
 from cutedsl_attn.planning.mla import (
-    MLA_WORK_COLS, W_QO_LEN, W_Q_START, MlaProblem, kernel_row_tiles, max_work_rows, plan_mla, row_tiles,
+    MLA_WORK_COLS, W_QO_LEN, W_Q_START, MlaProblem, MlaSplit, kernel_row_tiles, max_work_rows, plan_mla, row_tiles,
 )
 from cutedsl_attn.portable import mla_decode as md
 
@@ -404,6 +404,163 @@ def test_mla_limits_name_the_kernels_tile():
     lim90 = d.mla_limits(mla90, cfg90)
     assert lim90["tile_m"] == 64 and lim90["ctas_per_sm"] == 1  # one 64-row CTA per SM by shared memory
     assert lim90["max_splits_per_request"] == cfg90.max_splits_per_request
+
+
+# ---------------------------------------------------------------------------------------------- wave-filling split
+def _check_wave_plan(wp, kv, po, *, budget, min_tokens, max_splits):
+    """Every request's pieces cover [0, kv_len) once, in whole 64-token blocks of at least min_tokens / 64, with
+    consistent split columns; the grid stays within the CTA budget (or one item per request)."""
+    rows = wp.work[: wp.num_work].tolist()
+    assert (wp.work[wp.num_work:, 0] == -1).all()
+    assert [r[2] - r[1] for r in rows] == sorted((r[2] - r[1] for r in rows), reverse=True)  # longest first
+    parts = []
+    for b, L in enumerate(kv.tolist()):
+        mine = sorted((r for r in rows if r[0] == b), key=lambda r: r[1])
+        n = len(mine)
+        assert mine[0][1] == 0 and mine[-1][2] == L and all(a[2] == c[1] for a, c in zip(mine, mine[1:]))
+        assert all(r[3] == L and r[4] == po[b] and r[5] == n for r in mine)
+        if n == 1:
+            assert mine[0][7] == 0
+            continue
+        assert n <= max_splits and [r[7] for r in mine] == list(range(n))
+        assert all(r[6] == mine[0][6] for r in mine)
+        parts += [mine[0][6] + i for i in range(n)]
+        for r in mine:  # non-empty, whole blocks (a request's last block may be partial), min_tokens / 64 of them
+            assert r[2] > r[1] and r[1] % 64 == 0 and -(-(r[2] - r[1]) // 64) >= min_tokens // 64
+        assert wp.split_tokens >= max(r[2] - r[1] for r in mine)
+    assert sorted(parts) == list(range(wp.num_partials))
+    assert wp.num_work <= max(len(kv), budget)  # the grid: k_tiles x num_work CTAs within the waves asked for
+
+
+WAVE_SPLITS = [MlaSplit(waves, m) for waves in (0.5, 1, 2, 4) for m in (64, 128, 256)]
+
+
+@pytest.mark.parametrize("tile_m", [16, 64])
+def test_wave_split_pieces_cover_each_request_once(tile_m):
+    for i, (B, H, PS, max_q, sms, cps) in enumerate(PLAN_GRID[::3]):
+        qo, kv, qs, po = _batch(B, H, PS, max_q, seed=300 + i)
+        kt = kernel_row_tiles(row_tiles(int(qo.max()), H), tile_m)
+        for sp in WAVE_SPLITS:
+            budget = int(sp.waves * sms * cps) // kt
+            for cap in (576, 3):
+                wp = plan_mla(qo, kv, qs, po, num_heads=H, page_size=PS, num_sms=sms, ctas_per_sm=cps,
+                              tile_m=tile_m, split=sp, max_splits_per_request=cap)
+                _check_wave_plan(wp, kv, po.tolist(), budget=budget, min_tokens=sp.min_tokens, max_splits=cap)
+                b = wp.work[:, 0].long().clamp(min=0)
+                assert torch.equal(wp.work[: wp.num_work, W_Q_START].long(), qs[b][: wp.num_work])
+            # CUDA-graph mode: max_work_rows bounds the table of the same split
+            n = max_work_rows(B, row_tiles(max_q, H), num_sms=sms, ctas_per_sm=cps, tile_m=tile_m, split=sp)
+            wp = plan_mla(qo, kv, qs, po, num_heads=H, page_size=PS, num_sms=sms, ctas_per_sm=cps, tile_m=tile_m,
+                          split=sp, num_rows=n, fixed_row_tiles=row_tiles(max_q, H), max_splits_per_request=576)
+            assert wp.work.shape[0] == n
+
+
+def test_wave_split_row_d_fills_the_waves():
+    """Row (d) of perf/bench_mla.py: one request of 32768 tokens, 128 heads, 132 SMs.  The SM90 kernel (one 64-row
+    CTA per SM, 2 of them per work item) gets 64 / 128 / 256 pieces for 1 / 2 / 4 waves (33 for half a wave rounds
+    to 32 pieces of 1024), the portable one (16-row tiles: 8 a work item) a quarter of those; waves 0 is the
+    modelled plan (64 pieces of 512 on the SM90 kernel)."""
+    one = (torch.tensor([1]), torch.tensor([32768]), torch.tensor([0]), torch.tensor([0]))
+    kw = dict(num_heads=128, page_size=64, num_sms=132, ctas_per_sm=1)
+    for tile_m, want in ((64, {0.5: 32, 1: 64, 2: 128, 4: 256}), (16, {1: 16, 2: 32, 4: 64, 8: 128})):
+        base = plan_mla(*one, tile_m=tile_m, **kw)
+        assert _same_plan(base, plan_mla(*one, tile_m=tile_m, split=MlaSplit(), **kw))
+        for waves, n in want.items():
+            wp = plan_mla(*one, tile_m=tile_m, split=MlaSplit(waves), max_splits_per_request=576, **kw)
+            assert wp.num_work == wp.num_partials == n and wp.split_tokens == 32768 // n, (tile_m, waves)
+            assert (wp.work[:, 2] - wp.work[:, 1] == 32768 // n).all()
+            assert kernel_row_tiles(8, tile_m) * n <= waves * 132
+    assert plan_mla(*one, tile_m=64, **kw).num_work == 64
+    # the shortest pieces: 256 tokens (128 pieces) at 4 waves; the kernel's merge limit caps the count
+    assert plan_mla(*one, tile_m=64, split=MlaSplit(4, 256), **kw).num_work == 128
+    assert plan_mla(*one, tile_m=64, split=MlaSplit(4), max_splits_per_request=100, **kw).num_work == 100
+    assert plan_mla(*one, tile_m=64, split=MlaSplit(4), disable_split_kv=True, **kw).num_work == 1
+
+
+def test_wave_split_counts_are_the_fewest_blocks_that_fit():
+    """wave_split_counts' bisection against a linear scan over the piece length in blocks; even_pieces' cuts."""
+    from cutedsl_attn.planning.mla import even_pieces, wave_split_counts
+
+    g = torch.Generator().manual_seed(7)
+    for _ in range(100):
+        B = int(torch.randint(1, 6, (1,), generator=g))
+        lens = torch.randint(0, 40000, (B,), generator=g).tolist()
+        budget = int(torch.randint(1, 300, (1,), generator=g))
+        minb = int(torch.randint(1, 5, (1,), generator=g))
+        nbs = [-(-L // 64) for L in lens]
+
+        def scan(pb):
+            return [max(1, min(-(-nb // pb), nb // minb)) for nb in nbs]
+
+        want = [1] * B if budget <= B else scan(next(pb for pb in range(minb, 10**6) if sum(scan(pb)) <= budget))
+        c = wave_split_counts(lens, budget, 64 * minb, None)
+        assert c == want and sum(c) <= max(B, budget)
+        for L, n in zip(lens, c):
+            p = even_pieces(L, n)
+            assert sum(p) == L and len(p) == n and (n == 1 or min(p) > 0)
+            assert max(-(-x // 64) for x in p) - min(-(-x // 64) for x in p) <= 1  # even to one block
+    assert wave_split_counts([], 10, 128, None) == [] and wave_split_counts([5000, 9000], 2, 128, None) == [1, 1]
+    with pytest.raises(ValueError, match="non-empty pieces"):
+        even_pieces(100, 3)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(waves=-1), ValueError, "split_waves"), (dict(waves=float("nan")), ValueError, "split_waves"),
+    (dict(waves=float("inf")), ValueError, "split_waves"), (dict(waves=True), TypeError, "split_waves"),
+    (dict(waves="2"), TypeError, "split_waves"), (dict(min_tokens=100), ValueError, "split_min_tokens"),
+    (dict(min_tokens=0), ValueError, "split_min_tokens"), (dict(min_tokens=128.0), TypeError, "split_min_tokens"),
+    (dict(min_tokens=False), TypeError, "split_min_tokens")])
+def test_split_errors(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        MlaSplit(**kw)
+
+
+def test_split_knob_through_dispatch_and_the_wrapper(cross, monkeypatch):
+    from cutedsl_attn import dispatch as d
+    from cutedsl_attn.sm90 import mla as mla90
+
+    assert MlaSplit(2) == MlaSplit(2.0) and MlaSplit.from_items({"split_waves": "2", "x": "1"}) == MlaSplit(2)
+    with pytest.raises(TypeError, match="split must be an MlaSplit"):
+        plan_mla(*(torch.tensor([1]),) * 2, torch.tensor([0]), torch.tensor([0]), num_heads=8, page_size=1,
+                 split=2)
+    p = MlaProblem("bfloat16", 64)
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")
+    monkeypatch.setenv(d.MLA_TUNE_ENV, "split_waves=2")  # a plan key: the tiles (and the compile key) stay
+    m, cfg = d.mla_choice(p)
+    assert cfg.tiles == mla90.default_tiles(p, num_sms=132) and d.mla_limits(m, cfg)["split"] == MlaSplit(2)
+    monkeypatch.setenv(d.MLA_TUNE_ENV, "merge_kernel=0,split_waves=0.5,split_min_tokens=256")
+    m, cfg = d.mla_choice(p)
+    assert cfg.tiles.merge_kernel == 0 and d.mla_limits(m, cfg)["split"] == MlaSplit(0.5, 256)
+    for bad in ("split_waves=-1", "split_waves=two", "split_min_tokens=96", "split_min_tokens=1.5"):
+        monkeypatch.setenv(d.MLA_TUNE_ENV, bad)
+        with pytest.raises(ValueError, match="CUTEDSL_ATTN_MLA_TUNE"):
+            d.mla_limits(m, cfg)
+    monkeypatch.delenv(d.MLA_TUNE_ENV)
+    from cutedsl_attn.dispatch.mla import DEFAULT_SPLIT
+
+    assert d.mla_limits(m, cfg)["split"] == DEFAULT_SPLIT == MlaSplit()
+    # the wrapper: the split reaches the plan, the workspace is checked against its partials, and a CUDA-graph
+    # re-plan must keep it (the fixed table is sized by it)
+    B, L, PS, H = 1, 32768, 64, 128
+    args = _plan_args(B, L, PS, H)
+    i32 = dict(dtype=torch.int32)
+    bufs = dict(qo_indptr=torch.zeros(B + 1, **i32), kv_indptr=torch.zeros(B + 1, **i32),
+                kv_indices=torch.zeros(512, **i32), kv_len_arr=torch.zeros(B, **i32))
+    for waves, pieces in ((0, 64), (4, 256)):
+        monkeypatch.setenv(d.MLA_TUNE_ENV, f"split_waves={waves}")
+        w = api.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.int8))
+        w.plan(**args)
+        assert w._plan["num_work"] == pieces and w._plan["part_o"].shape == (pieces, H, DC)
+        need = pieces * H * (DC + 1) * 4
+        with pytest.raises(ValueError, match=f"float_workspace_buffer holds .* needs {need} "):
+            api.BatchMLAPagedAttentionWrapper(torch.empty(need - 4, dtype=torch.int8)).plan(**args)
+        g = api.BatchMLAPagedAttentionWrapper(torch.empty(256 << 20, dtype=torch.int8), use_cuda_graph=True, **bufs)
+        g.plan(**args)
+        rows = max_work_rows(B, 8, num_sms=132, ctas_per_sm=1, tile_m=64, split=MlaSplit(waves))
+        assert g._plan["num_work"] == pieces and g._plan["work"].shape[0] == rows >= pieces
+        monkeypatch.setenv(d.MLA_TUNE_ENV, f"split_waves={waves + 1}")
+        with pytest.raises(ValueError, match="split"):
+            g.plan(**args)
 
 
 def test_problem_and_tiles_errors():

@@ -165,7 +165,8 @@ def test_float16_and_negative_scale():
     check(case, 128, dtype=torch.float16, sm_scale=-0.05)
 
 
-@pytest.mark.parametrize("tune", ["schedule=1", "merge_kernel=0"])
+@pytest.mark.parametrize("tune", ["schedule=1", "merge_kernel=0", "split_waves=4", "merge_kernel=0,split_waves=4",
+                                  "split_waves=0.5,split_min_tokens=256"])
 def test_tuning_variants(monkeypatch, tune):
     """The Tiles variants off the default (the S-first consumer schedule, the split-KV merge by the last CTA
     instead of the merge kernel) against the oracle: page boundaries, empty and long requests, split-KV, a head count
@@ -310,7 +311,7 @@ def test_page_ids_past_32_bit_offsets():
     assert rel(out, o_ref) < TOL_O
 
 
-@pytest.mark.parametrize("tune", ["", "merge_kernel=0"])
+@pytest.mark.parametrize("tune", ["", "merge_kernel=0", "split_waves=4", "merge_kernel=0,split_waves=4"])
 def test_cuda_graph_replay_after_replan(monkeypatch, tune):
     """CUDA-graph mode: a fixed grid (padding work rows exit at once), re-planned lengths replayed, split-KV
     counters left at 0 by the merging CTAs (or, with the merge kernel, its grid over every work row)."""

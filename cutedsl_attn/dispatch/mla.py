@@ -21,13 +21,14 @@ import os
 import torch
 
 from ..compile import get_compiled, target_arch
-from ..planning.mla import MlaArgs, MlaProblem
+from ..planning.mla import SPLIT_FIELDS, MlaArgs, MlaProblem, MlaSplit
 from ..planning.mla import TILE_M as _PLAN_TILE_M
 from ..portable import mla_decode as _mla_portable
 from ..sm90 import mla as _mla_sm90
 from . import _dtype_name, _override, _parse_tune, num_sms
 
-MLA_TUNE_ENV = "CUTEDSL_ATTN_MLA_TUNE"  # "key=value,..." over the MLA kernel's Tiles fields: tuning experiments
+#: "key=value,..." over the MLA kernel's Tiles fields and the planner's split keys (SPLIT_FIELDS): tuning experiments
+MLA_TUNE_ENV = "CUTEDSL_ATTN_MLA_TUNE"
 MLA_KERNEL_ENV = "CUTEDSL_ATTN_MLA_KERNEL"  # "auto" (default: see the module docstring), "sm90", "portable"
 _MLA_KERNELS = ("auto", "portable", "sm90")
 
@@ -36,6 +37,9 @@ _MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
 #: fp8 caches below this many query heads go to the portable kernel on sm_90a: its 16-row tiles beat the SM90
 #: kernel's 64-row tiles and in-stage widening at few heads
 FP8_SM90_MIN_HEADS = 64
+#: how plans cut long requests (both kernels): the modelled split, until a GPU A/B of ``split_waves`` says otherwise
+#: (perf/bench_mla.py --variants 'split_waves=2;split_waves=4')
+DEFAULT_SPLIT = MlaSplit()
 
 
 def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512, head_dim_kpe: int = 64,
@@ -56,7 +60,7 @@ def mla_choice(problem: MlaProblem, *, device_index: int | None = None, num_head
     kernel; ``CUTEDSL_ATTN_MLA_KERNEL=sm90`` takes the SM90 kernel wherever it serves;
     ``CUTEDSL_ATTN_MLA_KERNEL=portable`` forces the portable kernel.  ``CUTEDSL_ATTN_MLA_TUNE``
     (``"key=value,..."`` over the chosen kernel's ``Tiles`` fields, tuning experiments) overrides the default
-    tiles.
+    tiles; its plan keys (``split_waves``, ``split_min_tokens``: :func:`mla_limits`) leave the tiles as they are.
 
     Raises NotImplementedError naming what is served when no kernel serves the problem; ValueError naming the
     variable for a bad ``CUTEDSL_ATTN_MLA_KERNEL``, a malformed item or a refused combination."""
@@ -75,21 +79,39 @@ def mla_choice(problem: MlaProblem, *, device_index: int | None = None, num_head
     tiles = m.default_tiles(problem, num_sms=num_sms(device_index))
     tune = os.environ.get(MLA_TUNE_ENV, "").strip()
     if tune:
-        tiles = _override(m, MLA_TUNE_ENV, tune, tiles, _parse_tune(MLA_TUNE_ENV, tune, m.TUNING_FIELDS))
+        items = _parse_tune(MLA_TUNE_ENV, tune, m.TUNING_FIELDS + SPLIT_FIELDS)
+        tile_items = {k: v for k, v in items.items() if k not in SPLIT_FIELDS}
+        if tile_items:
+            tiles = _override(m, MLA_TUNE_ENV, tune, tiles, tile_items)
     try:
         return m, m.Config(problem, tiles)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{e} (with {MLA_TUNE_ENV}={tune!r})" if tune else str(e)) from None
 
 
+def mla_split(module) -> MlaSplit:
+    """How plans of ``module`` (an MLA kernel module) cut long requests: :data:`DEFAULT_SPLIT` with the
+    ``split_waves`` / ``split_min_tokens`` items of ``CUTEDSL_ATTN_MLA_TUNE`` (tuning experiments) replaced.
+    Raises ValueError naming the variable for a malformed item or a value :class:`MlaSplit` refuses."""
+    tune = os.environ.get(MLA_TUNE_ENV, "").strip()
+    if not tune:
+        return DEFAULT_SPLIT
+    items = _parse_tune(MLA_TUNE_ENV, tune, module.TUNING_FIELDS + SPLIT_FIELDS)
+    try:
+        return MlaSplit.from_items(items, DEFAULT_SPLIT)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{e} (with {MLA_TUNE_ENV}={tune!r})") from None
+
+
 def mla_limits(module, cfg) -> dict:
     """What the MLA planner needs of a choice (keyword arguments of
     :func:`~cutedsl_attn.planning.mla.plan_mla`): ``max_splits_per_request``, ``ctas_per_sm`` (the kernel's
-    CTAs one SM holds at once, by shared memory) and ``tile_m`` (query rows of one of them: the SM90 kernel's
-    64, the portable kernel's 16)."""
+    CTAs one SM holds at once, by shared memory), ``tile_m`` (query rows of one of them: the SM90 kernel's
+    64, the portable kernel's 16) and ``split`` (:func:`mla_split`).  Raises :func:`mla_split`'s ValueError."""
     ctas = max(1, (228 * 1024) // (cfg.smem_bytes + 1024))
     tile_m = cfg.tile_m if module is _mla_sm90 else _PLAN_TILE_M
-    return {"max_splits_per_request": cfg.max_splits_per_request, "ctas_per_sm": ctas, "tile_m": tile_m}
+    return {"max_splits_per_request": cfg.max_splits_per_request, "ctas_per_sm": ctas, "tile_m": tile_m,
+            "split": mla_split(module)}
 
 
 def _mla_launch_direct(module, cfg, args: MlaArgs) -> None:

@@ -15,6 +15,8 @@ first query row and query length::
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -29,6 +31,8 @@ HEAD_DIM_CKV = 512
 HEAD_DIM_KPE = 64
 DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 KV_DTYPES = ("", "float8_e4m3fn")  # "": the caches have q's dtype
+SPLIT_ALIGN = 64  # tokens: the wave-filling cuts fall on the SM90 kernel's 64-token blocks (whole portable chunks)
+SPLIT_FIELDS = ("split_waves", "split_min_tokens")  # MlaSplit's fields as tuning keys (CUTEDSL_ATTN_MLA_TUNE)
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,9 @@ class MlaArgs(NamedTuple):
 class MlaWorkPlan:
     """Result of :func:`plan_mla`: ``work`` CPU int32 ``[num_rows, MLA_WORK_COLS]`` (rows past ``num_work``
     are padding), ``num_partials`` fp32 partial rows split-KV needs, ``row_tiles`` the grid's x extent
-    (16-row tiles of the longest request), ``rows`` = max qo_len x num_heads (``part_o``'s second dim)."""
+    (16-row tiles of the longest request), ``rows`` = max qo_len x num_heads (``part_o``'s second dim),
+    ``split_tokens`` the modelled split length (the longest piece under :class:`MlaSplit` ``waves`` > 0; 0: none
+    split)."""
 
     work: torch.Tensor
     num_work: int
@@ -143,6 +149,56 @@ class MlaWorkPlan:
     split_tokens: int
     row_tiles: int
     rows: int
+
+
+@dataclass(frozen=True)
+class MlaSplit:
+    """How :func:`plan_mla` cuts requests into split-KV pieces (plan only: no kernel reads it, so it is no part of
+    a compile key).
+
+    ``waves`` 0 (the default): the paged-decode planner's modelled split (one wave of CTAs for few long requests;
+    the plans of before this field).  ``waves`` > 0: the grid (kernel row tiles x work items) is filled up to
+    ``floor(waves x num_sms x ctas_per_sm)`` CTAs with the shortest pieces that fit (for few requests over long
+    contexts: ``waves`` 2, 4 give two, four waves of shorter pieces); each split request is cut evenly into
+    pieces of whole :data:`SPLIT_ALIGN`-token blocks, at least ``min_tokens / SPLIT_ALIGN`` of them (``min_tokens``
+    a positive multiple of :data:`SPLIT_ALIGN`; a request's last block may be partial, and a request of fewer
+    than twice that many blocks stays whole), and at most the kernel's ``max_splits_per_request`` pieces.
+
+    Raises TypeError for a non-real ``waves`` / non-int ``min_tokens``, ValueError for a negative or non-finite
+    ``waves`` or a ``min_tokens`` that is not a positive multiple of :data:`SPLIT_ALIGN`.
+    """
+
+    waves: float = 0.0
+    min_tokens: int = 2 * SPLIT_ALIGN
+
+    def __post_init__(self):
+        if isinstance(self.waves, bool) or not isinstance(self.waves, numbers.Real):
+            raise TypeError(f"split_waves must be a number, got {self.waves!r}")
+        if not math.isfinite(self.waves) or self.waves < 0:
+            raise ValueError(f"split_waves must be finite and >= 0 (0: the modelled split), got {self.waves!r}")
+        object.__setattr__(self, "waves", float(self.waves))  # (one spelling of 2 and 2.0: one graph signature)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise TypeError(f"split_min_tokens must be an int, got {self.min_tokens!r}")
+        if self.min_tokens <= 0 or self.min_tokens % SPLIT_ALIGN:
+            raise ValueError(f"split_min_tokens must be a positive multiple of {SPLIT_ALIGN} tokens, got "
+                             f"{self.min_tokens}")
+
+    @classmethod
+    def from_items(cls, items: dict[str, str], base: "MlaSplit | None" = None) -> "MlaSplit":
+        """``base`` (default: ``MlaSplit()``) with the :data:`SPLIT_FIELDS` keys of ``items`` (key -> decimal
+        text, other keys ignored) replaced.  Raises ValueError naming the key for text that is not a number (an
+        integer for ``split_min_tokens``), and the constructor's errors."""
+        base = cls() if base is None else base
+        waves, min_tokens = base.waves, base.min_tokens
+        try:
+            if "split_waves" in items:
+                waves = float(items["split_waves"])
+            if "split_min_tokens" in items:
+                min_tokens = int(items["split_min_tokens"])
+        except ValueError:
+            bad = {k: v for k, v in items.items() if k in SPLIT_FIELDS}
+            raise ValueError(f"split_waves must be a number and split_min_tokens an integer, got {bad}") from None
+        return cls(waves=waves, min_tokens=min_tokens)
 
 
 def row_tiles(max_qo_len: int, num_heads: int) -> int:
@@ -165,11 +221,95 @@ def kernel_row_tiles(num_row_tiles: int, tile_m: int = TILE_M) -> int:
 
 
 def max_work_rows(batch_size: int, num_row_tiles: int, *, num_sms: int, ctas_per_sm: int,
-                  tile_m: int = TILE_M) -> int:
-    """The most work items :func:`plan_mla`'s split heuristic makes for ``batch_size`` requests of at most
-    ``num_row_tiles`` 16-row tiles (CUDA-graph buffers: pass it as ``num_rows``), with the same ``num_sms``,
-    ``ctas_per_sm`` and ``tile_m`` as the plan.  Raises like :func:`kernel_row_tiles`."""
-    return max_items(batch_size, kernel_row_tiles(num_row_tiles, tile_m), max(1, num_sms * ctas_per_sm))
+                  tile_m: int = TILE_M, split: MlaSplit | None = None) -> int:
+    """The most work items :func:`plan_mla` makes for ``batch_size`` requests of at most ``num_row_tiles`` 16-row
+    tiles (CUDA-graph buffers: pass it as ``num_rows``), with the same ``num_sms``, ``ctas_per_sm``, ``tile_m``
+    and ``split`` as the plan.  Raises like :func:`kernel_row_tiles`, TypeError for a ``split`` that is not an
+    :class:`MlaSplit`."""
+    split = _check_split(split)
+    tiles = kernel_row_tiles(num_row_tiles, tile_m)
+    slots = max(1, num_sms * ctas_per_sm)
+    return max(max_items(batch_size, tiles, slots), _wave_budget(split, tiles, slots))
+
+
+def _check_split(split) -> MlaSplit:
+    if split is None:
+        return MlaSplit()
+    if not isinstance(split, MlaSplit):
+        raise TypeError(f"split must be an MlaSplit, got {type(split).__name__}")
+    return split
+
+
+def _wave_budget(split: MlaSplit, kernel_tiles: int, slots: int) -> int:
+    """Work items of ``kernel_tiles`` CTAs each that ``split.waves`` waves of ``slots`` CTAs hold (0: modelled)."""
+    return int(split.waves * slots) // kernel_tiles if split.waves > 0 else 0
+
+
+def wave_split_counts(lens: list[int], budget: int, min_tokens: int, max_splits: int | None) -> list[int]:
+    """Pieces of each request (``lens`` tokens) under :class:`MlaSplit` ``waves`` > 0, counted in
+    :data:`SPLIT_ALIGN`-token blocks (a request of ``L`` tokens spans ``NB = ceil(L / SPLIT_ALIGN)``): the fewest
+    blocks ``pb`` a piece (at least ``min_tokens / SPLIT_ALIGN``) for which ``ceil(NB / pb)`` pieces a request,
+    but at most ``NB // (min_tokens / SPLIT_ALIGN)`` and ``max_splits`` (None: no cap) and at least 1, add up to
+    no more than ``budget`` work items.  All ones (no split) when ``budget`` does not exceed the batch."""
+    ones = [1] * len(lens)
+    if budget <= len(lens) or not lens:
+        return ones
+    min_blocks = min_tokens // SPLIT_ALIGN
+    nbs = [-(-L // SPLIT_ALIGN) for L in lens]
+    caps = [nb // min_blocks if max_splits is None else min(nb // min_blocks, max_splits) for nb in nbs]
+
+    def counts(pb: int) -> list[int]:
+        return [max(1, min(-(-nb // pb), c)) for nb, c in zip(nbs, caps)]
+
+    lo, hi = min_blocks, max(min_blocks, max(nbs))  # at hi blocks every request is one piece: within the budget
+    while lo < hi:  # the fewest blocks a piece whose counts fit (counts never grow with the piece length)
+        mid = (lo + hi) // 2
+        if sum(counts(mid)) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return counts(lo)
+
+
+def even_pieces(length: int, n: int) -> list[int]:
+    """``length`` tokens (``NB = ceil(length / SPLIT_ALIGN)`` blocks) cut into ``n <= NB`` pieces of whole
+    :data:`SPLIT_ALIGN`-token blocks, ``ceil(NB / n)`` blocks for the first ``NB % n`` pieces and ``NB // n`` for the
+    rest (the last one ends at ``length``, its last block partial): no piece is empty, none spans more blocks
+    than ``ceil(NB / n)``.  Raises ValueError for ``n`` outside ``[1, NB]``."""
+    nb = -(-length // SPLIT_ALIGN)
+    if not 1 <= n <= max(1, nb):
+        raise ValueError(f"{length} tokens ({nb} blocks of {SPLIT_ALIGN}) cannot be cut into {n} non-empty pieces")
+    q, r = divmod(nb, n)
+    cuts = [0]
+    for i in range(n):
+        cuts.append(min(length, cuts[-1] + (q + (i < r)) * SPLIT_ALIGN))
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+def _wave_table(kv_lens: torch.Tensor, page_offsets: torch.Tensor, counts: list[int], num_rows: int | None):
+    """The paged-decode table (:mod:`.decode`'s columns) of requests cut into ``counts`` :func:`even_pieces`, longest
+    first; ``(work, num_work, num_partials, split_tokens)``."""
+    lens = kv_lens.to(torch.int64).tolist()
+    offs = page_offsets.to(torch.int64).tolist()
+    rows: list[list[int]] = []
+    part, longest = 0, 0
+    for b, (L, n) in enumerate(zip(lens, counts)):
+        if n == 1:
+            rows.append([b, 0, L, L, offs[b], 1, 0, 0])
+            continue
+        a = 0
+        for i, plen in enumerate(even_pieces(L, n)):
+            rows.append([b, a, a + plen, L, offs[b], n, part, i])
+            a += plen
+            longest = max(longest, plen)
+        part += n
+    rows.sort(key=lambda r: r[2] - r[1], reverse=True)  # (stable) the longest pieces start first
+    num_work = len(rows)
+    if num_rows is not None:
+        if num_work > num_rows:
+            raise ValueError(f"the plan needs {num_work} work items but the CUDA-graph buffers hold {num_rows}")
+        rows.extend([[-1, 0, 0, 0, 0, 1, 0, 0]] * (num_rows - num_work))
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, WORK_COLS), num_work, part, longest
 
 
 def plan_mla(
@@ -187,10 +327,12 @@ def plan_mla(
     max_splits_per_request: int | None = None,
     fixed_row_tiles: int | None = None,
     tile_m: int = TILE_M,
+    split: MlaSplit | None = None,
 ) -> MlaWorkPlan:
-    """Build the MLA work table: :func:`~cutedsl_attn.planning.decode.plan_paged_decode`'s split-KV items (the
-    row tiles play the kv heads' part: each tile of a request sees the same pieces) plus each item's
-    ``q_start`` and ``qo_len``.
+    """Build the MLA work table: split-KV items in :mod:`.decode`'s columns, by default
+    :func:`~cutedsl_attn.planning.decode.plan_paged_decode`'s (the kernel's row tiles play the kv heads' part: each
+    tile of a request sees the same pieces), with ``split.waves`` > 0 the wave-filling cut of :class:`MlaSplit`,
+    plus each item's ``q_start`` and ``qo_len``.
 
     Args:
       qo_lens, kv_lens, q_starts, page_offsets: ``[B]`` (CPU, any int dtype): query rows, KV tokens, first
@@ -200,16 +342,22 @@ def plan_mla(
         of the kernel that runs the plan.
       disable_split_kv: one work item per request.
       num_rows: pad the table to this many rows (CUDA-graph mode); ValueError if the plan needs more.
-      max_splits_per_request: the kernel's merge limit (ValueError above it).
+      max_splits_per_request: the kernel's merge limit (the modelled split raises ValueError above it; the
+        wave-filling cut stays within it).
       fixed_row_tiles: the grid's x extent (CUDA-graph mode keeps the first plan's); ValueError when the
         batch's longest request needs more.
       tile_m: query rows of one CTA of the kernel that runs the plan (a positive multiple of 16; 16: the
         portable kernel's): the split heuristic counts ``ceil(row_tiles * 16 / tile_m)`` CTAs per work item.
         The table, ``row_tiles`` and ``rows`` stay in 16-row tiles whatever it is.
+      split: how long requests are cut (:class:`MlaSplit`; None: ``MlaSplit()``, the modelled split).  With
+        ``split.waves`` > 0 the pieces fill up to ``floor(waves x num_sms x ctas_per_sm)`` CTAs
+        (:func:`wave_split_counts`, :func:`even_pieces`); ``split_tokens`` is then the longest piece.
 
-    Raises TypeError / ValueError for a bad ``tile_m``, and the ValueErrors above.
+    Raises TypeError / ValueError for a bad ``tile_m``, TypeError for a ``split`` that is not an MlaSplit, and
+    the ValueErrors above.
     """
     _check_tile_m(tile_m)
+    split = _check_split(split)
     qo = qo_lens.to(torch.int64).cpu()
     qs = q_starts.to(torch.int64).cpu()
     max_q = int(qo.max()) if qo.numel() else 1
@@ -220,16 +368,25 @@ def plan_mla(
                              f"CUDA-graph plan was captured with {fixed_row_tiles}")
         tiles = fixed_row_tiles
     # the row tiles play the kv heads' part in the split heuristic: count the CTAs the kernel launches
-    wp = plan_paged_decode(kv_lens, page_offsets, num_kv_heads=kernel_row_tiles(tiles, tile_m), page_size=page_size,
-                           num_sms=num_sms, ctas_per_sm=ctas_per_sm, disable_split_kv=disable_split_kv,
-                           num_rows=num_rows, max_splits_per_request=max_splits_per_request)
-    b = wp.work[:, 0].to(torch.int64)
+    k_tiles = kernel_row_tiles(tiles, tile_m)
+    slots = max(1, num_sms * ctas_per_sm)
+    if split.waves > 0 and not disable_split_kv:
+        kv_list = kv_lens.to(torch.int64).cpu().tolist()
+        counts = wave_split_counts(kv_list, _wave_budget(split, k_tiles, slots), split.min_tokens,
+                                   max_splits_per_request)
+        table, num_work, num_partials, split_tokens = _wave_table(kv_lens.cpu(), page_offsets.cpu(), counts, num_rows)
+    else:
+        wp = plan_paged_decode(kv_lens, page_offsets, num_kv_heads=k_tiles, page_size=page_size, num_sms=num_sms,
+                               ctas_per_sm=ctas_per_sm, disable_split_kv=disable_split_kv, num_rows=num_rows,
+                               max_splits_per_request=max_splits_per_request)
+        table, num_work, num_partials, split_tokens = wp.work, wp.num_work, wp.num_partials, wp.split_tokens
+    b = table[:, 0].to(torch.int64)
     real = b >= 0
     bi = b.clamp(min=0)
-    extra = torch.zeros((wp.work.shape[0], 2), dtype=torch.int32)
+    extra = torch.zeros((table.shape[0], 2), dtype=torch.int32)
     if qo.numel():
         extra[:, 0] = torch.where(real, qs[bi], torch.zeros_like(bi)).to(torch.int32)
         extra[:, 1] = torch.where(real, qo[bi], torch.zeros_like(bi)).to(torch.int32)
-    work = torch.cat([wp.work, extra], dim=1).contiguous()
-    return MlaWorkPlan(work=work, num_work=wp.num_work, num_partials=wp.num_partials, split_tokens=wp.split_tokens,
+    work = torch.cat([table, extra], dim=1).contiguous()
+    return MlaWorkPlan(work=work, num_work=num_work, num_partials=num_partials, split_tokens=split_tokens,
                        row_tiles=tiles, rows=tiles * TILE_M)
