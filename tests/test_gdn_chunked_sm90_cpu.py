@@ -81,7 +81,9 @@ def test_dispatch_opt_in(monkeypatch):
     assert gdn_choice(p)[1].tiles == sm90.Tiles(tile_v=64, num_stages=3, prep=1)
     monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "tma=1")
     assert gdn_choice(p, chains=1000)[1].tiles == sm90.Tiles(tile_v=128, tma=1, prep=1)
-    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "num_warps=8")
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "num_warps=8")  # the portable kernels' field: this one untouched
+    assert gdn_choice(p, chains=1000)[1].tiles == sm90.Tiles(tile_v=128, prep=1)
+    monkeypatch.setenv("CUTEDSL_ATTN_GDN_TUNE", "num_warp=8")  # no delta-rule kernel's field
     with pytest.raises(ValueError, match="CUTEDSL_ATTN_GDN_TUNE"):
         gdn_choice(p)
     assert "gdn_chunked_sm90" in dg._OPS and sm90.NAME == "gdn_chunked_sm90"

@@ -177,6 +177,7 @@ def test_state_pool_rows_and_leading_batch_dim():
 
 # ---------------------------------------------------------------------------- API validation
 api = pytest.importorskip("cutedsl_attn.api.gdn")
+dapi = pytest.importorskip("cutedsl_attn.api.gdn_decode")
 CUDA_ONLY = "CUDA tensors"  # every valid CPU call ends here, after all other checks
 
 
@@ -427,7 +428,7 @@ def test_use_cp_accepts_only_auto_true_false():
 
 def test_api_layer_does_not_import_compile():
     import pathlib
-    for mod in ("gdn.py", "delta_family.py", "cudnn_linear.py"):
+    for mod in ("gdn.py", "gdn_decode.py", "delta_family.py", "cudnn_linear.py"):
         text = (pathlib.Path(api.__file__).parent / mod).read_text()
         assert not re.search(r"from \.\.compile\b|import cutedsl_attn\.compile", text), mod
 
@@ -437,7 +438,7 @@ def test_decode_gates_formula():
     dt_bias = torch.tensor([0.1, 0.5])
     a = torch.randn(2, 1, 2)
     b = torch.randn(2, 1, 2)
-    alpha, beta = api._decode_gates(A_log, a, dt_bias, b, 2, 1, 2, torch.device("cpu"))
+    alpha, beta = dapi._decode_gates(A_log, a, dt_bias, b, 2, 1, 2, torch.device("cpu"))
     want = torch.exp(-torch.exp(A_log) * torch.log1p(torch.exp(a + dt_bias))).reshape(2, 2)
     assert torch.allclose(alpha, want, atol=1e-6) and torch.allclose(beta, torch.sigmoid(b).reshape(2, 2))
 
@@ -552,9 +553,10 @@ def emulate_launch(problem, args, device_index=None):
 
 @pytest.fixture
 def emulated(monkeypatch):
-    monkeypatch.setattr(api, "gdn_launch", emulate_launch)
-    monkeypatch.setattr(api, "_require_cuda", lambda device: None)
-    monkeypatch.setattr(api, "gdn_arch", lambda device=None: "sm_90a")
+    for mod in (api, dapi):  # the prefill's module and the decode step's
+        monkeypatch.setattr(mod, "gdn_launch", emulate_launch)
+        monkeypatch.setattr(mod, "_require_cuda", lambda device: None)
+    monkeypatch.setattr(api, "gdn_arch", lambda device=None: "sm_90a")  # read by api._problem, decode's too
 
 
 def bf(lens, hq, hk, hv, K=64, V=64, seed=0, pool=0):
@@ -624,7 +626,7 @@ def test_api_plumbing_decode(emulated):
     st = torch.randn(B, HV, D, D, generator=gen) * 0.1
     before = st.clone()
     o, s = api.gated_delta_rule_decode_pretranspose(q, k, v, st, A_log, a, dt_bias, b)
-    alpha, beta = api._decode_gates(A_log, a, dt_bias, b, B, 1, HV, torch.device("cpu"))
+    alpha, beta = dapi._decode_gates(A_log, a, dt_bias, b, B, 1, HV, torch.device("cpu"))
     o_ref, s_ref = rg.chunk_gated_delta_rule(q[:, 0], k[:, 0], v[:, 0], alpha, beta, initial_state=before,
                                              cu_seqlens=torch.arange(B + 1), use_qk_l2norm_in_kernel=True,
                                              output_final_state=True)
@@ -691,7 +693,8 @@ def test_numpy_scale_and_max_seqlen_accepted():
 def test_api_plumbing_scales_reach_the_launch(emulated, monkeypatch):
     np = pytest.importorskip("numpy")
     seen = []
-    monkeypatch.setattr(api, "gdn_launch", lambda problem, args, device_index=None: seen.append(args.scale))
+    for mod in (api, dapi):
+        monkeypatch.setattr(mod, "gdn_launch", lambda problem, args, device_index=None: seen.append(args.scale))
     api.chunk_gated_delta_rule(**inputs(), scale=np.float32(0.5), max_seqlen=np.int64(5))
     api.chunk_gated_delta_rule(**inputs(), scale=0)  # 0: FlashInfer's default 1 / sqrt(K)
     for fn in DECODE_FNS:
@@ -708,7 +711,9 @@ def test_prefill_kernel_choice_as_documented(emulated, monkeypatch):
     from cutedsl_attn.portable import gdn_chunked as chk
     from cutedsl_attn.portable import gdn_recurrent as recur
     planned = []
-    monkeypatch.setattr(api, "gdn_launch", lambda problem, args, device_index=None: planned.append((problem, args)))
+    for mod in (api, dapi):
+        monkeypatch.setattr(mod, "gdn_launch", lambda problem, args, device_index=None: planned.append((problem,
+                                                                                                       args)))
     kw = inputs()
     api.chunk_gated_delta_rule(**kw)
     api.chunk_gated_delta_rule(**kw, max_seqlen=5)

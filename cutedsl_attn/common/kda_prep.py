@@ -59,6 +59,19 @@ PREP_SMEM_CARVEOUT = 100
 _inline = cute.arch.inline_ptx
 
 
+def check_prep_ctas(prep_ctas, erase_write_gates: bool = False) -> None:
+    """The checks of a per-channel kernel's ``Tiles.prep_ctas`` (and, given the problem's ``erase_write_gates``,
+    of its Config): TypeError for a non-int (a bool is not one), ValueError for a value outside
+    :data:`PREP_LAYOUTS` or the compact layout (3) with GDN-2's erase gates."""
+    if isinstance(prep_ctas, bool) or not isinstance(prep_ctas, int):
+        raise TypeError(f"prep_ctas must be an int, got {prep_ctas!r}")
+    if prep_ctas not in PREP_LAYOUTS:
+        raise ValueError(f"prep_ctas must be one of {PREP_LAYOUTS}, got {prep_ctas}")
+    if prep_ctas == 3 and erase_write_gates:
+        raise ValueError("prep_ctas 3 (the compact prep layout) serves KDA (a scalar beta) only; GDN-2's erase "
+                         "gates take prep_ctas 2")
+
+
 def row_pitch_g(head_dim_k: int) -> int:
     """Bytes of one fp32 row of G in shared memory (16-byte pad)."""
     return 4 * head_dim_k + 16

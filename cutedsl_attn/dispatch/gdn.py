@@ -13,7 +13,8 @@ step and a K-major state run the token-serial recurrent kernel (its variants cho
 ``recurrent`` forces one for the problems of its family (the chunked GDN kernels: GDN and GDP
 prefill; ``kda_chunked``: KDA and GDN-2 prefill; ``recurrent``: all), raising NotImplementedError naming what it
 serves when it cannot serve such a problem; other problems keep the automatic choice.
-``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the chosen kernel's tiles (its ``TUNING_FIELDS``).  Few
+``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the tiles of the kernels that have the fields named
+(:func:`gdn_tuned_tiles`: each item applies to every chosen kernel whose ``TUNING_FIELDS`` have its key).  Few
 long sequences on few heads may take the context-parallel path (:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the
 chosen kernel run over segments of each sequence (``use_cp=True``; ``"auto"`` takes it where
 :func:`cutedsl_attn.planning.gdn_cp` says it pays: long sequences that cannot fill the SMs).
@@ -95,7 +96,7 @@ def gdn_choice(problem: GdnProblem, *, device_index: int | None = None, chains: 
 
     Raises NotImplementedError naming what is served when no kernel (or not the forced one, for a problem of its
     family: ``chunked_sm90`` off sm_90a, a K-major state forced onto a chunked kernel) serves the problem;
-    ValueError for a bad ``CUTEDSL_ATTN_GDN_KERNEL`` / ``CUTEDSL_ATTN_GDN_TUNE``.
+    ValueError for a bad ``CUTEDSL_ATTN_GDN_KERNEL`` / ``CUTEDSL_ATTN_GDN_TUNE`` (:func:`gdn_tuned_tiles`).
     """
     forced = os.environ.get(GDN_KERNEL_ENV, "auto") or "auto"
     if forced not in _GDN_KERNELS:
@@ -109,11 +110,38 @@ def gdn_choice(problem: GdnProblem, *, device_index: int | None = None, chains: 
         where = "" if module is _rec else f" ({GDN_KERNEL_ENV}={forced})"
         raise NotImplementedError(f"gated delta rule{where}: {reason}")
     served = _served(module, problem)
-    tiles = module.default_tiles(served, num_sms=num_sms(device_index), chains=chains)
+    default = module.default_tiles(served, num_sms=num_sms(device_index), chains=chains)
+    tiles = gdn_tuned_tiles(module, default)
+    try:
+        return module, module.Config(served, tiles)
+    except ValueError as e:  # a tuned combination this problem refuses (shared memory, GDN-2's prep layout)
+        if tiles == default:
+            raise
+        raise ValueError(f"{e} (with {GDN_TUNE_ENV}={os.environ.get(GDN_TUNE_ENV)!r}; for this problem the default "
+                         f"tiles are {default})") from None
+
+
+def gdn_tuned_tiles(module, tiles):
+    """``tiles`` (of the delta-rule kernel ``module``) with the ``CUTEDSL_ATTN_GDN_TUNE`` items that name its fields.
+
+    The rule: the variable is read for every delta-rule problem of the process, and the kernels' tiles differ,
+    so each ``key=value`` item applies to each kernel whose ``TUNING_FIELDS`` have ``key`` and leaves the others
+    untouched (``prep_ctas=3`` tunes the per-channel kernels of KDA / GDN-2 and not GDN's; ``persistent=1`` the
+    SM90 chunked GDN kernel alone; ``tile_v`` every kernel); a kernel that has none of the keys keeps ``tiles``.
+    A key must name a field of at least one delta-rule kernel (one ``CUTEDSL_ATTN_GDN_KERNEL`` can force).
+
+    Raises ValueError naming the variable for an item that is not ``key=value``, a key no delta-rule kernel has
+    (the message lists the fields there are), or a value the kernel refuses (e.g. ``tile_v=48``; ``prep_ctas=3``
+    on GDN-2, whose erase gates refuse it: raised by :func:`gdn_choice`, which names the variable too).
+    """
     tune = os.environ.get(GDN_TUNE_ENV, "")
-    if tune.strip():
-        tiles = _override(module, GDN_TUNE_ENV, tune, tiles, _parse_tune(GDN_TUNE_ENV, tune, module.TUNING_FIELDS))
-    return module, module.Config(served, tiles)
+    if not tune.strip():
+        return tiles
+    # every kernel's fields, read now: a test may list another kernel in _FORCED
+    fields = tuple(dict.fromkeys(f for m in _FORCED.values() for f in m.TUNING_FIELDS))
+    items = _parse_tune(GDN_TUNE_ENV, tune, fields)
+    own = {key: val for key, val in items.items() if key in module.TUNING_FIELDS}
+    return _override(module, GDN_TUNE_ENV, tune, tiles, own) if own else tiles
 
 
 def _gdn_launch_direct(module, cfg, args: GdnArgs) -> None:

@@ -18,6 +18,8 @@ is built on the device of its input, from shapes only (no host read-back: CUDA-g
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import ClassVar
 
 from .gdn import CHUNK, MAX_SEQS
 
@@ -49,6 +51,33 @@ class MainRun(enum.Enum):
     OUTPUT = "output"
     STATE = "state"
     TRANSITION = "transition"
+
+
+@dataclass(frozen=True)
+class MainConfig:
+    """The compile key of a chunked GDN kernel's main-only entry (its ``compile_main``): ``MainConfig(config,
+    run)``, the main kernel of ``config`` computing what ``run`` names (:class:`MainRun`: the outputs, the final
+    state only, or the final state with ``U = 0``).  Each kernel with that entry subclasses it, naming its
+    ``Config`` class (``CONFIG``) and its ``NAME`` (``KERNEL``, for the message); the subclass's module and name
+    are part of the compile-cache key.
+
+    Raises TypeError for a ``config`` other than the kernel's ``Config`` or a ``run`` that is not a MainRun.
+    """
+
+    config: object
+    run: MainRun = MainRun.OUTPUT
+    CONFIG: ClassVar[type] = object
+    KERNEL: ClassVar[str] = ""
+
+    def __post_init__(self):
+        if not isinstance(self.config, self.CONFIG):
+            raise TypeError(f"config must be a {self.KERNEL} Config, got {type(self.config).__name__}")
+        if not isinstance(self.run, MainRun):
+            raise TypeError(f"run must be a MainRun, got {self.run!r}")
+
+    @property
+    def arch(self) -> str:
+        return self.config.arch
 
 
 def main_run_args(run: MainRun, args, scratch: tuple, head_dim_v: int) -> tuple:

@@ -51,6 +51,7 @@ from ..common.dtypes import element_type
 from ..common.gdn_launch import compile_kernel, launch, launch_main, launch_prep, prep_tensors  # noqa: F401
 from ..common.gdn_prep import PREP_THREADS, GdnPrep
 from ..compile.tiles import override_int_fields
+from ..planning import gdn_cp
 from ..planning.gdn import (
     CHUNK, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE, GdnProblem,
 )
@@ -171,26 +172,12 @@ class Config:
 
 
 @dataclass(frozen=True)
-class MainConfig:
-    """The compile key of the main-only entry (:func:`compile_main`): ``MainConfig(config, run)``, the main kernel
-    of ``config`` computing what ``run`` names (:class:`~cutedsl_attn.planning.gdn_cp.MainRun`: the outputs, the
-    final state only, or the final state with ``U = 0``).
+class MainConfig(gdn_cp.MainConfig):
+    """The compile key of :func:`compile_main` (:class:`cutedsl_attn.planning.gdn_cp.MainConfig` of this
+    kernel's :class:`Config`)."""
 
-    Raises TypeError for a ``config`` or a ``run`` of another type.
-    """
-
-    config: Config
-    run: MainRun = MainRun.OUTPUT
-
-    def __post_init__(self):
-        if not isinstance(self.config, Config):
-            raise TypeError(f"config must be a gdn_chunked Config, got {type(self.config).__name__}")
-        if not isinstance(self.run, MainRun):
-            raise TypeError(f"run must be a MainRun, got {self.run!r}")
-
-    @property
-    def arch(self) -> str:
-        return self.config.arch
+    CONFIG = Config
+    KERNEL = NAME
 
 
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:

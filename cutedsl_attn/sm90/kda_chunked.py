@@ -41,7 +41,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.kda_prep import (
-    DIAG_LIMIT, IO_MAX, PREP_LAYOUTS, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, prep_smem_bytes,
+    DIAG_LIMIT, IO_MAX, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, check_prep_ctas, prep_smem_bytes,
 )
 from ..common.gdn_launch import compile_kda_kernel
 from ..common.gdn_launch import kda_launch as launch, kda_launch_tensors as launch_tensors  # noqa: F401
@@ -73,10 +73,7 @@ class Tiles:
 
     def __post_init__(self):
         _gdn.Tiles(tile_v=self.tile_v, num_stages=self.num_stages, tma=self.tma)  # the main kernel's checks
-        if isinstance(self.prep_ctas, bool) or not isinstance(self.prep_ctas, int):
-            raise TypeError(f"prep_ctas must be an int, got {self.prep_ctas!r}")
-        if self.prep_ctas not in PREP_LAYOUTS:
-            raise ValueError(f"prep_ctas must be one of {PREP_LAYOUTS}, got {self.prep_ctas}")
+        check_prep_ctas(self.prep_ctas)
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
@@ -133,9 +130,7 @@ class Config:
             raise ValueError(f"the SM90 chunked KDA / GDN-2 kernel cannot serve this problem: {reason}")
         if self.problem.head_dim_v % self.tiles.tile_v:
             raise ValueError(f"tile_v {self.tiles.tile_v} must divide head_dim_v {self.problem.head_dim_v}")
-        if self.tiles.prep_ctas == 3 and self.problem.erase_write_gates:
-            raise ValueError("prep_ctas 3 (the compact prep layout) serves KDA (a scalar beta) only; GDN-2's erase "
-                             "gates take prep_ctas 2")
+        check_prep_ctas(self.tiles.prep_ctas, self.problem.erase_write_gates)
         if self.main_smem_bytes > SMEM_LIMIT:
             raise ValueError(f"tile_v {self.tiles.tile_v} x num_stages {self.tiles.num_stages} needs "
                              f"{self.main_smem_bytes} B of shared memory (> {SMEM_LIMIT})")
