@@ -186,8 +186,8 @@ def config(op: str = "decode", arch: str = "sm_90a", **cfg):
         also serves an fp8 ``kv_dtype``; ``kernel="portable"``, ``"sm90"`` or ``"sm100"`` (the tcgen05
         kernel, ``sm_100a`` / ``sm_103a``) forces one); ``"mla"``: the MLA decode kernel
         :func:`cutedsl_attn.dispatch.mla_choice` picks (the SM90 one on ``sm_90a`` at page size 64, fp8 caches
-        included: the head count is not known here, so the choice of 64 heads and more; else the portable
-        one; ``CUTEDSL_ATTN_MLA_KERNEL=portable|sm90`` forces one); ``"gdn"``:
+        included, and at smaller page sizes dividing 64 for 16-bit caches: the head count is not known here, so
+        the choice of 64 heads and more, with the 64-row tiles; else the portable one; ``CUTEDSL_ATTN_MLA_KERNEL=portable|sm90`` forces one); ``"gdn"``:
         the gated-delta-rule kernel dispatch picks (a chunked kernel for GDN / GDP prefill, the per-channel
         chunked one for KDA / GDN-2 prefill, recurrent for the decode step and a K-major state), keys as
         :data:`DEFAULTS`).

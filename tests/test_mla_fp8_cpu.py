@@ -384,12 +384,14 @@ def test_custom_op_key_carries_the_cache_dtype(monkeypatch, pb):
 
     seen = []
     monkeypatch.setattr(d, "_mla_launch_direct", lambda module, cfg, args: seen.append(cfg.problem))
-    module, cfg = d.mla_choice(pb)
+    from cutedsl_attn.portable import mla_decode as md
+
+    cfg = md.Config(pb, md.default_tiles(pb, num_sms=132))
     qd = E4M3 if pb.q_fp8 else torch.bfloat16
     args = MlaArgs(torch.zeros(2, 16, DC, dtype=qd), torch.zeros(2, 16, DR, dtype=qd),
                    torch.zeros(4, pb.page_size, DC, dtype=E4M3), torch.zeros(4, pb.page_size, DR, dtype=E4M3),
                    torch.zeros(4, dtype=torch.int32), torch.zeros(2, 10, dtype=torch.int32),
                    torch.zeros(2, 16, DC, dtype=torch.bfloat16), torch.zeros(2, 16), torch.zeros(1, 16, DC),
                    torch.zeros(1, 16), torch.zeros(2, dtype=torch.int32), 0.1, 1, 0.5)
-    d._mla_op(*args, ";".join(f"{n}={getattr(cfg.problem, n)!r}" for n in d._MLA_FIELDS))
+    d._mla_op(*args, d._key_of_config(cfg))
     assert seen == [pb]

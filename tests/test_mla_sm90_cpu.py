@@ -88,8 +88,10 @@ def test_dispatch_default_and_fallbacks(monkeypatch):
         for kw in (dict(page_size=63), dict(page_size=48), dict(arch="sm_100a"), dict(arch="sm_103a"),
                    dict(arch="sm_100a", kv_dtype="float8_e4m3fn")):
             assert d.mla_choice(_problem(**kw))[0] is md, (env, kw)
-        for kw in (dict(page_size=16), dict(page_size=1), dict(page_size=32)):  # gathered pages: when forced
-            assert d.mla_choice(_problem(**kw))[0] is (sm90 if env == "sm90" else md), (env, kw)
+        for kw in (dict(page_size=16), dict(page_size=1), dict(page_size=32)):  # gathered pages: many heads
+            assert d.mla_choice(_problem(**kw))[0] is sm90, (env, kw)
+            assert d.mla_choice(_problem(**kw), num_heads=128)[0] is sm90, (env, kw)
+            assert d.mla_choice(_problem(**kw), num_heads=16)[0] is (sm90 if env == "sm90" else md), (env, kw)
     lim = d.mla_limits(module, cfg)
     assert lim["ctas_per_sm"] == 1 and lim["tile_m"] == 64  # one 64-row CTA per SM
     assert lim["max_splits_per_request"] == cfg.max_splits_per_request >= 128
@@ -247,11 +249,39 @@ def test_portable_custom_op_keeps_the_portable_kernel(monkeypatch):
     args = MlaArgs(t(2, 16, 512), t(2, 16, 64), t(4, 64, 512), t(4, 64, 64), torch.zeros(4, dtype=torch.int32),
                    torch.zeros(2, 10, dtype=torch.int32), t(2, 16, 512), t(2, 16), t(1, 16, 512), t(1, 16),
                    torch.zeros(2, dtype=torch.int32), 0.1, 1, 1.0)
-    key = ";".join(f"{n}={getattr(p, n)!r}" for n in d._MLA_FIELDS)
-    d._mla_op(*args, key)
-    d._mla_sm90_op(*args, key)
+    cfg_p = md.Config(p, md.default_tiles(p, num_sms=132))
+    cfg_s = d.mla_choice(p, num_heads=16, max_qo_len=1)[1]
+    assert cfg_s.tiles.swap_ab == 1
+    d._mla_op(*args, d._key_of_config(cfg_p))
+    d._mla_sm90_op(*args, d._key_of_config(cfg_s))
     assert [m for m, _ in seen] == [md, sm90]
-    assert isinstance(seen[0][1], md.Config) and seen[0][1].problem == p
+    assert seen[0][1] == cfg_p and seen[1][1] == cfg_s  # the traced tiles, not a re-derived choice
+
+
+def test_swap_ab_auto_rule(monkeypatch):
+    """Auto takes the SM90 kernel's swapped form at 16-bit page 64 for at most SWAP_AB_MAX_ROWS packed query
+    rows a request (measured: perf/RESULTS.md, MLA), never in CUDA-graph mode, fp8, small pages, or when
+    CUTEDSL_ATTN_MLA_TUNE names swap_ab / tile_n."""
+    from cutedsl_attn.dispatch import mla as d
+
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_KERNEL", raising=False)
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE", raising=False)
+    p = _problem()
+    tiles = lambda prob, **kw: d.mla_choice(prob, **kw)[1].tiles  # noqa: E731
+    assert tiles(p, num_heads=16, max_qo_len=1).swap_ab == 1 and tiles(p, num_heads=16, max_qo_len=1).tile_n == 16
+    assert tiles(p, num_heads=8, max_qo_len=2).swap_ab == 1
+    for kw in (dict(num_heads=16, max_qo_len=2), dict(num_heads=32, max_qo_len=1), dict(num_heads=128, max_qo_len=1),
+               dict(num_heads=16), dict(max_qo_len=1), dict(num_heads=16, max_qo_len=1, cuda_graph=True)):
+        assert tiles(p, **kw).swap_ab == 0, kw
+    assert d.mla_choice(_problem(page_size=16), num_heads=128, max_qo_len=1)[1].tiles.swap_ab == 0
+    assert tiles(_problem(kv_dtype="float8_e4m3fn"), num_heads=128, max_qo_len=1).swap_ab == 0
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", "swap_ab=0")
+    assert tiles(p, num_heads=16, max_qo_len=1).swap_ab == 0
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_TUNE", "swap_ab=1,tile_n=32")
+    assert tiles(p, num_heads=16, max_qo_len=1).tile_n == 32
+    monkeypatch.setenv("CUTEDSL_ATTN_MLA_KERNEL", "sm90")  # forced: the default tiles
+    monkeypatch.delenv("CUTEDSL_ATTN_MLA_TUNE")
+    assert tiles(p, num_heads=16, max_qo_len=1).swap_ab == 0
 
 
 def test_load_order_follows_the_schedule():
@@ -272,8 +302,8 @@ FP8 = "float8_e4m3fn"
 
 def test_small_pages_and_fp8_routing(monkeypatch):
     """On sm_90a: fp8 caches / q at page 64 go to the SM90 kernel from FP8_SM90_MIN_HEADS heads (the portable
-    kernel below, measured faster there); page sizes dividing 64 are served by the SM90 kernel's gathered path
-    but chosen only where CUTEDSL_ATTN_MLA_KERNEL=sm90 forces it;
+    kernel below, measured faster there); page sizes dividing 64 are served by the SM90 kernel's gathered path,
+    chosen for 16-bit caches from SMALL_PAGE_SM90_MIN_HEADS heads (fp8 there and fewer heads: portable);
     page sizes that do not divide 64 and other archs go to the portable kernel."""
     from cutedsl_attn import dispatch as d
     from cutedsl_attn.portable import mla_decode as md
@@ -286,7 +316,9 @@ def test_small_pages_and_fp8_routing(monkeypatch):
     for kw in small + fp8_64:
         assert sm90.unsupported_reason(_problem(**kw)) is None, kw
     for kw in small:
-        assert d.mla_choice(_problem(**kw))[0] is md, kw  # auto: the portable kernel
+        want = md if kw.get("kv_dtype") == FP8 else sm90
+        assert d.mla_choice(_problem(**kw), num_heads=128)[0] is want, kw
+        assert d.mla_choice(_problem(**kw), num_heads=d.SMALL_PAGE_SM90_MIN_HEADS - 1)[0] is md, kw
     for kw in fp8_64:
         assert d.mla_choice(_problem(**kw), num_heads=128)[0] is sm90, kw
         assert d.mla_choice(_problem(**kw), num_heads=16)[0] is md, kw  # few heads: the portable kernel

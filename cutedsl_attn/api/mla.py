@@ -5,10 +5,11 @@ MLA with weight absorption (DeepSeek V2/V3/R1): ``s = sm_scale * (q_nope . ckv +
 ``return_lse_base_on_e``); causal is bottom-right; empty requests give O = 0 and LSE = -inf; ``sm_scale`` is
 taken as given (DeepSeek uses the pre-absorption head dim, ``1 / sqrt(128 + 64)``).
 
-What runs where (:func:`cutedsl_attn.dispatch.mla_choice`): on SM90 the SM90 CuTe DSL MLA kernel (TMA +
-``wgmma``, query rows packed into 64-row tiles) at page size 64, the portable one (``mma.sync``, 16-row tiles)
-at other page sizes; on SM100/SM103 (cross-compiled only) the portable one.  Split-KV partials are merged in the
-same launch.
+What runs where (:func:`cutedsl_attn.dispatch.mla_choice`, its module docstring has the rules): on SM90 the
+SM90 CuTe DSL MLA kernel (TMA + ``wgmma``, query rows packed into 64-row tiles, or on the N dimension for at most
+16 packed rows a request) at page size 64 and, from 64 query heads, at the smaller page sizes dividing 64 (16-bit
+caches); the portable one (``mma.sync``, 16-row tiles) elsewhere; on SM100/SM103 (cross-compiled only) the
+portable one.  The SM90 kernel merges split-KV partials in a second kernel.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ class BatchMLAPagedAttentionWrapper:
         check_devices("BatchMLAPagedAttentionWrapper.plan", [("float_workspace_buffer", self._workspace)])
         dev_index = self.device.index if self.device.type == "cuda" else None
         problem = mla_problem(dtype=q_dt, page_size=page_size, causal=causal, device_index=dev_index)
-        module, cfg = mla_choice(problem, device_index=dev_index, num_heads=num_heads)
+        module, cfg = mla_choice(problem, device_index=dev_index, num_heads=num_heads,
+                                 max_qo_len=int(qo_lens.max()) if B else 1, cuda_graph=self._use_cuda_graph)
         lim = mla_limits(module, cfg)
         sms = num_sms(dev_index)
         max_q = int(qo_lens.max()) if B else 1

@@ -205,12 +205,12 @@ def _plan_args(q, kv_cache, kv_lens, page_off, flat, q_len, o, lse_k, bmm1, bmm2
     dev_index = dev.index if dev.type == "cuda" else None
     module, cfg = mla_choice(mla_problem(dtype=q.dtype, kv_dtype=kv_cache.dtype, page_size=page_size,
                                          causal=q_len > 1, device_index=dev_index), device_index=dev_index,
-                           num_heads=H)
+                           num_heads=H, max_qo_len=q_len)
     lim = mla_limits(module, cfg)
     wp = plan_mla(torch.full((B,), q_len, dtype=torch.int64), kv_lens, torch.arange(B, dtype=torch.int64) * q_len,
                   page_off, num_heads=H, page_size=page_size, num_sms=num_sms(dev_index) if sms is None else sms,
                   ctas_per_sm=lim["ctas_per_sm"], tile_m=lim["tile_m"],
-                  max_splits_per_request=lim["max_splits_per_request"])
+                  max_splits_per_request=lim["max_splits_per_request"], split=lim["split"])
     n_part, R = max(1, wp.num_partials), wp.rows
     po_bytes = n_part * R * HEAD_DIM_CKV * 4
     off = (po_bytes + 255) // 256 * 256

@@ -625,6 +625,7 @@ def decode_schedule(problem: DecodeProblem, kv_lens, page_offsets, *, num_kv_hea
 # the delta-rule family and MLA: their own modules, re-exported here (dispatch stays the one place a kernel is chosen)
 from .gdn import gdn_arch, gdn_choice, gdn_launch  # noqa: E402
 from .mla import (  # noqa: E402
-    FP8_SM90_MIN_HEADS, MLA_KERNEL_ENV, MLA_TUNE_ENV, mla_choice, mla_launch, mla_limits, mla_problem,
+    FP8_SM90_MIN_HEADS, MLA_KERNEL_ENV, MLA_TUNE_ENV, SMALL_PAGE_SM90_MIN_HEADS, SWAP_AB_MAX_ROWS, mla_choice,
+    mla_launch, mla_limits, mla_problem,
 )
 

@@ -3,13 +3,16 @@
 On sm_90a the SM90 kernel (:mod:`cutedsl_attn.sm90.mla`: TMA pages + wgmma, 64-row tiles, O split across two
 consumer warpgroups) serves page size 64: bf16 / fp16 q with caches of q's dtype (any head count, qo_len, causal
 or not, split-KV) and fp8 e4m3 caches / q (widened to f16 in shared memory) from ``FP8_SM90_MIN_HEADS`` query
-heads; fewer heads with fp8 go to the portable kernel, measured faster there.  The SM90 kernel's gathered path for
-page sizes dividing 64 runs only where ``CUTEDSL_ATTN_MLA_KERNEL=sm90`` forces it (auto keeps the portable
-kernel at page sizes below 64).  The portable decode kernel (16-row mma.sync tiles; page sizes 1..64,
-fp8 e4m3 caches) serves the rest and every other arch.  ``CUTEDSL_ATTN_MLA_KERNEL``: ``auto`` (the default, as
-above), ``sm90`` (the SM90 kernel wherever it serves the problem: any page size dividing 64, any head count) or
-``portable`` (forces the portable kernel).  Under torch.compile the launch is the custom op
-cutedsl_attn::mla_decode_portable or cutedsl_attn::mla_decode_sm90.
+heads; fewer heads with fp8 go to the portable kernel, measured faster there.  At 16-bit page 64 with at most
+``SWAP_AB_MAX_ROWS`` packed query rows a request (``q_len x heads``, e.g. 16 heads under TP8) outside CUDA-graph
+mode, the SM90 kernel takes its swapped form (``Tiles.swap_ab = 1``, ``tile_n = 16``: the rows on the wgmma N
+dimension), measured 8% faster there.  Page sizes dividing 64 below 64 take the SM90 kernel's gathered path for
+16-bit caches from ``SMALL_PAGE_SM90_MIN_HEADS`` query heads (measured ~4x the portable kernel at 128 heads, even
+at 16); fewer heads and fp8 caches there keep the portable kernel.  The portable decode kernel (16-row mma.sync
+tiles; page sizes 1..64, fp8 e4m3 caches) serves the rest and every other arch.  ``CUTEDSL_ATTN_MLA_KERNEL``:
+``auto`` (the default, as above), ``sm90`` (the SM90 kernel wherever it serves the problem: any page size dividing
+64, any head count) or ``portable`` (forces the portable kernel).  Under torch.compile the launch is the custom op
+cutedsl_attn::mla_decode_portable or cutedsl_attn::mla_decode_sm90, the chosen tiles in its key.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ _MLA_FIELDS = tuple(f.name for f in dataclasses.fields(MlaProblem))
 #: fp8 caches below this many query heads go to the portable kernel on sm_90a: its 16-row tiles beat the SM90
 #: kernel's 64-row tiles and in-stage widening at few heads
 FP8_SM90_MIN_HEADS = 64
+#: 16-bit caches at page sizes below 64 take the SM90 kernel's gathered path from this many query heads
+SMALL_PAGE_SM90_MIN_HEADS = 64
+#: packed query rows a request (q_len x heads) up to which auto takes the SM90 kernel's swapped form (tile_n 16)
+SWAP_AB_MAX_ROWS = 16
 #: how plans cut long requests (both kernels): the modelled split, until a GPU A/B of ``split_waves`` says otherwise
 #: (perf/bench_mla.py --variants 'split_waves=2;split_waves=4')
 DEFAULT_SPLIT = MlaSplit()
@@ -53,14 +60,19 @@ def mla_problem(*, dtype, page_size: int, causal: bool, head_dim_ckv: int = 512,
                       head_dim_kpe=head_dim_kpe, causal=bool(causal), arch=target_arch(dev), kv_dtype=kv)
 
 
-def mla_choice(problem: MlaProblem, *, device_index: int | None = None, num_heads: int | None = None):
-    """``(kernel module, config)`` serving ``problem``: the SM90 kernel where it serves the problem (its
-    ``unsupported_reason`` is None: sm_90a, page sizes dividing 64, 16-bit or fp8 caches) at page size 64 except
-    fp8 caches with ``num_heads`` (query heads, when given) below :data:`FP8_SM90_MIN_HEADS`, else the portable
-    kernel; ``CUTEDSL_ATTN_MLA_KERNEL=sm90`` takes the SM90 kernel wherever it serves;
-    ``CUTEDSL_ATTN_MLA_KERNEL=portable`` forces the portable kernel.  ``CUTEDSL_ATTN_MLA_TUNE``
-    (``"key=value,..."`` over the chosen kernel's ``Tiles`` fields, tuning experiments) overrides the default
-    tiles; its plan keys (``split_waves``, ``split_min_tokens``: :func:`mla_limits`) leave the tiles as they are.
+def mla_choice(problem: MlaProblem, *, device_index: int | None = None, num_heads: int | None = None,
+               max_qo_len: int | None = None, cuda_graph: bool = False):
+    """``(kernel module, config)`` serving ``problem``.  Auto (see the module docstring for the measurements): the
+    SM90 kernel where it serves the problem (its ``unsupported_reason`` is None) at page size 64, except fp8
+    caches with ``num_heads`` (query heads, when given) below :data:`FP8_SM90_MIN_HEADS`, and at smaller page
+    sizes for 16-bit caches from :data:`SMALL_PAGE_SM90_MIN_HEADS` heads (or ``num_heads`` not given); else the
+    portable kernel.  On the SM90 kernel at 16-bit page 64, ``num_heads * max_qo_len <=``
+    :data:`SWAP_AB_MAX_ROWS` (both given) and not ``cuda_graph`` (a captured plan keeps its tiles across
+    re-plans) take the swapped form (``swap_ab=1, tile_n=16``).  ``CUTEDSL_ATTN_MLA_KERNEL=sm90`` takes the SM90
+    kernel wherever it serves; ``CUTEDSL_ATTN_MLA_KERNEL=portable`` forces the portable kernel.
+    ``CUTEDSL_ATTN_MLA_TUNE`` (``"key=value,..."`` over the chosen kernel's ``Tiles`` fields, tuning experiments)
+    overrides the default tiles (a ``swap_ab`` / ``tile_n`` item replaces the automatic swapped form); its plan
+    keys (``split_waves``, ``split_min_tokens``: :func:`mla_limits`) leave the tiles as they are.
 
     Raises NotImplementedError naming what is served when no kernel serves the problem; ValueError naming the
     variable for a bad ``CUTEDSL_ATTN_MLA_KERNEL``, a malformed item or a refused combination."""
@@ -68,9 +80,11 @@ def mla_choice(problem: MlaProblem, *, device_index: int | None = None, num_head
     if forced not in _MLA_KERNELS:
         raise ValueError(f"{MLA_KERNEL_ENV} must be one of {_MLA_KERNELS}, got {forced!r}")
     m = _mla_portable
-    # auto: the SM90 kernel where it is measured faster (page 64; fp8 from FP8_SM90_MIN_HEADS heads)
-    measured = problem.page_size == 64 and not (problem.kv_fp8 and num_heads is not None
-                                               and num_heads < FP8_SM90_MIN_HEADS)
+    few_heads = num_heads is not None and num_heads < FP8_SM90_MIN_HEADS
+    if problem.page_size == 64:
+        measured = not (problem.kv_fp8 and few_heads)
+    else:
+        measured = not problem.kv_fp8 and not (num_heads is not None and num_heads < SMALL_PAGE_SM90_MIN_HEADS)
     if (forced == "sm90" or (forced == "auto" and measured)) and _mla_sm90.unsupported_reason(problem) is None:
         m = _mla_sm90
     reason = m.unsupported_reason(problem)
@@ -78,11 +92,15 @@ def mla_choice(problem: MlaProblem, *, device_index: int | None = None, num_head
         raise NotImplementedError(f"MLA: {reason}")
     tiles = m.default_tiles(problem, num_sms=num_sms(device_index))
     tune = os.environ.get(MLA_TUNE_ENV, "").strip()
-    if tune:
-        items = _parse_tune(MLA_TUNE_ENV, tune, m.TUNING_FIELDS + SPLIT_FIELDS)
-        tile_items = {k: v for k, v in items.items() if k not in SPLIT_FIELDS}
-        if tile_items:
-            tiles = _override(m, MLA_TUNE_ENV, tune, tiles, tile_items)
+    items = _parse_tune(MLA_TUNE_ENV, tune, m.TUNING_FIELDS + SPLIT_FIELDS) if tune else {}
+    tile_items = {k: v for k, v in items.items() if k not in SPLIT_FIELDS}
+    swap = (m is _mla_sm90 and forced == "auto" and problem.page_size == 64 and not problem.kv_fp8
+            and not cuda_graph and num_heads is not None and max_qo_len is not None
+            and num_heads * max_qo_len <= SWAP_AB_MAX_ROWS and not {"swap_ab", "tile_n"} & set(tile_items))
+    if swap:
+        tiles = dataclasses.replace(tiles, swap_ab=1, tile_n=16)
+    if tile_items:
+        tiles = _override(m, MLA_TUNE_ENV, tune, tiles, tile_items)
     try:
         return m, m.Config(problem, tiles)
     except (TypeError, ValueError) as e:
@@ -118,16 +136,30 @@ def _mla_launch_direct(module, cfg, args: MlaArgs) -> None:
     module.launch(get_compiled(module.NAME, cfg, module.compile), cfg, args)
 
 
+def _key_of_config(cfg) -> str:
+    """The custom ops' string key of ``cfg``: its problem's and its tiles' fields, ``name=repr`` items (the
+    plan was made for these tiles, so the op launches exactly them)."""
+    prob = ";".join(f"{n}={getattr(cfg.problem, n)!r}" for n in _MLA_FIELDS)
+    tiles = ";".join(f"{f.name}={getattr(cfg.tiles, f.name)!r}" for f in dataclasses.fields(cfg.tiles))
+    return f"{prob}|{tiles}"
+
+
+def _config_of_key(module, key: str):
+    """The inverse of :func:`_key_of_config` for ``module``'s Config."""
+    prob, tiles = key.split("|", 1)
+
+    def items(text):
+        return {n: ast.literal_eval(v) for n, v in (kv.split("=", 1) for kv in text.split(";") if kv)}
+
+    return module.Config(MlaProblem(**items(prob)), module.Tiles(**items(tiles)))
+
+
 @torch.library.custom_op("cutedsl_attn::mla_decode_portable", mutates_args=("out", "lse", "part_o", "part_lse",
                                                                              "counters"))
 def _mla_op(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, indices: torch.Tensor,
             work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
             counters: torch.Tensor, sm_scale: float, num_row_tiles: int, output_scale: float, key: str) -> None:
-    problem = MlaProblem(**{n: ast.literal_eval(v) for n, v in (kv.split("=", 1) for kv in key.split(";"))})
-    module, cfg = mla_choice(problem, device_index=q_nope.device.index)
-    if module is not _mla_portable:  # (traced with the portable kernel, whose plan this is: it stays)
-        cfg = _mla_portable.Config(problem, _mla_portable.default_tiles(problem, num_sms=num_sms(q_nope.device.index)))
-    _mla_launch_direct(_mla_portable, cfg, MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o,
+    _mla_launch_direct(_mla_portable, _config_of_key(_mla_portable, key), MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o,
                                                    part_lse, counters, sm_scale, num_row_tiles, output_scale))
 
 
@@ -143,11 +175,7 @@ def _mla_sm90_op(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kp
                  indices: torch.Tensor, work: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, part_o: torch.Tensor,
                  part_lse: torch.Tensor, counters: torch.Tensor, sm_scale: float, num_row_tiles: int,
                  output_scale: float, key: str) -> None:
-    problem = MlaProblem(**{n: ast.literal_eval(v) for n, v in (kv.split("=", 1) for kv in key.split(";"))})
-    module, cfg = mla_choice(problem, device_index=q_nope.device.index)
-    if module is not _mla_sm90:  # (traced with the SM90 kernel; CUTEDSL_ATTN_MLA_KERNEL changed since: it stays)
-        cfg = _mla_sm90.Config(problem, _mla_sm90.default_tiles(problem, num_sms=num_sms(q_nope.device.index)))
-    _mla_launch_direct(_mla_sm90, cfg, MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse,
+    _mla_launch_direct(_mla_sm90, _config_of_key(_mla_sm90, key), MlaArgs(q_nope, q_pe, ckv, kpe, indices, work, out, lse, part_o, part_lse,
                                                counters, sm_scale, num_row_tiles, output_scale))
 
 
@@ -161,6 +189,6 @@ def mla_launch(module, cfg, args: MlaArgs) -> None:
     """Compile (cached in memory and on disk) the chosen MLA kernel and launch it on the current stream."""
     if torch.compiler.is_compiling():
         op = _mla_sm90_op if module is _mla_sm90 else _mla_op
-        op(*args, ";".join(f"{n}={getattr(cfg.problem, n)!r}" for n in _MLA_FIELDS))
+        op(*args, _key_of_config(cfg))
         return
     _mla_launch_direct(module, cfg, args)
