@@ -125,7 +125,7 @@ def main():
                     "timed), ';'-separated CUTEDSL_ATTN_MLA_TUNE values, e.g. 'schedule=1;merge_kernel=0' or "
                     "'split_waves=2;split_waves=4,split_min_tokens=128'")
     ap.add_argument("--no-peers", action="store_true", help="skip FlashInfer's fa3 / fa2 MLA")
-    ap.add_argument("--kernel", choices=("portable", "sm90", "both"), default="both",
+    ap.add_argument("--kernel", choices=("auto", "portable", "sm90", "both"), default="both",
                     help="our bf16 MLA kernel (CUTEDSL_ATTN_MLA_KERNEL); both: time each on the same inputs")
     ap.add_argument("--page", type=int, default=PS, help="page size of every row (default 64)")
     ap.add_argument("--rows", default="a,b,c,d,e", help="row tags to run, comma-separated (a b c d: bf16, e: fp8)")
