@@ -25,6 +25,12 @@ PATHS = {
     "cudnn": ["cudnn_batch_decode_with_kv_cache", "cudnn_batch_prefill_with_kv_cache", "cudnn_chunk_gated_delta_rule",
               "cudnn_chunk_gated_delta_rule2", "cudnn_chunk_gated_delta_product", "cudnn_recurrent_kda"],
     "attention.prims_ts": ["BatchDecodePagedTSWrapper", "batch_decode_with_paged_kv_cache"],
+    "gdn_prefill": ["chunk_gated_delta_rule"],
+    "gdn_decode": ["gated_delta_rule_decode", "gated_delta_rule_decode_pretranspose"],
+    "gdn2_prefill": ["chunk_gated_delta_rule2"],
+    "gdp_prefill": ["chunk_gated_delta_product"],
+    "kda": ["recurrent_kda"],
+    "kda_decode": ["recurrent_kda"],
 }
 
 
