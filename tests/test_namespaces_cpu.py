@@ -31,6 +31,8 @@ PATHS = {
     "gdp_prefill": ["chunk_gated_delta_product"],
     "kda": ["recurrent_kda"],
     "kda_decode": ["recurrent_kda"],
+    "cascade": ["merge_state", "merge_state_in_place", "merge_states"],
+    "quantization": ["packbits", "segment_packbits"],
 }
 
 

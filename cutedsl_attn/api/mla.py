@@ -176,9 +176,9 @@ class BatchMLAPagedAttentionWrapper:
         bad = (lens < 0) | (need != npages)
         if bad.any():
             b = int(bad.nonzero()[0])
-            raise ValueError(f"kv_len_arr[{b}] = {int(lens[b])} disagrees with kv_indptr: request {b} has "
-                             f"{int(npages[b])} pages of {page_size}, kv_len_arr needs ceil(kv_len / page_size) "
-                             f"= {int(need[b])}")
+            raise ValueError(f"kv_len_arr[{b}] = {int(lens[b])} disagrees with kv_indptr: request {b} needs "
+                             f"ceil(kv_len / page_size) = {int(need[b])} pages of {page_size}, kv_indptr gives it "
+                             f"{int(npages[b])}")
         idx_h = kv_indices[: int(kv_h[-1])].to("cpu", torch.int64)
         if idx_h.numel() and int(idx_h.min()) < 0:
             raise ValueError("kv_indices must be >= 0")

@@ -23,8 +23,8 @@ def prefill_backend(backend: str) -> str:
     if backend not in PREFILL_BACKENDS:
         if backend in _FLASHINFER_PREFILL_BACKENDS:
             raise NotImplementedError(
-                f"backend={backend!r} is not available in cutedsl_attn; supported: {PREFILL_BACKENDS}")
-        raise ValueError(f"unknown backend {backend!r}; supported: {PREFILL_BACKENDS}")
+                f"backend={backend!r} is not available in cutedsl_attn; supported: {PREFILL_BACKENDS + ('cudnn',)}")
+        raise ValueError(f"unknown backend {backend!r}; supported: {PREFILL_BACKENDS + ('cudnn',)}")
     return "cute"
 
 
