@@ -1068,6 +1068,22 @@ def test_score_mod_traced_into_prefill(arch, kernel):
         assert "mma.sync.aligned.m16n8k16" in t1
 
 
+def test_untraceable_score_mod_is_a_named_type_error(monkeypatch):
+    """A score_mod with a Python branch on its arguments cannot be traced: the compile (first use) raises TypeError
+    naming the score_mod, not the DSL's own error class."""
+    from cutedsl_attn import dispatch
+
+    monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
+
+    def branchy(score, b, h, q, k):
+        return score if q > k else score - 1.0
+
+    p = dispatch.prefill_problem(dtype="bfloat16", head_dim_qk=128, head_dim_vo=128, group_size=4, causal=True,
+                                 score_mod=branchy)
+    with pytest.raises(TypeError, match="score_mod 'branchy' could not be traced"):
+        dispatch.prefill_choice(p).fn
+
+
 # ----------------------------------------------------------------------------- inspect ops: fp8 prefill, MLA, GDN
 def test_config_prefill_kv_dtype():
     """``kv_dtype`` reaches the PrefillProblem: an fp8 paged cache builds the portable kernel on every arch (the SM90

@@ -272,9 +272,21 @@ class KernelChoice:
 
     @property
     def fn(self):
+        """The compiled kernel (compiled on first use, cached).  Raises TypeError naming ``score_mod`` when the
+        DSL cannot trace the problem's ``score_mod`` (a data-dependent Python ``if``, say), instead of the DSL's
+        own error class."""
         fn = self._fn
         if fn is None:
-            fn = self._fn = get_compiled(self.name, self.cfg, self.module.compile)
+            try:
+                fn = self._fn = get_compiled(self.name, self.cfg, self.module.compile)
+            except Exception as e:  # noqa: BLE001 - only the DSL's tracing errors of a user score_mod are renamed
+                mod = getattr(self.problem, "score_mod", None)
+                if mod is None or not type(e).__module__.startswith("cutlass"):
+                    raise
+                name = getattr(mod, "__name__", repr(mod))
+                raise TypeError(f"score_mod {name!r} could not be traced into the {self.name} kernel (it must be "
+                                f"straight-line tensor arithmetic on its arguments, no Python branch on them): "
+                                f"{type(e).__name__}: {e}") from e
         return fn
 
     @property
