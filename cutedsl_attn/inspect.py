@@ -118,9 +118,9 @@ import threading
 from .compile.cubin import cubin_kernel_resources, cubin_resources
 from .ptx_summary import SUMMARY_KEYS, format_summary, instruction_summary  # noqa: F401 (re-exported)
 
-__all__ = ["OPS", "DEFAULTS", "config", "ptx", "sass", "resources", "shared_memory", "cubin_resources",
-           "cubin_kernel_resources", "cubin_static_shared", "instruction_summary", "format_summary", "SUMMARY_KEYS",
-           "SMEM_FIELDS"]
+__all__ = ["OPS", "DEFAULTS", "config", "ptx", "sass", "resources", "shared_memory", "prep_plan", "ctas_per_sm",
+           "cubin_resources", "cubin_kernel_resources", "cubin_static_shared", "instruction_summary", "format_summary",
+           "SUMMARY_KEYS", "SMEM_FIELDS", "CTA_FIELDS"]
 
 #: Kernel families this module can build.
 OPS = ("decode", "prefill", "mla", "gdn")
@@ -390,6 +390,58 @@ def _cubin_cached(cfg) -> bytes:
 
 #: the config properties that plan a launch's dynamic shared memory (bytes per CTA), where a kernel has them
 SMEM_FIELDS = ("smem_bytes", "prep_smem_bytes", "main_smem_bytes")
+#: the CTAs an SM each kernel of a two-kernel (prep + main) launch is planned for, where its config plans them
+CTA_FIELDS = ("prep_ctas_per_sm", "main_ctas_per_sm")
+
+
+def _kernel_name(cfg):
+    """The ``NAME`` of the kernel module whose Config ``cfg`` is (None for another object)."""
+    from . import dispatch
+
+    try:
+        return getattr(dispatch.kernel_module(cfg), "NAME", None)
+    except TypeError:
+        return None
+
+
+def prep_plan(cfg) -> dict[str, int]:
+    """The prep kernel of a chunked delta-rule launch (a prep kernel over every chunk, then the main kernel):
+    ``prep_smem_bytes``, the dynamic shared memory its launch plans (bytes per CTA), and ``prep_ctas_per_sm``, the
+    CTAs an SM it is planned for; ``{}`` for a config without a separate prep kernel.  No compile.
+
+    * SM90 chunked GDN (``gdn_chunked_sm90``): its config carries no prep figure; ``Tiles.prep = 1`` launches the
+      SM90 prep (:func:`cutedsl_attn.sm90.gdn_prep.prep_sm90_smem_bytes`, the budget that bounds its shared
+      storage), ``prep = 0`` the shared one (:func:`cutedsl_attn.common.gdn_prep.prep_smem_bytes`), both with
+      ``min_blocks_per_mp = PREP_CTAS_PER_SM``;
+    * the per-channel kernels (``kda_chunked_sm90``, ``kda_chunked``): the config's ``prep_smem_bytes``, its
+      layout's ``Tiles.prep_ctas``;
+    * the portable chunked GDN (``gdn_chunked``): the config's ``prep_smem_bytes`` only (its prep launch plans no
+      CTA count: occupancy decides).
+    """
+    name = _kernel_name(cfg)
+    if name == "gdn_chunked_sm90":
+        from .common.gdn_prep import PREP_CTAS_PER_SM, prep_smem_bytes
+        from .sm90.gdn_prep import prep_sm90_smem_bytes
+
+        k, v = cfg.problem.head_dim_k, cfg.problem.head_dim_v
+        smem = prep_sm90_smem_bytes(k, v) if cfg.tiles.prep == 1 else prep_smem_bytes(k, v)
+        return {"prep_smem_bytes": smem, "prep_ctas_per_sm": PREP_CTAS_PER_SM}
+    if name in ("kda_chunked_sm90", "kda_chunked"):
+        return {"prep_smem_bytes": cfg.prep_smem_bytes, "prep_ctas_per_sm": cfg.tiles.prep_ctas}
+    if name == "gdn_chunked":
+        return {"prep_smem_bytes": cfg.prep_smem_bytes}
+    return {}
+
+
+def ctas_per_sm(cfg) -> dict[str, int]:
+    """The :data:`CTA_FIELDS` a config plans: ``prep_ctas_per_sm`` (:func:`prep_plan`) and ``main_ctas_per_sm``
+    (the main kernel's, where its config has the property: the SM90 chunked GDN's persistent grid multiple).  No
+    compile."""
+    out = {n: v for n, v in prep_plan(cfg).items() if n in CTA_FIELDS}
+    main = getattr(cfg, "main_ctas_per_sm", None)
+    if type(main) is int:
+        out["main_ctas_per_sm"] = main
+    return out
 
 
 def cubin_static_shared(cubin: bytes) -> dict[str, int]:
@@ -412,11 +464,18 @@ def shared_memory(cfg) -> dict[str, int]:
     """The shared memory (bytes per CTA) of one compiled configuration: ``static_smem_bytes`` (the largest static
     declaration over the cubin's kernels, :func:`cubin_static_shared`; 0 for none) and the dynamic shared memory
     the launch requests, from the config's :data:`SMEM_FIELDS` where it has them (``smem_bytes``, or a two-kernel
-    launch's ``prep_smem_bytes`` / ``main_smem_bytes``), or 0 where its PTX declares no dynamic shared memory;
-    ``smem_bytes`` is static + the largest dynamic figure.  Compiles like :func:`resources` (memoised)."""
+    launch's ``prep_smem_bytes`` / ``main_smem_bytes``; the prep's from :func:`prep_plan` where the config has no
+    property for it), or 0 where its PTX declares no dynamic shared memory; ``smem_bytes`` is static + the largest
+    dynamic figure.  Compiles like :func:`resources` (memoised)."""
     ptx_text, cubin = _artifacts_cached(cfg)
     static = max(cubin_static_shared(cubin).values(), default=0)
-    planned = {n: getattr(cfg, n) for n in SMEM_FIELDS if type(getattr(cfg, n, None)) is int}
+    prep = prep_plan(cfg)
+    planned = {}
+    for n in SMEM_FIELDS:
+        v = getattr(cfg, n, None)
+        v = v if type(v) is int else prep.get(n)
+        if type(v) is int:
+            planned[n] = v
     out = {"static_smem_bytes": static}
     if planned:
         out.update({n: v for n, v in planned.items() if n != "smem_bytes"})
@@ -458,7 +517,10 @@ def ptx(op: str = "decode", arch: str = "sm_90a", **config_kw) -> str:
 def resources(op: str = "decode", arch: str = "sm_90a", **config_kw) -> dict[str, int]:
     """``{"registers": ..., "stack_bytes": ..., "static_smem_bytes": ..., "smem_bytes": ...}`` of one kernel
     configuration (see :func:`cubin_resources` and :func:`shared_memory`; ``smem_bytes`` is left out only where
-    the config plans no dynamic shared memory its PTX declares).
+    the config plans no dynamic shared memory its PTX declares).  A two-kernel launch (the chunked GDN / KDA
+    kernels: a prep kernel, then the main kernel) reports each kernel's dynamic shared memory
+    (``prep_smem_bytes``, ``main_smem_bytes``), each followed by the CTAs an SM it is planned for where the config
+    plans them (``prep_ctas_per_sm``, ``main_ctas_per_sm``: :func:`ctas_per_sm`).
 
     Compiles like :func:`ptx` with ``--keep-cubin`` (the DSL's own assembler: no GPU and no
     CUDA toolkit needed), so spills are visible on a CPU-only machine.  ``registers`` is the launch
@@ -469,7 +531,13 @@ def resources(op: str = "decode", arch: str = "sm_90a", **config_kw) -> dict[str
     """
     cfg = config(op, arch, **config_kw)
     res = cubin_resources(_cubin_cached(cfg))
-    res.update(shared_memory(cfg))
+    ctas = ctas_per_sm(cfg)
+    for n, v in shared_memory(cfg).items():
+        res[n] = v
+        kernel_ctas = n.replace("_smem_bytes", "_ctas_per_sm")
+        if kernel_ctas in ctas:  # next to that kernel's shared memory
+            res[kernel_ctas] = ctas.pop(kernel_ctas)
+    res.update(ctas)
     regs = getattr(cfg, "registers", None)
     if regs is None:
         regs = getattr(cfg.tiles, "registers", None)

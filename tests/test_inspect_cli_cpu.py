@@ -61,6 +61,58 @@ def test_resources_report_shared_memory(op, arch, keys):
     assert re.search(rf"^static_smem_bytes: {static}$", text, flags=re.M), text
 
 
+def test_resources_report_the_sm90_gdn_prep_next_to_the_main_kernel():
+    """The SM90 chunked GDN launches a prep kernel (the SM90 one, ``Tiles.prep = 1``, the default) then the main
+    kernel: each kernel's dynamic shared memory and the CTAs an SM it is planned for, in that order."""
+    from cutedsl_attn.common.gdn_prep import PREP_CTAS_PER_SM
+    from cutedsl_attn.sm90.gdn_prep import SMEM_PER_SM, prep_sm90_smem_bytes
+
+    cfg = ci.config("gdn", "sm_90a")
+    assert type(cfg).__module__ == "cutedsl_attn.sm90.gdn_chunked" and cfg.tiles.prep == 1
+    res = ci.resources("gdn", "sm_90a")
+    assert res["prep_smem_bytes"] == prep_sm90_smem_bytes(128, 128)
+    assert res["prep_ctas_per_sm"] == PREP_CTAS_PER_SM == 4
+    assert PREP_CTAS_PER_SM * (res["prep_smem_bytes"] + 1024) <= SMEM_PER_SM  # the planned count fits an SM
+    assert res["main_smem_bytes"] == cfg.main_smem_bytes and res["main_ctas_per_sm"] == cfg.main_ctas_per_sm
+    assert res["smem_bytes"] == res["static_smem_bytes"] + max(res["prep_smem_bytes"], res["main_smem_bytes"])
+    keys = list(res)
+    i = keys.index("prep_smem_bytes")
+    assert keys[i:i + 4] == ["prep_smem_bytes", "prep_ctas_per_sm", "main_smem_bytes", "main_ctas_per_sm"]
+    text = cli.format_resources("gdn", "sm_90a")  # the compile is memoised: no second build
+    lines = text.splitlines()
+    want = [f"prep_smem_bytes: {res['prep_smem_bytes']}", f"prep_ctas_per_sm: {PREP_CTAS_PER_SM}",
+            f"main_smem_bytes: {cfg.main_smem_bytes}", f"main_ctas_per_sm: {cfg.main_ctas_per_sm}"]
+    i = lines.index(want[0])
+    assert lines[i:i + 4] == want, text
+    assert len([ln for ln in lines if ln.startswith("  ") and "prep" in ln]) == 1  # the cubin has the prep kernel
+
+
+def test_prep_plan_of_every_chunked_kernel():
+    """:func:`inspect.prep_plan` (no compile): the prep each chunked kernel's launch plans."""
+    import dataclasses
+
+    from cutedsl_attn.common import gdn_prep, kda_prep
+
+    cfg = ci.config("gdn", "sm_90a")
+    shared = dataclasses.replace(cfg, tiles=dataclasses.replace(cfg.tiles, prep=0))  # the shared mma.sync prep
+    assert ci.prep_plan(shared) == {"prep_smem_bytes": gdn_prep.prep_smem_bytes(128, 128), "prep_ctas_per_sm": 4}
+    small = ci.config("gdn", "sm_90a", head_dim_k=64, head_dim_v=64)
+    assert ci.prep_plan(small)["prep_smem_bytes"] < ci.prep_plan(cfg)["prep_smem_bytes"]
+    for arch in ("sm_90a", "sm_100a"):  # the per-channel kernels: the layout of Tiles.prep_ctas
+        kda = ci.config("gdn", arch, gate_per_channel=True)
+        assert ci.prep_plan(kda) == {"prep_smem_bytes": kda.prep_smem_bytes, "prep_ctas_per_sm": 2}
+        compact = dataclasses.replace(kda, tiles=dataclasses.replace(kda.tiles, prep_ctas=3))
+        assert ci.prep_plan(compact) == {"prep_smem_bytes": kda_prep.prep_smem_bytes(128, 128, 3),
+                                         "prep_ctas_per_sm": 3}
+        assert "main_ctas_per_sm" not in ci.ctas_per_sm(kda)  # its config plans none
+    portable = ci.config("gdn", "sm_100a")  # its prep launch plans no CTA count
+    assert ci.prep_plan(portable) == {"prep_smem_bytes": portable.prep_smem_bytes}
+    assert ci.ctas_per_sm(portable) == {}
+    assert ci.prep_plan(ci.config("gdn", "sm_90a", decode=True)) == {}  # the recurrent kernel: no prep
+    assert ci.prep_plan(ci.config("mla", "sm_90a")) == {} and ci.ctas_per_sm(ci.config("decode")) == {}
+    assert ci.ctas_per_sm(cfg) == {"prep_ctas_per_sm": 4, "main_ctas_per_sm": cfg.main_ctas_per_sm}
+
+
 # ----------------------------------------------------------------------------- documentation matches the code
 def test_package_docstring_lists_every_custom_op():
     registered = {n for n in dir(torch.ops.cutedsl_attn) if not n.startswith("_") and n != "name"}

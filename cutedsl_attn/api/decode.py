@@ -22,7 +22,6 @@ from .. import dispatch
 from ..planning.alibi import get_alibi_slopes
 from ..planning.decode import DecodeArgs
 from ._common import (
-    canonical_dtype,
     check_bool,
     check_head_dim,
     check_heads,
@@ -43,6 +42,7 @@ from ._common import (
     run_scale,
 )
 from . import _decode_cudnn
+from ._decode_plan import decode_graph_signature, plan_dtypes
 from ._graph import FixedBuffers, pinned_if_capturing, staged_host_copies, to_device
 from ._pagetable import from_block_tables, from_csr
 from ._prefill_base import _check_lengths_hint
@@ -55,34 +55,6 @@ _PLAN_POSITIONAL = (
     "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking", "block_tables", "seq_lens",
     "fixed_split_size", "disable_split_kv", "q_len_per_req",
 )
-
-
-def _plan_dtypes(q_data_type, kv_data_type, o_data_type, data_type):
-    """``(q, kv, o)`` torch dtypes of a decode plan (FlashInfer's defaults: q float16, kv and o q's; the deprecated
-    ``data_type`` fills only the unset q / kv).  NotImplementedError for mixed dtypes other than an fp8 e4m3 cache
-    under fp16/bf16 q and o."""
-    q_dt = canonical_dtype("q_data_type", q_data_type)
-    kv_dt = canonical_dtype("kv_data_type", kv_data_type)
-    o_dt = canonical_dtype("o_data_type", o_data_type)
-    d_dt = canonical_dtype("data_type", data_type)
-    if d_dt is not None:
-        q_dt = q_dt if q_dt is not None else d_dt
-        kv_dt = kv_dt if kv_dt is not None else d_dt
-    q_dt = q_dt or torch.float16
-    kv_dt = kv_dt or q_dt
-    o_dt = o_dt or q_dt
-    for n, dt in (("q_data_type", q_dt), ("kv_data_type", kv_dt), ("o_data_type", o_dt)):
-        if dt not in (torch.float16, torch.bfloat16) and not (n == "kv_data_type" and dt == torch.float8_e4m3fn):
-            raise NotImplementedError(f"{n}={dt} is not supported; supported: torch.float16, torch.bfloat16"
-                                      + (" (and torch.float8_e4m3fn for kv_data_type)" if n == "kv_data_type" else ""))
-    if not (q_dt == o_dt and kv_dt in (q_dt, torch.float8_e4m3fn)):
-        hint = (" (q_data_type defaults to float16 and the deprecated data_type only fills unset dtypes, "
-                "as in FlashInfer: pass q_data_type)" if d_dt is not None else "")
-        raise NotImplementedError(
-            f"mixed dtypes (q={q_dt}, kv={kv_dt}, o={o_dt}) are not supported; q and o must match, and kv must match "
-            f"them or be torch.float8_e4m3fn{hint}"
-        )
-    return q_dt, kv_dt, o_dt
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -325,7 +297,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if cap > 0 and pos_encoding_mode == "ALIBI":
             raise NotImplementedError("logits_soft_cap together with ALIBI is not supported")
 
-        q_dt, kv_dt, o_dt = _plan_dtypes(q_data_type, kv_data_type, o_data_type, data_type)
+        q_dt, kv_dt, o_dt = plan_dtypes(q_data_type, kv_data_type, o_data_type, data_type)
 
         # --- page table: CSR or dense block table -> (kv_lens, page_offsets, flat indices); as the paged
         # prefill wrapper, block_tables serves the launch when given, and a CSR form given beside it must agree
@@ -379,8 +351,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                     f"every kv_len must be >= q_len_per_req ({q_len_per_req}); request {b} has {int(kv_lens[b])}"
                 )
             if self._use_cuda_graph:
-                self._freeze_signature(self._signature(None, num_qo_heads, num_kv_heads, head_dim, page_size, q_dt,
-                                                       pos_encoding_mode, cap, q_len_per_req, use_table))
+                self._freeze_signature(decode_graph_signature(None, num_qo_heads, num_kv_heads, head_dim, page_size,
+                                                              q_dt, pos_encoding_mode, cap, q_len_per_req, use_table))
             self._plan_multirow(
                 B, q_len_per_req, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                 block_tables, seq_lens, causal=True, pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale,
@@ -400,8 +372,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
             device_index=self.device.index if self.device.type == "cuda" else None)
         if self._use_cuda_graph:
             # a captured graph keeps the kernel, its grid size and the buffers of its capture
-            self._freeze_signature(self._signature(choice, num_qo_heads, num_kv_heads, head_dim, page_size, q_dt,
-                                                   pos_encoding_mode, cap, q_len_per_req, use_table))
+            self._freeze_signature(decode_graph_signature(choice, num_qo_heads, num_kv_heads, head_dim, page_size,
+                                                          q_dt, pos_encoding_mode, cap, q_len_per_req, use_table))
         table_buf = self._bufs.get("block_tables")
         if self._use_cuda_graph and use_table and table_buf is not None and flat.numel() > table_buf.numel():
             raise ValueError("block_tables grew beyond the first plan's size (not allowed in CUDA-graph mode)")
@@ -471,14 +443,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._lse_scratch = torch.empty((B, num_qo_heads), dtype=torch.float32, device=self.device)
         return flat, work_dev, part_o, part_lse, slopes
 
-    @staticmethod
-    def _signature(choice, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, pos_encoding_mode, cap,
-                   q_len_per_req, use_table) -> dict:
-        return dispatch.graph_signature(
-            choice, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-            dtype=dtype, pos_encoding_mode=pos_encoding_mode, soft_cap=cap > 0, q_len_per_req=q_len_per_req,
-            page_table="block_tables" if use_table else "csr")
-
     def _freeze_signature(self, sig: dict) -> None:
         if self._graph_sig is None:
             self._graph_sig = sig
@@ -504,7 +468,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                             paged_kv_last_page_len_buf=self._last_page_len_buf)
             self._multirow = MultiRowDecodePrefillWrapper(self._workspace, self._kv_layout, backend="cute",
                                                           use_cuda_graph=self._use_cuda_graph, **gbuf)
-            self._multirow._launch_entry = "BatchDecodeWithPagedKVCacheWrapper.run"
+            self._multirow._launch_entry = self._launch_entry  # a host launch names the entry point called
         self._multirow.plan(to_device(qo_indptr, self.device, True), indptr, indices, last_page_len, num_qo_heads,
                             num_kv_heads, head_dim, page_size, block_tables=block_tables, seq_lens=seq_lens,
                             **plan_kw)

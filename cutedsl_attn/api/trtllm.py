@@ -41,8 +41,8 @@ import numbers
 
 import torch
 
-from ._common import (canonical_dtype, check_bool, check_devices, check_float, check_int, check_kv_layout,
-                      check_optional_bool, check_tensor)
+from ._common import (canonical_dtype, check_bool, check_devices, check_float, check_head_dim, check_heads, check_int,
+                      check_kv_layout, check_one_device, check_optional_bool, check_tensor)
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper, MultiRowDecodePrefillWrapper
 
@@ -150,6 +150,26 @@ def _host_lens(name: str, t, batch: int | None) -> torch.Tensor:
     return h.to(torch.int32)
 
 
+def _check_page_table(name: str, table: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> None:
+    """``name`` (a 2-D table whose rows are checked by the caller) int32 and wide enough for ``kv_lens`` at
+    ``page_size``: the planned wrapper's rules, checked here in the entry point's names before the device check."""
+    if table.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {table.dtype}")
+    if kv_lens.numel() and int(kv_lens.max()) > table.shape[1] * page_size:
+        need = -(-int(kv_lens.max()) // page_size)
+        raise ValueError(f"{name} is too narrow for seq_lens: the longest sequence ({int(kv_lens.max())} tokens at "
+                         f"page_size {page_size}) needs {need} columns, {name} has {table.shape[1]}")
+
+
+def _check_outputs(out, lse, shape, dtype) -> None:
+    """``out`` (``shape``, ``dtype``) and ``lse`` (fp32 ``shape[:2]``) when given: the planned wrapper's run()
+    rules, checked here before the device check so that a wrong shape or dtype is reported as such."""
+    if out is not None:
+        check_tensor("out", out, shape=shape, dtype=dtype)
+    if lse is not None:
+        check_tensor("lse", lse, shape=tuple(shape[:2]), dtype=torch.float32)
+
+
 def _check_sinks(sinks, hq: int, device):
     if sinks is None:
         return None
@@ -217,21 +237,23 @@ def _workspace(workspace_buffer, name: str = "workspace_buffer") -> torch.Tensor
 
 # ----------------------------------------------------------------------------- one planned launch
 def _run_paged(q, k, v, *, kv_layout, block_tables, kv_lens, q_lens, page_size, sm_scale, output_scale, window_left,
-               sinks, out, lse, return_lse, workspace, custom_mask=None):
+               sinks, out, lse, return_lse, workspace, where, custom_mask=None):
     """Plan and run one batch on the decode kernel (one query row per request, no mask) or on the paged prefill
     kernel (bottom-right causal rows, or a custom mask); ``q_lens``: host int32 ``[B]`` rows per request.  Both
-    read a cache of q's dtype or torch.float8_e4m3fn."""
+    read a cache of q's dtype or torch.float8_e4m3fn.  ``where``: the entry point a host launch's error names."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[2] if kv_layout == "NHD" else k.shape[1]
     cache = (k, v)
     if custom_mask is None and bool((q_lens == 1).all()):
         w = BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout, use_tensor_cores=True, backend="cute")
+        w._launch_entry = where
         w.plan(None, None, None, hq, hkv, d, page_size, window_left=window_left, q_data_type=q.dtype,
                kv_data_type=k.dtype, sm_scale=sm_scale, block_tables=block_tables, seq_lens=kv_lens)
         return w.run(q, cache, v_scale=output_scale, out=out, lse=lse, return_lse=return_lse, sinks=sinks)
     qo_indptr = torch.zeros(q_lens.numel() + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.cumsum(q_lens, 0)
     w = MultiRowDecodePrefillWrapper(workspace, kv_layout, backend="cute")
+    w._launch_entry = where
     w.plan(qo_indptr, None, None, None, hq, hkv, d, page_size, custom_mask=custom_mask, causal=custom_mask is None,
            sm_scale=sm_scale, window_left=window_left, q_data_type=q.dtype, kv_data_type=k.dtype,
            block_tables=block_tables, seq_lens=kv_lens)
@@ -287,7 +309,8 @@ def trtllm_batch_decode_with_kv_cache(
 
     Raises:
       TypeError / ValueError: malformed arguments (each message names it), before any launch; the tensors the
-        kernel reads or writes not on one CUDA device, before any planning.
+        kernel reads or writes not on one CUDA device, before any planning (a wrong shape or dtype is reported
+        first, whatever the device).
       RuntimeError: called inside a CUDA-graph capture (the host planning cannot be captured).
       KeyError: unknown ``backend`` or ``kv_layout`` (as FlashInfer).
       NotImplementedError: NVFP4 output (``out_dtype="nvfp4"``, ``o_sf_scale``, ``o_sf_vec_size``) or KV
@@ -319,11 +342,12 @@ def trtllm_batch_decode_with_kv_cache(
     if cp_rank != 0:
         raise ValueError(f"cp_rank must be 0 with cp_world=1, got {cp_rank!r}")
     _check_query("query", query, ndim=3)
-    # the tensors the kernel reads and writes (seq_lens / cum_seq_lens_q may be on the host: planning reads them)
-    check_devices("trtllm_batch_decode_with_kv_cache", [
-        ("query", query), *_cache_entries("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer),
-        ("block_tables", block_tables), ("out", out), ("lse", lse), ("sinks", sinks),
-        ("multi_ctas_kv_counter_buffer", multi_ctas_kv_counter_buffer)])
+    # the tensors the kernel reads and writes (seq_lens / cum_seq_lens_q may be on the host: planning reads them):
+    # one device now, CUDA once the shapes and dtypes are checked
+    devices = [("query", query), *_cache_entries("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer),
+               ("block_tables", block_tables), ("out", out), ("lse", lse), ("sinks", sinks),
+               ("multi_ctas_kv_counter_buffer", multi_ctas_kv_counter_buffer)]
+    check_one_device("trtllm_batch_decode_with_kv_cache", devices)
     if _scalar("o_scale", 1.0 if o_scale is None else o_scale, positive=True) != 1.0:
         raise NotImplementedError("o_scale != 1.0 is not supported: it scales an fp8 output (not served); fold "
                                   "1/o_scale into bmm2_scale")
@@ -336,9 +360,12 @@ def trtllm_batch_decode_with_kv_cache(
     max_seq_len = check_int("max_seq_len", max_seq_len, 0)
     if B and int(kv_lens.max()) > max_seq_len:
         raise ValueError(f"max_seq_len ({max_seq_len}) is below the longest seq_lens ({int(kv_lens.max())})")
+    _check_page_table("block_tables", block_tables, kv_lens, page_size)
     n, hq = query.shape[0], query.shape[1]
     if query.shape[2] != d:
         raise ValueError(f"query head_dim {query.shape[2]} != the KV cache's {d}")
+    check_head_dim(d)
+    check_heads(hq, hkv)
     if cum_seq_lens_q is not None or max_q_len is not None:
         if cum_seq_lens_q is None or max_q_len is None:
             raise ValueError("cum_seq_lens_q and max_q_len must be given together")
@@ -365,8 +392,10 @@ def trtllm_batch_decode_with_kv_cache(
     multirow = bool((q_lens != 1).any())
     _check_kv_dtype(k, query.dtype)
     _check_out_dtype(out_dtype, out, query.dtype)
+    _check_outputs(out, lse, tuple(query.shape), query.dtype)
     sinks = _check_sinks(sinks, hq, query.device)
     _counter_buffer(multi_ctas_kv_counter_buffer, query.device)
+    workspace = _workspace(workspace_buffer)
     custom_mask = None
     if mask is not None and multirow:
         if q_len is None:
@@ -377,10 +406,11 @@ def trtllm_batch_decode_with_kv_cache(
                 "ignores mask (its rows are bottom-right causal) and this package would apply it, a different "
                 "answer; pass mask=None for trtllm-gen's causal rows, or backend='xqa' / 'auto' for xqa's draft mask")
         custom_mask = _unpack_spec_mask(mask, B, q_len, kv_lens)
+    check_devices("trtllm_batch_decode_with_kv_cache", devices)
     return _run_paged(query, k, v, kv_layout=kv_layout, block_tables=block_tables, kv_lens=kv_lens, q_lens=q_lens,
                       page_size=page_size, sm_scale=sm_scale, output_scale=output_scale, window_left=window_left,
-                      sinks=sinks, out=out, lse=lse, return_lse=return_lse, workspace=_workspace(workspace_buffer),
-                      custom_mask=custom_mask)
+                      sinks=sinks, out=out, lse=lse, return_lse=return_lse, workspace=workspace,
+                      where="trtllm_batch_decode_with_kv_cache", custom_mask=custom_mask)
 
 
 # ----------------------------------------------------------------------------- xqa
@@ -408,7 +438,8 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
 
     Raises:
       TypeError / ValueError: malformed arguments (each message names it), before any launch; the tensors the
-        kernel reads or writes not on one CUDA device, before any planning.
+        kernel reads or writes not on one CUDA device, before any planning (a wrong shape or dtype is reported
+        first, whatever the device).
       RuntimeError: called inside a CUDA-graph capture.  KeyError: bad ``kv_layout``.
       NotImplementedError: beam width > 1, ragged ``q_cu_seq_lens``, NVFP4 KV (``k_sf_cache`` / ``v_sf_cache``),
         ``enable_pdl=True``, fp8 output, a sliding window with ``q_seq_len > 1``, other dtypes.
@@ -421,9 +452,9 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
                  "enable_pdl=True (PDL)": bool(enable_pdl)})
     q_seq_len = check_int("q_seq_len", q_seq_len, 1)
     _check_query("q", q, ndim=4 if q_seq_len == 1 else 5)
-    check_devices("xqa", [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table),
-                          ("output", output), ("workspace_buffer", workspace_buffer), ("semaphores", semaphores),
-                          ("sinks", sinks)])
+    devices = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_table", page_table), ("output", output),
+               ("workspace_buffer", workspace_buffer), ("semaphores", semaphores), ("sinks", sinks)]
+    check_one_device("xqa", devices)  # CUDA once the shapes and dtypes are checked
     if q.shape[1] != 1:
         raise NotImplementedError(f"beam width {q.shape[1]} is not supported; supported: 1")
     if q_seq_len > 1 and q.shape[2] != q_seq_len:
@@ -450,6 +481,8 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
         raise ValueError(f"q head_dim {q.shape[-1]} != the caches' {d}")
     if hq % hkv:
         raise ValueError(f"the query heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
+    check_head_dim(d)
+    check_heads(hq, hkv)
     _check_kv_dtype(k, q.dtype)
     fp8 = k.dtype == FP8
     check_tensor("page_table", page_table, ndim=2)
@@ -459,6 +492,7 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
     if seq_lens.shape not in ((B, 1), (B,)):
         raise ValueError(f"seq_lens must have shape [B, beam_width] = [{B}, 1], got {tuple(seq_lens.shape)}")
     kv_lens = _host_lens("seq_lens", seq_lens.reshape(-1), B)
+    _check_page_table("page_table", page_table, kv_lens, page_size)
     if sinks is not None:
         check_tensor("sinks", sinks, shape=(hkv, hq // hkv))
     sinks = _check_sinks(sinks, hq, q.device)
@@ -476,12 +510,14 @@ def xqa(q, k_cache, v_cache, page_table, seq_lens, output, workspace_buffer, sem
         if B and (kv_lens < q_seq_len).any():
             raise ValueError(f"every seq_lens must be >= q_seq_len ({q_seq_len})")
         custom_mask = _unpack_spec_mask(mask, B, q_seq_len, kv_lens)
+    workspace = _workspace(workspace_buffer)
+    check_devices("xqa", devices)
     q3 = q.reshape(B * q_seq_len, hq, d)
     o3 = output.view(B * q_seq_len, hq, d) if output.is_contiguous() else None
     res = _run_paged(q3, k, v, kv_layout=kv_layout, block_tables=page_table, kv_lens=kv_lens,
                      q_lens=torch.full((B,), q_seq_len, dtype=torch.int32), page_size=page_size, sm_scale=sm_scale,
                      output_scale=output_scale, window_left=sliding_win_size - 1, sinks=sinks, out=o3, lse=None,
-                     return_lse=False, workspace=_workspace(workspace_buffer), custom_mask=custom_mask)
+                     return_lse=False, workspace=workspace, where="xqa", custom_mask=custom_mask)
     if o3 is None:  # a strided output: the kernel wrote a contiguous copy (rounded and scaled already)
         output.copy_(res.view(output.shape))
     return None
@@ -517,7 +553,7 @@ def trtllm_batch_context_with_kv_cache(
 
     Raises:
       TypeError / ValueError: malformed arguments (each message names it), other ``backend`` names, the tensors
-        the kernel reads or writes not on one CUDA device (before any planning).
+        the kernel reads or writes not on one CUDA device (before any planning, after the shape and dtype checks).
       RuntimeError: called inside a CUDA-graph capture.  KeyError: bad ``kv_layout``.
       NotImplementedError: ``window_left >= 0`` with ``causal=False``, NVFP4 output / KV, ``enable_pdl=True``,
         skip-softmax, separate K/V page tables, ``use_fp16_softmax``, ``uses_spcompress``, an fp8 KV cache.
@@ -540,10 +576,10 @@ def trtllm_batch_context_with_kv_cache(
     if not causal and window_left is not None and not isinstance(window_left, bool) and window_left >= 0:
         raise NotImplementedError("window_left >= 0 with causal=False is not supported")
     _check_query("query", query, ndim=3)
-    check_devices("trtllm_batch_context_with_kv_cache", [
-        ("query", query), *_cache_entries("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer),
-        ("block_tables", block_tables), ("out", out), ("lse", lse), ("sinks", sinks),
-        ("multi_ctas_kv_counter_buffer", multi_ctas_kv_counter_buffer)])
+    devices = [("query", query), *_cache_entries("kv_cache", kv_cache), ("workspace_buffer", workspace_buffer),
+               ("block_tables", block_tables), ("out", out), ("lse", lse), ("sinks", sinks),
+               ("multi_ctas_kv_counter_buffer", multi_ctas_kv_counter_buffer)]
+    check_one_device("trtllm_batch_context_with_kv_cache", devices)  # CUDA once the shapes and dtypes are checked
     sm_scale = _scalar("bmm1_scale", bmm1_scale, positive=True)
     output_scale = _scalar("bmm2_scale", bmm2_scale, positive=False)
     k, v, page_size, hkv, d = _split_kv_cache(kv_cache, kv_layout)
@@ -562,17 +598,24 @@ def trtllm_batch_context_with_kv_cache(
         raise ValueError(f"cum_seq_lens_kv {ckv.tolist()} must be the prefix sums of seq_lens {kv_lens.tolist()}")
     if query.shape[2] != d:
         raise ValueError(f"query head_dim {query.shape[2]} != the KV cache's {d}")
+    _check_page_table("block_tables", block_tables, kv_lens, page_size)
+    check_head_dim(d)
+    check_heads(query.shape[1], hkv)
     for name, hint, lens in (("max_q_len", max_q_len, q_lens), ("max_kv_len", max_kv_len, kv_lens)):
         hint = check_int(name, hint, 0)
         if batch_size and int(lens.max()) > hint:
             raise ValueError(f"{name} ({hint}) is below the longest length ({int(lens.max())})")
     _check_kv_dtype(k, query.dtype, fp8_unserved_in="trtllm_batch_context_with_kv_cache")
     _check_out_dtype(out_dtype, out, query.dtype)
+    _check_outputs(out, lse, tuple(query.shape), query.dtype)
     sinks = _check_sinks(sinks, query.shape[1], query.device)
     _counter_buffer(multi_ctas_kv_counter_buffer, query.device)
+    workspace = _workspace(workspace_buffer)
+    check_devices("trtllm_batch_context_with_kv_cache", devices)
     qo_indptr = cq
     hq = query.shape[1]
-    w = BatchPrefillWithPagedKVCacheWrapper(_workspace(workspace_buffer), kv_layout, backend="cute")
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout, backend="cute")
+    w._launch_entry = "trtllm_batch_context_with_kv_cache"
     w.plan(qo_indptr, None, None, None, hq, hkv, d, page_size, causal=causal, sm_scale=sm_scale,
            window_left=window_left, q_data_type=query.dtype, kv_data_type=k.dtype, block_tables=block_tables,
            seq_lens=kv_lens)

@@ -35,8 +35,8 @@ import numbers
 
 import torch
 
-from ..api._common import (canonical_dtype, check_devices, check_head_dim, check_heads, check_int, check_tensor,
-                           check_window_left)
+from ..api._common import (canonical_dtype, check_devices, check_head_dim, check_heads, check_int, check_one_device,
+                           check_tensor, check_window_left, host_tensors_reach_launch)
 from ..api.decode import BatchDecodeWithPagedKVCacheWrapper
 from ..api.prefill_paged import MultiRowDecodePrefillWrapper
 from ..planning import decode as _pd
@@ -112,6 +112,13 @@ def cache_geometry(paged_kv_cache) -> tuple:
         raise NotImplementedError(f"k and v caches of different dtypes ({k.dtype}, {v.dtype}) are not supported")
     _, hkv, ps, d = k.shape
     return k, v, int(hkv), int(ps), int(d), k.dtype
+
+
+def cache_entries(paged_kv_cache) -> list:
+    """``(name, tensor)`` pairs of ``paged_kv_cache`` (one tensor or a ``(k, v)`` tuple), for the device checks."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        return [(f"paged_kv_cache[{i}]", t) for i, t in enumerate(paged_kv_cache)]
+    return [("paged_kv_cache", paged_kv_cache)]
 
 
 def check_block_tables(block_tables, batch_size: int, device) -> torch.Tensor:
@@ -228,6 +235,8 @@ class BatchDecodePagedTSWrapper:
       kv_layout: ``"HND"`` (``"NHD"``: NotImplementedError, else ValueError).
     """
 
+    _launch_entry = "BatchDecodePagedTSWrapper.run"  # a host launch's error names it (the one-shot: its own)
+
     def __init__(self, kv_layout: str = "HND") -> None:
         check_kv_layout(kv_layout)
         self._kv_layout = kv_layout
@@ -265,7 +274,8 @@ class BatchDecodePagedTSWrapper:
 
         Raises:
           TypeError / ValueError: malformed arguments, lengths above ``max_kv_len``, causal lengths shorter than the
-            query rows.  NotImplementedError: NHD, dtypes (float8_e5m2, fp8 q or output, mixed 16-bit), head_dim,
+            query rows; ``device`` not CUDA (after every other check; a host device passes only when cross-compiling
+            without a GPU).  NotImplementedError: NHD, dtypes (float8_e5m2, fp8 q or output, mixed 16-bit), head_dim,
             group size, a storage page size differing.
         """
         device = torch.device(device)
@@ -317,6 +327,10 @@ class BatchDecodePagedTSWrapper:
             lens = torch.full((B,), max_kv, dtype=torch.int64)
         if workspace_buffer is not None:
             check_tensor("workspace_buffer", workspace_buffer, device=device)
+        # every argument is checked by now (seq_lens and workspace_buffer against device): device must be CUDA,
+        # here rather than in the wrapper planned through, which would name its own arguments
+        if device.type != "cuda" and not host_tensors_reach_launch():
+            raise ValueError(f"BatchDecodePagedTSWrapper.plan: device must be a CUDA device, got {device}")
         multirow = packed_query or sq > 1
         C = -(-max_kv // ps)
         key = (device, B, Hq, Hkv, D, ps, C, q_dt, kv_dt, multirow, mask_type, wl, fixed, split_kv, self._graph,
@@ -346,16 +360,19 @@ class BatchDecodePagedTSWrapper:
         self._table = torch.zeros((B, C), **i32)  # the page table the kernels read, refreshed at every run
         if not self._graph:
             cls = MultiRowDecodePrefillWrapper if multirow else BatchDecodeWithPagedKVCacheWrapper
-            return cls(workspace_buffer, "HND", backend="cute")
-        if multirow:
-            return MultiRowDecodePrefillWrapper(
+            inner = cls(workspace_buffer, "HND", backend="cute")
+        elif multirow:
+            inner = MultiRowDecodePrefillWrapper(
                 workspace_buffer, "HND", use_cuda_graph=True, qo_indptr_buf=torch.empty(B + 1, **i32),
                 paged_kv_indptr_buf=torch.empty(B + 1, **i32), paged_kv_indices_buf=torch.empty(B * C, **i32),
                 paged_kv_last_page_len_buf=torch.empty(B, **i32), backend="cute")
-        return BatchDecodeWithPagedKVCacheWrapper(
-            workspace_buffer, "HND", use_cuda_graph=True, use_tensor_cores=True,
-            paged_kv_indptr_buffer=torch.empty(B + 1, **i32), paged_kv_indices_buffer=torch.empty(B * C, **i32),
-            paged_kv_last_page_len_buffer=torch.empty(B, **i32), backend="cute")
+        else:
+            inner = BatchDecodeWithPagedKVCacheWrapper(
+                workspace_buffer, "HND", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.empty(B + 1, **i32), paged_kv_indices_buffer=torch.empty(B * C, **i32),
+                paged_kv_last_page_len_buffer=torch.empty(B, **i32), backend="cute")
+        inner._launch_entry = self._launch_entry  # a host launch's error names this entry point, not the inner one
+        return inner
 
     def _plan_inner(self, qo_host, check_causal: bool = True) -> None:
         p = self._plan
@@ -403,11 +420,15 @@ class BatchDecodePagedTSWrapper:
 
         Raises:
           RuntimeError: run before plan.  TypeError / ValueError: the ownership rule, shapes, dtypes, devices,
-          scales.  NotImplementedError: ``kv_scale_factors``.
+          scales; the tensors not on one CUDA device (after the shape and dtype checks).  NotImplementedError:
+          ``kv_scale_factors``.
         """
         p = self._plan
         if p is None:
             raise RuntimeError("plan() must be called before run()")
+        devices = [("q", q), *cache_entries(paged_kv_cache), ("seq_lens", seq_lens), ("block_tables", block_tables),
+                   ("qo_indptr", qo_indptr), ("out", out)]
+        check_one_device("BatchDecodePagedTSWrapper.run", devices)  # CUDA once the shapes and dtypes are checked
         if kv_scale_factors is not None:
             raise NotImplementedError("kv_scale_factors (NVFP4 / fp8 KV scale factors) is not supported; "
                                       "supported: float16 / bfloat16 and per-tensor float8_e4m3fn caches (fold "
@@ -448,6 +469,7 @@ class BatchDecodePagedTSWrapper:
             check_seq_lens("seq_lens", seq_lens, B, dev)
         if out is not None:
             check_tensor("out", out, shape=shape, dtype=p["dtype"], device=dev)
+        qo_host = None  # the packed rows, read on the host outside a capture
         if p["packed"] and not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             qo_host = check_qo_indptr(qo_indptr, dev)
             if qo_host.numel() != B + 1:
@@ -456,8 +478,9 @@ class BatchDecodePagedTSWrapper:
                 raise ValueError(f"q has {q.shape[0]} rows but qo_indptr[-1] = {int(qo_host[-1])}")
             if int((qo_host[1:] - qo_host[:-1]).max()) > p["sq"]:
                 raise ValueError(f"a request of qo_indptr has more than max_seq_len_q = {p['sq']} rows")
-            if p["qo_host"] is None or not torch.equal(qo_host, p["qo_host"]):
-                self._plan_inner(qo_host)
+        check_devices("BatchDecodePagedTSWrapper.run", devices)
+        if qo_host is not None and (p["qo_host"] is None or not torch.equal(qo_host, p["qo_host"])):
+            self._plan_inner(qo_host)
         self._refresh(block_tables, seq_lens)
         q3 = q.reshape(-1, Hq, D)
         o3 = None if out is None else out.view(-1, Hq, D) if out.is_contiguous() else None
@@ -547,18 +570,16 @@ def batch_decode_with_paged_kv_cache(
 
     Raises:
       TypeError / ValueError: malformed arguments (each named), a mask / window / length rule broken, the
-        tensors not on one CUDA device (before any planning).
+        tensors not on one CUDA device (before any planning, after the shape and dtype checks).
       NotImplementedError: ``kv_layout="NHD"``, dtypes other than fp16 -> fp16 / bf16 -> bf16 (either over an
         fp8 e4m3 cache), head_dim, GQA group above 16, ``kv_scale_factors``.
     """
     check_kv_layout(kv_layout)
     wl = check_mask(mask_type, window_left)
     check_tensor("q", q)
-    cache = list(paged_kv_cache) if isinstance(paged_kv_cache, (tuple, list)) else [paged_kv_cache]
-    check_devices("batch_decode_with_paged_kv_cache", [
-        ("q", q), *((f"paged_kv_cache[{i}]" if len(cache) > 1 else "paged_kv_cache", t) for i, t in enumerate(cache)),
-        ("block_tables", block_tables), ("seq_lens_kv", seq_lens_kv), ("qo_indptr", qo_indptr), ("out", out),
-        ("workspace_buffer", workspace_buffer)])
+    devices = [("q", q), *cache_entries(paged_kv_cache), ("block_tables", block_tables), ("seq_lens_kv", seq_lens_kv),
+               ("qo_indptr", qo_indptr), ("out", out), ("workspace_buffer", workspace_buffer)]
+    check_one_device("batch_decode_with_paged_kv_cache", devices)  # CUDA once the shapes and dtypes are checked
     if kv_scale_factors is not None:
         raise NotImplementedError("kv_scale_factors (NVFP4 / fp8 KV scale factors) is not supported; supported: "
                                   "float16 / bfloat16 and per-tensor float8_e4m3fn caches (fold the scales into "
@@ -588,6 +609,8 @@ def batch_decode_with_paged_kv_cache(
     Hq, D = int(q.shape[-2]), int(q.shape[-1])
     if D != d:
         raise ValueError(f"q head_dim {D} differs from the cache's {d}")
+    check_head_dim(D)
+    check_heads(Hq, hkv)
     o_dt = out_dtype if out_dtype is not None else (out.dtype if out is not None else q.dtype)
     if out is not None and out.dtype != o_dt:
         raise ValueError(f"out dtype {out.dtype} differs from out_dtype {o_dt}")
@@ -608,15 +631,18 @@ def batch_decode_with_paged_kv_cache(
             b = int((host < q_lens).nonzero()[0])
             raise ValueError(f"mask_type='causal' needs q_len <= kv_len per request; request {b} has q_len "
                              f"{int(q_lens[b])} > kv_len {int(host[b])}")
+    check_scale("bmm1_scale", bmm1_scale, default=1.0 / math.sqrt(D))
+    check_scale("bmm2_scale", bmm2_scale)
+    if out is not None:
+        check_tensor("out", out, shape=q.shape, dtype=o_dt)
+    if workspace_buffer is not None:
+        check_tensor("workspace_buffer", workspace_buffer)
+    check_devices("batch_decode_with_paged_kv_cache", devices)
     if B == 0:  # nothing to launch (a zero-size grid is not launchable): an empty output, as trtllm's decode
-        check_scale("bmm1_scale", bmm1_scale, default=1.0 / math.sqrt(D))
-        check_scale("bmm2_scale", bmm2_scale)
-        if out is None:
-            return torch.empty(q.shape, dtype=o_dt, device=dev)
-        check_tensor("out", out, shape=q.shape, dtype=o_dt, device=dev)
-        return out
+        return torch.empty(q.shape, dtype=o_dt, device=dev) if out is None else out
     w = BatchDecodePagedTSWrapper(kv_layout)
     w._graph = False  # one call: no padded CUDA-graph grid, split-KV tiles as the decode wrapper plans them
+    w._launch_entry = "batch_decode_with_paged_kv_cache"
     w.plan(dev, B, Hq, hkv, D, ps, max_kv, max_seq_len_q=sq, packed_query=packed, q_data_type=q.dtype,
            kv_data_type=kv_dt, mask_type=mask_type, window_left=wl, seq_lens=lens, workspace_buffer=workspace_buffer,
            split_kv=split_kv)
