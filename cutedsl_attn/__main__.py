@@ -8,8 +8,9 @@ Subcommands::
          print its SASS (needs cuobjdump or nvdisasm from a CUDA toolkit)
     resources decode [same options]
          print its resources: registers and stack bytes per thread of each kernel in its cubin (the DSL's own
-         assembler; no GPU, no CUDA toolkit), the shared memory and TMEM columns its config plans, and the
-         setmaxnreg budget of each warp role where the kernel rebalances registers
+         assembler; no GPU, no CUDA toolkit), the shared memory and TMEM columns its config plans with the CTAs
+         an SM each kernel is planned for, and the setmaxnreg budget of each warp role where the kernel
+         rebalances registers
     demo [--cpu] [...]
          run the demo (cutedsl_attn._demo: Llama-3-8B-shaped decode step + real-model check on a
          GPU; cross-compile + instruction summary without one)
@@ -29,8 +30,8 @@ def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=["decode", "prefill", "mla", "gdn"],
                    help="kernel family (decode: the paged-decode kernel, see --kernel; prefill: the prefill kernel "
                         "dispatch picks for --arch, see --kernel; mla: the MLA decode kernel dispatch picks (on "
-                        "sm_90a the SM90 one at page size 64, fp8 caches included (the choice for 64 heads and more), "
-                        "else the portable one; CUTEDSL_ATTN_MLA_KERNEL=portable|sm90 forces one); gdn: the GDN prefill kernel dispatch picks (on "
+                        "sm_90a the SM90 one at page size 64, fp8 caches included, and for 16-bit caches at the "
+                        "page sizes dividing 64 (the choice for 64 heads and more), else the portable one; CUTEDSL_ATTN_MLA_KERNEL=portable|sm90 forces one); gdn: the GDN prefill kernel dispatch picks (on "
                         "sm_90a the SM90 chunked one; other GDN problems through cutedsl_attn.inspect's keywords))")
     p.add_argument("--arch", default=os.environ.get("CUTEDSL_ATTN_ARCH") or "sm_90a",
                    help="target architecture: sm_90a, sm_100a, sm_103a, hopper, blackwell (default: "
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("resources", help="print the registers, stack, shared memory and TMEM of a kernel config",
                        description="Print the resources of a kernel config compiled for --arch (no GPU needed): "
                                    "registers and stack bytes per thread of each kernel of its cubin, the shared "
-                                   "memory and TMEM columns its config plans, its warp roles' setmaxnreg budgets.")
+                                   "memory and TMEM columns its config plans and the CTAs an SM each kernel is "
+                                   "planned for, its warp roles' setmaxnreg budgets.")
     _add_kernel_args(r)
     sub.add_parser("demo", help="run the demo (GPU: Llama-3-8B decode step + real-model check; "
                                 "no GPU: cross-compile and summarise the PTX)", add_help=False)
