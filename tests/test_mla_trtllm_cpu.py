@@ -107,6 +107,16 @@ def test_scales_views_and_plan_reach_mla_args(cross, launched):
         assert int(mine[:, 2].max()) == L and (mine[:, -1] == 2).all() and (mine[:, -2] == 2 * b).all()
 
 
+@pytest.mark.parametrize("backend", ["trtllm-gen", "xqa", "cute"])
+def test_flashinfer_backend_names_run_our_kernel(cross, launched, backend):
+    """FlashInfer's trtllm-gen / xqa names run the same plan and kernel as ``auto`` (as the trtllm decode entry)."""
+    a = _case()
+    api.trtllm_batch_decode_with_kv_cache_mla(**a, backend=backend)
+    api.trtllm_batch_decode_with_kv_cache_mla(**a)
+    (m1, c1, a1), (m2, c2, a2) = launched
+    assert m1 is m2 and c1 == c2 and torch.equal(a1.work, a2.work)
+
+
 def test_decode_defaults_and_4d_cache(cross, launched):
     a = _case(q_len=1, PS=64, lens=(64, 100, 1))
     a["kv_cache"] = a["kv_cache"].view(8, 1, 64, D)
@@ -178,8 +188,8 @@ def _bad(**change):
     (dict(lse=torch.empty(3, 8)), ValueError, "lse must have shape"),
     (dict(lse=torch.empty(16, 3).t()), ValueError, "lse must be contiguous"),
     (dict(workspace_buffer=torch.zeros(64, dtype=torch.uint8)), ValueError, "workspace_buffer holds"),
-    (dict(backend="trtllm-gen"), NotImplementedError, "'auto', 'cute'"),
-    (dict(backend="xqa"), NotImplementedError, "'auto', 'cute'"),
+    (dict(backend="cute-dsl"), NotImplementedError, "'auto', 'cute', 'trtllm-gen', 'xqa'"),
+    (dict(backend="sparse"), NotImplementedError, "'auto', 'cute'"),
     (dict(backend="fa3"), ValueError, "backend must be one of"),
     (dict(sparse_mla_top_k=2048), NotImplementedError, "sparse_mla_top_k"),
     (dict(sinks=[torch.zeros(16)]), NotImplementedError, "sinks"),

@@ -36,8 +36,9 @@ from ._pagetable import from_block_tables
 
 __all__ = ["trtllm_batch_decode_with_kv_cache_mla", "xqa_mla"]
 
-_BACKENDS = ("auto", "cute")
-_FLASHINFER_BACKENDS = ("trtllm-gen", "xqa", "cute-dsl", "sparse")
+#: "trtllm-gen" / "xqa": FlashInfer's kernel names, run on this package's MLA kernel (as the trtllm decode entry does)
+_BACKENDS = ("auto", "cute", "trtllm-gen", "xqa")
+_FLASHINFER_BACKENDS = ("cute-dsl", "sparse")
 _DTYPES = (torch.bfloat16, torch.float16)
 _E4M3 = torch.float8_e4m3fn
 MAX_PAGE_SIZE = 64
@@ -52,7 +53,7 @@ def _check_backend(backend) -> None:
         return
     if backend in _FLASHINFER_BACKENDS:
         raise NotImplementedError(f"backend={backend!r} is not served; trtllm_batch_decode_with_kv_cache_mla "
-                                  "backends here: 'auto', 'cute' (the CuTe DSL MLA kernel)")
+                                  "backends here: 'auto', 'cute', 'trtllm-gen', 'xqa' (all the CuTe DSL MLA kernel)")
     raise ValueError(f"backend must be one of {_BACKENDS + _FLASHINFER_BACKENDS}, got {backend!r}")
 
 
@@ -310,7 +311,8 @@ def trtllm_batch_decode_with_kv_cache_mla(
         zero by the kernel); None: a fresh zeroed one per call.
       enable_pdl: None or False (True: NotImplementedError, no programmatic dependent launch here, as the
         decode entry points).  is_var_seq: accepted, no effect.
-      backend: ``"auto"`` or ``"cute"``; FlashInfer's other names raise NotImplementedError.
+      backend: ``"auto"``, ``"cute"``, or FlashInfer's ``"trtllm-gen"`` / ``"xqa"``, all run on this package's MLA
+        kernel; ``"cute-dsl"`` and ``"sparse"`` raise NotImplementedError.
       sparse_mla_top_k (0), sinks, skip_softmax_threshold_scale_factor, uses_shared_paged_kv_idx (True),
       cute_dsl_impl / kv_scale_format ("auto"), cum_seq_lens_q, max_q_len, sparse_mla_top_k_lens, enable_dcp
       (False), cp_world (1), cp_rank (0), causal_seqlens_kv_global, use_fp16_softmax (None/False): only those
