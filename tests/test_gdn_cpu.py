@@ -336,6 +336,19 @@ def test_decode_validation():
         api.gated_delta_rule_decode_pretranspose(q, k, v, None, A_log, a, dt_bias, b, initial_state=pool,
                                                  initial_state_indices=torch.tensor([0, 1, 2]),
                                                  output_state_indices=torch.tensor([1, 3, 4]))
+    with pytest.raises(ValueError, match="output_state_indices must be unique"):
+        api.gated_delta_rule_decode_pretranspose(q, k, v, None, A_log, a, dt_bias, b, initial_state=pool,
+                                                 initial_state_indices=torch.tensor([0, 1, 2]),
+                                                 output_state_indices=torch.tensor([3, 3, 4]))
+    with pytest.raises(ValueError, match="same sequence"):  # a shared read row one of the sharers writes
+        api.gated_delta_rule_decode_pretranspose(q, k, v, None, A_log, a, dt_bias, b, initial_state=pool,
+                                                 initial_state_indices=torch.tensor([0, 0, 1]),
+                                                 output_state_indices=torch.tensor([0, 3, 4]))
+    # two sequences forking from one read row, each writing its own: the checks pass (then the CPU refusal)
+    with pytest.raises(ValueError, match=CUDA_ONLY):
+        api.gated_delta_rule_decode_pretranspose(q, k, v, None, A_log, a, dt_bias, b, initial_state=pool,
+                                                 initial_state_indices=torch.tensor([0, 0, 1]),
+                                                 output_state_indices=torch.tensor([3, 4, 5]))
     with pytest.raises(NotImplementedError, match="served"):
         api.gated_delta_rule_decode_pretranspose(q[..., :32], k[..., :32], v[..., :32], st[..., :32, :32],
                                                  A_log, a, dt_bias, b)

@@ -67,8 +67,10 @@ def gated_delta_rule_decode_pretranspose(q, k, v, state, A_log, a, dt_bias, b, s
         output: ``[B, T, HO, V]`` contiguous buffer of q's dtype on q's device; None = allocated.
         use_qk_l2norm: l2-normalise q and k in the kernel.
         initial_state: a pool ``[P, HV, V, K]`` (instead of ``state``), read at rows ``initial_state_indices``
-            and written in place at rows ``output_state_indices`` (default: the same rows), unique; checking
-            that reads the indices back (one stream sync a call, none inside a CUDA graph capture).
+            and written in place at rows ``output_state_indices`` (default: the same rows): the written rows
+            unique, a row read by one sequence written by no other (sequences may share a read row when
+            ``output_state_indices`` gives each its own); checking that reads the indices back (one stream
+            sync a call, none inside a CUDA graph capture).
 
     Returns:
         ``(output, state)`` (the pool when ``initial_state`` is given).
@@ -139,7 +141,10 @@ def _decode(q, k, v, state, A_log, a, dt_bias, b, scale, output, use_qk_l2norm, 
     for name, ix in (("initial_state_indices", initial_state_indices), ("output_state_indices",
                                                                         output_state_indices)):
         dup, rng = _unique_in_range(ix, pool.shape[0])
-        checks += [(dup, f"{name} must be unique"), (rng, f"{name} must be in [0, {pool.shape[0]})")]
+        checks.append((rng, f"{name} must be in [0, {pool.shape[0]})"))
+        # sequences may fork from one read row when each writes a row of its own (the cross check below)
+        if name == "output_state_indices" or output_state_indices is initial_state_indices:
+            checks.append((dup, f"{name} must be unique"))
     if output_state_indices is not initial_state_indices:
         # a row written by one sequence and read by another would race between CTAs
         i0 = initial_state_indices.to(device=q.device, dtype=torch.int64)
