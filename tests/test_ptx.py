@@ -1156,15 +1156,16 @@ def test_gdn_forced_kernel_refusal_is_a_value_error(monkeypatch):
 def test_inspect_ptx_fp8_prefill_mla_gdn(arch):
     """The new ops cross-compile for each target, no tcgen05 and no local memory: the portable kernels on
     mma.sync (e4m3 widened by cvt where a cache is fp8); on sm_90a the SM90 ones on wgmma: GDN's prep and main
-    kernel, and MLA's fp8 path at page 64 (its main kernel and the split-KV merge kernel)."""
+    kernel, MLA's fp8 path at page 64 and its 16-bit gathered path at page 32 (the choice for 64 heads and more:
+    inspect knows no head count), each with the split-KV merge kernel."""
     texts = {
         "prefill_fp8": ci.ptx("prefill", arch, page_size=16, causal=True, kv_dtype="fp8"),
-        "mla": ci.ptx("mla", arch, page_size=32),  # page 32: the portable kernel on every arch
+        "mla": ci.ptx("mla", arch, page_size=32),  # page 32: the SM90 gathered path on sm_90a, else portable
         "mla_fp8_p32": ci.ptx("mla", arch, page_size=32, kv_dtype="fp8"),
         "mla_fp8": ci.ptx("mla", arch, kv_dtype="fp8"),  # page 64: the SM90 kernel on sm_90a
         "gdn": ci.ptx("gdn", arch),
     }
-    sm90 = {"gdn", "mla_fp8"} if arch == "sm_90a" else set()
+    sm90 = {"gdn", "mla_fp8", "mla"} if arch == "sm_90a" else set()
     for name, t in texts.items():
         s = ci.instruction_summary(t)
         assert re.search(rf"^\.target\s+{arch}\s*$", t, re.M), name
@@ -1172,8 +1173,7 @@ def test_inspect_ptx_fp8_prefill_mla_gdn(arch):
         assert (s["wgmma"] > 0) == (name in sm90), name
         assert (s["mma.sync"] > 0) == (name not in sm90), name  # sm_90a: GDN's prep on wgmma too (prep = 1)
         assert s["ld.local"] == s["st.local"] == 0, name
-        assert t.count(".entry") == (2 if name in ("gdn", "mla_fp8") and (name == "gdn" or arch == "sm_90a")
-                                     else 1), name
+        assert t.count(".entry") == (2 if name == "gdn" or name in sm90 else 1), name
         assert ("cvt.rn.f16x2.e4m3x2" in t) == ("fp8" in name), name
 
 
