@@ -29,7 +29,7 @@ launches (``prep``, ``main``) timed by the torch profiler over ``--profile-reps`
 Usage: python perf/bench_delta_family.py [--rows kda_32h,kda_64h,gdn2_32h,gdp_32h] [--kernel portable|sm90|both]
 [--sm90-tiles "128,2;64,2;128,2,1"] [--prep-ctas 2,3] [--fla] [--recurrent] [--cudnn] [--profile-reps 3]
 [--out FILE.jsonl] [--dry-run] (``--kernel``: which of our chunked kernels, default both (the SM90 one needs sm_90a);
-``--sm90-tiles``: the SM90 kernel's ``tile_v,num_stages[,tma]`` variants (``tma`` 0 when left out; 1: the TMA
+``--sm90-tiles``: the SM90 kernel's ``tile_v,num_stages[,tma[,prep_rolled]]`` variants (``tma`` 0 when left out; 1: the TMA
 loads of ``Tiles.tma``, label suffix ``_tma``), the first the headline (default: its default tiles);
 ``--prep-ctas``: the prep kernel's layouts (``Tiles.prep_ctas``; 3, the compact one, on the KDA rows only, label
 suffix ``_p3``); ``--sm90-tiles`` and ``--prep-ctas`` 3 apply to the KDA / GDN-2 kernel only (GDP runs GDN's
@@ -209,7 +209,8 @@ def _variants(kernel, problem, B, H, sm90_tiles, prep_ctas):
             tiles = sm90_tiles or [k90.default_tiles(problem, num_sms=132, chains=B * H)]
             for i, t in enumerate(tiles):
                 for pc in layouts:
-                    label = (("sm90" if i == 0 else f"sm90_{t.tile_v}x{t.num_stages}" + ("_tma" if t.tma else ""))
+                    label = (("sm90" if i == 0 else f"sm90_{t.tile_v}x{t.num_stages}" + ("_tma" if t.tma else "")
+                              + ("_rolled" if t.prep_rolled else ""))
                              + ("" if pc == 2 else f"_p{pc}"))
                     out.append((label, k90, k90.Config(problem, dataclasses.replace(t, prep_ctas=pc))))
     return out
@@ -415,10 +416,10 @@ def main():
     for item in (x.strip() for x in a.sm90_tiles.split(";")):
         if item:
             vals = [int(x) for x in item.split(",")]
-            if len(vals) not in (2, 3):
-                raise SystemExit(f"--sm90-tiles item {item!r}: want tile_v,num_stages[,tma]")
-            tv, st, tma = (*vals, 0)[:3]
-            sm90_tiles.append(k90.Tiles(tile_v=tv, num_stages=st, tma=tma))
+            if len(vals) not in (2, 3, 4):
+                raise SystemExit(f"--sm90-tiles item {item!r}: want tile_v,num_stages[,tma[,prep_rolled]]")
+            tv, st, tma, rolled = (*vals, 0, 0)[:4]
+            sm90_tiles.append(k90.Tiles(tile_v=tv, num_stages=st, tma=tma, prep_rolled=rolled))
     prep_ctas = tuple(int(x) for x in a.prep_ctas.split(",") if x.strip())
     if 2 not in prep_ctas:
         raise SystemExit("--prep-ctas must include 2 (the default layout: the headline and the GDN-2 rows)")

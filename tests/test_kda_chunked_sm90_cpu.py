@@ -36,7 +36,7 @@ def test_unsupported_and_config_rules():
         kda90.Config(_problem(head_dim_v=64), kda90.Tiles(tile_v=128))
     with pytest.raises(TypeError):
         kda90.Config(_problem(), object())
-    assert kda90.TUNING_FIELDS == ("tile_v", "num_stages", "prep_ctas", "tma")
+    assert kda90.TUNING_FIELDS == ("tile_v", "num_stages", "prep_ctas", "tma", "prep_rolled")
     assert kda90.Tiles().tma == 0 and kda90.override_tiles(kda90.Tiles(), {"tma": "1"}) == kda90.Tiles(tma=1)
     with pytest.raises(ValueError, match="tma"):
         kda90.Tiles(tma=2)
@@ -237,3 +237,39 @@ def test_sm90_kda_kernel_tma_ptx_and_cubin(tmp_path, variant):
         assert r["stack_bytes"] == 0, (name, r)  # no spills
     main_res = [r for n, r in res.items() if "main" in n][0]
     assert main_res["registers"] <= 65536 // (128 * (1 + tv // 64))  # launchable before setmaxnreg
+
+
+@pytest.mark.parametrize("prep_ctas", [2, 3])
+def test_sm90_kda_prep_rolled_ptx_and_cubin(tmp_path, prep_ctas):
+    """``prep_rolled = 1``: the prep's column-block steps (``_decay_cols``) and Qg / Kd steps (``_decay_out``) as
+    run-time loops, each step's exp2s once instead of once a step; the same MMAs, no spills, the registers and CTAs
+    an SM of the unrolled prep at most; the main kernel untouched.  The default (0) is the unrolled prep."""
+    assert kda90.Tiles().prep_rolled == 0
+    assert kda90.override_tiles(kda90.Tiles(), {"prep_rolled": "1"}) == kda90.Tiles(prep_rolled=1)
+    with pytest.raises(TypeError, match="prep_rolled"):
+        kda90.Tiles(prep_rolled=True)
+    with pytest.raises(ValueError, match="prep_rolled"):
+        kda90.Tiles(prep_rolled=2)
+    p = _problem()
+    cfg1 = kda90.Config(p, kda90.Tiles(prep_ctas=prep_ctas, prep_rolled=1))
+    ptx1, res1 = _compile(kda90, cfg1, tmp_path / "rolled")
+    ptx0, res0 = _compile(kda90, kda90.Config(p, kda90.Tiles(prep_ctas=prep_ctas)), tmp_path / "unrolled")
+    prep1, main1 = ptx1.split(".entry")[1], ptx1.split(".entry")[2]
+    prep0, main0 = ptx0.split(".entry")[1], ptx0.split(".entry")[2]
+    K, sub = p.head_dim_k, 16
+    steps = sub * (K // 8) // 32  # _decay_cols' (and _decay_out's) steps: 8 at K = 128
+    ex2 = r"ex2\.approx\.ftz\.f32"
+    # 7 column blocks of 8 exp2 a step (4 diagonal, 3 earlier); Qg / Kd: 16 a step (the compact layout: 8 + 16, two
+    # calls), each now once instead of `steps` times
+    per_step = 7 * 8 + (16 if prep_ctas == 2 else 24)
+    assert len(re.findall(ex2, prep0)) - len(re.findall(ex2, prep1)) == per_step * (steps - 1)
+    mma = r"mma\.sync\.aligned\.m16n8k16[^;]*;"
+    assert len(re.findall(mma, prep1)) == len(re.findall(mma, prep0))
+    assert _unnamed(main1) == _unnamed(main0)  # the main kernel: untouched
+    assert ".local" not in ptx1
+    for name, r in res1.items():
+        assert r["stack_bytes"] == 0, (name, r)  # no spills
+    reg1 = [r for n, r in res1.items() if "prep" in n][0]["registers"]
+    reg0 = [r for n, r in res0.items() if "prep" in n][0]["registers"]
+    assert reg1 <= reg0 and prep_ctas * 128 * reg1 <= 65536
+    assert bool(re.search(r"\.minnctapersm\s+3", prep1)) == (prep_ctas == 3)

@@ -107,6 +107,24 @@ def test_compact_prep_layout_equals_the_wide_one(gate):
     assert rel(outs[1][0], o_ref) < TOL_O and rel(outs[1][1], s_ref) < TOL_SC
 
 
+@pytest.mark.parametrize("prep_ctas", [2, 3])
+@pytest.mark.parametrize("gate", ["safe", "strong"])
+def test_rolled_prep_equals_the_unrolled_one(gate, prep_ctas):
+    """``prep_rolled=1`` (the prep's column and output phases as run-time loops) gives exactly the outputs of the
+    unrolled prep: the same per-element operations; "strong" gates reach the direct diagonal blocks."""
+    lens = [0, 1, 64, 65, 1000]
+    d = inputs(lens, 2, 2, 4, gate=gate)
+    h0 = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
+    outs = []
+    for rolled in (0, 1):
+        ht = torch.full_like(h0, NAN)
+        tiles = kda90.Tiles(tile_v=64, prep_ctas=prep_ctas, prep_rolled=rolled)
+        outs.append((run_direct(kda90, d, h0=h0, ht=ht, tiles=tiles), ht))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    o_ref, s_ref = oracle(d, h0)
+    assert rel(outs[1][0], o_ref) < TOL_O and rel(outs[1][1], s_ref) < TOL_SC
+
+
 @pytest.mark.parametrize("gate", ["mild", "strong"])
 def test_fp16(gate):
     d = inputs([1, 64, 65, 1000], 2, 2, 2, gate=gate, dtype=torch.float16)

@@ -144,6 +144,9 @@ class KdaPrep(GdnPrep):
 
     #: the compact shared-memory layout (``prep_ctas = 3``, KDA only): set by the kernel class
     compact = False
+    #: run-time loops (one copy of the step) in place of the unrolled column-block and Qg / Kd phases: less code
+    #: (the instruction-fetch experiment), the same values; set by the kernel class
+    rolled = False
 
     @cute.kernel
     def prep(self, mQ, mK, mV, mG, mBeta, mChunks, mQg, mKd, mW, mU, mAqk, mF, scale: Float32, q_group: Int32,
@@ -537,23 +540,50 @@ class KdaPrep(GdnPrep):
         gp = _g8(sG + p * RG + col * 32)
         mx = Float32(-1.0e30)
         my = Float32(0.0)
-        for it in cutlass.range_constexpr((SUB * cpr) // 32):
-            s = s0 + it * (32 // cpr) + lane // cpr
-            gs = _g8(sG + s * RG + col * 32)
-            x = _x8(sK + s * RK + col * 16, io)
-            xe = [gp[e] - gs[e] for e in range(8)]
-            if const_expr(diag):
-                out = [x[e] * ptx.ex2(cutlass.min(xe[e], lim)) for e in range(8)]
-            else:  # s <= p: G_s >= G_p (the gates are <= 0), the factor is <= 1
-                out = [x[e] * ptx.ex2(xe[e]) for e in range(8)]
-            _st8(dst + s * RK + col * 16, out, io)
-            if const_expr(diag):
-                mx = _fmax(mx, _tree(_fmax, xe))
-                my = _fmax(my, _tree(_fmax, [_abs_max(out[2 * e], out[2 * e + 1]) for e in range(4)]))
+        if const_expr(self.rolled):  # one copy of the step in a run-time loop: less code, the same values
+            mm = cute.make_rmem_tensor((2,), Float32)
+            mm[0] = mx
+            mm[1] = my
+            for it in cutlass.range((SUB * cpr) // 32, unroll=1):
+                self._decay_cols_row(dst, sK, sG, gp, mm, s0 + it * (32 // cpr) + lane // cpr, col, lim, diag)
+            mx = mm[0]
+            my = mm[1]
+        else:
+            for it in cutlass.range_constexpr((SUB * cpr) // 32):
+                s = s0 + it * (32 // cpr) + lane // cpr
+                gs = _g8(sG + s * RG + col * 32)
+                x = _x8(sK + s * RK + col * 16, io)
+                xe = [gp[e] - gs[e] for e in range(8)]
+                if const_expr(diag):
+                    out = [x[e] * ptx.ex2(cutlass.min(xe[e], lim)) for e in range(8)]
+                else:  # s <= p: G_s >= G_p (the gates are <= 0), the factor is <= 1
+                    out = [x[e] * ptx.ex2(xe[e]) for e in range(8)]
+                _st8(dst + s * RK + col * 16, out, io)
+                if const_expr(diag):
+                    mx = _fmax(mx, _tree(_fmax, xe))
+                    my = _fmax(my, _tree(_fmax, [_abs_max(out[2 * e], out[2 * e + 1]) for e in range(4)]))
         bad = Float32(0.0)
         if const_expr(diag):
             bad = _fmax(mx - lim, my - Float32(self.io_max))
         return bad
+
+    @cute.jit
+    def _decay_cols_row(self, dst, sK, sG, gp, mm, s, col, lim, diag: cutlass.Constexpr):
+        """One step of :meth:`_decay_cols`' run-time loop (``rolled``): row ``s`` of this lane's 8 channels;
+        with ``diag`` the running maxima (exponent, operand magnitude) in ``mm``."""
+        RK, io = self.RK, self.io
+        RG = row_pitch_g(self.K)
+        gs = _g8(sG + s * RG + col * 32)
+        x = _x8(sK + s * RK + col * 16, io)
+        xe = [gp[e] - gs[e] for e in range(8)]
+        if const_expr(diag):
+            out = [x[e] * ptx.ex2(cutlass.min(xe[e], lim)) for e in range(8)]
+        else:
+            out = [x[e] * ptx.ex2(xe[e]) for e in range(8)]
+        _st8(dst + s * RK + col * 16, out, io)
+        if const_expr(diag):
+            mm[0] = _fmax(mm[0], _tree(_fmax, xe))
+            mm[1] = _fmax(mm[1], _tree(_fmax, [_abs_max(out[2 * e], out[2 * e + 1]) for e in range(4)]))
 
     @cute.jit
     def _diag_direct(self, dkk, dqk, sE, sQ, sK, sG, sB, RG: cutlass.Constexpr, r0, g, t):
@@ -599,24 +629,54 @@ class KdaPrep(GdnPrep):
         kd_base = mKd.iterator.toint()
         col = tidx % cpr  # the same 8 channels every step (PREP_THREADS % cpr == 0): G_last loaded once
         gl = _g8(sG + (C - 1) * RG + col * 32)
-        for it in cutlass.range_constexpr((C * cpr) // PREP_THREADS):
-            r = it * (PREP_THREADS // cpr) + tidx // cpr
-            gr = _g8(sG + r * RG + col * 32)
-            f = [ptx.ex2(gr[e]) for e in range(8)]
-            off = ((Int64(tok0 + r) * HO + ho) * K + col * 8) * 2
-            if const_expr(qg):
-                xq = _x8(sQ + r * RK + col * 16, io)
-                wq = [ptx.pack2(xq[2 * i] * f[2 * i], xq[2 * i + 1] * f[2 * i + 1], io) for i in range(4)]
-                if r < ln:
-                    ptx.st_global_v4_b32(qg_base + off, wq[0], wq[1], wq[2], wq[3])
-            if const_expr(kd):
-                if const_expr(self.compact):
-                    x = [v for i in range(4) for v in self._e_pair(sE, sB, r, col * 8 + 2 * i)]
-                else:
-                    x = _x8(sE + r * RK + col * 16, io)
-                xk = _x8(sK + r * RK + col * 16, io)
-                _st8(sE + r * RK + col * 16, [x[e] * f[e] for e in range(8)], io)
-                wk = [ptx.pack2(xk[2 * i] * ptx.ex2(gl[2 * i] - gr[2 * i]),
-                                xk[2 * i + 1] * ptx.ex2(gl[2 * i + 1] - gr[2 * i + 1]), io) for i in range(4)]
-                if r < ln:
-                    ptx.st_global_v4_b32(kd_base + off, wk[0], wk[1], wk[2], wk[3])
+        if const_expr(self.rolled):  # one copy of the step in a run-time loop: less code, the same values
+            for it in cutlass.range((C * cpr) // PREP_THREADS, unroll=1):
+                self._decay_out_row(mQg, mKd, sQ, sE, sK, sG, sB, RG, gl, it * (PREP_THREADS // cpr) + tidx // cpr,
+                                    col, tok0, ln, ho, HO, qg, kd)
+        else:
+            for it in cutlass.range_constexpr((C * cpr) // PREP_THREADS):
+                r = it * (PREP_THREADS // cpr) + tidx // cpr
+                gr = _g8(sG + r * RG + col * 32)
+                f = [ptx.ex2(gr[e]) for e in range(8)]
+                off = ((Int64(tok0 + r) * HO + ho) * K + col * 8) * 2
+                if const_expr(qg):
+                    xq = _x8(sQ + r * RK + col * 16, io)
+                    wq = [ptx.pack2(xq[2 * i] * f[2 * i], xq[2 * i + 1] * f[2 * i + 1], io) for i in range(4)]
+                    if r < ln:
+                        ptx.st_global_v4_b32(qg_base + off, wq[0], wq[1], wq[2], wq[3])
+                if const_expr(kd):
+                    if const_expr(self.compact):
+                        x = [v for i in range(4) for v in self._e_pair(sE, sB, r, col * 8 + 2 * i)]
+                    else:
+                        x = _x8(sE + r * RK + col * 16, io)
+                    xk = _x8(sK + r * RK + col * 16, io)
+                    _st8(sE + r * RK + col * 16, [x[e] * f[e] for e in range(8)], io)
+                    wk = [ptx.pack2(xk[2 * i] * ptx.ex2(gl[2 * i] - gr[2 * i]),
+                                    xk[2 * i + 1] * ptx.ex2(gl[2 * i + 1] - gr[2 * i + 1]), io) for i in range(4)]
+                    if r < ln:
+                        ptx.st_global_v4_b32(kd_base + off, wk[0], wk[1], wk[2], wk[3])
+
+    @cute.jit
+    def _decay_out_row(self, mQg, mKd, sQ, sE, sK, sG, sB, RG: cutlass.Constexpr, gl, r, col, tok0, ln, ho, HO,
+                       qg: cutlass.Constexpr, kd: cutlass.Constexpr):
+        """One step of :meth:`_decay_out`' run-time loop (``rolled``): row ``r`` of this thread's 8 channels."""
+        K, RK, io = self.K, self.RK, self.io
+        gr = _g8(sG + r * RG + col * 32)
+        f = [ptx.ex2(gr[e]) for e in range(8)]
+        off = ((Int64(tok0 + r) * HO + ho) * K + col * 8) * 2
+        if const_expr(qg):
+            xq = _x8(sQ + r * RK + col * 16, io)
+            wq = [ptx.pack2(xq[2 * i] * f[2 * i], xq[2 * i + 1] * f[2 * i + 1], io) for i in range(4)]
+            if r < ln:
+                ptx.st_global_v4_b32(mQg.iterator.toint() + off, wq[0], wq[1], wq[2], wq[3])
+        if const_expr(kd):
+            if const_expr(self.compact):
+                x = [v for i in range(4) for v in self._e_pair(sE, sB, r, col * 8 + 2 * i)]
+            else:
+                x = _x8(sE + r * RK + col * 16, io)
+            xk = _x8(sK + r * RK + col * 16, io)
+            _st8(sE + r * RK + col * 16, [x[e] * f[e] for e in range(8)], io)
+            wk = [ptx.pack2(xk[2 * i] * ptx.ex2(gl[2 * i] - gr[2 * i]),
+                            xk[2 * i + 1] * ptx.ex2(gl[2 * i + 1] - gr[2 * i + 1]), io) for i in range(4)]
+            if r < ln:
+                ptx.st_global_v4_b32(mKd.iterator.toint() + off, wk[0], wk[1], wk[2], wk[3])

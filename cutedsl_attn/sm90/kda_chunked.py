@@ -61,7 +61,9 @@ class Tiles:
     shared-memory layout by the CTAs an SM it fits (:data:`~cutedsl_attn.common.kda_prep.PREP_LAYOUTS`: 2, every
     operand in a buffer of its own; 3, the compact layout, KDA only), and ``tma``: 0 loads every block of the
     main kernel with ``cp.async``, 1 loads ``W``, ``Aqk`` and full chunks' ``Qg`` / ``Kd`` with TMA
-    boxes (``U``, ``F`` and a tail chunk's rows stay ``cp.async``).
+    boxes (``U``, ``F`` and a tail chunk's rows stay ``cp.async``).  ``prep_rolled``: 0 the prep's column-block
+    and Qg / Kd phases unrolled; 1 as run-time loops (one copy of each step: less code for the instruction-fetch
+    experiment, the same values).
 
     Raises TypeError for a non-int field, ValueError for another value.
     """
@@ -70,10 +72,15 @@ class Tiles:
     num_stages: int = 2
     prep_ctas: int = 2
     tma: int = 0
+    prep_rolled: int = 0
 
     def __post_init__(self):
         _gdn.Tiles(tile_v=self.tile_v, num_stages=self.num_stages, tma=self.tma)  # the main kernel's checks
         check_prep_ctas(self.prep_ctas)
+        if isinstance(self.prep_rolled, bool) or not isinstance(self.prep_rolled, int):
+            raise TypeError(f"prep_rolled must be an int, got {self.prep_rolled!r}")
+        if self.prep_rolled not in (0, 1):
+            raise ValueError(f"prep_rolled must be 0 or 1, got {self.prep_rolled}")
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
@@ -190,6 +197,7 @@ class KdaChunkedSm90Kernel(KdaPrep, _gdn.GdnChunkedSm90Kernel):
         self.diag_limit = DIAG_LIMIT[p.dtype]
         self.io_max = IO_MAX[p.dtype]
         self.compact = cfg.tiles.prep_ctas == 3
+        self.rolled = cfg.tiles.prep_rolled == 1
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
