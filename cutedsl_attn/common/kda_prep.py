@@ -623,10 +623,8 @@ class KdaPrep(GdnPrep):
         """Every thread: with ``qg``, ``q 2^G``; with ``kd``, ``k 2^(G_last - G)`` (rows ``< ln``) -> rows
         ``tok0 ..`` of head ``ho`` of the token-major ``[T, HO, K]`` scratch, and ``e 2^G`` (e as
         :meth:`_e_pair` reads it) over sE in place (the W operand)."""
-        K, RK, io, C = self.K, self.RK, self.io, self.C
+        K, C = self.K, self.C
         cpr = K // 8
-        qg_base = mQg.iterator.toint()
-        kd_base = mKd.iterator.toint()
         col = tidx % cpr  # the same 8 channels every step (PREP_THREADS % cpr == 0): G_last loaded once
         gl = _g8(sG + (C - 1) * RG + col * 32)
         if const_expr(self.rolled):  # one copy of the step in a run-time loop: less code, the same values
@@ -635,31 +633,14 @@ class KdaPrep(GdnPrep):
                                     col, tok0, ln, ho, HO, qg, kd)
         else:
             for it in cutlass.range_constexpr((C * cpr) // PREP_THREADS):
-                r = it * (PREP_THREADS // cpr) + tidx // cpr
-                gr = _g8(sG + r * RG + col * 32)
-                f = [ptx.ex2(gr[e]) for e in range(8)]
-                off = ((Int64(tok0 + r) * HO + ho) * K + col * 8) * 2
-                if const_expr(qg):
-                    xq = _x8(sQ + r * RK + col * 16, io)
-                    wq = [ptx.pack2(xq[2 * i] * f[2 * i], xq[2 * i + 1] * f[2 * i + 1], io) for i in range(4)]
-                    if r < ln:
-                        ptx.st_global_v4_b32(qg_base + off, wq[0], wq[1], wq[2], wq[3])
-                if const_expr(kd):
-                    if const_expr(self.compact):
-                        x = [v for i in range(4) for v in self._e_pair(sE, sB, r, col * 8 + 2 * i)]
-                    else:
-                        x = _x8(sE + r * RK + col * 16, io)
-                    xk = _x8(sK + r * RK + col * 16, io)
-                    _st8(sE + r * RK + col * 16, [x[e] * f[e] for e in range(8)], io)
-                    wk = [ptx.pack2(xk[2 * i] * ptx.ex2(gl[2 * i] - gr[2 * i]),
-                                    xk[2 * i + 1] * ptx.ex2(gl[2 * i + 1] - gr[2 * i + 1]), io) for i in range(4)]
-                    if r < ln:
-                        ptx.st_global_v4_b32(kd_base + off, wk[0], wk[1], wk[2], wk[3])
+                self._decay_out_row(mQg, mKd, sQ, sE, sK, sG, sB, RG, gl, it * (PREP_THREADS // cpr) + tidx // cpr,
+                                    col, tok0, ln, ho, HO, qg, kd)
 
     @cute.jit
     def _decay_out_row(self, mQg, mKd, sQ, sE, sK, sG, sB, RG: cutlass.Constexpr, gl, r, col, tok0, ln, ho, HO,
                        qg: cutlass.Constexpr, kd: cutlass.Constexpr):
-        """One step of :meth:`_decay_out`' run-time loop (``rolled``): row ``r`` of this thread's 8 channels."""
+        """One step of :meth:`_decay_out` (unrolled, or its run-time loop with ``rolled``): row ``r`` of this
+        thread's 8 channels."""
         K, RK, io = self.K, self.RK, self.io
         gr = _g8(sG + r * RG + col * 32)
         f = [ptx.ex2(gr[e]) for e in range(8)]
