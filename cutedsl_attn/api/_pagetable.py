@@ -12,6 +12,15 @@ from ._common import check_tensor, csr_kv_lens
 from ._graph import to_device
 
 
+def check_table_width(name: str, table: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> None:
+    """ValueError naming ``name`` when the 2-D page table ``table`` has fewer columns than the longest of
+    ``kv_lens`` (host int64 lengths) needs at ``page_size``."""
+    if kv_lens.numel() and int(kv_lens.max()) > table.shape[1] * page_size:
+        need = -(-int(kv_lens.max()) // page_size)
+        raise ValueError(f"{name} is too narrow for seq_lens: the longest sequence ({int(kv_lens.max())} tokens at "
+                         f"page_size {page_size}) needs {need} columns, {name} has {table.shape[1]}")
+
+
 def from_block_tables(block_tables, seq_lens, page_size: int, device, non_blocking: bool, *,
                       batch_size: int | None = None, batch_name: str = "len(qo_indptr) - 1"):
     """``(kv_lens, page_offsets, flat)`` of a dense block table: int64 host ``[B]`` lengths (``seq_lens``) and
@@ -37,11 +46,7 @@ def from_block_tables(block_tables, seq_lens, page_size: int, device, non_blocki
     kv_lens = seq_lens.to("cpu", torch.int64)
     if (kv_lens < 0).any():
         raise ValueError("seq_lens must be >= 0")
-    if B and int(kv_lens.max()) > block_tables.shape[1] * page_size:
-        need = -(-int(kv_lens.max()) // page_size)
-        raise ValueError(f"block_tables is too narrow for seq_lens: the longest sequence ({int(kv_lens.max())} "
-                         f"tokens at page_size {page_size}) needs {need} columns, block_tables has "
-                         f"{block_tables.shape[1]}")
+    check_table_width("block_tables", block_tables, kv_lens, page_size)
     flat = (block_tables if block_tables.is_contiguous() else block_tables.contiguous()).reshape(-1)
     return kv_lens, torch.arange(B, dtype=torch.int64) * block_tables.shape[1], flat
 

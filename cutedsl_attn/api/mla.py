@@ -196,11 +196,11 @@ class BatchMLAPagedAttentionWrapper:
         check_devices("BatchMLAPagedAttentionWrapper.plan", [("float_workspace_buffer", self._workspace)])
         dev_index = self.device.index if self.device.type == "cuda" else None
         problem = mla_problem(dtype=q_dt, page_size=page_size, causal=causal, device_index=dev_index)
-        module, cfg = mla_choice(problem, device_index=dev_index, num_heads=num_heads,
-                                 max_qo_len=int(qo_lens.max()) if B else 1, cuda_graph=self._use_cuda_graph)
+        max_q = int(qo_lens.max()) if B else 1
+        module, cfg = mla_choice(problem, device_index=dev_index, num_heads=num_heads, max_qo_len=max_q,
+                                 cuda_graph=self._use_cuda_graph)
         lim = mla_limits(module, cfg)
         sms = num_sms(dev_index)
-        max_q = int(qo_lens.max()) if B else 1
         fixed_tiles = None
         num_rows = None
         if self._use_cuda_graph:

@@ -43,6 +43,7 @@ import torch
 
 from ._common import (canonical_dtype, check_bool, check_devices, check_float, check_head_dim, check_heads, check_int,
                       check_kv_layout, check_one_device, check_optional_bool, check_tensor)
+from ._pagetable import check_table_width
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .prefill_paged import BatchPrefillWithPagedKVCacheWrapper, MultiRowDecodePrefillWrapper
 
@@ -155,10 +156,7 @@ def _check_page_table(name: str, table: torch.Tensor, kv_lens: torch.Tensor, pag
     ``page_size``: the planned wrapper's rules, checked here in the entry point's names before the device check."""
     if table.dtype != torch.int32:
         raise ValueError(f"{name} must be int32, got {table.dtype}")
-    if kv_lens.numel() and int(kv_lens.max()) > table.shape[1] * page_size:
-        need = -(-int(kv_lens.max()) // page_size)
-        raise ValueError(f"{name} is too narrow for seq_lens: the longest sequence ({int(kv_lens.max())} tokens at "
-                         f"page_size {page_size}) needs {need} columns, {name} has {table.shape[1]}")
+    check_table_width(name, table, kv_lens, page_size)
 
 
 def _check_outputs(out, lse, shape, dtype) -> None:
