@@ -1,4 +1,5 @@
-"""Fixtures shared by the CPU API tests: a cross-compile target and the stubbed kernel launches."""
+"""Fixtures shared by the CPU API tests: a cross-compile target or none, the stubbed kernel launches, a compile
+that fails the test."""
 
 import pytest
 
@@ -9,6 +10,23 @@ from _kernel_stubs import Recorder  # pytest puts tests/ on sys.path
 def cross_compile_sm90(monkeypatch):
     """Plans build for sm_90a without a GPU (``CUTEDSL_ATTN_ARCH``); use with ``pytest.mark.usefixtures``."""
     monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
+
+
+@pytest.fixture
+def no_target(monkeypatch):
+    """No CUTEDSL_ATTN_ARCH: host tensors are refused (on a machine without a GPU and on a GPU one alike)."""
+    monkeypatch.delenv("CUTEDSL_ATTN_ARCH", raising=False)
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+    """Any compile is a test failure (every check comes before planning)."""
+    from cutedsl_attn import dispatch
+
+    def refuse(name, cfg, build):
+        raise AssertionError(f"compiled {name} before the checks")
+
+    monkeypatch.setattr(dispatch, "get_compiled", refuse)
 
 
 @pytest.fixture

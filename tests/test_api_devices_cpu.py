@@ -11,13 +11,10 @@ from cutedsl_attn import dispatch
 from cutedsl_attn.api import _common
 from cutedsl_attn.attention import prims_ts
 
-BF16 = torch.bfloat16
-
-
-@pytest.fixture
-def no_target(monkeypatch):
-    """No GPU and no CUTEDSL_ATTN_ARCH: the state in which planning used to fail on the missing device."""
-    monkeypatch.delenv("CUTEDSL_ATTN_ARCH", raising=False)
+from _api_inputs import (  # pytest puts tests/ on sys.path
+    BF16, EntryRefusesDevice, context_args, prims_ts_args, single_decode_args, single_prefill_args, trtllm_args,
+    trtllm_mla_args, xqa_args, xqa_mla_args,
+)
 
 
 @pytest.fixture
@@ -28,85 +25,20 @@ def gpu_host(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
-@pytest.fixture
-def no_compile(monkeypatch):
-    """Any compile is a test failure (the check comes before planning)."""
-    def refuse(name, cfg, build):
-        raise AssertionError(f"compiled {name} before the device check")
-
-    monkeypatch.setattr(dispatch, "get_compiled", refuse)
-
-
-def _single_decode_args():
-    return dict(q=torch.randn(8, 64).to(BF16), k=torch.randn(40, 2, 64).to(BF16), v=torch.randn(40, 2, 64).to(BF16))
-
-
-def _single_prefill_args():
-    return dict(q=torch.randn(5, 8, 64).to(BF16), k=torch.randn(40, 2, 64).to(BF16), v=torch.randn(40, 2, 64).to(BF16))
-
-
-def _trtllm_args(B=2, ps=16, hkv=2, d=64, pages=6):
-    return dict(query=torch.randn(B, 8, d).to(BF16), kv_cache=torch.randn(pages, 2, hkv, ps, d).to(BF16),
-                workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8),
-                block_tables=torch.arange(B * 3, dtype=torch.int32).view(B, 3),
-                seq_lens=torch.tensor([20, 33], dtype=torch.int32), max_seq_len=48, bmm1_scale=0.125)
-
-
-def _context_args():
-    a = _trtllm_args()
-    a.pop("max_seq_len")
-    a.update(query=torch.randn(7, 8, 64).to(BF16), max_q_len=4, max_kv_len=33, bmm2_scale=1.0, batch_size=2,
-             cum_seq_lens_q=torch.tensor([0, 3, 7], dtype=torch.int32),
-             cum_seq_lens_kv=torch.tensor([0, 20, 53], dtype=torch.int32))
-    return a
-
-
-def _xqa_args(B=2, ps=16, hkv=2, d=64, pages=6):
-    return dict(q=torch.randn(B, 1, 8, d).to(BF16), k_cache=torch.randn(pages, ps, hkv, d).to(BF16),
-                v_cache=torch.randn(pages, ps, hkv, d).to(BF16),
-                page_table=torch.arange(B * 3, dtype=torch.int32).view(B, 3),
-                seq_lens=torch.tensor([[20], [33]], dtype=torch.int32), output=torch.empty(B, 1, 8, d, dtype=BF16),
-                workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8), semaphores=torch.zeros(8, dtype=torch.int32),
-                num_kv_heads=hkv, page_size=ps)
-
-
-def _prims_ts_args(B=2, ps=16, hkv=2, d=64, pages=6):
-    return dict(q=torch.randn(B, 8, d).to(BF16), paged_kv_cache=torch.randn(pages, 2, hkv, ps, d).to(BF16),
-                block_tables=torch.arange(B * 3, dtype=torch.int32).view(B, 3),
-                seq_lens_kv=torch.tensor([20, 33], dtype=torch.int32))
-
-
-def _trtllm_mla_args(B=2, ps=32, pages=4):
-    return dict(query=torch.randn(B, 1, 16, 576).to(BF16), kv_cache=torch.randn(pages, ps, 576).to(BF16),
-                workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8), qk_nope_head_dim=128, kv_lora_rank=512,
-                qk_rope_head_dim=64, block_tables=torch.arange(B * 2, dtype=torch.int32).view(B, 2),
-                seq_lens=torch.tensor([20, 33], dtype=torch.int32), max_seq_len=64)
-
-
-def _xqa_mla_args(B=2, ps=32, pages=4):
-    e4m3 = torch.float8_e4m3fn
-    k_cache = torch.randn(pages, ps, 576).to(e4m3)
-    return dict(q=torch.randn(B, 1, 128, 576).to(e4m3), k_cache=k_cache, v_cache=k_cache[..., :512],
-                page_table=torch.arange(B * 2, dtype=torch.int32).view(B, 2),
-                seq_lens=torch.tensor([[20], [33]], dtype=torch.int32),
-                output=torch.empty(B, 1, 128, 512, dtype=BF16), workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8),
-                semaphores=torch.zeros(8, dtype=torch.int32), page_size=ps)
-
-
 # (entry point, its arguments, the argument names the message must list)
 ENTRY_POINTS = {
-    "single_decode_with_kv_cache": (ca.single_decode_with_kv_cache, _single_decode_args, ("q", "k", "v")),
-    "single_prefill_with_kv_cache": (ca.single_prefill_with_kv_cache, _single_prefill_args, ("q", "k", "v")),
-    "trtllm_batch_decode_with_kv_cache": (ca.trtllm_batch_decode_with_kv_cache, _trtllm_args,
+    "single_decode_with_kv_cache": (ca.single_decode_with_kv_cache, single_decode_args, ("q", "k", "v")),
+    "single_prefill_with_kv_cache": (ca.single_prefill_with_kv_cache, single_prefill_args, ("q", "k", "v")),
+    "trtllm_batch_decode_with_kv_cache": (ca.trtllm_batch_decode_with_kv_cache, trtllm_args,
                                           ("query", "kv_cache", "workspace_buffer", "block_tables")),
-    "trtllm_batch_context_with_kv_cache": (ca.trtllm_batch_context_with_kv_cache, _context_args,
+    "trtllm_batch_context_with_kv_cache": (ca.trtllm_batch_context_with_kv_cache, context_args,
                                            ("query", "kv_cache", "workspace_buffer", "block_tables")),
-    "xqa": (ca.xqa, _xqa_args, ("q", "k_cache", "v_cache", "page_table", "output", "workspace_buffer")),
-    "batch_decode_with_paged_kv_cache": (prims_ts.batch_decode_with_paged_kv_cache, _prims_ts_args,
+    "xqa": (ca.xqa, xqa_args, ("q", "k_cache", "v_cache", "page_table", "output", "workspace_buffer")),
+    "batch_decode_with_paged_kv_cache": (prims_ts.batch_decode_with_paged_kv_cache, prims_ts_args,
                                          ("q", "paged_kv_cache", "block_tables", "seq_lens_kv")),
-    "trtllm_batch_decode_with_kv_cache_mla": (ca.trtllm_batch_decode_with_kv_cache_mla, _trtllm_mla_args,
+    "trtllm_batch_decode_with_kv_cache_mla": (ca.trtllm_batch_decode_with_kv_cache_mla, trtllm_mla_args,
                                               ("query", "kv_cache", "workspace_buffer", "block_tables")),
-    "xqa_mla": (ca.xqa_mla, _xqa_mla_args, ("q", "k_cache", "v_cache", "page_table", "output", "workspace_buffer",
+    "xqa_mla": (ca.xqa_mla, xqa_mla_args, ("q", "k_cache", "v_cache", "page_table", "output", "workspace_buffer",
                                              "semaphores")),
 }
 
@@ -156,7 +88,7 @@ def test_entry_points_name_the_argument_on_another_device(no_compile, where, arg
 def test_host_tensors_still_plan_when_cross_compiling(monkeypatch, rec):
     """The CPU API tests' mode: CUTEDSL_ATTN_ARCH set, no GPU; the (stubbed) launch receives the host tensors."""
     monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
-    ca.single_decode_with_kv_cache(**_single_decode_args())
+    ca.single_decode_with_kv_cache(**single_decode_args())
     assert len(rec.calls) == 1
 
 
@@ -187,16 +119,8 @@ def test_wrapper_plan_refuses_a_host_workspace_before_compiling(gpu_host, no_com
                torch.tensor([4], dtype=torch.int32), 8, 2, 64, 16, q_data_type=BF16)
 
 
-class _EntryRefusesDevice:
-    """A compiled kernel whose tvm-ffi entry refuses the host q (the disk-cache load's message)."""
-
-    def __call__(self, *a):
-        raise ValueError("Mismatched Tensor on argument #0 when calling: `__call__(mQ: Tensor, mK: Tensor)`, "
-                         "expected device_type=cuda")
-
-
 def test_wrapper_launch_of_host_tensors_says_so(monkeypatch, cross_compile_sm90):
-    monkeypatch.setattr(dispatch, "get_compiled", lambda name, cfg, build: _EntryRefusesDevice())
+    monkeypatch.setattr(dispatch, "get_compiled", lambda name, cfg, build: EntryRefusesDevice())
     monkeypatch.setattr(dispatch, "_CHOICES", {})
     w, q, cache = _planned_wrapper()
     with pytest.raises(ValueError, match=r"^BatchDecodeWithPagedKVCacheWrapper.run: the inputs must be CUDA "

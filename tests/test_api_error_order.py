@@ -15,31 +15,10 @@ from cutedsl_attn import dispatch
 from cutedsl_attn.api import _common
 from cutedsl_attn.attention import prims_ts
 
-BF16 = torch.bfloat16
-E4M3 = torch.float8_e4m3fn
-
-
-@pytest.fixture
-def no_target(monkeypatch):
-    """No CUTEDSL_ATTN_ARCH: host tensors are refused (on this machine and on a GPU one alike)."""
-    monkeypatch.delenv("CUTEDSL_ATTN_ARCH", raising=False)
-
-
-@pytest.fixture
-def no_compile(monkeypatch):
-    """Any compile is a test failure (every check comes before planning)."""
-    def refuse(name, cfg, build):
-        raise AssertionError(f"compiled {name} before the checks")
-
-    monkeypatch.setattr(dispatch, "get_compiled", refuse)
-
-
-class _EntryRefusesDevice:
-    """A compiled kernel whose tvm-ffi entry refuses the host q (the disk-cache load's message)."""
-
-    def __call__(self, *a):
-        raise ValueError("Mismatched Tensor on argument #0 when calling: `__call__(mQ: Tensor, mK: Tensor)`, "
-                         "expected device_type=cuda")
+from _api_inputs import (  # pytest puts tests/ on sys.path
+    BF16, E4M3, EntryRefusesDevice, context_args, prims_ts_args, single_decode_args, single_prefill_args, trtllm_args,
+    trtllm_mla_args, xqa_args, xqa_mla_args,
+)
 
 
 @pytest.fixture
@@ -47,7 +26,7 @@ def host_launch(monkeypatch):
     """Cross-compiling without a GPU: host tensors pass the checks; the (fake) kernel entry refuses them."""
     monkeypatch.setenv("CUTEDSL_ATTN_ARCH", "sm_90a")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(dispatch, "get_compiled", lambda name, cfg, build: _EntryRefusesDevice())
+    monkeypatch.setattr(dispatch, "get_compiled", lambda name, cfg, build: EntryRefusesDevice())
     monkeypatch.setattr(dispatch, "_CHOICES", {})
 
 
@@ -86,15 +65,6 @@ def test_check_one_device_names_a_mixed_pair_and_passes_host_tensors(no_target):
 XQA_MLA_NAMES = ["q", "k_cache", "v_cache", "page_table", "output", "workspace_buffer", "semaphores"]
 
 
-def _xqa_mla_args(B=2, ps=32, pages=4):
-    k_cache = torch.randn(pages, ps, 576).to(E4M3)
-    return dict(q=torch.randn(B, 1, 128, 576).to(E4M3), k_cache=k_cache, v_cache=k_cache[..., :512],
-                page_table=torch.arange(B * 2, dtype=torch.int32).view(B, 2),
-                seq_lens=torch.tensor([[20], [33]], dtype=torch.int32),
-                output=torch.empty(B, 1, 128, 512, dtype=BF16), workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8),
-                semaphores=torch.zeros(8, dtype=torch.int32), page_size=ps)
-
-
 @pytest.mark.parametrize("change,exc,match", [
     (dict(q=torch.randn(2, 1, 128, 576).to(BF16)), ValueError, r"^q must be torch.float8_e4m3fn "),
     (dict(q=torch.randn(2, 1, 64, 576).to(E4M3)), ValueError, r"^xqa_mla needs exactly 128 query heads, got 64$"),
@@ -106,7 +76,7 @@ def _xqa_mla_args(B=2, ps=32, pages=4):
      r"^a v_cache with storage of its own is not supported"),
 ])
 def test_xqa_mla_reports_shapes_and_dtypes_before_the_device(no_target, no_compile, change, exc, match):
-    args = _xqa_mla_args()
+    args = xqa_mla_args()
     args.update(change)
     with pytest.raises(exc, match=match):
         ca.xqa_mla(**args)
@@ -114,20 +84,16 @@ def test_xqa_mla_reports_shapes_and_dtypes_before_the_device(no_target, no_compi
 
 def test_xqa_mla_device_error_names_its_own_arguments(no_target, no_compile):
     with pytest.raises(ValueError, match=_device_error("xqa_mla", XQA_MLA_NAMES)):
-        ca.xqa_mla(**_xqa_mla_args())
+        ca.xqa_mla(**xqa_mla_args())
 
 
 def test_xqa_mla_host_launch_names_xqa_mla(host_launch):
     with pytest.raises(ValueError, match=_launch_error("xqa_mla")) as ei:
-        ca.xqa_mla(**_xqa_mla_args())
+        ca.xqa_mla(**xqa_mla_args())
     assert "query" not in str(ei.value) and "kv_cache and" not in str(ei.value)  # not trtllm MLA's names
 
 
 # ----------------------------------------------------------------------------- single_decode_with_kv_cache
-def _single_decode_args():
-    return dict(q=torch.randn(8, 64).to(BF16), k=torch.randn(40, 2, 64).to(BF16), v=torch.randn(40, 2, 64).to(BF16))
-
-
 @pytest.mark.parametrize("change,exc,match", [
     (dict(q=torch.randn(8, 64)), NotImplementedError, r"^q dtype torch.float32 is not supported"),
     (dict(q=torch.randn(8, 32).to(BF16)), ValueError, r"^q head_dim 32 != k head_dim 64$"),
@@ -139,7 +105,7 @@ def _single_decode_args():
      NotImplementedError, r"^a torch.float8_e5m2 KV with a torch.bfloat16 q is not supported"),
 ])
 def test_single_decode_reports_shapes_and_dtypes_before_the_device(no_target, no_compile, change, exc, match):
-    args = _single_decode_args()
+    args = single_decode_args()
     args.update(change)
     with pytest.raises(exc, match=match):
         ca.single_decode_with_kv_cache(**args)
@@ -147,12 +113,12 @@ def test_single_decode_reports_shapes_and_dtypes_before_the_device(no_target, no
 
 def test_single_decode_device_error_names_its_own_arguments(no_target, no_compile):
     with pytest.raises(ValueError, match=_device_error("single_decode_with_kv_cache", ["q", "k", "v"])):
-        ca.single_decode_with_kv_cache(**_single_decode_args())
+        ca.single_decode_with_kv_cache(**single_decode_args())
 
 
 def test_single_decode_host_launch_names_single_decode(host_launch):
     with pytest.raises(ValueError, match=_launch_error("single_decode_with_kv_cache")):
-        ca.single_decode_with_kv_cache(**_single_decode_args())
+        ca.single_decode_with_kv_cache(**single_decode_args())
 
 
 # ----------------------------------------------------------------------------- BatchDecodeWithPagedKVCacheWrapper
@@ -209,10 +175,6 @@ def test_decode_wrapper_run_device_error_names_the_callers_tensors(monkeypatch, 
 
 
 # ----------------------------------------------------------------------------- prefill
-def _single_prefill_args():
-    return dict(q=torch.randn(5, 8, 64).to(BF16), k=torch.randn(40, 2, 64).to(BF16), v=torch.randn(40, 2, 64).to(BF16))
-
-
 @pytest.mark.parametrize("change,exc,match", [
     (dict(q=torch.randn(5, 8, 32).to(BF16)), ValueError, r"^q head_dim 32 != k head_dim 64$"),
     (dict(q=torch.randn(5, 8, 64)), NotImplementedError, r"^q/k/v dtypes must match \(got torch.float32, "),
@@ -221,7 +183,7 @@ def _single_prefill_args():
      r"^custom_mask must have shape \[qo_len, kv_len\] = \(5, 40\), got \(5, 39\)$"),
 ])
 def test_single_prefill_reports_shapes_and_dtypes_before_the_device(no_target, no_compile, change, exc, match):
-    args = _single_prefill_args()
+    args = single_prefill_args()
     args.update(change)
     with pytest.raises(exc, match=match):
         ca.single_prefill_with_kv_cache(**args)
@@ -229,12 +191,12 @@ def test_single_prefill_reports_shapes_and_dtypes_before_the_device(no_target, n
 
 def test_single_prefill_device_error_names_its_own_arguments(no_target, no_compile):
     with pytest.raises(ValueError, match=_device_error("single_prefill_with_kv_cache", ["q", "k", "v"])):
-        ca.single_prefill_with_kv_cache(**_single_prefill_args())
+        ca.single_prefill_with_kv_cache(**single_prefill_args())
 
 
 def test_single_prefill_host_launch_names_single_prefill(host_launch):
     with pytest.raises(ValueError, match=_launch_error("single_prefill_with_kv_cache")):
-        ca.single_prefill_with_kv_cache(**_single_prefill_args())
+        ca.single_prefill_with_kv_cache(**single_prefill_args())
 
 
 def test_prefill_wrapper_plan_reports_head_dim_before_the_workspace_device(no_target, no_compile):
@@ -251,13 +213,6 @@ def test_prefill_wrapper_plan_reports_head_dim_before_the_workspace_device(no_ta
 TRTLLM_MLA_NAMES = ["query", "kv_cache", "workspace_buffer", "block_tables"]
 
 
-def _trtllm_mla_args(B=2, ps=32, pages=4):
-    return dict(query=torch.randn(B, 1, 16, 576).to(BF16), kv_cache=torch.randn(pages, ps, 576).to(BF16),
-                workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8), qk_nope_head_dim=128, kv_lora_rank=512,
-                qk_rope_head_dim=64, block_tables=torch.arange(B * 2, dtype=torch.int32).view(B, 2),
-                seq_lens=torch.tensor([20, 33], dtype=torch.int32), max_seq_len=64)
-
-
 @pytest.mark.parametrize("change,exc,match", [
     (dict(query=torch.randn(2, 1, 16, 512).to(BF16)), ValueError,
      r"^query's last dim must be kv_lora_rank \+ qk_rope_head_dim = 576, got 512$"),
@@ -269,7 +224,7 @@ def _trtllm_mla_args(B=2, ps=32, pages=4):
      r"^seq_lens\[1\] = 60 exceeds max_seq_len = 40$"),
 ])
 def test_trtllm_mla_reports_shapes_and_dtypes_before_the_device(no_target, no_compile, change, exc, match):
-    args = _trtllm_mla_args()
+    args = trtllm_mla_args()
     args.update(change)
     with pytest.raises(exc, match=match):
         ca.trtllm_batch_decode_with_kv_cache_mla(**args)
@@ -277,12 +232,12 @@ def test_trtllm_mla_reports_shapes_and_dtypes_before_the_device(no_target, no_co
 
 def test_trtllm_mla_device_error_names_its_own_arguments(no_target, no_compile):
     with pytest.raises(ValueError, match=_device_error("trtllm_batch_decode_with_kv_cache_mla", TRTLLM_MLA_NAMES)):
-        ca.trtllm_batch_decode_with_kv_cache_mla(**_trtllm_mla_args())
+        ca.trtllm_batch_decode_with_kv_cache_mla(**trtllm_mla_args())
 
 
 def test_trtllm_mla_host_launch_names_trtllm_mla(host_launch):
     with pytest.raises(ValueError, match=_launch_error("trtllm_batch_decode_with_kv_cache_mla")):
-        ca.trtllm_batch_decode_with_kv_cache_mla(**_trtllm_mla_args())
+        ca.trtllm_batch_decode_with_kv_cache_mla(**trtllm_mla_args())
 
 
 def _mla_plan(w, head_dim_ckv=512, dtype=BF16):
@@ -312,13 +267,6 @@ def test_mla_wrapper_plan_device_error_names_the_workspace(no_target, no_compile
 TRTLLM_NAMES = ["query", "kv_cache", "workspace_buffer", "block_tables"]
 
 
-def _trtllm_args(B=2, ps=16, hkv=2, d=64, pages=6, hq=8, q_rows=None):
-    return dict(query=torch.randn(q_rows or B, hq, d).to(BF16), kv_cache=torch.randn(pages, 2, hkv, ps, d).to(BF16),
-                workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8),
-                block_tables=torch.arange(B * 3, dtype=torch.int32).view(B, 3),
-                seq_lens=torch.tensor([20, 33], dtype=torch.int32), max_seq_len=48, bmm1_scale=0.125)
-
-
 @pytest.mark.parametrize("change,exc,match", [
     (dict(query=torch.randn(2, 8, 64)), NotImplementedError, r"^query dtype torch.float32 is not supported"),
     (dict(query=torch.randn(2, 8, 32).to(BF16)), ValueError, r"^query head_dim 32 != the KV cache's 64$"),
@@ -340,7 +288,7 @@ def _trtllm_args(B=2, ps=16, hkv=2, d=64, pages=6, hq=8, q_rows=None):
     (dict(workspace_buffer=None), TypeError, r"^workspace_buffer must be a torch.Tensor, got NoneType$"),
 ])
 def test_trtllm_decode_reports_shapes_and_dtypes_before_the_device(no_target, no_compile, change, exc, match):
-    args = _trtllm_args()
+    args = trtllm_args()
     args.update(change)
     with pytest.raises(exc, match=match):
         ca.trtllm_batch_decode_with_kv_cache(**args)
@@ -348,8 +296,8 @@ def test_trtllm_decode_reports_shapes_and_dtypes_before_the_device(no_target, no
 
 def test_trtllm_decode_device_error_names_its_own_arguments(no_target, no_compile):
     with pytest.raises(ValueError, match=_device_error("trtllm_batch_decode_with_kv_cache", TRTLLM_NAMES)):
-        ca.trtllm_batch_decode_with_kv_cache(**_trtllm_args())
-    args = _trtllm_args()
+        ca.trtllm_batch_decode_with_kv_cache(**trtllm_args())
+    args = trtllm_args()
     args["kv_cache"] = tuple(args["kv_cache"].unbind(1))
     args["lse"] = torch.empty(2, 8)
     names = ["query", "kv_cache[0]", "kv_cache[1]", "workspace_buffer", "block_tables", "lse"]
@@ -358,7 +306,7 @@ def test_trtllm_decode_device_error_names_its_own_arguments(no_target, no_compil
 
 
 def test_trtllm_decode_names_a_cache_on_another_device_first(no_target, no_compile):
-    args = _trtllm_args(hq=3)  # a shape error too: the mixed devices come first
+    args = trtllm_args(hq=3)  # a shape error too: the mixed devices come first
     args["kv_cache"] = (args["kv_cache"][:, 0], torch.empty(6, 2, 16, 64, dtype=BF16, device="meta"))
     with pytest.raises(ValueError, match=r"^trtllm_batch_decode_with_kv_cache: kv_cache\[1\] is on meta but query is "
                                          r"on cpu"):
@@ -367,18 +315,9 @@ def test_trtllm_decode_names_a_cache_on_another_device_first(no_target, no_compi
 
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_trtllm_decode_host_launch_names_trtllm_decode(host_launch, q_len):
-    args = _trtllm_args(q_rows=2 * q_len)  # two rows a request: the prefill kernel, through another wrapper
+    args = trtllm_args(q_rows=2 * q_len)  # two rows a request: the prefill kernel, through another wrapper
     with pytest.raises(ValueError, match=_launch_error("trtllm_batch_decode_with_kv_cache")):
         ca.trtllm_batch_decode_with_kv_cache(**args, q_len_per_req=q_len)
-
-
-def _context_args():
-    a = _trtllm_args()
-    a.pop("max_seq_len")
-    a.update(query=torch.randn(7, 8, 64).to(BF16), max_q_len=4, max_kv_len=33, bmm2_scale=1.0, batch_size=2,
-             cum_seq_lens_q=torch.tensor([0, 3, 7], dtype=torch.int32),
-             cum_seq_lens_kv=torch.tensor([0, 20, 53], dtype=torch.int32))
-    return a
 
 
 @pytest.mark.parametrize("change,exc,match", [
@@ -396,7 +335,7 @@ def _context_args():
     (dict(sinks=torch.zeros(3)), ValueError, r"^sinks must hold one value per query head \(8\)"),
 ])
 def test_trtllm_context_reports_shapes_and_dtypes_before_the_device(no_target, no_compile, change, exc, match):
-    args = _context_args()
+    args = context_args()
     args.update(change)
     with pytest.raises(exc, match=match):
         ca.trtllm_batch_context_with_kv_cache(**args)
@@ -404,26 +343,16 @@ def test_trtllm_context_reports_shapes_and_dtypes_before_the_device(no_target, n
 
 def test_trtllm_context_device_error_names_its_own_arguments(no_target, no_compile):
     with pytest.raises(ValueError, match=_device_error("trtllm_batch_context_with_kv_cache", TRTLLM_NAMES)):
-        ca.trtllm_batch_context_with_kv_cache(**_context_args())
+        ca.trtllm_batch_context_with_kv_cache(**context_args())
 
 
 def test_trtllm_context_host_launch_names_trtllm_context(host_launch):
     with pytest.raises(ValueError, match=_launch_error("trtllm_batch_context_with_kv_cache")) as ei:
-        ca.trtllm_batch_context_with_kv_cache(**_context_args())
+        ca.trtllm_batch_context_with_kv_cache(**context_args())
     assert "Wrapper" not in str(ei.value)  # not the wrapper it plans through
 
 
 XQA_NAMES = ["q", "k_cache", "v_cache", "page_table", "output", "workspace_buffer", "semaphores"]
-
-
-def _xqa_args(B=2, ps=16, hkv=2, d=64, pages=6, q_seq_len=1):
-    qs = (B, 1, 8, d) if q_seq_len == 1 else (B, 1, q_seq_len, 8, d)
-    return dict(q=torch.randn(qs).to(BF16), k_cache=torch.randn(pages, ps, hkv, d).to(BF16),
-                v_cache=torch.randn(pages, ps, hkv, d).to(BF16),
-                page_table=torch.arange(B * 3, dtype=torch.int32).view(B, 3),
-                seq_lens=torch.tensor([[20], [33]], dtype=torch.int32), output=torch.empty(qs, dtype=BF16),
-                workspace_buffer=torch.zeros(8 << 20, dtype=torch.uint8), semaphores=torch.zeros(8, dtype=torch.int32),
-                num_kv_heads=hkv, page_size=ps, q_seq_len=q_seq_len)
 
 
 @pytest.mark.parametrize("change,exc,match", [
@@ -442,7 +371,7 @@ def _xqa_args(B=2, ps=16, hkv=2, d=64, pages=6, q_seq_len=1):
     (dict(num_kv_heads=4), ValueError, r"^the caches \(NHD, shape \(6, 16, 2, 64\)\) have page_size 16 and 2 kv"),
 ])
 def test_xqa_reports_shapes_and_dtypes_before_the_device(no_target, no_compile, change, exc, match):
-    args = _xqa_args()
+    args = xqa_args()
     args.update(change)
     with pytest.raises(exc, match=match):
         ca.xqa(**args)
@@ -450,23 +379,17 @@ def test_xqa_reports_shapes_and_dtypes_before_the_device(no_target, no_compile, 
 
 def test_xqa_device_error_names_its_own_arguments(no_target, no_compile):
     with pytest.raises(ValueError, match=_device_error("xqa", XQA_NAMES)):
-        ca.xqa(**_xqa_args())
+        ca.xqa(**xqa_args())
 
 
 def test_xqa_host_launch_names_xqa(host_launch):
     with pytest.raises(ValueError, match=_launch_error("xqa")) as ei:
-        ca.xqa(**_xqa_args())
+        ca.xqa(**xqa_args())
     assert "Wrapper" not in str(ei.value)
 
 
 # ----------------------------------------------------------------------------- prims_ts
 PRIMS_TS_NAMES = ["q", "paged_kv_cache", "block_tables", "seq_lens_kv"]
-
-
-def _prims_ts_args(B=2, ps=16, hkv=2, d=64, pages=6):
-    return dict(q=torch.randn(B, 8, d).to(BF16), paged_kv_cache=torch.randn(pages, 2, hkv, ps, d).to(BF16),
-                block_tables=torch.arange(B * 3, dtype=torch.int32).view(B, 3),
-                seq_lens_kv=torch.tensor([20, 33], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("change,exc,match", [
@@ -490,7 +413,7 @@ def _prims_ts_args(B=2, ps=16, hkv=2, d=64, pages=6):
     (dict(workspace_buffer="ws"), TypeError, r"^workspace_buffer must be a torch.Tensor, got str$"),
 ])
 def test_prims_ts_reports_shapes_and_dtypes_before_the_device(no_target, no_compile, change, exc, match):
-    args = _prims_ts_args()
+    args = prims_ts_args()
     args.update(change)
     with pytest.raises(exc, match=match):
         prims_ts.batch_decode_with_paged_kv_cache(**args)
@@ -499,13 +422,13 @@ def test_prims_ts_reports_shapes_and_dtypes_before_the_device(no_target, no_comp
 def test_prims_ts_device_error_names_its_own_arguments(no_target, no_compile):
     f = prims_ts.batch_decode_with_paged_kv_cache
     with pytest.raises(ValueError, match=_device_error("batch_decode_with_paged_kv_cache", PRIMS_TS_NAMES)):
-        f(**_prims_ts_args())
-    args = _prims_ts_args()
+        f(**prims_ts_args())
+    args = prims_ts_args()
     args.update(paged_kv_cache=tuple(args["paged_kv_cache"].unbind(1)), out=torch.empty(2, 8, 64, dtype=BF16))
     names = ["q", "paged_kv_cache[0]", "paged_kv_cache[1]", "block_tables", "seq_lens_kv", "out"]
     with pytest.raises(ValueError, match=_device_error("batch_decode_with_paged_kv_cache", names)):
         f(**args)
-    empty = _prims_ts_args()  # an empty batch is refused as well (nothing launches, but the rule is the same)
+    empty = prims_ts_args()  # an empty batch is refused as well (nothing launches, but the rule is the same)
     empty.update(q=empty["q"][:0], block_tables=empty["block_tables"][:0], seq_lens_kv=empty["seq_lens_kv"][:0])
     with pytest.raises(ValueError, match=_device_error("batch_decode_with_paged_kv_cache", PRIMS_TS_NAMES)):
         f(**empty)
@@ -513,7 +436,7 @@ def test_prims_ts_device_error_names_its_own_arguments(no_target, no_compile):
 
 @pytest.mark.parametrize("seq_len_q", [1, 2])
 def test_prims_ts_host_launch_names_prims_ts(host_launch, seq_len_q):
-    args = _prims_ts_args()
+    args = prims_ts_args()
     if seq_len_q > 1:  # token-major rows: the prefill kernel, through another wrapper
         args["q"] = torch.randn(2, seq_len_q, 8, 64).to(BF16)
     with pytest.raises(ValueError, match=_launch_error("batch_decode_with_paged_kv_cache")):
@@ -551,7 +474,7 @@ def _host_planned_ts_wrapper(monkeypatch, **kw):
     w = prims_ts.BatchDecodePagedTSWrapper()
     _ts_plan(w, **kw)
     monkeypatch.delenv("CUTEDSL_ATTN_ARCH")
-    a = _prims_ts_args()
+    a = prims_ts_args()
     return w, a["q"], a["paged_kv_cache"], a["seq_lens_kv"], a["block_tables"]
 
 
@@ -588,7 +511,7 @@ def test_ts_wrapper_run_device_error_names_its_own_arguments(monkeypatch, rec):
 def test_ts_wrapper_host_launch_names_the_ts_wrapper(host_launch, sq):
     w = prims_ts.BatchDecodePagedTSWrapper()
     _ts_plan(w, max_seq_len_q=sq)
-    a = _prims_ts_args()
+    a = prims_ts_args()
     q = a["q"] if sq == 1 else torch.randn(2, sq, 8, 64).to(BF16)
     with pytest.raises(ValueError, match=_launch_error("BatchDecodePagedTSWrapper.run")):
         w.run(q, a["paged_kv_cache"], a["seq_lens_kv"], a["block_tables"])

@@ -92,19 +92,26 @@ def test_tiles(mode, tiles):
     assert rel(o, o_ref) < TOL_O and rel(ht, s_ref) < TOL_SC
 
 
-@pytest.mark.parametrize("gate", ["safe", "strong"])
-def test_compact_prep_layout_equals_the_wide_one(gate):
-    """``prep_ctas=3`` (the compact prep layout, three CTAs an SM) gives exactly the outputs of ``prep_ctas=2``."""
+def _assert_prep_variants_agree(gate, tiles):
+    """Each of ``tiles`` (prep variants of one main kernel) gives exactly the first one's outputs and final state
+    on a ragged batch with an initial state, and the last one is within tolerance of the float64 oracle."""
     lens = [0, 1, 64, 65, 1000]
     d = inputs(lens, 2, 2, 4, gate=gate)
     h0 = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
     outs = []
-    for pc in (2, 3):
+    for t in tiles:
         ht = torch.full_like(h0, NAN)
-        outs.append((run_direct(kda90, d, h0=h0, ht=ht, tiles=kda90.Tiles(tile_v=64, prep_ctas=pc)), ht))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        outs.append((run_direct(kda90, d, h0=h0, ht=ht, tiles=t), ht))
+    for o, ht in outs[1:]:
+        assert torch.equal(outs[0][0], o) and torch.equal(outs[0][1], ht)
     o_ref, s_ref = oracle(d, h0)
-    assert rel(outs[1][0], o_ref) < TOL_O and rel(outs[1][1], s_ref) < TOL_SC
+    assert rel(outs[-1][0], o_ref) < TOL_O and rel(outs[-1][1], s_ref) < TOL_SC
+
+
+@pytest.mark.parametrize("gate", ["safe", "strong"])
+def test_compact_prep_layout_equals_the_wide_one(gate):
+    """``prep_ctas=3`` (the compact prep layout, three CTAs an SM) gives exactly the outputs of ``prep_ctas=2``."""
+    _assert_prep_variants_agree(gate, [kda90.Tiles(tile_v=64, prep_ctas=pc) for pc in (2, 3)])
 
 
 @pytest.mark.parametrize("prep_ctas", [2, 3])
@@ -112,17 +119,7 @@ def test_compact_prep_layout_equals_the_wide_one(gate):
 def test_rolled_prep_equals_the_unrolled_one(gate, prep_ctas):
     """``prep_rolled=1`` (the prep's column and output phases as run-time loops) gives exactly the outputs of the
     unrolled prep: the same per-element operations; "strong" gates reach the direct diagonal blocks."""
-    lens = [0, 1, 64, 65, 1000]
-    d = inputs(lens, 2, 2, 4, gate=gate)
-    h0 = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
-    outs = []
-    for rolled in (0, 1):
-        ht = torch.full_like(h0, NAN)
-        tiles = kda90.Tiles(tile_v=64, prep_ctas=prep_ctas, prep_rolled=rolled)
-        outs.append((run_direct(kda90, d, h0=h0, ht=ht, tiles=tiles), ht))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    o_ref, s_ref = oracle(d, h0)
-    assert rel(outs[1][0], o_ref) < TOL_O and rel(outs[1][1], s_ref) < TOL_SC
+    _assert_prep_variants_agree(gate, [kda90.Tiles(tile_v=64, prep_ctas=prep_ctas, prep_rolled=r) for r in (0, 1)])
 
 
 @pytest.mark.parametrize("gate", ["mild", "strong"])
