@@ -30,9 +30,9 @@ Usage: python perf/bench_delta_family.py [--rows kda_32h,kda_64h,gdn2_32h,gdp_32
 [--sm90-tiles "128,2;64,2;128,2,1"] [--prep-ctas 2,3] [--fla] [--recurrent] [--cudnn] [--profile-reps 3]
 [--out FILE.jsonl] [--dry-run] (``--kernel``: which of our chunked kernels, default both (the SM90 one needs sm_90a);
 ``--sm90-tiles``: the SM90 kernel's ``tile_v,num_stages[,tma[,prep_rolled]]`` variants (``tma`` 0 when left out; 1: the TMA
-loads of ``Tiles.tma``, label suffix ``_tma``), the first the headline (default: its default tiles);
-``--prep-ctas``: the prep kernel's layouts (``Tiles.prep_ctas``; 3, the compact one, on the KDA rows only, label
-suffix ``_p3``); ``--sm90-tiles`` and ``--prep-ctas`` 3 apply to the KDA / GDN-2 kernel only (GDP runs GDN's
+loads of ``Tiles.tma``, label suffix ``_tma``; ``prep_rolled`` 1 when left out, another level suffix ``_r<n>``), the
+first the headline (default: its default tiles); ``--prep-ctas``: the prep kernel's layouts (``Tiles.prep_ctas``;
+default each tiles' own; 3, the compact one, on the KDA rows only; label suffix ``_p<n>`` where not the tiles' own); ``--sm90-tiles`` and ``--prep-ctas`` 3 apply to the KDA / GDN-2 kernel only (GDP runs GDN's
 chunked kernels on their default tiles); ``--fla`` times fla (its Triton autotune is the slow part of a run),
 ``--recurrent`` the recurrent kernel on the same launch arguments, ``--cudnn`` cuDNN's graphs through
 ``recurrent_kda`` / ``chunk_gated_delta_product(backend="cudnn")`` on the KDA and GDP rows; peers are skipped
@@ -193,14 +193,19 @@ def launch_split(timer, launch, reps):
 
 
 def _variants(kernel, problem, B, H, sm90_tiles, prep_ctas):
-    """[(label, module, config)] of our chunked kernels to time: ``kernel`` in portable / sm90 / both, each prep
-    layout of ``prep_ctas`` the problem admits (label suffix ``_p3`` for the compact one; GDN-2 takes 2 only)."""
+    """[(label, module, config)] of our chunked kernels to time: ``kernel`` in portable / sm90 / both; each tiles'
+    own prep layout, or each layout of ``prep_ctas`` the problem admits (GDN-2 takes 2 only; label suffix
+    ``_p<n>`` where it is not the tiles' own)."""
     out = []
-    layouts = [pc for pc in prep_ctas if pc == 2 or not problem.erase_write_gates]
+
+    def layouts(t):
+        pcs = [pc for pc in prep_ctas if pc == 2 or not problem.erase_write_gates]
+        return pcs or [t.prep_ctas]
+
     if kernel in ("portable", "both"):
         base = chk.default_tiles(problem, num_sms=132, chains=B * H)
-        for pc in layouts:
-            out.append(("portable" + ("" if pc == 2 else f"_p{pc}"), chk,
+        for pc in layouts(base):
+            out.append(("portable" + ("" if pc == base.prep_ctas else f"_p{pc}"), chk,
                         chk.Config(problem, dataclasses.replace(base, prep_ctas=pc))))
     if kernel in ("sm90", "both"):
         if k90.unsupported_reason(problem) is not None:
@@ -208,10 +213,10 @@ def _variants(kernel, problem, B, H, sm90_tiles, prep_ctas):
         else:
             tiles = sm90_tiles or [k90.default_tiles(problem, num_sms=132, chains=B * H)]
             for i, t in enumerate(tiles):
-                for pc in layouts:
+                for pc in layouts(t):
                     label = (("sm90" if i == 0 else f"sm90_{t.tile_v}x{t.num_stages}" + ("_tma" if t.tma else "")
-                              + ("_rolled" if t.prep_rolled else ""))
-                             + ("" if pc == 2 else f"_p{pc}"))
+                              + ("" if t.prep_rolled == 1 else f"_r{t.prep_rolled}"))
+                             + ("" if pc == t.prep_ctas else f"_p{pc}"))
                     out.append((label, k90, k90.Config(problem, dataclasses.replace(t, prep_ctas=pc))))
     return out
 
@@ -265,7 +270,7 @@ def _kernel_calls(kernel, problem, args, B, H, sm90_tiles, prep_ctas):
 
 
 def bench_row(timer, name, found, recurrent, cudnn, kernel="both", sm90_tiles=None, profile_reps=3,
-              prep_ctas=(2, 3)):
+              prep_ctas=()):
     op, B, L, H = ROWS[name]
     d = make_inputs(op, B, L, H)
     problem, args, out, ht = launch_args(op, d, B, H)
@@ -391,10 +396,11 @@ def main():
     ap.add_argument("--kernel", default="both", choices=["portable", "sm90", "both"],
                     help="which of our chunked kernels to time (both: the same inputs, their outputs compared)")
     ap.add_argument("--sm90-tiles", default="",
-                    help='SM90 kernel tile variants "tile_v,num_stages[,tma];..." (tma 0 when left out; the first '
-                         "is the headline; default: its default tiles)")
-    ap.add_argument("--prep-ctas", default="2,3",
-                    help="prep layouts to time, by CTAs an SM (2: the default; 3: the compact KDA layout)")
+                    help='SM90 kernel tile variants "tile_v,num_stages[,tma[,prep_rolled]];..." (tma 0, prep_rolled 1 '
+                         "when left out; the first is the headline; default: its default tiles)")
+    ap.add_argument("--prep-ctas", default="",
+                    help="prep layouts to time, by CTAs an SM (2; 3: the compact KDA layout; default: each "
+                         "tiles' own, 3 for bf16 KDA and 2 for GDN-2)")
     ap.add_argument("--profile-reps", type=int, default=3,
                     help="flushed calls the torch profiler splits into prep / main time (0: no split)")
     ap.add_argument("--fla", action="store_true", help="also time fla's Triton kernels (slow: their autotune)")
@@ -418,11 +424,9 @@ def main():
             vals = [int(x) for x in item.split(",")]
             if len(vals) not in (2, 3, 4):
                 raise SystemExit(f"--sm90-tiles item {item!r}: want tile_v,num_stages[,tma[,prep_rolled]]")
-            tv, st, tma, rolled = (*vals, 0, 0)[:4]
+            tv, st, tma, rolled = vals + [0, 1][len(vals) - 2:]  # tma 0, prep_rolled 1 when left out
             sm90_tiles.append(k90.Tiles(tile_v=tv, num_stages=st, tma=tma, prep_rolled=rolled))
     prep_ctas = tuple(int(x) for x in a.prep_ctas.split(",") if x.strip())
-    if 2 not in prep_ctas:
-        raise SystemExit("--prep-ctas must include 2 (the default layout: the headline and the GDN-2 rows)")
     torch.manual_seed(0)
     timer = KernelTimer()
     found = fla_peers() if a.fla else {}

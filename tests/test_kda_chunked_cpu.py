@@ -127,7 +127,10 @@ def test_unsupported_and_config_rules():
     with pytest.raises(TypeError):
         chk.Config(_problem(), "tiles")
     assert chk.default_tiles(_problem(), num_sms=132, chains=128) == chk.Tiles(tile_v=64, num_warps=4)
-    assert chk.TUNING_FIELDS == ("tile_v", "num_warps", "prep_ctas") and chk.Tiles(64, 4).prep_ctas == 2
+    assert chk.TUNING_FIELDS == ("tile_v", "num_warps", "prep_ctas", "prep_rolled")
+    assert (chk.Tiles(64, 4).prep_ctas, chk.Tiles(64, 4).prep_rolled) == (2, 1)
+    with pytest.raises(ValueError, match="prep_rolled"):
+        chk.Tiles(prep_rolled=2)
     with pytest.raises(ValueError, match="prep_ctas 3"):
         chk.Config(_problem(erase_write_gates=True), chk.Tiles(prep_ctas=3))
     with pytest.raises(ValueError):

@@ -56,8 +56,12 @@ def test_unsupported_and_config_rules():
         kda90.Config(_problem(erase_write_gates=True), kda90.Tiles(prep_ctas=3))
     # the GDN kernel's tile rules (the same main kernel)
     for chains, tv in ((256, 128), (99, 128), (98, 64), (8, 64)):
-        assert kda90.default_tiles(_problem(), num_sms=132, chains=chains) == kda90.Tiles(tile_v=tv), chains
-    assert kda90.default_tiles(_problem(head_dim_k=64), num_sms=132) == kda90.Tiles(tile_v=64)
+        assert kda90.default_tiles(_problem(), num_sms=132, chains=chains) == kda90.Tiles(tile_v=tv, prep_ctas=3)
+    assert kda90.default_tiles(_problem(head_dim_k=64), num_sms=132) == kda90.Tiles(tile_v=64, prep_ctas=3)
+    # GDN-2's erase gates do not fit the compact layout: its default is the two-CTA one; both rolled
+    t2 = kda90.default_tiles(_problem(erase_write_gates=True), num_sms=132)
+    assert (t2.prep_ctas, t2.prep_rolled, kda90.Tiles().prep_rolled) == (2, 1, 1)
+    assert kda90.default_tiles(_problem(dtype="float16"), num_sms=132).prep_ctas == 2  # see VARIANTS' fp16 note
     for K in (64, 128):
         for tv in (64, 128):
             for st in (2, 3):
@@ -72,8 +76,10 @@ def test_unsupported_and_config_rules():
 VARIANTS = {
     "kda_k128_l2norm_128x2": (dict(), (128, 2)),
     "kda_k128_l2norm_128x2_prep3": (dict(), (128, 2, 3)),
+    # fp16's compact prep unrolled: rolled it spills 48 B at the 168-register cap, so default_tiles keeps fp16
+    # on the two-CTA layout
     "kda_k64_v64_fp16_64x2_prep3": (dict(dtype="float16", head_dim_k=64, head_dim_v=64, use_qk_l2norm=False),
-                                    (64, 2, 3)),
+                                    (64, 2, 3, 0)),
     "gdn2_k128_bf16state_64x3": (dict(erase_write_gates=True, state_dtype="bfloat16"), (64, 3)),
     "kda_k64_v64_fp16_64x2": (dict(dtype="float16", head_dim_k=64, head_dim_v=64, use_qk_l2norm=False), (64, 2)),
     "gdn2_k64_v128_64x3": (dict(erase_write_gates=True, head_dim_k=64), (64, 3)),
@@ -93,7 +99,7 @@ def _compile(module, cfg, tmp_path):
 def test_sm90_kda_kernel_ptx_and_cubin(tmp_path, variant):
     kw, (tv, st, *pc) = VARIANTS[variant]
     p = _problem(**kw)
-    cfg = kda90.Config(p, kda90.Tiles(tile_v=tv, num_stages=st, prep_ctas=pc[0] if pc else 2))
+    cfg = kda90.Config(p, kda90.Tiles(tile_v=tv, num_stages=st, prep_ctas=pc[0] if pc else 2, prep_rolled=pc[1] if pc[1:] else 1))
     ptx, res = _compile(kda90, cfg, tmp_path)
     assert re.search(r"\.target\s+sm_90a", ptx)
     entries = re.findall(r"\.entry\s+(\S+)\(", ptx)
@@ -185,7 +191,7 @@ def test_launch_tensors_mirror_the_portable_kernels(gdn2):
 TMA_VARIANTS = {
     "kda_k128_l2norm_128x2": (dict(), (128, 2)),
     "kda_k64_v64_fp16_64x3_prep3": (dict(dtype="float16", head_dim_k=64, head_dim_v=64, use_qk_l2norm=False),
-                                    (64, 3, 3)),
+                                    (64, 3, 3, 0)),  # unrolled: as VARIANTS' fp16 compact prep
     "gdn2_k128_bf16state_64x3": (dict(erase_write_gates=True, state_dtype="bfloat16"), (64, 3)),
     "gdn2_k64_v128_64x2": (dict(erase_write_gates=True, head_dim_k=64), (64, 2)),
 }
@@ -209,7 +215,7 @@ def test_sm90_kda_kernel_tma_ptx_and_cubin(tmp_path, variant):
     factors and a tail chunk's rows stay cp.async; the prep kernel and the GEMMs are those of ``tma = 0``."""
     kw, (tv, st, *pc) = TMA_VARIANTS[variant]
     p = _problem(**kw)
-    tiles = kda90.Tiles(tile_v=tv, num_stages=st, prep_ctas=pc[0] if pc else 2)
+    tiles = kda90.Tiles(tile_v=tv, num_stages=st, prep_ctas=pc[0] if pc else 2, prep_rolled=pc[1] if pc[1:] else 1)
     ptx1, res = _compile(kda90, kda90.Config(p, dataclasses.replace(tiles, tma=1)), tmp_path / "tma")
     ptx0, _ = _compile(kda90, kda90.Config(p, tiles), tmp_path / "cp")
     assert re.search(r"\.target\s+sm_90a", ptx1)
@@ -243,9 +249,9 @@ def test_sm90_kda_kernel_tma_ptx_and_cubin(tmp_path, variant):
 def test_sm90_kda_prep_rolled_ptx_and_cubin(tmp_path, prep_ctas):
     """``prep_rolled = 1``: the prep's column-block steps (``_decay_cols``) and Qg / Kd steps (``_decay_out``) as
     run-time loops, each step's exp2s once instead of once a step; the same MMAs, no spills, the registers and CTAs
-    an SM of the unrolled prep at most; the main kernel untouched.  The default (0) is the unrolled prep."""
-    assert kda90.Tiles().prep_rolled == 0
-    assert kda90.override_tiles(kda90.Tiles(), {"prep_rolled": "1"}) == kda90.Tiles(prep_rolled=1)
+    an SM of the unrolled prep at most; the main kernel untouched.  The default is the rolled prep (1)."""
+    assert kda90.Tiles().prep_rolled == 1
+    assert kda90.override_tiles(kda90.Tiles(), {"prep_rolled": "0"}) == kda90.Tiles(prep_rolled=0)
     with pytest.raises(TypeError, match="prep_rolled"):
         kda90.Tiles(prep_rolled=True)
     with pytest.raises(ValueError, match="prep_rolled"):
@@ -253,7 +259,8 @@ def test_sm90_kda_prep_rolled_ptx_and_cubin(tmp_path, prep_ctas):
     p = _problem()
     cfg1 = kda90.Config(p, kda90.Tiles(prep_ctas=prep_ctas, prep_rolled=1))
     ptx1, res1 = _compile(kda90, cfg1, tmp_path / "rolled")
-    ptx0, res0 = _compile(kda90, kda90.Config(p, kda90.Tiles(prep_ctas=prep_ctas)), tmp_path / "unrolled")
+    ptx0, res0 = _compile(kda90, kda90.Config(p, kda90.Tiles(prep_ctas=prep_ctas, prep_rolled=0)),
+                          tmp_path / "unrolled")
     prep1, main1 = ptx1.split(".entry")[1], ptx1.split(".entry")[2]
     prep0, main0 = ptx0.split(".entry")[1], ptx0.split(".entry")[2]
     K, sub = p.head_dim_k, 16

@@ -72,6 +72,15 @@ def check_prep_ctas(prep_ctas, erase_write_gates: bool = False) -> None:
                          "gates take prep_ctas 2")
 
 
+def check_prep_rolled(prep_rolled) -> None:
+    """The check of a per-channel kernel's ``Tiles.prep_rolled``: TypeError for a non-int (a bool is not one),
+    ValueError for a value outside {0, 1}."""
+    if isinstance(prep_rolled, bool) or not isinstance(prep_rolled, int):
+        raise TypeError(f"prep_rolled must be an int, got {prep_rolled!r}")
+    if prep_rolled not in (0, 1):
+        raise ValueError(f"prep_rolled must be 0 or 1, got {prep_rolled}")
+
+
 def row_pitch_g(head_dim_k: int) -> int:
     """Bytes of one fp32 row of G in shared memory (16-byte pad)."""
     return 4 * head_dim_k + 16
@@ -144,8 +153,8 @@ class KdaPrep(GdnPrep):
 
     #: the compact shared-memory layout (``prep_ctas = 3``, KDA only): set by the kernel class
     compact = False
-    #: run-time loops (one copy of the step) in place of the unrolled column-block and Qg / Kd phases: less code
-    #: (the instruction-fetch experiment), the same values; set by the kernel class
+    #: run-time loops (one copy of the step) in place of the unrolled column-block and Qg / Kd phases: the same
+    #: values in 2/3 of the code, which the unrolled prep's instruction fetch cannot stream; set by the kernel class
     rolled = False
 
     @cute.kernel

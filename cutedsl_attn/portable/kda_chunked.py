@@ -38,7 +38,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.kda_prep import (
-    DIAG_LIMIT, IO_MAX, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, check_prep_ctas, prep_smem_bytes,
+    DIAG_LIMIT, IO_MAX, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, check_prep_ctas, check_prep_rolled, prep_smem_bytes,
 )
 from ..common.gdn_launch import compile_kda_kernel
 from ..common.gdn_launch import kda_launch as launch, kda_launch_tensors as launch_tensors  # noqa: F401
@@ -54,7 +54,9 @@ class Tiles:
     """What the kernel chooses: the main kernel's ``tile_v`` and ``num_warps`` (as
     :class:`cutedsl_attn.portable.gdn_chunked.Tiles`, whose checks apply) and ``prep_ctas``, the prep kernel's
     shared-memory layout by the CTAs an SM it fits (:data:`~cutedsl_attn.common.kda_prep.PREP_LAYOUTS`: 2, every
-    operand in a buffer of its own; 3, the compact layout, KDA only).
+    operand in a buffer of its own; 3, the compact layout, KDA only) and ``prep_rolled``: 1 (the default) runs
+    the prep's column-block and Qg / Kd phases as run-time loops, 0 unrolls them (as
+    :class:`cutedsl_attn.sm90.kda_chunked.Tiles`).
 
     Raises TypeError for a non-int field, ValueError for another value.
     """
@@ -62,10 +64,12 @@ class Tiles:
     tile_v: int = 64
     num_warps: int = 8
     prep_ctas: int = 2
+    prep_rolled: int = 1
 
     def __post_init__(self):
         _gdn.Tiles(tile_v=self.tile_v, num_warps=self.num_warps)  # the main kernel's checks
         check_prep_ctas(self.prep_ctas)
+        check_prep_rolled(self.prep_rolled)
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
@@ -166,7 +170,7 @@ class Config:
 
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The chunked GDN kernel's defaults (the same main kernel): 64 state rows x 4 warps when ``chains`` =
-    N * HO fill the SMs, 32 x 8 for few chains; the prep's two-CTA layout (``prep_ctas=3`` is opt-in)."""
+    N * HO fill the SMs, 32 x 8 for few chains; the rolled prep in its two-CTA layout (``prep_ctas=3`` is opt-in here: measured on the SM90 kernel only)."""
     t = _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
     return Tiles(tile_v=t.tile_v, num_warps=t.num_warps)
 
@@ -184,6 +188,7 @@ class KdaChunkedKernel(KdaPrep, _gdn.GdnChunkedKernel):
         self.diag_limit = DIAG_LIMIT[p.dtype]
         self.io_max = IO_MAX[p.dtype]
         self.compact = cfg.tiles.prep_ctas == 3
+        self.rolled = cfg.tiles.prep_rolled == 1
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,

@@ -41,7 +41,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.kda_prep import (
-    DIAG_LIMIT, IO_MAX, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, check_prep_ctas, prep_smem_bytes,
+    DIAG_LIMIT, IO_MAX, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, check_prep_ctas, check_prep_rolled, prep_smem_bytes,
 )
 from ..common.gdn_launch import compile_kda_kernel
 from ..common.gdn_launch import kda_launch as launch, kda_launch_tensors as launch_tensors  # noqa: F401
@@ -61,9 +61,9 @@ class Tiles:
     shared-memory layout by the CTAs an SM it fits (:data:`~cutedsl_attn.common.kda_prep.PREP_LAYOUTS`: 2, every
     operand in a buffer of its own; 3, the compact layout, KDA only), and ``tma``: 0 loads every block of the
     main kernel with ``cp.async``, 1 loads ``W``, ``Aqk`` and full chunks' ``Qg`` / ``Kd`` with TMA
-    boxes (``U``, ``F`` and a tail chunk's rows stay ``cp.async``).  ``prep_rolled``: 0 the prep's column-block
-    and Qg / Kd phases unrolled; 1 as run-time loops (one copy of each step: less code for the instruction-fetch
-    experiment, the same values).
+    boxes (``U``, ``F`` and a tail chunk's rows stay ``cp.async``).  ``prep_rolled``: 1 (the default) runs the
+    prep's column-block and Qg / Kd phases as run-time loops, one copy of each step; 0 unrolls them (the same
+    values, but 1.5x the code, and the unrolled prep stalls on instruction fetch: 2.3x slower, perf/RESULTS.md).
 
     Raises TypeError for a non-int field, ValueError for another value.
     """
@@ -72,15 +72,12 @@ class Tiles:
     num_stages: int = 2
     prep_ctas: int = 2
     tma: int = 0
-    prep_rolled: int = 0
+    prep_rolled: int = 1
 
     def __post_init__(self):
         _gdn.Tiles(tile_v=self.tile_v, num_stages=self.num_stages, tma=self.tma)  # the main kernel's checks
         check_prep_ctas(self.prep_ctas)
-        if isinstance(self.prep_rolled, bool) or not isinstance(self.prep_rolled, int):
-            raise TypeError(f"prep_rolled must be an int, got {self.prep_rolled!r}")
-        if self.prep_rolled not in (0, 1):
-            raise ValueError(f"prep_rolled must be 0 or 1, got {self.prep_rolled}")
+        check_prep_rolled(self.prep_rolled)
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tiles))
@@ -179,9 +176,12 @@ class Config:
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The SM90 chunked GDN kernel's defaults (the same main kernel; the per-channel decay adds K / 8 shared
     loads a chunk): 128 state rows when ``chains`` = N * HO fill three quarters of a wave and K = V = 128,
-    64 rows otherwise; the prep's two-CTA layout (``prep_ctas=3`` is opt-in)."""
+    64 rows otherwise; the rolled prep, in its three-CTA layout for bf16 KDA (10% faster, perf/RESULTS.md) and
+    its two-CTA one for GDN-2 (the compact layout has no room for the erase gates) and fp16 (whose always-taken
+    direct diagonal spills at the compact layout's 168 registers)."""
     t = _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
-    return Tiles(tile_v=t.tile_v, num_stages=t.num_stages)
+    compact = problem.dtype == "bfloat16" and not problem.erase_write_gates
+    return Tiles(tile_v=t.tile_v, num_stages=t.num_stages, prep_ctas=3 if compact else 2)
 
 
 class KdaChunkedSm90Kernel(KdaPrep, _gdn.GdnChunkedSm90Kernel):
