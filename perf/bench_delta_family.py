@@ -17,7 +17,8 @@ time outside prep and main); ``rel_err_launch_vs_api_*`` compares that launch wi
 ``chunk_gated_delta_product(backend="cute")`` on the same inputs.
 
 Method (cutedsl_attn.timing.KernelTimer, as perf/bench_gdn.py): a 512 MiB memset flushes the L2 before every
-timed call, the GPU sleeps so the host has queued the call, CUDA events bracket it, median of 10.  Our rows
+timed call, the GPU sleeps (``--sleep-cycles``, ~2 ms) so the host has queued the whole call, CUDA events
+bracket it, median of 10.  Our rows
 time the kernel launch (the chunk plan and scratch allocation included; the API's checks are done once,
 outside the timed call; GDP: ``gdn_launch`` with ``CUTEDSL_ATTN_GDN_KERNEL`` naming the kernel); fla is timed
 through its public function (``FLA_DISABLE_BACKEND_DISPATCH=1``: its own Triton kernels).  Each row also
@@ -401,6 +402,9 @@ def main():
     ap.add_argument("--prep-ctas", default="",
                     help="prep layouts to time, by CTAs an SM (2; 3: the compact KDA layout; default: each "
                          "tiles' own, 3 for bf16 KDA and 2 for GDN-2)")
+    ap.add_argument("--sleep-cycles", type=int, default=4_000_000,
+                    help="GPU sleep before each timed call (~2 ms: a whole multi-launch call, ours or a peer's, is "
+                         "queued before it starts, so the host's launch cost is outside the events)")
     ap.add_argument("--profile-reps", type=int, default=3,
                     help="flushed calls the torch profiler splits into prep / main time (0: no split)")
     ap.add_argument("--fla", action="store_true", help="also time fla's Triton kernels (slow: their autotune)")
@@ -428,7 +432,7 @@ def main():
             sm90_tiles.append(k90.Tiles(tile_v=tv, num_stages=st, tma=tma, prep_rolled=rolled))
     prep_ctas = tuple(int(x) for x in a.prep_ctas.split(",") if x.strip())
     torch.manual_seed(0)
-    timer = KernelTimer()
+    timer = KernelTimer(sleep_cycles=a.sleep_cycles)
     found = fla_peers() if a.fla else {}
     rows = []
     for n in names:

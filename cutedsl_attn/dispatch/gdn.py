@@ -214,13 +214,17 @@ def _launch_expanded(problem: GdnProblem, served: GdnProblem, args: GdnArgs, dev
     n = problem.num_householder
     q, out = args.q, args.output
     T, ho, V = q.shape[0], out.shape[1], out.shape[2]
-    q_e = q.new_zeros(T * n, q.shape[1], q.shape[2])
-    q_e[n - 1::n] = q  # the readout follows the token's last update
+    q_e = q.new_empty(T, n, q.shape[1], q.shape[2])  # each row written once: zeros, then the token's q
+    q_e[:, :n - 1].zero_()
+    q_e[:, n - 1] = q  # the readout follows the token's last update
+    q_e = q_e.view(T * n, q.shape[1], q.shape[2])
     g_e = args.g
     if args.flags & FLAG_HAS_G:
         identity = 1.0 if problem.gate_domain == "linear" else 0.0
-        g_e = torch.full((T * n, ho), identity, device=q.device, dtype=torch.float32)
-        g_e[0::n] = args.g  # the decay acts before the token's first update only
+        g_e = torch.empty(T, n, ho, device=q.device, dtype=torch.float32)
+        g_e[:, 1:].fill_(identity)
+        g_e[:, 0] = args.g  # the decay acts before the token's first update only
+        g_e = g_e.view(T * n, ho)
     o_e = torch.empty(T * n, ho, V, device=q.device, dtype=out.dtype)
     _run(served, args._replace(q=q_e, g=g_e, cu_seqlens=args.cu_seqlens * n, output=o_e), device_index)
     out.copy_(o_e[n - 1::n])
