@@ -130,7 +130,7 @@ def test_unsupported_and_config_rules():
     assert chk.TUNING_FIELDS == ("tile_v", "num_warps", "prep_ctas", "prep_rolled")
     assert (chk.Tiles(64, 4).prep_ctas, chk.Tiles(64, 4).prep_rolled) == (2, 1)
     with pytest.raises(ValueError, match="prep_rolled"):
-        chk.Tiles(prep_rolled=2)
+        chk.Tiles(prep_rolled=3)
     with pytest.raises(ValueError, match="prep_ctas 3"):
         chk.Config(_problem(erase_write_gates=True), chk.Tiles(prep_ctas=3))
     with pytest.raises(ValueError):

@@ -92,19 +92,22 @@ def test_tiles(mode, tiles):
     assert rel(o, o_ref) < TOL_O and rel(ht, s_ref) < TOL_SC
 
 
-def _assert_prep_variants_agree(gate, tiles):
+def _assert_prep_variants_agree(gate, tiles, K=128, V=128, gdn2=False, dtype=torch.bfloat16, l2norm=True):
     """Each of ``tiles`` (prep variants of one main kernel) gives exactly the first one's outputs and final state
     on a ragged batch with an initial state, and the last one is within tolerance of the float64 oracle."""
     lens = [0, 1, 64, 65, 1000]
-    d = inputs(lens, 2, 2, 4, gate=gate)
-    h0 = torch.randn(len(lens), 4, 128, 128, device=DEV) * 0.1
+    d = inputs(lens, 2, 2, 4, K=K, V=V, gate=gate, gdn2=gdn2, dtype=dtype)
+    if not l2norm:  # bounded rows without the kernel's l2norm
+        d["k"] = (d["k"].float() / d["k"].float().norm(dim=-1, keepdim=True)).to(dtype)
+        d["q"] = (d["q"].float() / math.sqrt(K)).to(dtype)
+    h0 = torch.randn(len(lens), 4, V, K, device=DEV) * 0.1
     outs = []
     for t in tiles:
         ht = torch.full_like(h0, NAN)
-        outs.append((run_direct(kda90, d, h0=h0, ht=ht, tiles=t), ht))
+        outs.append((run_direct(kda90, d, h0=h0, ht=ht, tiles=t, l2norm=l2norm), ht))
     for o, ht in outs[1:]:
         assert torch.equal(outs[0][0], o) and torch.equal(outs[0][1], ht)
-    o_ref, s_ref = oracle(d, h0)
+    o_ref, s_ref = oracle(d, h0, l2norm=l2norm)
     assert rel(outs[-1][0], o_ref) < TOL_O and rel(outs[-1][1], s_ref) < TOL_SC
 
 
@@ -117,9 +120,19 @@ def test_compact_prep_layout_equals_the_wide_one(gate):
 @pytest.mark.parametrize("prep_ctas", [2, 3])
 @pytest.mark.parametrize("gate", ["safe", "strong"])
 def test_rolled_prep_equals_the_unrolled_one(gate, prep_ctas):
-    """``prep_rolled=1`` (the prep's column and output phases as run-time loops) gives exactly the outputs of the
-    unrolled prep: the same per-element operations; "strong" gates reach the direct diagonal blocks."""
-    _assert_prep_variants_agree(gate, [kda90.Tiles(tile_v=64, prep_ctas=prep_ctas, prep_rolled=r) for r in (0, 1)])
+    """``prep_rolled=1`` (the prep's column and output phases as run-time loops) and 2 (the other long phases as
+    well) give exactly the outputs of the unrolled prep: the same per-element operations in the same order;
+    "strong" gates reach the direct diagonal blocks."""
+    _assert_prep_variants_agree(gate, [kda90.Tiles(tile_v=64, prep_ctas=prep_ctas, prep_rolled=r) for r in (0, 1, 2)])
+
+
+@pytest.mark.parametrize("case", ["gdn2", "fp16_k64", "no_l2norm"])
+def test_rolled2_prep_equals_rolled1_other_problems(case):
+    """``prep_rolled=2`` against 1, bit-exact, where its rolled phases take other paths: GDN-2's erase / write
+    gates (loaded per channel in the gate step), fp16 at K = V = 64 (the direct diagonal blocks always), and
+    no l2norm (the normaliser step off)."""
+    kw = dict(gdn2=dict(gdn2=True), fp16_k64=dict(K=64, V=64, dtype=torch.float16), no_l2norm=dict(l2norm=False))
+    _assert_prep_variants_agree("strong", [kda90.Tiles(tile_v=64, prep_rolled=r) for r in (1, 2)], **kw[case])
 
 
 @pytest.mark.parametrize("gate", ["mild", "strong"])

@@ -42,7 +42,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from . import ptx
 from .constants import LOG2E
-from .gdn_prep import GdnPrep, _ld_shared_v4_f32, _st_f32, _st_shared_v4_b32
+from .gdn_prep import _ld_shared_v4_f32, _st_f32
+from .kda_prep_rolled import KdaPrepRolled, _ld_nc_v4_f32, _st8, _x8
 from ..planning.gdn import CHUNK, FLAG_HAS_BETA, FLAG_HAS_G
 
 SUB = 16  # tokens a sub-chunk: one warp's 16-row slab
@@ -53,6 +54,9 @@ DIAG_LIMIT = {"bfloat16": 96.0, "float16": 4.0}  # log2; ref.kda_chunked.diag_li
 #: prep CTAs an SM of the two shared-memory layouts (``Tiles.prep_ctas``): 2, every operand its own buffer; 3,
 #: the compact KDA layout (e derived from k and beta, buffers reused across phases; not for GDN-2's erase gates)
 PREP_LAYOUTS = (2, 3)
+#: the prep's loop levels (``Tiles.prep_rolled``, :class:`~cutedsl_attn.common.kda_prep_rolled.KdaPrepRolled`): 0
+#: unrolled, 1 the column-block and Qg / Kd phases as run-time loops, 2 the other long phases as well
+PREP_ROLLED = (0, 1, 2)
 #: the compact layout's preferred shared-memory carveout (percent): three CTAs an SM need nearly all of it
 PREP_SMEM_CARVEOUT = 100
 
@@ -74,11 +78,11 @@ def check_prep_ctas(prep_ctas, erase_write_gates: bool = False) -> None:
 
 def check_prep_rolled(prep_rolled) -> None:
     """The check of a per-channel kernel's ``Tiles.prep_rolled``: TypeError for a non-int (a bool is not one),
-    ValueError for a value outside {0, 1}."""
+    ValueError for a value outside :data:`PREP_ROLLED`."""
     if isinstance(prep_rolled, bool) or not isinstance(prep_rolled, int):
         raise TypeError(f"prep_rolled must be an int, got {prep_rolled!r}")
-    if prep_rolled not in (0, 1):
-        raise ValueError(f"prep_rolled must be 0 or 1, got {prep_rolled}")
+    if prep_rolled not in PREP_ROLLED:
+        raise ValueError(f"prep_rolled must be one of {PREP_ROLLED}, got {prep_rolled}")
 
 
 def row_pitch_g(head_dim_k: int) -> int:
@@ -125,37 +129,19 @@ def _ld_nc_v4_b32(addr):
                    read_only_args=[Int64(addr)])
 
 
-def _ld_nc_v4_f32(addr):
-    return _inline("ld.global.nc.v4.f32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];", write_only_types=[Float32] * 4,
-                   read_only_args=[Int64(addr)])
-
-
 def _g8(addr) -> list:
     """Eight fp32 at a 16-byte aligned shared address."""
     return list(_ld_shared_v4_f32(addr)) + list(_ld_shared_v4_f32(addr + 16))
 
 
-def _x8(addr, io) -> list:
-    """Eight 16-bit values at a 16-byte aligned shared address, widened to fp32."""
-    out = []
-    for wd in ptx.ld_shared_v4_b32(addr):
-        lo, hi = ptx.unpack2(wd, io)
-        out += [lo, hi]
-    return out
-
-
-def _st8(addr, vals, io):
-    _st_shared_v4_b32(addr, [ptx.pack2(vals[2 * q], vals[2 * q + 1], io) for q in range(4)])
-
-
-class KdaPrep(GdnPrep):
+class KdaPrep(KdaPrepRolled):
     """The per-channel prep kernel (``prep``); a mixin, see the module docstring."""
 
     #: the compact shared-memory layout (``prep_ctas = 3``, KDA only): set by the kernel class
     compact = False
-    #: run-time loops (one copy of the step) in place of the unrolled column-block and Qg / Kd phases: the same
-    #: values in 2/3 of the code, which the unrolled prep's instruction fetch cannot stream; set by the kernel class
-    rolled = False
+    #: ``rolled`` (:class:`~cutedsl_attn.common.kda_prep_rolled.KdaPrepRolled`, set by the kernel class): >= 1 runs
+    #: the column-block and Qg / Kd phases as run-time loops (one copy of the step: the same values in 2/3 of the
+    #: code, which the unrolled prep's instruction fetch cannot stream); 2 rolls the other phases as well
 
     @cute.kernel
     def prep(self, mQ, mK, mV, mG, mBeta, mChunks, mQg, mKd, mW, mU, mAqk, mF, scale: Float32, q_group: Int32,
@@ -195,11 +181,10 @@ class KdaPrep(GdnPrep):
         sB = sRk + C * 4
         self._prep_load(mQ, mK, mG, mBeta, sQ, sK, sG, sB, tok0, ln, ho, HO, ho // q_group, ho // k_group, flags,
                         tidx)
-        self._normalise_rows(sQ, sRq, warp, lane)
-        self._normalise_rows(sK, sRk, warp, lane)
+        self._normalise_qk_r(sQ, sRq, sK, sRk, warp, lane)
         self._cumsum(sG, tidx)
         cute.arch.sync_threads()
-        self._gate_rows(mBeta, sK, sE, self.RK, K, 0, sB, tok0, ln, ho, HO, flags, tidx, PREP_THREADS)
+        self._gate_rows_r(mBeta, sK, sE, self.RK, K, 0, sB, tok0, ln, ho, HO, flags, tidx, PREP_THREADS)
         cute.arch.sync_threads()
 
         # this warp's 16 rows of A and Aqk, one 16-column block at a time (blocks past the diagonal are 0):
@@ -217,7 +202,7 @@ class KdaPrep(GdnPrep):
 
         # v into the buffers' place (its load overlaps what follows); Qg, Kd -> token-major scratch, e 2^G
         # in place (the W operand), the row factors
-        self._load_rows(mV, sV, RV, V, tok0, ln, ho // v_group, tidx, PREP_THREADS)
+        self._load_rows_r(mV, sV, RV, V, tok0, ln, ho // v_group, tidx, PREP_THREADS)
         ptx.cp_async_commit()
         self._decay_out(mQg, mKd, sQ, sE, sK, sG, sB, RG, tok0, ln, ho, HO, tidx, True, True)
         blk = Int64(c) * HO + ho
@@ -230,8 +215,8 @@ class KdaPrep(GdnPrep):
         # T = (I + A)^-1 by 16 x 16 blocks (T^T left in sA, fp32); warps 2-3 first scale v by the write gate
         # (KDA: beta) in place while warps 0-1 substitute the diagonal blocks
         if tidx >= C:
-            self._gate_rows(mBeta, sV, sV, RV, V, K, sB, tok0, ln, ho, HO, flags, tidx - C, PREP_THREADS - C)
-        self._invert_blocks(sA, tidx)
+            self._gate_rows_r(mBeta, sV, sV, RV, V, K, sB, tok0, ln, ho, HO, flags, tidx - C, PREP_THREADS - C)
+        self._invert_blocks_r(sA, tidx)
         cute.arch.sync_threads()
         self._w_u(mW, mU, sA, sRq, sE, sV, blk, warp, lane)
 
@@ -257,8 +242,7 @@ class KdaPrep(GdnPrep):
         sB = sRk + C * 4
         qh = ho // q_group
         self._prep_load(mQ, mK, mG, mBeta, sQ, sK, sG, sB, tok0, ln, ho, HO, qh, ho // k_group, flags, tidx)
-        self._normalise_rows(sQ, sRq, warp, lane)
-        self._normalise_rows(sK, sRk, warp, lane)
+        self._normalise_qk_r(sQ, sRq, sK, sRk, warp, lane)
         self._cumsum(sG, tidx)
         cute.arch.sync_threads()
 
@@ -284,14 +268,14 @@ class KdaPrep(GdnPrep):
         blk = Int64(c) * HO + ho
         self._row_factors(mF, sG, sRq, blk, scale, ln, tidx)
         cute.arch.sync_threads()  # G is dead: v takes its place, A the column blocks'
-        self._load_rows(mV, sV, RV, V, tok0, ln, ho // v_group, tidx, PREP_THREADS)
+        self._load_rows_r(mV, sV, RV, V, tok0, ln, ho // v_group, tidx, PREP_THREADS)
         ptx.cp_async_commit()
         self._store_a(mAqk, sA, acc_kk, acc_qk, blk, scale, warp, lane)
         cute.arch.sync_threads()
-        self._invert_blocks(sA, tidx)  # T = (I + A)^-1 by 16 x 16 blocks while v lands
+        self._invert_blocks_r(sA, tidx)  # T = (I + A)^-1 by 16 x 16 blocks while v lands
         ptx.cp_async_wait(0)
         cute.arch.sync_threads()
-        self._gate_rows(mBeta, sV, sV, RV, V, K, sB, tok0, ln, ho, HO, flags, tidx, PREP_THREADS)
+        self._gate_rows_r(mBeta, sV, sV, RV, V, K, sB, tok0, ln, ho, HO, flags, tidx, PREP_THREADS)
         cute.arch.sync_threads()
         self._w_u(mW, mU, sA, sRq, sK, sV, blk, warp, lane)
 
@@ -302,9 +286,12 @@ class KdaPrep(GdnPrep):
         waits for them (CTA barrier)."""
         K, RK = self.K, self.RK
         RG = row_pitch_g(K)
-        self._load_rows(mQ, sQ, RK, K, tok0, ln, qh, tidx, PREP_THREADS)
-        self._load_rows(mK, sK, RK, K, tok0, ln, kh, tidx, PREP_THREADS)
-        self._load_gates(mG, sG, RG, tok0, ln, ho, HO, flags, tidx)
+        self._load_rows_r(mQ, sQ, RK, K, tok0, ln, qh, tidx, PREP_THREADS)
+        self._load_rows_r(mK, sK, RK, K, tok0, ln, kh, tidx, PREP_THREADS)
+        if const_expr(self.rolled >= 2):
+            self._load_gates_steps(mG, sG, RG, tok0, ln, ho, HO, flags, tidx)
+        else:
+            self._load_gates(mG, sG, RG, tok0, ln, ho, HO, flags, tidx)
         ptx.cp_async_commit()
         for d0 in cutlass.range_constexpr(0, K, PREP_THREADS):
             if d0 + tidx < K:
@@ -324,7 +311,9 @@ class KdaPrep(GdnPrep):
     def _cumsum(self, sG, tidx):
         """The cumulative log2 decay in place (a thread a channel), each token's gate floored."""
         RG = row_pitch_g(self.K)
-        if tidx < self.K:
+        if const_expr(self.rolled >= 2):
+            self._cumsum_steps(sG, RG, GATE_FLOOR_LOG2, tidx)
+        elif tidx < self.K:
             run = Float32(0.0)
             for r in cutlass.range_constexpr(self.C):
                 x = ptx.ld_shared_f32(sG + r * RG + tidx * 4)
@@ -403,6 +392,13 @@ class KdaPrep(GdnPrep):
     @cute.jit
     def _w_u(self, mW, mU, sA, sOnes, sWop, sV, blk, warp, lane):
         """W = T (e 2^G), U = T x -> chunk-major scratch (T rounded to the io dtype), 64 columns at a time."""
+        if const_expr(self.rolled >= 2):
+            self._w_u_steps(mW, mU, sA, sOnes, sWop, sV, blk, warp, lane)
+        else:
+            self._w_u_unrolled(mW, mU, sA, sOnes, sWop, sV, blk, warp, lane)
+
+    @cute.jit
+    def _w_u_unrolled(self, mW, mU, sA, sOnes, sWop, sV, blk, warp, lane):
         C, K, V, RK, RV = self.C, self.K, self.V, self.RK, self.RV
         g = lane // 4
         t = lane % 4
@@ -603,7 +599,7 @@ class KdaPrep(GdnPrep):
         for e in cutlass.range_constexpr(8):
             dkk[e] = Float32(0.0)
             dqk[e] = Float32(0.0)
-        for d2 in cutlass.range(self.K // 2, unroll=2):
+        for d2 in cutlass.range(self.K // 2, unroll=1 if self.rolled >= 2 else 2):  # level 2: half the code
             d = d2 * 2
             gr, er, qr = [], [], []
             for h in cutlass.range_constexpr(2):

@@ -55,8 +55,8 @@ class Tiles:
     :class:`cutedsl_attn.portable.gdn_chunked.Tiles`, whose checks apply) and ``prep_ctas``, the prep kernel's
     shared-memory layout by the CTAs an SM it fits (:data:`~cutedsl_attn.common.kda_prep.PREP_LAYOUTS`: 2, every
     operand in a buffer of its own; 3, the compact layout, KDA only) and ``prep_rolled``: 1 (the default) runs
-    the prep's column-block and Qg / Kd phases as run-time loops, 0 unrolls them (as
-    :class:`cutedsl_attn.sm90.kda_chunked.Tiles`).
+    the prep's column-block and Qg / Kd phases as run-time loops, 0 unrolls them, 2 rolls the prep's other long
+    phases as well (as :class:`cutedsl_attn.sm90.kda_chunked.Tiles`).
 
     Raises TypeError for a non-int field, ValueError for another value.
     """
@@ -188,7 +188,7 @@ class KdaChunkedKernel(KdaPrep, _gdn.GdnChunkedKernel):
         self.diag_limit = DIAG_LIMIT[p.dtype]
         self.io_max = IO_MAX[p.dtype]
         self.compact = cfg.tiles.prep_ctas == 3
-        self.rolled = cfg.tiles.prep_rolled == 1
+        self.rolled = cfg.tiles.prep_rolled  # the level (KdaPrepRolled.rolled)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,

@@ -63,7 +63,10 @@ class Tiles:
     main kernel with ``cp.async``, 1 loads ``W``, ``Aqk`` and full chunks' ``Qg`` / ``Kd`` with TMA
     boxes (``U``, ``F`` and a tail chunk's rows stay ``cp.async``).  ``prep_rolled``: 1 (the default) runs the
     prep's column-block and Qg / Kd phases as run-time loops, one copy of each step; 0 unrolls them (the same
-    values, but 1.5x the code, and the unrolled prep stalls on instruction fetch: 2.3x slower, perf/RESULTS.md).
+    values, but 1.5x the code, and the unrolled prep stalls on instruction fetch: 2.3x slower, perf/RESULTS.md);
+    2 rolls the loads, l2 norms, cumulative decay, gate products, the inverse's merges, the W / U k-steps and
+    the direct diagonal blocks as well (:mod:`cutedsl_attn.common.kda_prep_rolled`: the same values in half of
+    level 1's code, ~3.4k / 3.9k SASS instructions at ``prep_ctas`` 2 / 3; opt-in, not yet timed).
 
     Raises TypeError for a non-int field, ValueError for another value.
     """
@@ -197,7 +200,7 @@ class KdaChunkedSm90Kernel(KdaPrep, _gdn.GdnChunkedSm90Kernel):
         self.diag_limit = DIAG_LIMIT[p.dtype]
         self.io_max = IO_MAX[p.dtype]
         self.compact = cfg.tiles.prep_ctas == 3
-        self.rolled = cfg.tiles.prep_rolled == 1
+        self.rolled = cfg.tiles.prep_rolled  # the level (KdaPrepRolled.rolled)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
