@@ -14,7 +14,11 @@ step and a K-major state run the token-serial recurrent kernel (its variants cho
 prefill; ``kda_chunked``: KDA and GDN-2 prefill; ``recurrent``: all), raising NotImplementedError naming what it
 serves when it cannot serve such a problem; other problems keep the automatic choice.
 ``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the tiles of the kernels that have the fields named
-(:func:`gdn_tuned_tiles`: each item applies to every chosen kernel whose ``TUNING_FIELDS`` have its key).  Few
+(:func:`gdn_tuned_tiles`: each item applies to every chosen kernel whose ``TUNING_FIELDS`` have its key).
+``CUTEDSL_ATTN_GDP_NATIVE=1`` (opt-in, off by default) runs Gated DeltaProduct on the SM90 chunked kernel
+(``tma = 0``, not persistent, the SM90 prep) without the expansion's copies: the kernel reads q and g and writes
+the output on the tokens' timeline while it walks the expanded one (its ``Config.expand_rows``); other kernels and
+tiles, and torch.compile, keep the expansion.  Few
 long sequences on few heads may take the context-parallel path (:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the
 chosen kernel run over segments of each sequence (``use_cp=True``; ``"auto"`` takes it where
 :func:`cutedsl_attn.planning.gdn_cp` says it pays: long sequences that cannot fill the SMs).
@@ -48,6 +52,7 @@ from . import _override, _parse_tune, num_sms
 
 GDN_KERNEL_ENV = "CUTEDSL_ATTN_GDN_KERNEL"
 GDN_TUNE_ENV = "CUTEDSL_ATTN_GDN_TUNE"
+GDP_NATIVE_ENV = "CUTEDSL_ATTN_GDP_NATIVE"
 
 # A new kernel is one entry in _FORCED (its CUTEDSL_ATTN_GDN_KERNEL value; its custom op follows) and, when auto
 # may take it, one in _AUTO (before the kernels it should win over for the problems its unsupported_reason admits).
@@ -201,7 +206,10 @@ def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None =
     Gated DeltaProduct (``problem.num_householder`` n > 1) on a chunked kernel runs as GDN on the expanded
     timeline of ``T n`` rows: q at row ``t n + n - 1`` (zeros elsewhere, which the l2 norm keeps zero), the gate
     at row ``t n`` (identity elsewhere), ``cu_seqlens * n``, the output read back from rows ``n - 1 :: n``
-    (scratch ``[T n, Hq, K]`` and ``[T n, HO, V]`` in q's dtype, allocated on the current stream).
+    (scratch ``[T n, Hq, K]`` and ``[T n, HO, V]`` in q's dtype, allocated on the current stream).  With
+    ``CUTEDSL_ATTN_GDP_NATIVE=1`` and the SM90 chunked kernel at ``tma = 0`` (not persistent, the SM90 prep), the
+    kernel maps those rows itself (``Config.expand_rows = n``): no scratch copies, the same output and state bit
+    for bit.  Raises ValueError for another value of the switch.
     """
     module, cfg = gdn_choice(problem, device_index=device_index, chains=_chains(args.cu_seqlens, args.output))
     if cfg.problem.num_householder != problem.num_householder:
@@ -210,8 +218,31 @@ def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None =
     _run(problem, args, device_index)
 
 
+def _gdp_native(served: GdnProblem, args: GdnArgs, n: int, device_index):
+    """The SM90 chunked kernel's config reading q / g and writing the output on the tokens' timeline
+    (``Config.expand_rows = n``), or None for today's expansion: the switch off, under torch.compile (the custom
+    op's key holds the problem, not the config), or a chosen kernel or tiles the native path lacks (another
+    kernel, ``tma = 1``, ``persistent``, the shared prep).
+
+    Raises ValueError for a ``CUTEDSL_ATTN_GDP_NATIVE`` other than unset, ``""``, ``"0"``, ``"1"``."""
+    switch = os.environ.get(GDP_NATIVE_ENV, "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"{GDP_NATIVE_ENV} must be 0 or 1, got {switch!r}")
+    if switch != "1" or torch.compiler.is_compiling():
+        return None
+    module, cfg = gdn_choice(served, device_index=device_index, chains=_chains(args.cu_seqlens, args.output))
+    t = cfg.tiles
+    if module is not _chunked_sm90 or t.tma or t.persistent or t.prep != 1:
+        return None
+    return dataclasses.replace(cfg, expand_rows=n)
+
+
 def _launch_expanded(problem: GdnProblem, served: GdnProblem, args: GdnArgs, device_index) -> None:
     n = problem.num_householder
+    native = _gdp_native(served, args, n, device_index)
+    if native is not None:  # the same kernels and tiles, q / g / the output on the tokens' rows
+        _gdn_launch_direct(_chunked_sm90, native, args._replace(cu_seqlens=args.cu_seqlens * n))
+        return
     q, out = args.q, args.output
     T, ho, V = q.shape[0], out.shape[1], out.shape[2]
     q_e = q.new_empty(T, n, q.shape[1], q.shape[2])  # each row written once: zeros, then the token's q

@@ -29,7 +29,9 @@ its items longest first on one ring.  A sequence of length 0 writes its initial 
 final state.  Each CTA reads its state slice before it writes it and no two CTAs share one, so an in-place pool
 update is race-free.
 Served: what the portable chunked kernel serves (GDN, scalar gates, K and V in 64 / 128, a V-major fp32 / bf16
-state), compiled for ``sm_90a`` only.  The per-channel members (KDA, GDN-2) run this main kernel behind their own
+state), compiled for ``sm_90a`` only; Gated DeltaProduct as GDN on its expanded timeline, either on the dispatch's
+expanded copies of q / g / the output or (``Config.expand_rows``) with the rows mapped in the kernels
+(:mod:`cutedsl_attn.sm90.gdn_rows`).  The per-channel members (KDA, GDN-2) run this main kernel behind their own
 prep (:mod:`cutedsl_attn.sm90.kda_chunked`: a compile-time branch decays the state per K column).
 The two kernels also compile apart (:func:`compile_prep`, :func:`compile_main` with a
 :class:`~cutedsl_attn.planning.gdn_cp.MainRun`): the context-parallel path runs one prep and then the main kernel
@@ -53,7 +55,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import ptx
 from ..common.dtypes import element_type
-from ..common.gdn_launch import compile_kernel, launch, launch_main, launch_prep, prep_tensors  # noqa: F401
+from ..common.gdn_launch import compile_kernel, launch_main, launch_prep, prep_tensors  # noqa: F401
 from ..common.smem import sw128_offset, transpose_view
 from ..common.gdn_prep import (
     PREP_CTAS_PER_SM, PREP_SMEM_CARVEOUT, PREP_THREADS, prep_smem_bytes, row_pitches,
@@ -61,12 +63,14 @@ from ..common.gdn_prep import (
 from ..compile.tiles import override_int_fields
 from ..planning import gdn_cp
 from ..planning.gdn import (
-    CHUNK, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE, GdnProblem,
+    CHUNK, FLAG_HAS_INITIAL_STATE, FLAG_INITIAL_INDICES, FLAG_OUTPUT_INDICES, FLAG_WRITE_STATE, MAX_HOUSEHOLDER,
+    GdnProblem,
 )
 from ..planning.gdn_cp import MainRun
 from .gdn_loads import GdnSm90Loads
 from .gdn_persistent import GdnSm90PlanCall, GdnSm90Persistent
 from .gdn_prep import GdnPrepSm90
+from .gdn_rows import compile_expanded, launch  # noqa: F401
 
 NAME = "gdn_chunked_sm90"
 #: cache names of the split entry points (the prep alone, the main kernel alone: :func:`compile_prep`,
@@ -79,7 +83,6 @@ SMEM_LIMIT = 227 * 1024
 CONSUMER_REGS = 232
 PRODUCER_REGS = 40  # the cp.async address arithmetic of rolled loops
 
-_inline = cute.arch.inline_ptx
 MAX_PERSISTENT_CTAS = 65535  # Tiles.persistent as a CTA cap
 SM_SMEM_BYTES = 228 * 1024  # shared memory an SM (1 KiB of it reserved a CTA)
 MAIN_MIN_REGS = 168  # registers a main-kernel thread takes at the least (ptxas, the served configurations)
@@ -151,18 +154,33 @@ def unsupported_reason(problem: GdnProblem) -> str | None:
 
 @dataclass(frozen=True)
 class Config:
-    """The SM90 chunked kernel's compile key: ``Config(problem, tiles)``.
+    """The SM90 chunked kernel's compile key: ``Config(problem, tiles, expand_rows)``.
 
-    Raises TypeError for a ``tiles`` of another type, ValueError with :func:`unsupported_reason`'s reason, when
-    ``tile_v`` does not divide ``head_dim_v`` or the ring exceeds shared memory.
+    ``expand_rows`` n > 1: the problem runs on an expanded timeline of n rows a token (Gated DeltaProduct): k /
+    v / beta and ``cu_seqlens`` (n times the tokens' offsets) on it, q / g / the output on the tokens' timeline,
+    the rows mapped in the kernels (:mod:`cutedsl_attn.sm90.gdn_rows`); it needs ``tma = 0``, ``persistent = 0``
+    and the SM90 prep (``prep = 1``).
+
+    Raises TypeError for a ``tiles`` of another type or a non-int ``expand_rows``, ValueError with
+    :func:`unsupported_reason`'s reason, when ``tile_v`` does not divide ``head_dim_v``, the ring exceeds shared
+    memory, or ``expand_rows`` is outside ``[1, MAX_HOUSEHOLDER]`` or > 1 with tiles it does not support.
     """
 
     problem: GdnProblem
     tiles: Tiles
+    expand_rows: int = 1
 
     def __post_init__(self):
         if not isinstance(self.tiles, Tiles):
             raise TypeError(f"tiles must be a gdn_chunked_sm90 Tiles, got {type(self.tiles).__name__}")
+        n = self.expand_rows
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"expand_rows must be an int, got {n!r}")
+        if not 1 <= n <= MAX_HOUSEHOLDER:
+            raise ValueError(f"expand_rows must be in [1, {MAX_HOUSEHOLDER}], got {n}")
+        t = self.tiles
+        if n > 1 and (t.tma or t.persistent or t.prep != 1):
+            raise ValueError(f"expand_rows {n} needs tma = 0, persistent = 0 and prep = 1, got {t}")
         reason = unsupported_reason(self.problem)
         if reason is not None:
             raise ValueError(f"the SM90 chunked GDN kernel cannot serve this problem: {reason}")
@@ -241,11 +259,6 @@ def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
     return override_int_fields(tiles, items)
 
 
-# ------------------------------------------------------------------ PTX helpers of this kernel
-def _st_b16(addr, v):
-    _inline("{ .reg .b16 h; cvt.u16.u32 h, {$r1}; st.global.b16 [{$r0}], h; }", read_only_args=[Int64(addr), Int32(v)])
-
-
 class GdnChunkedSm90Kernel(GdnPrepSm90, GdnSm90Loads, GdnSm90Persistent):
     """CuTe DSL SM90 chunked GDN (a prep kernel, ``default_tiles``' the SM90 wgmma one, + the wgmma main kernel);
     see the module docstring.
@@ -278,6 +291,8 @@ class GdnChunkedSm90Kernel(GdnPrepSm90, GdnSm90Loads, GdnSm90Persistent):
         self.persistent = getattr(cfg.tiles, "persistent", 0) > 0
         # the subclasses' Tiles (KDA, the fused kernel) have no prep option: they launch their own prep
         self.use_prep_sm90 = getattr(cfg.tiles, "prep", 0) == 1
+        # the subclasses' configs (KDA, the fused kernel) have no expanded timeline
+        self.expand_rows = getattr(cfg, "expand_rows", 1)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -578,15 +593,8 @@ class GdnChunkedSm90Kernel(GdnPrepSm90, GdnSm90Loads, GdnSm90Persistent):
             warpgroup.wait_group(0)
             pipe.consumer_release(state)
             state.advance()
-            if const_expr(self.write_output):
-                # O^T -> O rows t0 + r (< ln): the thread's two state rows of each of its token columns
-                o_row = o_base + ((Int64(t0 + 2 * t) * HO + ho) * V + vw + warp * 16 + g) * 2
-                for jj in cutlass.range_constexpr(C // 8):
-                    for e in cutlass.range_constexpr(2):
-                        if jj * 8 + 2 * t + e < ln:
-                            addr = o_row + (jj * 8 + e) * o_tok
-                            for h in cutlass.range_constexpr(2):
-                                _st_b16(addr + 16 * h, ptx.f32_to_16(fO[4 * jj + 2 * h + e], io))
+            if const_expr(self.write_output):  # O^T -> O rows t0 + r (< ln; on an expanded timeline the readouts)
+                self._store_o_rows(fO, o_base, o_tok, HO, t0, ln, ho, vw, warp, g, t)
             self._to16(acc_S, tXrS)
 
         if (flags & FLAG_WRITE_STATE) != 0:
@@ -594,33 +602,6 @@ class GdnChunkedSm90Kernel(GdnPrepSm90, GdnSm90Loads, GdnSm90Persistent):
             if (flags & FLAG_OUTPUT_INDICES) != 0:
                 row = mHtIdx[n]
             self._state_io(mHt, fS, Int64(row) * HO + ho, vw, warp, g, t, True)
-
-    @cute.jit
-    def _state_io(self, mH, fS, mat, vw, warp, g, t, store: cutlass.Constexpr):
-        """Load (or store) the thread's state elements of matrix ``mat`` (= row * HO + head) of ``[*, HO, V, K]``:
-        rows ``vw + 16 warp + g (+ 8)``, column pairs ``8 j + 2 t``."""
-        K, V = self.K, self.V
-        h_base = mH.iterator.toint()
-        for j in cutlass.range_constexpr(K // 8):
-            for h in cutlass.range_constexpr(2):
-                off = (mat * V + vw + warp * 16 + g + 8 * h) * K + j * 8 + 2 * t
-                i = 4 * j + 2 * h
-                if const_expr(self.bf16_state):
-                    addr = h_base + off * 2
-                    if const_expr(store):
-                        ptx.st_global_u32(addr, ptx.pack2(fS[i], fS[i + 1], cutlass.BFloat16))
-                    else:
-                        lo, hi = ptx.unpack2(ptx.ld_global_b32(addr), cutlass.BFloat16)
-                        fS[i] = lo
-                        fS[i + 1] = hi
-                else:
-                    addr = h_base + off * 4
-                    if const_expr(store):
-                        ptx.st_global_v2_f32(addr, fS[i], fS[i + 1])
-                    else:
-                        x = ptx.ld_global_v2_f32(addr)
-                        fS[i] = x[0]
-                        fS[i + 1] = x[1]
 
 
 class GdnChunkedSm90PrepKernel(GdnChunkedSm90Kernel):
@@ -668,20 +649,32 @@ class GdnChunkedSm90PersistentMainKernel(GdnSm90PlanCall, GdnChunkedSm90MainKern
 
 def compile(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile :class:`GdnChunkedSm90Kernel` (prep + main kernels, one function) for ``cfg`` from fake tensors (no
-    GPU needed).  Returns the tvm-ffi callable; call it through :func:`launch`.  Raises ValueError for
-    ``keep_cubin`` without a ``keep_ptx_dir``."""
+    GPU needed; with ``cfg.expand_rows`` > 1 q's row count apart from k's:
+    :func:`~cutedsl_attn.sm90.gdn_rows.compile_expanded`).  Returns the tvm-ffi callable; call it through
+    :func:`launch`.  Raises ValueError for ``keep_cubin`` without a ``keep_ptx_dir``."""
+    if cfg.expand_rows > 1:
+        return compile_expanded(GdnChunkedSm90Kernel(cfg), cfg, keep_ptx_dir, keep_cubin)
     kernel = GdnChunkedSm90PersistentKernel if cfg.tiles.persistent else GdnChunkedSm90Kernel
     return compile_kernel(kernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
 
 
+def _refuse_expanded(cfg: Config, entry: str) -> None:
+    if cfg.expand_rows > 1:  # their launches plan the chunks over q's rows
+        raise ValueError(f"{entry}: expand_rows {cfg.expand_rows} runs through compile / launch only")
+
+
 def compile_prep(cfg: Config, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile the prep kernel alone (:class:`GdnChunkedSm90PrepKernel`, cache name :data:`NAME_PREP`) for
-    ``cfg``; call it through :func:`launch_prep`.  Errors as :func:`compile`'s."""
+    ``cfg``; call it through :func:`launch_prep`.  Errors as :func:`compile`'s, and ValueError for
+    ``cfg.expand_rows`` > 1."""
+    _refuse_expanded(cfg, "compile_prep")
     return compile_kernel(GdnChunkedSm90PrepKernel(cfg), cfg.problem, keep_ptx_dir, keep_cubin)
 
 
 def compile_main(mcfg: MainConfig, *, keep_ptx_dir: str | None = None, keep_cubin: bool = False):
     """Compile the main kernel alone (:class:`GdnChunkedSm90MainKernel`, cache name :data:`NAME_MAIN`) for
-    ``mcfg``; call it through :func:`launch_main`.  Errors as :func:`compile`'s."""
+    ``mcfg``; call it through :func:`launch_main`.  Errors as :func:`compile`'s, and ValueError for
+    ``mcfg.config.expand_rows`` > 1."""
+    _refuse_expanded(mcfg.config, "compile_main")
     kernel = GdnChunkedSm90PersistentMainKernel if mcfg.config.tiles.persistent else GdnChunkedSm90MainKernel
     return compile_kernel(kernel(mcfg), mcfg.config.problem, keep_ptx_dir, keep_cubin)

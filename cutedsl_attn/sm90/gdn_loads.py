@@ -1,8 +1,9 @@
 """The SM90 chunked GDN main kernel's producer loads (a mixin of
 :class:`cutedsl_attn.sm90.gdn_chunked.GdnChunkedSm90Kernel`): a chunk's q / k rows and the prep's scratch blocks
 into the 128-byte-swizzled ring stages, by ``cp.async`` (:meth:`GdnSm90Loads._load_chunk`) or, with
-``Tiles.tma = 1``, the full tiles by TMA boxes (:meth:`GdnSm90Loads._load_chunk_tma`).  The methods read the
-kernel's ``C`` / ``K`` / ``V`` / ``BV`` / ``RU`` / ``F_BYTES`` / ``write_output`` / ``zero_u`` attributes.
+``Tiles.tma = 1``, the full tiles by TMA boxes (:meth:`GdnSm90Loads._load_chunk_tma`); and a consumer thread's
+state elements from / to global memory (:meth:`GdnSm90Loads._state_io`).  The methods read the kernel's ``C`` /
+``K`` / ``V`` / ``BV`` / ``RU`` / ``F_BYTES`` / ``write_output`` / ``zero_u`` / ``bf16_state`` attributes.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ from ..planning.gdn import CHUNK
 
 
 class GdnSm90Loads:
-    """Producer-warpgroup loads of the SM90 chunked GDN main kernel; see the module docstring."""
+    """Producer-warpgroup loads and the consumers' state I/O of the SM90 chunked GDN main kernel; see the module
+    docstring."""
 
     @cute.jit
     def _load_chunk(self, mQ, mK, mW, mU, mAqk, mF, storage, stage, c, t0, ln, qh, kh, ho, v0, tid):
         """Producer warpgroup: cp.async chunk ``c`` (tokens ``t0 .. t0 + ln``) into ring stage ``stage``: q / k
-        rows (zero past ``ln``: rows of the next sequence may hold anything) and W, Aqk into the swizzled tiles,
-        the V-slice of U (padded rows) and the row factors."""
+        rows (zero past ``ln``: rows of the next sequence may hold anything; q through
+        :meth:`~cutedsl_attn.sm90.gdn_rows.GdnSm90Rows._load_q_rows`, mapped on an expanded timeline) and W,
+        Aqk into the swizzled tiles, the V-slice of U (padded rows) and the row factors."""
         C, K = self.C, self.K
         HO = mW.shape[1]
         tile_ck = C * K * 2
         if const_expr(self.write_output):  # q and Aqk feed the outputs only
-            self._load_qk_rows(mQ, storage.sQ.data_ptr().toint() + stage * tile_ck, t0, ln, qh, tid)
+            self._load_q_rows(mQ, storage.sQ.data_ptr().toint() + stage * tile_ck, t0, ln, qh, tid)
         self._load_qk_rows(mK, storage.sK.data_ptr().toint() + stage * tile_ck, t0, ln, kh, tid)
         blk = Int64(c) * HO + ho
         self._load_tile(mW.iterator.toint() + blk * (C * K * 2), K, storage.sW.data_ptr().toint() + stage * tile_ck,
@@ -122,3 +125,30 @@ class GdnSm90Loads:
             r = idx // cpr
             col = idx % cpr
             ptx.cp_async_16(s_dst + sw128_offset(r, col, CHUNK), g_base + (Int64(r) * D + col * 8) * 2, 16)
+
+    @cute.jit
+    def _state_io(self, mH, fS, mat, vw, warp, g, t, store: cutlass.Constexpr):
+        """Load (or store) the thread's state elements of matrix ``mat`` (= row * HO + head) of ``[*, HO, V, K]``:
+        rows ``vw + 16 warp + g (+ 8)``, column pairs ``8 j + 2 t``."""
+        K, V = self.K, self.V
+        h_base = mH.iterator.toint()
+        for j in cutlass.range_constexpr(K // 8):
+            for h in cutlass.range_constexpr(2):
+                off = (mat * V + vw + warp * 16 + g + 8 * h) * K + j * 8 + 2 * t
+                i = 4 * j + 2 * h
+                if const_expr(self.bf16_state):
+                    addr = h_base + off * 2
+                    if const_expr(store):
+                        ptx.st_global_u32(addr, ptx.pack2(fS[i], fS[i + 1], cutlass.BFloat16))
+                    else:
+                        lo, hi = ptx.unpack2(ptx.ld_global_b32(addr), cutlass.BFloat16)
+                        fS[i] = lo
+                        fS[i + 1] = hi
+                else:
+                    addr = h_base + off * 4
+                    if const_expr(store):
+                        ptx.st_global_v2_f32(addr, fS[i], fS[i + 1])
+                    else:
+                        x = ptx.ld_global_v2_f32(addr)
+                        fS[i] = x[0]
+                        fS[i + 1] = x[1]

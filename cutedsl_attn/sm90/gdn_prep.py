@@ -40,6 +40,7 @@ from ..common.gdn_prep import (
 )
 from ..common.smem import sw128_offset, transpose_view
 from ..planning.gdn import CHUNK, GdnArgs, GdnProblem, chunked_launch_tensors
+from .gdn_rows import GdnSm90Rows
 
 NAME = "gdn_prep_sm90"
 ARCH = "sm_90a"
@@ -73,11 +74,13 @@ def unsupported_reason(problem: GdnProblem) -> str | None:
     return None
 
 
-class GdnPrepSm90(GdnPrep):
+class GdnPrepSm90(GdnSm90Rows, GdnPrep):
     """The SM90 prep kernel (``prep_sm90``, launched by :meth:`launch_prep_sm90`); a mixin over
     :class:`~cutedsl_attn.common.gdn_prep.GdnPrep` (the l2-norm batch, ``_a_tile``, ``_invert_blocks``), which
     sets the same attributes: ``C``, ``K``, ``V``, ``RA`` (the fp32 row pitch of A), ``io``, ``log_gate``,
-    ``l2norm``.  Its own methods carry a ``_p90`` prefix (no clash with a main kernel's)."""
+    ``l2norm``, and over :class:`~cutedsl_attn.sm90.gdn_rows.GdnSm90Rows` (q and the gates on an expanded
+    timeline when the kernel sets ``expand_rows``).  Its own methods carry a ``_p90`` prefix (no clash with a
+    main kernel's)."""
 
     #: issue K K^T before the Q K^T accumulator is consumed (two 64 x 64 fp32 accumulators live at once)
     p90_overlap_kk = True
@@ -154,13 +157,13 @@ class GdnPrepSm90(GdnPrep):
             sRq = sB + C * 4
             sRk = sRq + C * 4
             sBG = sRk + C * 4  # beta gamma
-            self._p90_load_rows(mQ, aQ, K, tok0, ln, ho // q_group, tidx)
+            self._p90_load_q(mQ, aQ, tok0, ln, ho // q_group, tidx)
             self._p90_load_rows(mK, aK, K, tok0, ln, ho // k_group, tidx)
             ptx.cp_async_commit()
             # V is first read by the U GEMM: it lands while Aqk, K K^T and the inverse are computed
             self._p90_load_rows(mV, aV, V, tok0, ln, ho // v_group, tidx)
             ptx.cp_async_commit()
-            self._gates_to_smem(mG, mBeta, sG, sB, tok0, ln, ho, flags, tidx)
+            self._p90_gates(mG, mBeta, sG, sB, tok0, ln, ho, flags, tidx)
             ptx.cp_async_wait(1)
             cute.arch.sync_threads()
 
