@@ -168,6 +168,64 @@ def test_native_launch_plans_the_expanded_rows():
         sm90.launch(lambda *a: None, cfg, args._replace(k=args.k[:-1]))
     with pytest.raises(ValueError, match="the output q's"):
         sm90.launch(lambda *a: None, cfg, args._replace(output=args.output[:-1]))
+    with pytest.raises(ValueError, match="expand_rows 3: k must have"):
+        sm90.launch(lambda *a: None, cfg, args._replace(v=args.v[:-1]))
+    # a gate off its timeline (the expansion's [T n, HO] g, a token-timeline beta) is refused before the launch
+    with pytest.raises(ValueError, match=r"g must be \[T, HO\]"):
+        sm90.launch(lambda *a: None, cfg, args._replace(g=torch.ones(T * n, 4)))
+    with pytest.raises(ValueError, match=r"beta must be \[T n, HO\]"):
+        sm90.launch(lambda *a: None, cfg, args._replace(beta=torch.ones(T, 4)))
+    # absent gates are 1-element dummies: not checked
+    calls.clear()
+    sm90.launch(lambda *a: calls.append(a), cfg, args._replace(g=torch.ones(1, 1), beta=torch.ones(1, 1),
+                                                               flags=FLAG_WRITE_STATE))
+    assert len(calls) == 1
+
+
+def _kernel_rows(chunks, n):
+    """What the kernels' row arithmetic (:mod:`cutedsl_attn.sm90.gdn_rows`) does over a chunk table, in Python:
+    the tokens the consumer threads store (``_store_o_rows``: lane column ``t``, tile ``jj``, column ``e``; at
+    n = 2 the even columns are dropped at compile time), the (expanded row, token) pairs of the q rows loaded
+    (``_q_row_copy``) and the tokens whose gate is read (``_p90_gates``)."""
+    stored, q_rows, g_toks = [], [], []
+    for tok0, ln in chunks:
+        for t in range(4):
+            for jj in range(CHUNK // 8):
+                for e in range(2):
+                    if n == 2 and e == 0:
+                        continue
+                    s = jj * 8 + 2 * t + e
+                    tok, sub = divmod(tok0 + s, n)
+                    if s < ln and (n == 2 or sub == n - 1):
+                        stored.append(tok)
+        for r in range(ln):
+            tok, sub = divmod(tok0 + r, n)
+            if sub == n - 1:
+                q_rows.append((tok0 + r, tok))
+            if sub == 0:
+                g_toks.append(tok)
+    return stored, q_rows, g_toks
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+def test_row_maps_over_the_chunk_plan(n):
+    """Over the chunk plan of ``cu_seqlens * n`` (tails, empty sequences, chunk starts that are not multiples of
+    n = 3, 5): every token's output stored exactly once (the n = 2 compile-time drop of the even columns needs
+    even chunk starts), its q loaded at its last row only and its gate read at its first row only."""
+    from cutedsl_attn.planning.gdn import plan_chunks
+
+    gen = torch.Generator().manual_seed(n)
+    for lens in ([0, 1, 31, 32, 33, 0, 1000], torch.randint(0, 200, (12,), generator=gen).tolist(), [0]):
+        T = sum(lens)
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+        chunks, _ = plan_chunks(cu * n, T * n)
+        real = [(int(a), int(b)) for a, b in chunks[:, 1:3].tolist() if b > 0]
+        if n in (2, 4, 8):
+            assert all(tok0 % n == 0 for tok0, _ in real)  # the sequences start on token boundaries
+        stored, q_rows, g_toks = _kernel_rows(real, n)
+        assert sorted(stored) == list(range(T))
+        assert sorted(q_rows) == [(t * n + n - 1, t) for t in range(T)]
+        assert sorted(g_toks) == list(range(T))
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -253,6 +311,19 @@ def test_dispatch_switch_value_and_other_paths(recorded, monkeypatch):
     log.clear()
     d.gdn_launch(_gdp_problem(2, decode=True), _gdp_args([3], 2))
     assert log[0][0] == "gdn_recurrent"
+    # a bad value is refused on every Gated DeltaProduct route (here the recurrent kernel), before any launch;
+    # GDN (n = 1) does not read the switch
+    monkeypatch.setenv(d.GDP_NATIVE_ENV, "true")
+    log.clear()
+    with pytest.raises(ValueError, match="CUTEDSL_ATTN_GDP_NATIVE must be 0 or 1"):
+        d.gdn_launch(_gdp_problem(2, decode=True), _gdp_args([3], 2))
+    with monkeypatch.context() as m:
+        m.setenv(d.GDN_KERNEL_ENV, "recurrent")
+        with pytest.raises(ValueError, match="CUTEDSL_ATTN_GDP_NATIVE must be 0 or 1"):
+            d.gdn_launch(_gdp_problem(2), _gdp_args([33], 2))
+    assert not log
+    d.gdn_launch(_problem(), _gdp_args([33], 1))
+    assert log[0][1].expand_rows == 1
 
 
 def _emulated_kernel(expand_rows, log_gate, l2norm):

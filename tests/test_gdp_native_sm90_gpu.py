@@ -7,7 +7,9 @@ where the expansion has zero rows, the identity gate converted as the expansion'
 output and final state equal the expansion's bit for bit; both are also compared with
 ``cutedsl_attn.ref.chunk_gated_delta_product`` (token-serial, float64) by relative Frobenius error.  Fresh random
 inputs every run; outputs and states poisoned with NaN before each launch, the output inside a NaN buffer whose
-guard rows must stay NaN (no store outside ``[T, HO, V]``).
+guard rows before and after it must stay NaN (no store outside ``[T, HO, V]``).  The inputs sit in NaN buffers
+too (rows past their ends, q's next head): a read past a tensor's rows or of another head shows as a non-finite
+output.
 """
 
 import contextlib
@@ -49,15 +51,27 @@ def poisoned(shape, dtype):
     return torch.full(shape, float("nan"), device=DEV, dtype=dtype)
 
 
-def inputs(lens, n, hq=2, hk=2, hv=4, K=128, V=128, *, l2norm=False, init=True, state_dtype=torch.float32):
+def guarded(x):
+    """``x`` copied to the front of a NaN buffer of GUARD more rows: the returned view (``x``'s shape and strides)
+    is followed by NaN rows."""
+    buf = torch.full((x.shape[0] + GUARD, *x.shape[1:]), float("nan"), device=DEV, dtype=x.dtype)
+    buf[: x.shape[0]] = x
+    return buf[: x.shape[0]]
+
+
+def inputs(lens, n, hq=2, hk=2, hv=4, K=128, V=128, *, l2norm=False, init=True, state_dtype=torch.float32,
+           dtype=torch.bfloat16):
     """Random GDP inputs (tests/test_gdp_chunked_gpu.py's distributions): alpha in [0.5, 1], unit k rows unless
-    the kernel normalises them; q a head slice of a wider tensor (strided rows, as a caller's view may be)."""
+    the kernel normalises them; q a head slice of a wider tensor (strided rows, as a caller's view may be) whose
+    extra head is NaN; every input followed by NaN rows (:func:`guarded`)."""
     T, ho = sum(lens), max(hq, hv)
     k = torch.randn(T * n, hk, K, device=DEV)
-    return dict(q=torch.randn(T, hq + 1, K, device=DEV).bfloat16()[:, :hq],
-                k=(k if l2norm else k / k.norm(dim=-1, keepdim=True)).bfloat16(),
-                v=torch.randn(T * n, hv, V, device=DEV).bfloat16(), alpha=torch.rand(T, ho, device=DEV) * 0.5 + 0.5,
-                beta=torch.rand(T * n, ho, device=DEV), n=n, l2norm=l2norm,
+    q = torch.full((T, hq + 1, K), float("nan"), device=DEV, dtype=dtype)
+    q[:, :hq] = torch.randn(T, hq, K, device=DEV).to(dtype)
+    return dict(q=guarded(q)[:, :hq], k=guarded((k if l2norm else k / k.norm(dim=-1, keepdim=True)).to(dtype)),
+                v=guarded(torch.randn(T * n, hv, V, device=DEV).to(dtype)),
+                alpha=guarded(torch.rand(T, ho, device=DEV) * 0.5 + 0.5),
+                beta=guarded(torch.rand(T * n, ho, device=DEV)), n=n, l2norm=l2norm,
                 cu=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV),
                 h0=(torch.randn(len(lens), ho, V, K, device=DEV) * 0.1).to(state_dtype) if init else None,
                 state_dtype=state_dtype)
@@ -97,19 +111,20 @@ def launch(monkeypatch, kw, *, native: bool, gate_domain="linear", tune=None):
     T, hq, K = q.shape
     hk, hv, V = k.shape[1], v.shape[1], v.shape[2]
     ho, n_seq = max(hq, hv), kw["cu"].shape[0] - 1
-    g = kw["alpha"] if gate_domain == "linear" else torch.log(kw["alpha"])
-    buf = poisoned((T + GUARD, ho, V), torch.bfloat16)
-    out, ht = buf[:T], poisoned((n_seq, ho, V, K), kw["state_dtype"])
+    g = kw["alpha"] if gate_domain == "linear" else guarded(torch.log(kw["alpha"]))
+    assert g.dtype == torch.float32 and g.is_contiguous()  # handed over as is: its NaN rows stay behind it
+    buf = poisoned((GUARD + T + GUARD, ho, V), q.dtype)
+    out, ht = buf[GUARD:GUARD + T], poisoned((n_seq, ho, V, K), kw["state_dtype"])
     flags = FLAG_HAS_G | FLAG_HAS_BETA | FLAG_WRITE_STATE | (FLAG_HAS_INITIAL_STATE if kw["h0"] is not None else 0)
-    args = gapi._prefill_args(q, k, v, g.float().contiguous(), kw["beta"], kw["cu"], kw["h0"], ht, None, out,
-                              K ** -0.5, hq, hk, hv, flags)
-    problem = GdnProblem(dtype="bfloat16", head_dim_k=K, head_dim_v=V,
+    args = gapi._prefill_args(q, k, v, g, kw["beta"], kw["cu"], kw["h0"], ht, None, out, K ** -0.5, hq, hk, hv,
+                              flags)
+    problem = GdnProblem(dtype="bfloat16" if q.dtype == torch.bfloat16 else "float16", head_dim_k=K, head_dim_v=V,
                          state_dtype="bfloat16" if kw["state_dtype"] == torch.bfloat16 else "float32",
                          gate_domain=gate_domain, use_qk_l2norm=kw["l2norm"], arch="sm_90a", num_householder=n)
     with _env(monkeypatch, native, tune) as cfgs:
         d.gdn_launch(problem, args)
     torch.cuda.synchronize()
-    assert torch.isnan(buf[T:]).all(), "a store past the output's rows"
+    assert torch.isnan(buf[:GUARD]).all() and torch.isnan(buf[GUARD + T:]).all(), "a store outside the output's rows"
     return out, ht, cfgs
 
 
@@ -155,6 +170,25 @@ def test_native_many_heads_k64(monkeypatch):
         _check_routes(cfgs, True, 2)
         assert torch.equal(o_n, o_e) and torch.equal(s_n, s_e)
         assert rel(o_n, o_ref) < TOL_O and rel(s_n, s_ref) < TOL_S
+
+
+@pytest.mark.parametrize("n,heads,dims,dtype", [
+    (4, (2, 2, 4), (128, 128), torch.bfloat16),  # chunk starts multiples of n: the run-time row test still
+    (8, (4, 1, 1), (128, 128), torch.bfloat16),  # eight tokens a chunk; GQA q heads over one k / v head
+    (3, (1, 1, 4), (64, 64), torch.float16),  # fp16 io, K = 64 (four q pieces a thread), q shared by 4 heads
+    (5, (2, 2, 2), (64, 128), torch.bfloat16),  # a token's rows across chunk boundaries at many offsets
+])
+def test_native_other_updates_dims_fp16(monkeypatch, n, heads, dims, dtype):
+    """Other update counts (the generic readout test), head layouts, K = 64 and fp16: bit-equal to the expansion,
+    tails and empty sequences (mid-batch too) included."""
+    kw = inputs([0, 1, 7, 0, 8, 9, 300], n, *heads, *dims, l2norm=True, dtype=dtype)
+    o_ref, s_ref = oracle(kw)
+    o_e, s_e, c_e = launch(monkeypatch, kw, native=False)
+    o_n, s_n, c_n = launch(monkeypatch, kw, native=True)
+    _check_routes(c_e, False, n)
+    _check_routes(c_n, True, n)
+    assert o_n.dtype == dtype and torch.equal(o_n, o_e) and torch.equal(s_n, s_e)
+    assert rel(o_n, o_ref) < TOL_O and rel(s_n, s_ref) < TOL_S
 
 
 def test_native_falls_back_for_tma(monkeypatch):

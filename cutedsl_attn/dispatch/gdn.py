@@ -209,13 +209,24 @@ def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None =
     (scratch ``[T n, Hq, K]`` and ``[T n, HO, V]`` in q's dtype, allocated on the current stream).  With
     ``CUTEDSL_ATTN_GDP_NATIVE=1`` and the SM90 chunked kernel at ``tma = 0`` (not persistent, the SM90 prep), the
     kernel maps those rows itself (``Config.expand_rows = n``): no scratch copies, the same output and state bit
-    for bit.  Raises ValueError for another value of the switch.
+    for bit.  Raises ValueError for another value of the switch (for every Gated DeltaProduct launch, whichever
+    kernel serves it).
     """
+    if problem.num_householder > 1:
+        _gdp_switch()  # a bad value is refused on every route, not only where the native path would run
     module, cfg = gdn_choice(problem, device_index=device_index, chains=_chains(args.cu_seqlens, args.output))
     if cfg.problem.num_householder != problem.num_householder:
         _launch_expanded(problem, cfg.problem, args, device_index)
         return
     _run(problem, args, device_index)
+
+
+def _gdp_switch() -> bool:
+    """Whether ``CUTEDSL_ATTN_GDP_NATIVE`` is on; ValueError for a value other than unset, ``""``, ``"0"``, ``"1"``."""
+    switch = os.environ.get(GDP_NATIVE_ENV, "")
+    if switch not in ("", "0", "1"):
+        raise ValueError(f"{GDP_NATIVE_ENV} must be 0 or 1, got {switch!r}")
+    return switch == "1"
 
 
 def _gdp_native(served: GdnProblem, args: GdnArgs, n: int, device_index):
@@ -225,10 +236,7 @@ def _gdp_native(served: GdnProblem, args: GdnArgs, n: int, device_index):
     kernel, ``tma = 1``, ``persistent``, the shared prep).
 
     Raises ValueError for a ``CUTEDSL_ATTN_GDP_NATIVE`` other than unset, ``""``, ``"0"``, ``"1"``."""
-    switch = os.environ.get(GDP_NATIVE_ENV, "")
-    if switch not in ("", "0", "1"):
-        raise ValueError(f"{GDP_NATIVE_ENV} must be 0 or 1, got {switch!r}")
-    if switch != "1" or torch.compiler.is_compiling():
+    if not _gdp_switch() or torch.compiler.is_compiling():
         return None
     module, cfg = gdn_choice(served, device_index=device_index, chains=_chains(args.cu_seqlens, args.output))
     t = cfg.tiles

@@ -180,13 +180,21 @@ def launch_expanded(fn, cfg, args: GdnArgs) -> None:
     sync).  ``args``: k / v ``[T n, H, D]``, beta ``[T n, HO]``, ``cu_seqlens`` ``n`` times the tokens' offsets;
     q ``[T, Hq, K]``, g ``[T, HO]`` and the output ``[T, HO, V]`` on the tokens' timeline.
 
-    Raises ValueError when k's rows are not ``n`` times q's or the output's rows are not q's.
+    Raises ValueError when k's (or v's) rows are not ``n`` times q's, the output's rows are not q's, or a gate the
+    flags mark present is off its timeline (g ``[T, HO]``, beta ``[T n, HO]``: the kernels index them unchecked).
     """
     n = cfg.expand_rows
-    T = args.q.shape[0]
-    if args.k.shape[0] != T * n or args.output.shape[0] != T:
+    T, ho = args.q.shape[0], args.output.shape[1]
+    if args.k.shape[0] != T * n or args.v.shape[0] != T * n or args.output.shape[0] != T:
         raise ValueError(f"expand_rows {n}: k must have {n} x q's {T} rows and the output q's, got k "
-                         f"{tuple(args.k.shape)}, output {tuple(args.output.shape)}")
+                         f"{tuple(args.k.shape)}, v {tuple(args.v.shape)}, output {tuple(args.output.shape)}")
+    # the expansion's g is [T n, HO]: handed to a native config it would read the wrong tokens' gates
+    if args.flags & FLAG_HAS_G and tuple(args.g.shape) != (T, ho):
+        raise ValueError(f"expand_rows {n}: g must be [T, HO] = [{T}, {ho}] (the tokens' timeline), got "
+                         f"{tuple(args.g.shape)}")
+    if args.flags & FLAG_HAS_BETA and tuple(args.beta.shape) != (T * n, ho):
+        raise ValueError(f"expand_rows {n}: beta must be [T n, HO] = [{T * n}, {ho}] (the expanded timeline), got "
+                         f"{tuple(args.beta.shape)}")
     # the plan and the scratch span the expanded rows: k's (same device and dtype as q)
     chunks, chunk_off, w, u, aqk, f = chunked_launch_tensors(args._replace(q=args.k), cfg.problem.head_dim_k,
                                                              cfg.problem.head_dim_v)
