@@ -126,13 +126,16 @@ def test_rolled_prep_equals_the_unrolled_one(gate, prep_ctas):
     _assert_prep_variants_agree(gate, [kda90.Tiles(tile_v=64, prep_ctas=prep_ctas, prep_rolled=r) for r in (0, 1, 2)])
 
 
-@pytest.mark.parametrize("case", ["gdn2", "fp16_k64", "no_l2norm"])
-def test_rolled2_prep_equals_rolled1_other_problems(case):
+@pytest.mark.parametrize("case,prep_ctas", [("gdn2", 2), ("fp16_k64", 2), ("fp16_k64", 3), ("no_l2norm", 2),
+                                            ("no_l2norm", 3)])
+def test_rolled2_prep_equals_rolled1_other_problems(case, prep_ctas):
     """``prep_rolled=2`` against 1, bit-exact, where its rolled phases take other paths: GDN-2's erase / write
     gates (loaded per channel in the gate step), fp16 at K = V = 64 (the direct diagonal blocks always), and
-    no l2norm (the normaliser step off)."""
+    no l2norm (the normaliser step off); the compact layout (its q rows restored from the normalisers) for the
+    last two (GDN-2 takes the two-CTA layout only)."""
     kw = dict(gdn2=dict(gdn2=True), fp16_k64=dict(K=64, V=64, dtype=torch.float16), no_l2norm=dict(l2norm=False))
-    _assert_prep_variants_agree("strong", [kda90.Tiles(tile_v=64, prep_rolled=r) for r in (1, 2)], **kw[case])
+    tiles = [kda90.Tiles(tile_v=64, prep_ctas=prep_ctas, prep_rolled=r) for r in (1, 2)]
+    _assert_prep_variants_agree("strong", tiles, **kw[case])
 
 
 @pytest.mark.parametrize("gate", ["mild", "strong"])
