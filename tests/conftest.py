@@ -1,9 +1,18 @@
 """Fixtures shared by the CPU API tests: a cross-compile target or none, the stubbed kernel launches, a compile
-that fails the test."""
+that fails the test; and one compile per kernel configuration for the session (:mod:`_builds`)."""
 
 import pytest
 
+import _builds
 from _kernel_stubs import Recorder  # pytest puts tests/ on sys.path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_inspect_builds():
+    """``cutedsl_attn.inspect``'s compiles go through :func:`_builds.build`, shared with the tests' own compiles."""
+    with pytest.MonkeyPatch.context() as mp:
+        _builds.share_inspect_compiles(mp)
+        yield
 
 
 @pytest.fixture

@@ -1,12 +1,14 @@
 """CPU tests of the inspection command line on the SM100 tcgen05 kernels: ``python -m cutedsl_attn ptx / sass /
-resources OP --arch sm_100a --kernel sm100`` for prefill and decode, each run as a subprocess (one cross-compile
-each; no GPU).  The PTX has tcgen05 instructions, the SASS the UTC*MMA tensor-core ops, and ``resources`` reports
-no stack (no spills) for every kernel, with the config's shared memory, TMEM columns and role budgets."""
+resources OP --arch sm_100a --kernel sm100`` for prefill and decode, run in-process through the command line's
+``main`` (the three commands of an op share one cross-compile, :mod:`_builds`; no GPU; ``test_ptx.py`` runs
+``python -m cutedsl_attn`` itself as a subprocess).  The PTX has tcgen05 instructions, the SASS the UTC*MMA
+tensor-core ops, and ``resources`` reports no stack (no spills) for every kernel, with the config's shared memory,
+TMEM columns and role budgets."""
 
+import contextlib
 import functools
+import io
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -20,9 +22,10 @@ SM100 = ["--arch", "sm_100a", "--kernel", "sm100"]
 @functools.lru_cache(maxsize=None)
 def run(command, op):
     """(exit status, stdout, stderr) of ``python -m cutedsl_attn COMMAND OP --arch sm_100a --kernel sm100``."""
-    r = subprocess.run([sys.executable, "-m", "cutedsl_attn", command, op, *SM100], capture_output=True, text=True,
-                       timeout=600)
-    return r.returncode, r.stdout, r.stderr
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main([command, op, *SM100])
+    return rc, out.getvalue(), err.getvalue()
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -3,11 +3,11 @@ fragment lane mapping (emulated mma.m16n8k16), shared-memory bank arithmetic, th
 cross-compiled builds, and the oracle's dequantisation."""
 
 import dataclasses
-import glob
 import math
 
 import pytest
 import torch
+from _builds import build  # (tests/ is on sys.path)
 
 from cutedsl_attn.compile.fake import decode_tensors
 from cutedsl_attn.compile.keys import config_key
@@ -171,22 +171,20 @@ def test_fp8_shared_loads_conflict_free(d):
 
 
 # ----------------------------------------------------------------------------- PTX and resources
-def _build(tmp_path, problem, tiles):
-    cfg = pd.Config(problem, tiles)
-    pd.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
-    ptx = open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
-    cubin = open(glob.glob(str(tmp_path / "*.cubin"))[0], "rb").read()
-    return ptx, cubin
+def _build(problem, tiles):
+    """(PTX, cubin) of one config (one compile per Config in the session: :func:`_builds.build`)."""
+    b = build(pd.compile, pd.Config(problem, tiles))
+    return b.ptx, b.cubin
 
 
 @pytest.mark.parametrize("arch,dtype,d,split", [("sm_90a", "bfloat16", 128, False), ("sm_90a", "bfloat16", 128, True),
                                                 ("sm_100a", "float16", 128, True), ("sm_90a", "float16", 256, False),
                                                 ("sm_100a", "bfloat16", 64, False)])
-def test_fp8_ptx_and_resources(tmp_path, arch, dtype, d, split):
+def test_fp8_ptx_and_resources(arch, dtype, d, split):
     from cutedsl_attn.inspect import cubin_resources
 
     problem = _problem(arch=arch, dtype=dtype, head_dim=d, group_size=8, use_sinks=True)
-    ptx, cubin = _build(tmp_path, problem, pd.default_tiles(problem, num_sms=132, split=split))
+    ptx, cubin = _build(problem, pd.default_tiles(problem, num_sms=132, split=split))
     assert f".target {arch}" in ptx
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "ldmatrix" not in ptx  # Q, K and V fragments all come from ld.shared of the permuted layouts
@@ -199,8 +197,8 @@ def test_fp8_ptx_and_resources(tmp_path, arch, dtype, d, split):
     assert res["registers"] <= 255
 
 
-def test_16bit_ptx_keeps_ldmatrix(tmp_path):
-    ptx, _ = _build(tmp_path, DecodeProblem("bfloat16", 128, 16, 4), pd.Tiles())
+def test_16bit_ptx_keeps_ldmatrix():
+    ptx, _ = _build(DecodeProblem("bfloat16", 128, 16, 4), pd.Tiles())
     assert "ldmatrix" in ptx and "e4m3" not in ptx and ".bf16.bf16" in ptx
 
 
@@ -269,7 +267,7 @@ def test_oracle_fp8_decode_matches_float64_math():
 
 
 @pytest.mark.parametrize("ctas", [5, 6])
-def test_min_ctas_per_sm_caps_registers(tmp_path, ctas):
+def test_min_ctas_per_sm_caps_registers(ctas):
     """``Tiles.min_ctas_per_sm``: the kernel carries ``.minnctapersm`` and ptxas fits that many CTAs of its
     threads in the SM's 64K registers (spilling if it must: a tuning experiment, timed by
     ``perf/bench_fp8_decode.py``); the default tiles carry no such hint."""
@@ -277,12 +275,10 @@ def test_min_ctas_per_sm_caps_registers(tmp_path, ctas):
 
     problem = _problem(arch="sm_90a", dtype="bfloat16", head_dim=128, group_size=8)
     base = pd.default_tiles(problem, num_sms=132, split=False)
-    (tmp_path / "default").mkdir()
-    (tmp_path / "capped").mkdir()
-    ptx0, _ = _build(tmp_path / "default", problem, base)
+    ptx0, _ = _build(problem, base)
     assert ".minnctapersm" not in ptx0
     tiles = dataclasses.replace(base, min_ctas_per_sm=ctas)
-    ptx, cubin = _build(tmp_path / "capped", problem, tiles)
+    ptx, cubin = _build(problem, tiles)
     assert f".minnctapersm {ctas}" in ptx
     res = cubin_resources(cubin)
     threads = 32 * tiles.num_warps

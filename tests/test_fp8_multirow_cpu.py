@@ -7,11 +7,11 @@ on the dequantised cache for the public trtllm sliding-window case (bf16 q, fp8 
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 
 import pytest
 import torch
+from _builds import build  # (tests/ is on sys.path)
 
 from cutedsl_attn import dispatch, ref
 from cutedsl_attn.api.prefill_paged import BatchPrefillWithPagedKVCacheWrapper, MultiRowDecodePrefillWrapper
@@ -107,10 +107,9 @@ def test_fake_tensors():
 
 
 # ----------------------------------------------------------------------------- PTX of cross-compiled builds
-def _ptx(tmp_path, problem):
+def _ptx(problem):
     cfg = pf.Config(problem, pf.default_tiles(problem, num_sms=132))
-    pf.compile(cfg, keep_ptx_dir=str(tmp_path))
-    return cfg, open(glob.glob(str(tmp_path / "*.ptx"))[0]).read()
+    return cfg, build(pf.compile, cfg).ptx  # (one compile per Config in the session: _builds.build)
 
 
 @pytest.mark.parametrize("arch,dtype,d,feature", [
@@ -119,10 +118,10 @@ def _ptx(tmp_path, problem):
     ("sm_100a", "bfloat16", 128, "window"),
     ("sm_100a", "float16", 256, "none"),
 ])
-def test_fp8_ptx(tmp_path, arch, dtype, d, feature):
+def test_fp8_ptx(arch, dtype, d, feature):
     p = _problem(arch=arch, dtype=dtype, head_dim_qk=d, head_dim_vo=d, use_window=feature == "window",
                  use_custom_mask=feature == "mask", causal=feature != "mask")
-    cfg, ptx = _ptx(tmp_path, p)
+    cfg, ptx = _ptx(p)
     t = cfg.tiles
     assert f".target {arch}" in ptx
     # the widening: per tile, tile_n * D / 4 words of K and of V over the CTA's threads, two cvt each
@@ -139,8 +138,8 @@ def test_fp8_ptx(tmp_path, arch, dtype, d, feature):
     assert "cp.async.cg.shared.global" in ptx or "cp.async.ca.shared.global" in ptx
 
 
-def test_16bit_ptx_has_no_e4m3(tmp_path):
-    _, ptx = _ptx(tmp_path, dataclasses.replace(_problem(), kv_dtype=""))
+def test_16bit_ptx_has_no_e4m3():
+    _, ptx = _ptx(dataclasses.replace(_problem(), kv_dtype=""))
     assert "e4m3" not in ptx and "ldmatrix" in ptx
 
 

@@ -1,11 +1,11 @@
 """CPU tests of the SM90 chunked GDN kernel: its contract, the dispatch opt-in and its PTX / cubin (cross-compiled
 for sm_90a; the kernel needs an H200 to run)."""
 
-import glob
 import itertools
 import re
 
 import pytest
+from _builds import build  # (tests/ is on sys.path)
 
 from cutedsl_attn.compile.cubin import cubin_kernel_resources
 from cutedsl_attn.planning.gdn import CHUNK, GdnProblem
@@ -100,13 +100,12 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
+def test_sm90_kernel_ptx_and_cubin(variant):
     kw, (tv, st) = VARIANTS[variant]
     p = _problem(**kw)
     cfg = sm90.Config(p, sm90.Tiles(tile_v=tv, num_stages=st))
-    sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    ptx = open(path).read()
+    b = build(sm90.compile, cfg)
+    ptx = b.ptx
     assert re.search(r"\.target\s+sm_90a", ptx)
     entries = re.findall(r"\.entry\s+(\S+)\(", ptx)
     assert len(entries) == 2 and "prep" in entries[0] and "main" in entries[1]  # one function, two kernels
@@ -133,8 +132,7 @@ def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
     # two consumer warpgroups (384 threads) rebalance registers; one (256 threads) needs no setmaxnreg
     assert ("setmaxnreg.dec" in main and "setmaxnreg.inc" in main) == (tv == 128)
     assert ".local" not in ptx
-    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
-    res = cubin_kernel_resources(open(cub, "rb").read())
+    res = cubin_kernel_resources(b.cubin)
     assert len(res) == 2
     for name, r in res.items():
         assert r["stack_bytes"] == 0, (name, r)  # no spills
@@ -151,15 +149,14 @@ TMA_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(TMA_VARIANTS))
-def test_sm90_kernel_tma_ptx_and_cubin(tmp_path, variant):
+def test_sm90_kernel_tma_ptx_and_cubin(variant):
     """``tma = 1``: W / Aqk and full chunks' q / k rows as TMA boxes on an expect-tx mbarrier; the tail chunk's
     q / k rows, U and the row factors stay cp.async."""
     kw, (tv, st) = TMA_VARIANTS[variant]
     p = _problem(**kw)
     cfg = sm90.Config(p, sm90.Tiles(tile_v=tv, num_stages=st, tma=1))
-    sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    ptx = open(path).read()
+    b = build(sm90.compile, cfg)
+    ptx = b.ptx
     prep, main = ptx.split(".entry")[1], ptx.split(".entry")[2]
     assert "cp.async.bulk.tensor" not in prep
     # one box per 128-byte swizzle span (64 columns): W and q / k K / 64 each, Aqk one
@@ -169,8 +166,7 @@ def test_sm90_kernel_tma_ptx_and_cubin(tmp_path, variant):
     assert "cp.async.cg.shared.global" in main and "cp.async.mbarrier.arrive.noinc" in main  # tail rows, U, F
     assert ".local" not in ptx
     assert ("setmaxnreg.dec" in main and "setmaxnreg.inc" in main) == (tv == 128)
-    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
-    res = cubin_kernel_resources(open(cub, "rb").read())
+    res = cubin_kernel_resources(b.cubin)
     for name, r in res.items():
         assert r["stack_bytes"] == 0, (name, r)
     main_res = [r for n, r in res.items() if "main" in n][0]
@@ -309,15 +305,14 @@ PERSISTENT_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(PERSISTENT_VARIANTS))
-def test_sm90_persistent_ptx_and_cubin(tmp_path, variant):
+def test_sm90_persistent_ptx_and_cubin(variant):
     """``persistent = 1``: the same per-chunk wgmma code in one more (item) loop over a 1-D grid, no local memory,
     and the registers the assumed CTAs an SM leave."""
     kw, (tv, st, tma) = PERSISTENT_VARIANTS[variant]
     p = _problem(**kw)
     cfg = sm90.Config(p, sm90.Tiles(tile_v=tv, num_stages=st, tma=tma, persistent=1))
-    sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    ptx = open(path).read()
+    b = build(sm90.compile, cfg)
+    ptx = b.ptx
     entries = re.findall(r"\.entry\s+(\S+)\(", ptx)
     assert len(entries) == 2 and "Persistent" in entries[1]
     prep, main = ptx.split(".entry")[1], ptx.split(".entry")[2]
@@ -333,8 +328,7 @@ def test_sm90_persistent_ptx_and_cubin(tmp_path, variant):
     assert "%nctaid.x" in main and "%ctaid.y" not in main  # the walk reads the grid size; a 1-D grid
     assert ("cp.async.bulk.tensor" in main) == bool(tma)
     assert ".local" not in ptx
-    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
-    res = cubin_kernel_resources(open(cub, "rb").read())
+    res = cubin_kernel_resources(b.cubin)
     assert all(r["stack_bytes"] == 0 for r in res.values()), res
     main_res = [r for n, r in res.items() if "main" in n][0]
     threads = 128 * (1 + tv // 64)
@@ -342,12 +336,10 @@ def test_sm90_persistent_ptx_and_cubin(tmp_path, variant):
     assert main_res["registers"] * threads * cfg.main_ctas_per_sm <= 65536
 
 
-def test_sm90_persistent_main_only_compiles(tmp_path):
+def test_sm90_persistent_main_only_compiles():
     """The context-parallel path's main-only entry on a persistent grid: the main kernel alone, final states only."""
     cfg = sm90.Config(_problem(), sm90.Tiles(tile_v=64, persistent=1))
-    sm90.compile_main(sm90.MainConfig(cfg, sm90.MainRun.STATE), keep_ptx_dir=str(tmp_path))
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    ptx = open(path).read()
+    ptx = build(sm90.compile_main, sm90.MainConfig(cfg, sm90.MainRun.STATE)).ptx
     entries = re.findall(r"\.entry\s+(\S+)\(", ptx)
     assert len(entries) == 1 and "main" in entries[0] and "PersistentMain" in entries[0]
     assert "%nctaid.x" in ptx and ".local" not in ptx
@@ -402,7 +394,7 @@ PREP_SM90_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(PREP_SM90_VARIANTS))
-def test_sm90_kernel_prep_sm90_ptx_and_cubin(tmp_path, variant):
+def test_sm90_kernel_prep_sm90_ptx_and_cubin(variant):
     """``prep = 1``: the prep entry is the SM90 prep on wgmma (no mma.sync); the main kernel's PTX is the one of
     the same tiles with ``prep = 0``; no local memory, no stack."""
     kw, (tv, st, tma, pers) = PREP_SM90_VARIANTS[variant]
@@ -410,11 +402,8 @@ def test_sm90_kernel_prep_sm90_ptx_and_cubin(tmp_path, variant):
     ab = "bf16" if p.dtype == "bfloat16" else "f16"
     texts = {}
     for prep_kind in (0, 1):
-        d = tmp_path / f"prep{prep_kind}"
         cfg = sm90.Config(p, sm90.Tiles(tile_v=tv, num_stages=st, tma=tma, persistent=pers, prep=prep_kind))
-        sm90.compile(cfg, keep_ptx_dir=str(d), keep_cubin=prep_kind == 1)
-        (path,) = glob.glob(str(d / "*.ptx"))
-        texts[prep_kind] = open(path).read()
+        texts[prep_kind] = build(sm90.compile, cfg).ptx
     ptx = texts[1]
     assert re.search(r"\.target\s+sm_90a", ptx)
     entries = re.findall(r"\.entry\s+(\S+)\(", ptx)
@@ -425,19 +414,15 @@ def test_sm90_kernel_prep_sm90_ptx_and_cubin(tmp_path, variant):
     assert "mma.sync" not in main1
     assert main1 == main0
     assert ".local" not in ptx
-    (cub,) = glob.glob(str(tmp_path / "prep1" / "*.cubin"))
-    res = cubin_kernel_resources(open(cub, "rb").read())
+    res = cubin_kernel_resources(build(sm90.compile, cfg).cubin)  # (cfg: the prep = 1 build)
     assert len(res) == 2 and all(r["stack_bytes"] == 0 for r in res.values()), res
 
 
-def test_sm90_prep_only_entry_honours_prep(tmp_path):
+def test_sm90_prep_only_entry_honours_prep():
     """The context-parallel path's prep-only entry (:func:`compile_prep`) launches the prep ``Tiles.prep`` names."""
     p = _problem(use_qk_l2norm=True)
     for prep_kind in (0, 1):
-        d = tmp_path / f"prep{prep_kind}"
-        sm90.compile_prep(sm90.Config(p, sm90.Tiles(prep=prep_kind)), keep_ptx_dir=str(d))
-        (path,) = glob.glob(str(d / "*.ptx"))
-        ptx = open(path).read()
+        ptx = build(sm90.compile_prep, sm90.Config(p, sm90.Tiles(prep=prep_kind))).ptx
         entries = re.findall(r"\.entry\s+(\S+)\(", ptx)
         assert len(entries) == 1 and ".local" not in ptx
         if prep_kind:

@@ -13,12 +13,12 @@ Gated DeltaProduct on the expanded timeline.
 """
 
 import dataclasses
-import glob
 import math
 import re
 
 import pytest
 import torch
+from _builds import build  # (tests/ is on sys.path)
 
 from cutedsl_attn import ref
 from cutedsl_attn.api import delta_family as dapi
@@ -459,10 +459,8 @@ def test_main_run_args():
 
 
 # ---------------------------------------------------------------------------- the split entries' PTX
-def _ptx(compile_fn, cfg, tmp_path):
-    compile_fn(cfg, keep_ptx_dir=str(tmp_path))
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    text = open(path).read()
+def _ptx(compile_fn, cfg):
+    text = build(compile_fn, cfg).ptx  # (shared with the kernel modules' own PTX tests)
     entries = re.findall(r"\.entry\s+([A-Za-z_$][\w$]*)", text)
     # each kernel's text from its .entry to its closing brace (column 0)
     bodies = {name: text.split(".entry")[i + 1].rsplit("\n}\n", 1)[0] for i, name in enumerate(entries)}
@@ -477,7 +475,7 @@ def _normalised(body):
 
 @pytest.mark.parametrize("mod_name,arch,tiles", [("sm90", "sm_90a", (64, 2)), ("sm90", "sm_90a", (128, 2)),
                                                  ("portable", "sm_100a", (32, 8))])
-def test_split_entries_ptx(tmp_path, mod_name, arch, tiles):
+def test_split_entries_ptx(mod_name, arch, tiles):
     from cutedsl_attn.portable import gdn_chunked as pc
     from cutedsl_attn.sm90 import gdn_chunked as s9
 
@@ -486,14 +484,14 @@ def test_split_entries_ptx(tmp_path, mod_name, arch, tiles):
     t = mod.Tiles(tile_v=tiles[0], num_stages=tiles[1]) if mod is s9 else mod.Tiles(tile_v=tiles[0],
                                                                                     num_warps=tiles[1])
     cfg = mod.Config(p, t)
-    _, plain = _ptx(mod.compile, cfg, tmp_path / "plain")
+    _, plain = _ptx(mod.compile, cfg)
     (plain_prep, plain_main) = plain.values()
-    text, prep = _ptx(mod.compile_prep, cfg, tmp_path / "prep")
+    text, prep = _ptx(mod.compile_prep, cfg)
     assert re.search(rf"\.target\s+{arch}", text) and len(prep) == 1
     assert "prep" in next(iter(prep)) and _normalised(next(iter(prep.values()))) == _normalised(plain_prep)
     got = {}
     for run in MainRun:
-        text, main = _ptx(mod.compile_main, mod.MainConfig(cfg, run), tmp_path / run.value)
+        text, main = _ptx(mod.compile_main, mod.MainConfig(cfg, run))
         assert len(main) == 1 and "main" in next(iter(main)) and ".local" not in text
         got[run] = next(iter(main.values()))
     # the outputs run is the plain launch's main kernel, instruction for instruction

@@ -2,7 +2,6 @@
 (the same shared-memory buffer, the same block order and operand slots) against float64 ``torch.linalg``, and
 the prep kernel's PTX (cross-compiled for sm_90a)."""
 
-import glob
 import re
 
 import numpy as np
@@ -135,15 +134,16 @@ def test_blockwise_inverse_matches_float64(case):
         assert torch.equal(T[length:, :length], torch.zeros(C - length, length, dtype=T.dtype))
 
 
-def test_prep_ptx_blockwise_sm90(tmp_path):
+def test_prep_ptx_blockwise_sm90():
+    from _builds import build  # (tests/ is on sys.path)
+
     from cutedsl_attn.compile.cubin import cubin_kernel_resources
     from cutedsl_attn.planning.gdn import GdnProblem
 
     sm90 = pytest.importorskip("cutedsl_attn.sm90.gdn_chunked")
     p = GdnProblem(dtype="bfloat16", head_dim_k=128, head_dim_v=128, use_qk_l2norm=True)
-    sm90.compile(sm90.Config(p, sm90.Tiles(tile_v=64, num_stages=2)), keep_ptx_dir=str(tmp_path), keep_cubin=True)
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    prep = open(path).read().split(".entry")[1]
+    b = build(sm90.compile, sm90.Config(p, sm90.Tiles(tile_v=64, num_stages=2)))
+    prep = b.ptx.split(".entry")[1]
     assert "mma.sync.aligned.m16n8k16" in prep and ".local" not in prep
     assert len(re.findall(r"bar\.sync|barrier\.sync", prep)) >= 8  # the inverse's phases
     assert re.search(r"\.minnctapersm\s+4", prep) and re.search(r"\.reqntid\s+128", prep)
@@ -151,7 +151,6 @@ def test_prep_ptx_blockwise_sm90(tmp_path):
     from cutedsl_attn.common.gdn_prep import PREP_CTAS_PER_SM, prep_smem_bytes
 
     assert PREP_CTAS_PER_SM * (prep_smem_bytes(128, 128) + 1024) <= 228 * 1024
-    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
-    res = [r for n, r in cubin_kernel_resources(open(cub, "rb").read()).items() if "prep" in n][0]
+    res = [r for n, r in cubin_kernel_resources(b.cubin).items() if "prep" in n][0]
     assert res["stack_bytes"] == 0
     assert res["registers"] <= 128, res  # 4 CTAs of 128 threads an SM by registers

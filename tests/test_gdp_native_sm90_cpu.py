@@ -4,12 +4,8 @@ native configs (cross-compiled for sm_90a) against the plain ones, the launch's 
 rows, and the dispatch's routing behind ``CUTEDSL_ATTN_GDP_NATIVE`` (stubbed compiles: no GPU)."""
 
 import dataclasses
-import functools
-import glob
 import itertools
-import os
 import re
-import tempfile
 
 import pytest
 import torch
@@ -22,16 +18,7 @@ from cutedsl_attn.planning.gdn import (
 
 sm90 = pytest.importorskip("cutedsl_attn.sm90.gdn_chunked")
 
-try:  # one compile per configuration for the whole session, shared with the other PTX tests
-    from _builds import build  # (tests/ is on sys.path)
-except ImportError:  # pragma: no cover - a checkout without the shared build cache
-    @functools.lru_cache(maxsize=None)
-    def build(compile_fn, cfg):
-        d = tempfile.mkdtemp(prefix="gdp_native_")
-        compile_fn(cfg, keep_ptx_dir=d, keep_cubin=True)
-        (ptx,), (cubin,) = glob.glob(os.path.join(d, "*.ptx")), glob.glob(os.path.join(d, "*.cubin"))
-        with open(ptx) as f, open(cubin, "rb") as g:
-            return type("Build", (), dict(ptx=f.read(), cubin=g.read()))
+from _builds import build  # noqa: E402 (tests/ is on sys.path): one compile per configuration a session
 
 
 def _problem(**kw):

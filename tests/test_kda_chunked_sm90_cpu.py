@@ -4,11 +4,12 @@ the kernel needs an H200 to run), and that the per-channel branch leaves the SM9
 import dataclasses
 import glob
 import re
-
+import shutil
 import subprocess
 
 import pytest
 
+from _builds import build  # (tests/ is on sys.path)
 from cutedsl_attn.compile.cubin import cubin_kernel_resources
 from cutedsl_attn.inspect import _find_tool
 from cutedsl_attn.planning.gdn import CHUNK, GdnProblem
@@ -91,11 +92,12 @@ VARIANTS = {
 
 
 def _compile(module, cfg, tmp_path):
+    """(PTX, cubin resources) of ``cfg``, compiled once a session (``_builds.build``: several tests here build the
+    same configuration); the cubin is copied to ``tmp_path`` for :func:`_prep_sass_instructions`."""
+    b = build(module.compile, cfg)
     tmp_path.mkdir(exist_ok=True)
-    module.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
-    return open(path).read(), cubin_kernel_resources(open(cub, "rb").read())
+    shutil.copy(b.cubin_path, tmp_path)
+    return b.ptx, cubin_kernel_resources(b.cubin)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

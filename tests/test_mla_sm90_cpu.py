@@ -1,13 +1,13 @@
 """CPU tests of the SM90 MLA decode kernel: its contract, the dispatch default and its PTX / cubin / SASS
 (cross-compiled for sm_90a; the kernel needs an H200 to run)."""
 
-import glob
 import re
 import subprocess
 
 import cutlass
 import pytest
 import torch
+from _builds import build  # (tests/ is on sys.path)
 
 from cutedsl_attn.compile.cubin import cubin_kernel_resources
 from cutedsl_attn.planning.mla import MlaProblem
@@ -148,14 +148,13 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
+def test_sm90_kernel_ptx_and_cubin(variant):
     kw, tiles = VARIANTS[variant]
     p = _problem(**kw)
     cfg = sm90.Config(p, sm90.Tiles(**tiles))
     merge_kernel = cfg.tiles.merge_kernel == 1
-    sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    ptx = open(path).read()
+    b = build(sm90.compile, cfg)
+    ptx = b.ptx
     assert re.search(r"\.target\s+sm_90a", ptx)
     # the main kernel, and with merge_kernel the split-KV merge kernel of the same launch
     assert len(re.findall(r"\.entry\s+(\S+)\(", ptx)) == (2 if merge_kernel else 1)
@@ -185,8 +184,8 @@ def test_sm90_kernel_ptx_and_cubin(tmp_path, variant):
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{c}\b", ptx)
     assert "bar.sync" in ptx or "barrier.sync" in ptx  # the consumer warpgroups' named barrier
     assert ".local" not in ptx
-    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
-    res = cubin_kernel_resources(open(cub, "rb").read())
+    cub = b.cubin_path  # (for nvdisasm)
+    res = cubin_kernel_resources(b.cubin)
     assert len(res) == (2 if merge_kernel else 1)
     assert all(x["stack_bytes"] == 0 for x in res.values()), res
     r = max(res.values(), key=lambda x: x["registers"])  # the main kernel (the merge kernel needs far fewer)
@@ -402,16 +401,15 @@ GATHER_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(GATHER_VARIANTS))
-def test_sm90_gather_ptx_and_cubin(tmp_path, monkeypatch, variant):
+def test_sm90_gather_ptx_and_cubin(variant):
     """Small pages and fp8 caches: every block gathered (no TMA), fp8 widened
     to f16 (staged in the stage by cp.async, or through registers), the same GEMMs as page 64, and no spills in the
     producer's 40 / 56 registers."""
     kw, tiles = GATHER_VARIANTS[variant]
     p = _problem(**kw)
     cfg = sm90.Config(p, sm90.Tiles(**{"merge_kernel": 1, **tiles}))
-    sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    ptx = open(path).read()
+    b = build(sm90.compile, cfg)
+    ptx = b.ptx
     assert re.search(r"\.target\s+sm_90a", ptx)
     assert len(re.findall(r"\.entry\s+(\S+)\(", ptx)) == 2  # the main kernel and the merge kernel
     ab = "f16" if p.kv_fp8 or p.dtype == "float16" else "bf16"
@@ -443,8 +441,8 @@ def test_sm90_gather_ptx_and_cubin(tmp_path, monkeypatch, variant):
     c, pr = cfg.registers
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{pr}\b", ptx)
     assert ".local" not in ptx
-    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
-    res = cubin_kernel_resources(open(cub, "rb").read())
+    cub = b.cubin_path  # (for nvdisasm)
+    res = cubin_kernel_resources(b.cubin)
     assert all(x["stack_bytes"] == 0 for x in res.values()), res  # no spills (the producer's 40 or 56 included)
     r = max(res.values(), key=lambda x: x["registers"])
     assert 256 * c + 128 * pr <= r["registers"] * cfg.num_threads
@@ -536,7 +534,7 @@ SWAP_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(SWAP_VARIANTS))
-def test_swap_ab_ptx_and_cubin(tmp_path, variant):
+def test_swap_ab_ptx_and_cubin(variant):
     """The swapped GEMMs: S^T = K Q^T as m64n{tile_n}k16 (36 k16 steps over [ckv | kpe], both operands K-major)
     and O^T = V^T P^T as 8 M tiles x 4 k16 steps (V^T MN-major: trans-a 1), each at two sites (one per consumer
     warpgroup's stage); no other MMA, no local memory, setmaxnreg kept by ptxas, no spills."""
@@ -544,9 +542,8 @@ def test_swap_ab_ptx_and_cubin(tmp_path, variant):
     p = _problem(**kw)
     cfg = sm90.Config(p, sm90.Tiles(**{"merge_kernel": 1, "swap_ab": 1, **tiles}))
     n = cfg.tiles.tile_n
-    sm90.compile(cfg, keep_ptx_dir=str(tmp_path), keep_cubin=True)
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    ptx = open(path).read()
+    b = build(sm90.compile, cfg)
+    ptx = b.ptx
     assert re.search(r"\.target\s+sm_90a", ptx)
     assert len(re.findall(r"\.entry\s+(\S+)\(", ptx)) == (2 if cfg.tiles.merge_kernel else 1)
     ab = "bf16" if p.dtype == "bfloat16" else "f16"
@@ -564,8 +561,8 @@ def test_swap_ab_ptx_and_cubin(tmp_path, variant):
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{pr}\b", ptx)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{c}\b", ptx)
     assert re.search(r"\.minnctapersm\s+1\b", ptx)  # pins the entry register count: ptxas keeps setmaxnreg
-    (cub,) = glob.glob(str(tmp_path / "*.cubin"))
-    res = cubin_kernel_resources(open(cub, "rb").read())
+    cub = b.cubin_path  # (for nvdisasm)
+    res = cubin_kernel_resources(b.cubin)
     assert all(x["stack_bytes"] == 0 for x in res.values()), res
     r = max(res.values(), key=lambda x: x["registers"])
     assert r["registers"] <= 65536 // cfg.num_threads

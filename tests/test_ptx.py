@@ -105,6 +105,19 @@ def test_ptx_is_memoised():
     assert ci.ptx("decode", "sm_90a", **cfg) is ci.ptx("decode", "hopper", **cfg)
 
 
+@pytest.mark.parametrize("want_cubin", [False, True])
+def test_inspect_compile_artifacts(want_cubin):
+    """inspect's own compile-and-read step (the session's tests reach ``ci.ptx`` / ``ci.resources`` through the
+    shared builds of ``tests/_builds.py``): the PTX, and the cubin only when asked for, the same PTX as the
+    shared build's (up to the module-numbered shared-memory symbol)."""
+    cfg = ci.config("decode", "sm_100a", **CONFIGS["bf16_hd32_g1"])
+    text, cubin = ci._compile_artifacts(cfg, want_cubin=want_cubin)
+    assert re.search(r"^\.target\s+sm_100a\s*$", text, re.M)
+    assert (cubin is not None and cubin[:4] == b"\x7fELF") if want_cubin else cubin is None
+    norm = lambda t: re.sub(r"__dynamic_shmem__\d+", "SHMEM", t)  # noqa: E731
+    assert norm(text) == norm(ci.ptx("decode", "sm_100a", **CONFIGS["bf16_hd32_g1"]))
+
+
 # ----------------------------------------------------------------------------- inspect API errors (no compile)
 def test_config_defaults_and_arch():
     cfg = ci.config("decode", "blackwell")
@@ -247,11 +260,14 @@ def test_cli_ptx_prints_ptx():
     assert r.stdout.lstrip().startswith("//")
 
 
-def test_cli_help_and_errors():
-    r = _run(["-m", "cutedsl_attn", "--help"])
-    assert r.returncode == 0 and "ptx" in r.stdout and "demo" in r.stdout and "sass" in r.stdout
+def test_cli_help_and_errors(capsys):
+    """``--help`` and the refusals, in-process (``python -m cutedsl_attn`` itself: :func:`test_cli_ptx_prints_ptx`)."""
     from cutedsl_attn.__main__ import build_parser, main
 
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "ptx" in out and "demo" in out and "sass" in out
     h = build_parser().format_help()
     assert "ptx" in h and "demo" in h
     assert main(["ptx", "decode", "--head-dim", "48"]) == 2  # bad config: clear error, no traceback

@@ -18,12 +18,11 @@ roles (:data:`ARRIVALS`).  Checked here without a GPU:
 
 import dataclasses
 import functools
-import glob
 import pathlib
 import re
-import tempfile
 
 import pytest
+from _builds import build  # (tests/ is on sys.path)
 
 from cutedsl_attn.planning.decode import DecodeProblem
 from cutedsl_attn.planning.prefill import PrefillProblem
@@ -33,7 +32,6 @@ from cutedsl_attn.sm100.decode import config as DC
 from cutedsl_attn.sm100.prefill import config as PC
 
 HW_BARRIERS = 16
-_DUMP = tempfile.TemporaryDirectory(prefix="sm100_barriers_")  # the session's PTX (removed at exit)
 _SM100 = pathlib.Path(PK.__file__).resolve().parent.parent
 
 
@@ -151,9 +149,7 @@ BUILDS = {"prefill-q1": lambda: _prefill_cfg(1, 0), "prefill-q2": lambda: _prefi
 @functools.lru_cache(maxsize=None)
 def built(name):
     cfg, kernel = BUILDS[name]()
-    out = tempfile.mkdtemp(dir=_DUMP.name)
-    kernel.compile(cfg, keep_ptx_dir=out)
-    return cfg, open(glob.glob(f"{out}/*.ptx")[0]).read()
+    return cfg, build(kernel.compile, cfg).ptx  # (shared with the kernels' own PTX tests)
 
 
 def barrier_problems(ptx: str, table: dict, num_threads: int) -> list[str]:

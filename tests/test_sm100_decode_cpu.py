@@ -18,19 +18,16 @@
 
 import dataclasses
 import functools
-import glob
 import re
-import subprocess
-import tempfile
 
 import pytest
+from _builds import build, sass  # (tests/ is on sys.path)
 
 from cutedsl_attn.planning.decode import DecodeArgs, DecodeProblem, occupancy, plan_paged_decode
 from cutedsl_attn.sm100 import decode as K
 from cutedsl_attn.sm100.decode import config as C
 
 ARCHS = ("sm_100a", "sm_103a")
-_DUMP = tempfile.TemporaryDirectory(prefix="sm100_decode_")  # PTX / cubin of the session's builds (removed at exit)
 # MUFU.EX2 of the split-KV merge (common to every configuration: the sink term, the unrolled max-weight loop
 # and the weights), traced once per kernel
 MERGE_EX2 = 7
@@ -78,32 +75,26 @@ def shared_v4_stores(cfg):
 
 
 @functools.lru_cache(maxsize=None)
-def _build(key):
-    """(cfg, ptx text, cubin bytes, dump dir) of one configuration (compiled once per session)."""
+def _config(key):
     kw = dict(key)
     p = problem(**kw)
-    cfg = K.Config(p, K.default_tiles(p, num_sms=148))
-    out = tempfile.mkdtemp(dir=_DUMP.name)
-    K.compile(cfg, keep_ptx_dir=out, keep_cubin=True)
-    ptx = open(glob.glob(f"{out}/*.ptx")[0]).read()
-    cubin = open(glob.glob(f"{out}/*.cubin")[0], "rb").read()
-    return cfg, ptx, cubin, out
+    return K.Config(p, K.default_tiles(p, num_sms=148))
+
+
+def _build(key):
+    """(cfg, ptx text, cubin bytes, dump dir) of one configuration (one compile per Config in the session, shared
+    with the other files' builds: :func:`_builds.build`)."""
+    cfg = _config(key)
+    b = build(K.compile, cfg)
+    return cfg, b.ptx, b.cubin, b.dump_dir
 
 
 def built(kw):
     return _build(tuple(sorted(kw.items())))
 
 
-@functools.lru_cache(maxsize=None)
 def _sass(key):
-    from cutedsl_attn.inspect import _find_tool
-
-    tool = _find_tool("cuobjdump")
-    if tool is None:
-        pytest.skip("cuobjdump not found (the test extra installs nvidia-cuda-cuobjdump)")
-    _, _, _, out = _build(key)
-    return subprocess.run([tool, "--dump-sass", glob.glob(f"{out}/*.cubin")[0]], check=True, capture_output=True,
-                          text=True).stdout
+    return sass(K.compile, _config(key))
 
 
 def sass_counts(kw):
@@ -432,20 +423,15 @@ def test_unsupported_reason_type_error():
 
 
 @pytest.mark.parametrize("kv_dtype,stages", [("float8_e4m3fn", 2), ("", 2), ("", 3)])
-def test_two_stage_ring_publishes_before_it_acquires(tmp_path, kv_dtype, stages):
+def test_two_stage_ring_publishes_before_it_acquires(kv_dtype, stages):
     """With two K/V stages block i reuses block i-2's stage, which the MMA warp frees only after consuming block
     i-1: the loader must publish block i-1 (wait_group 0) before acquiring block i's stage, or both sides wait on
     each other once an item has three blocks.  Three or more stages keep one block in flight (wait_group 1)."""
-    import glob
-
     from cutedsl_attn.planning.decode import DecodeProblem
     from cutedsl_attn.sm100 import decode as K
 
     p = DecodeProblem(dtype="bfloat16", head_dim=128, page_size=16, group_size=4, kv_dtype=kv_dtype, arch="sm_100a")
-    cfg = K.Config(p, K.Tiles(kv_stages=stages))
-    K.compile(cfg, keep_ptx_dir=str(tmp_path))
-    (path,) = glob.glob(str(tmp_path / "*.ptx"))
-    ptx = open(path).read()
+    ptx = build(K.compile, K.Config(p, K.Tiles(kv_stages=stages))).ptx
     if stages == 2:
         assert ptx.count("cp.async.wait_group 1") == 0 and ptx.count("cp.async.wait_group 0") == 2
     else:

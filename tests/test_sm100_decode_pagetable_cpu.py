@@ -18,18 +18,16 @@ K / V gather waits on a global read of the page table.  Checked without a GPU:
 """
 
 import functools
-import glob
 import re
-import tempfile
 
 import pytest
+from _builds import build  # (tests/ is on sys.path)
 
 from cutedsl_attn.planning.decode import DecodeProblem
 from cutedsl_attn.sm100 import decode as K
 from cutedsl_attn.sm100.decode import config as C
 
 ARCHS = ("sm_100a", "sm_103a")
-_DUMP = tempfile.TemporaryDirectory(prefix="sm100_decode_pt_")  # the session's PTX (removed at exit)
 IDX_PARAM = 3  # mIdx: the fourth kernel argument (q, k, v, indices, work, ...)
 
 SERVED = [dict(arch=a, d=d, ps=ps, g=g, dtype=dt, kv=kv) for a in ARCHS for d, ps, g, dt, kv in (
@@ -47,9 +45,7 @@ def _build(key):
     p = DecodeProblem(dtype=kw["dtype"], head_dim=kw["d"], page_size=kw["ps"], group_size=kw["g"], arch=kw["arch"],
                       kv_dtype=kw["kv"])
     cfg = K.Config(p, K.default_tiles(p, num_sms=148))
-    out = tempfile.mkdtemp(dir=_DUMP.name)
-    K.compile(cfg, keep_ptx_dir=out)
-    return cfg, open(glob.glob(f"{out}/*.ptx")[0]).read()
+    return cfg, build(K.compile, cfg).ptx  # (shared with test_sm100_decode_cpu's builds)
 
 
 def built(kw):

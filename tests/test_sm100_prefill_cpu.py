@@ -26,12 +26,10 @@ Q tiles and tile_n as the entry says; ``num_ctas`` in an entry overrides the gri
 
 import dataclasses
 import functools
-import glob
 import re
-import subprocess
-import tempfile
 
 import pytest
+from _builds import build, sass  # (tests/ is on sys.path)
 
 from cutedsl_attn.planning.prefill import PrefillArgs, PrefillProblem
 from cutedsl_attn.sm100 import prefill as K
@@ -39,7 +37,6 @@ from cutedsl_attn.sm100.prefill import config as C
 from cutedsl_attn.common.smem import sw128_offset
 
 ARCHS = ("sm_100a", "sm_103a")
-_DUMP = tempfile.TemporaryDirectory(prefix="sm100_prefill_")  # PTX / cubin of the session's builds (removed at exit)
 
 
 def problem(arch="sm_100a", d=128, causal=False, g=4, dtype="bfloat16", sinks=False, q=None, dv=None, tn=None,
@@ -149,33 +146,29 @@ def tiles_for(p, q, tn=None, num_ctas=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _build(key):
-    """(cfg, ptx text, cubin bytes) of one served configuration (compiled once per session)."""
+def _config(key):
+    """The Config of one matrix entry (``key``: its sorted items)."""
     kw = dict(key)
     p = problem(**kw)
     t = tiles_for(p, kw["q"], kw.get("tn"), kw.get("num_ctas"))
-    cfg = K.Config(p, t if "st" not in kw else dataclasses.replace(t, kv_stages=kw["st"]))
-    out = tempfile.mkdtemp(dir=_DUMP.name)
-    K.compile(cfg, keep_ptx_dir=out, keep_cubin=True)
-    ptx = open(glob.glob(f"{out}/*.ptx")[0]).read()
-    cubin = open(glob.glob(f"{out}/*.cubin")[0], "rb").read()
-    return cfg, ptx, cubin, out
+    return K.Config(p, t if "st" not in kw else dataclasses.replace(t, kv_stages=kw["st"]))
+
+
+def _build(key):
+    """(cfg, ptx text, cubin bytes, dump dir) of one served configuration: one compile per Config in the session
+    (:func:`_builds.build`: entries that name the same Config, e.g. a feature's base problem with its default
+    ``num_ctas`` spelled out, and other files' builds share it)."""
+    cfg = _config(key)
+    b = build(K.compile, cfg)
+    return cfg, b.ptx, b.cubin, b.dump_dir
 
 
 def built(kw):
     return _build(tuple(sorted(kw.items())))
 
 
-@functools.lru_cache(maxsize=None)
 def _sass(key):
-    from cutedsl_attn.inspect import _find_tool
-
-    tool = _find_tool("cuobjdump")
-    if tool is None:
-        pytest.skip("cuobjdump not found (the test extra installs nvidia-cuda-cuobjdump)")
-    _, _, _, out = _build(key)
-    return subprocess.run([tool, "--dump-sass", glob.glob(f"{out}/*.cubin")[0]], check=True, capture_output=True,
-                          text=True).stdout
+    return sass(K.compile, _config(key))
 
 
 def sass_counts(kw):
@@ -511,11 +504,9 @@ def test_exact_rescaling_builds_the_same_mix():
     from cutedsl_attn.inspect import cubin_resources
 
     p = problem(arch="sm_100a", d=128, causal=True)
-    out = tempfile.mkdtemp(dir=_DUMP.name)
-    K.compile(K.Config(p, K.Tiles(rescale_threshold=0)), keep_ptx_dir=out, keep_cubin=True)
-    ptx = open(glob.glob(f"{out}/*.ptx")[0]).read()
-    assert ptx.count("tcgen05.mma") == 16 and ptx.count("ex2.approx") == 128 + 3
-    assert cubin_resources(open(glob.glob(f"{out}/*.cubin")[0], "rb").read())["stack_bytes"] == 0
+    b = build(K.compile, K.Config(p, K.Tiles(rescale_threshold=0)))
+    assert b.ptx.count("tcgen05.mma") == 16 and b.ptx.count("ex2.approx") == 128 + 3
+    assert cubin_resources(b.cubin)["stack_bytes"] == 0
 
 
 # ============================================================================= TMEM plan

@@ -170,7 +170,8 @@ class Config:
 
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The chunked GDN kernel's defaults (the same main kernel): 64 state rows x 4 warps when ``chains`` =
-    N * HO fill the SMs, 32 x 8 for few chains; the rolled prep in its two-CTA layout (``prep_ctas=3`` is opt-in here: measured on the SM90 kernel only)."""
+    N * HO fill the SMs, 32 x 8 for few chains; the rolled prep in its two-CTA layout (``prep_ctas=3`` is opt-in here,
+    though 5-14% faster on the H200: perf/RESULTS.md)."""
     t = _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
     return Tiles(tile_v=t.tile_v, num_warps=t.num_warps)
 
