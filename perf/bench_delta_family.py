@@ -12,7 +12,8 @@ k / v / beta ``[T n]`` (token t's updates at rows ``t n .. t n + n - 1``), a sca
 in (0.9, 1) (as perf/bench_gdn.py); fla takes the same tensors viewed ``[B, L (n), ...]`` with ``g = log alpha``
 (its gate is log space, applied before the token's first update as ours), the state compared transposed (fla's
 ``[N, H, K, V]``, ours V-major).  GDP on a chunked kernel is GDN on the expanded timeline: its launch
-(``cutedsl_attn.dispatch.gdn_launch``) includes the expansion's scratch and copies (``<kernel>_rest_us``: the
+(``cutedsl_attn.dispatch.gdn_launch``) maps the expanded rows in the SM90 kernel (its default,
+``Config.expand_rows``) and elsewhere includes the expansion's scratch and copies (``<kernel>_rest_us``: the
 time outside prep and main); ``rel_err_launch_vs_api_*`` compares that launch with the public
 ``chunk_gated_delta_product(backend="cute")`` on the same inputs.
 
@@ -238,8 +239,8 @@ def _forced(value, fn):
 
 
 def _gdp_calls(kernel, problem, args, B, H):
-    """[(label, kernel description, call)] of GDP's launches: ``gdn_launch`` (the expansion to GDN on ``T n`` rows
-    and the chunked kernel) with the portable / SM90 chunked kernel forced, as ``kernel`` asks and the arch
+    """[(label, kernel description, call)] of GDP's launches: ``gdn_launch`` (GDN on ``T n`` rows: the SM90 kernel
+    maps them itself, the portable one runs the expansion) with the portable / SM90 chunked kernel forced, as ``kernel`` asks and the arch
     serves."""
     out = []
     for label, (value, mod) in GDP_KERNELS.items():

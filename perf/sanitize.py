@@ -92,6 +92,12 @@ CASES = (
          env=(("CUTEDSL_ATTN_GDN_KERNEL", "kda_chunked_sm90"),)),
     Case("kda_prefill_sm90_tma", "KDA (chunked: per-channel prep + SM90 wgmma main kernel, TMA loads)",
          "_kda_prefill", env=(("CUTEDSL_ATTN_GDN_KERNEL", "kda_chunked_sm90"), ("CUTEDSL_ATTN_GDN_TUNE", "tma=1"))),
+    # GDN-2 runs the per-channel kernels (on sm_90a the SM90 one); Gated DeltaProduct (n = 2) the SM90 chunked GDN
+    # kernel on its native rows by default (Config.expand_rows), the expansion forced in the next case
+    Case("gdn2_prefill", "GDN-2 (chunked: per-channel prep + main kernel)", "_gdn2_prefill"),
+    Case("gdp_prefill", "Gated DeltaProduct n = 2 (chunked GDN kernel, native rows on sm_90a)", "_gdp_prefill"),
+    Case("gdp_prefill_expansion", "Gated DeltaProduct n = 2 (chunked GDN kernel on the expanded copies)",
+         "_gdp_prefill", env=(("CUTEDSL_ATTN_GDP_NATIVE", "0"),)),
     Case("mla_decode", "MLA decode (portable)", "_mla_decode"),
     # page 64 on sm_90a: the SM90 MLA kernel by default (2 requests split into one-page work items, two of them
     # gathered tail pages, merged by the last CTA); then its tuning variants (the S-first schedule, the merge kernel)
@@ -373,6 +379,39 @@ def _kda_prefill():
     g = -torch.rand(1, T, H, HEAD_DIM, device=_dev()) * 0.1
     beta = torch.rand(1, T, H, device=_dev())
     return ca.recurrent_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=_indptr((64, 128)))
+
+
+def _gdn2_prefill():
+    # two sequences of 64 and 128 tokens, per-channel log decay, erase and write gates, initial and final state
+    import torch
+
+    import cutedsl_attn as ca
+
+    T, H = 192, 4
+    q, k, v = _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM), _randn(T, H, HEAD_DIM)
+    g = -torch.rand(T, H, HEAD_DIM, device=_dev()) * 0.1
+    beta, w = torch.rand(T, H, HEAD_DIM, device=_dev()), torch.rand(T, H, HEAD_DIM, device=_dev())
+    s0 = torch.randn(2, H, HEAD_DIM, HEAD_DIM, device=_dev()) * 0.01
+    return ca.chunk_gated_delta_rule2(q, k, v, g, beta, w, initial_state=s0, output_final_state=True,
+                                      cu_seqlens=_indptr((64, 128)), use_qk_l2norm_in_kernel=True, backend="cute")
+
+
+def _gdp_prefill():
+    # three sequences of 1, 40 and 90 tokens, two updates a token (k / v / beta on the 2 T expanded rows: chunks
+    # that straddle sequences' token boundaries), initial and final state
+    import torch
+
+    import cutedsl_attn as ca
+
+    lens, n, H = (1, 40, 90), 2, 4
+    T = sum(lens)
+    q, k, v = _randn(T, H, HEAD_DIM), _randn(T * n, H, HEAD_DIM), _randn(T * n, H, HEAD_DIM)
+    alpha = torch.rand(T, H, device=_dev()) * 0.1 + 0.9
+    beta = torch.rand(T * n, H, device=_dev())
+    s0 = torch.randn(len(lens), H, HEAD_DIM, HEAD_DIM, device=_dev()) * 0.01
+    return ca.chunk_gated_delta_product(q, k, v, alpha, beta, num_householder=n, initial_state=s0,
+                                        output_final_state=True, cu_seqlens=_indptr(lens),
+                                        use_qk_l2norm_in_kernel=True, backend="cute")
 
 
 def _mla_run(lens, H, ckv, kpe, kv_indptr, indices):

@@ -1,7 +1,8 @@
 """CPU tests of Gated DeltaProduct on the SM90 chunked GDN kernel without the expansion's copies
 (``Config.expand_rows``, :mod:`cutedsl_attn.sm90.gdn_rows`): the config and compile-key rules, the PTX of the
 native configs (cross-compiled for sm_90a) against the plain ones, the launch's chunk plan over k's expanded
-rows, and the dispatch's routing behind ``CUTEDSL_ATTN_GDP_NATIVE`` (stubbed compiles: no GPU)."""
+rows, and the dispatch's routing (native by default, ``CUTEDSL_ATTN_GDP_NATIVE=0`` the expansion; stubbed
+compiles: no GPU)."""
 
 import dataclasses
 import itertools
@@ -238,34 +239,34 @@ def _gdp_problem(n, **kw):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_dispatch_native_only_with_the_switch(recorded, monkeypatch, n):
+def test_dispatch_native_by_default_expansion_when_off(recorded, monkeypatch, n):
     d, log = recorded
     lens = [1, 31, 0, 1000]
     args = _gdp_args(lens, n)
     T = sum(lens)
-    d.gdn_launch(_gdp_problem(n), args)  # the default: today's expansion
-    ((name, cfg, a),) = log
-    assert name == sm90.NAME and cfg.expand_rows == 1 and cfg.problem.num_householder == 1
-    assert a[0].shape[0] == T * n and a[12].shape[0] == T * n  # q_e and o_e on the expanded timeline
+    for switch in (None, "", "1"):  # the default (unset), empty and on: the native rows
+        if switch is not None:
+            monkeypatch.setenv(d.GDP_NATIVE_ENV, switch)
+        log.clear()
+        d.gdn_launch(_gdp_problem(n), args)
+        ((name, cfg, a),) = log
+        assert name == sm90.NAME and cfg.expand_rows == n and cfg.problem.num_householder == 1
+        assert cfg.tiles == sm90.default_tiles(cfg.problem, num_sms=132, chains=len(lens) * 4)  # the same tiles
+        assert a[0] is args.q and a[3] is args.g and a[12] is args.output  # no copies
+        assert a[5].tolist() == (args.cu_seqlens * n).tolist()
     monkeypatch.setenv(d.GDP_NATIVE_ENV, "0")
     log.clear()
     d.gdn_launch(_gdp_problem(n), args)
-    assert log[0][1].expand_rows == 1
-    monkeypatch.setenv(d.GDP_NATIVE_ENV, "1")
-    log.clear()
-    d.gdn_launch(_gdp_problem(n), args)
     ((name, cfg, a),) = log
-    assert name == sm90.NAME and cfg.expand_rows == n and cfg.problem.num_householder == 1
-    assert cfg.tiles == sm90.default_tiles(cfg.problem, num_sms=132, chains=len(lens) * 4)  # the same tiles
-    assert a[0] is args.q and a[3] is args.g and a[12] is args.output  # no copies
-    assert a[5].tolist() == (args.cu_seqlens * n).tolist()
+    assert name == sm90.NAME and cfg.expand_rows == 1 and cfg.problem.num_householder == 1
+    assert a[0].shape[0] == T * n and a[12].shape[0] == T * n  # q_e and o_e on the expanded timeline
 
 
 @pytest.mark.parametrize("env,value", [("CUTEDSL_ATTN_GDN_TUNE", "tma=1"), ("CUTEDSL_ATTN_GDN_TUNE", "persistent=4"),
                                        ("CUTEDSL_ATTN_GDN_TUNE", "prep=0"), ("CUTEDSL_ATTN_GDN_KERNEL", "chunked"),
                                        ("CUTEDSL_ATTN_GDN_KERNEL", "fused_sm90")])
 def test_dispatch_falls_back_where_the_native_path_lacks(recorded, monkeypatch, env, value):
-    """The switch on, but tiles or a kernel the native path does not serve: today's expansion (never the native
+    """The switch on, but tiles or a kernel the native path does not serve: the expansion (never the native
     config on another kernel)."""
     d, log = recorded
     monkeypatch.setenv(d.GDP_NATIVE_ENV, "1")

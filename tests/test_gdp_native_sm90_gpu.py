@@ -1,6 +1,6 @@
-"""GPU tests of Gated DeltaProduct on the SM90 chunked GDN kernel without the expansion's copies
-(``CUTEDSL_ATTN_GDP_NATIVE=1``: ``Config.expand_rows``, the kernel reads q / g and writes the output on the tokens'
-timeline) against today's expansion and the float64 oracle.
+"""GPU tests of Gated DeltaProduct on the SM90 chunked GDN kernel without the expansion's copies (the default:
+``Config.expand_rows``, the kernel reads q / g and writes the output on the tokens' timeline) against the
+expansion (``CUTEDSL_ATTN_GDP_NATIVE=0``) and the float64 oracle.
 
 The native path runs the same kernels with the same tiles on the same shared-memory contents (zero-filled q rows
 where the expansion has zero rows, the identity gate converted as the expansion's identity entries are), so its

@@ -217,8 +217,10 @@ def chunk_gated_delta_product(q, k, v, g=None, beta=None, num_householder=1, sca
     row, zeros elsewhere; alpha at its first row, 1 elsewhere; ``cu_seqlens * n``; with
     ``use_qk_l2norm_in_kernel`` k normalised per update and q per token), so states agree with the float64
     oracle to about 5e-3 relative in bf16 (16-bit state MMA operands, as GDN prefill);
-    ``CUTEDSL_ATTN_GDN_KERNEL=recurrent`` runs the token-serial kernel instead (1e-3).  The expansion takes
-    scratch of ``n`` times q and the output (q's dtype).
+    ``CUTEDSL_ATTN_GDN_KERNEL=recurrent`` runs the token-serial kernel instead (1e-3).  The SM90 chunked kernel
+    (``tma = 0``, its default) maps those rows itself, with no copies and the same result bit for bit
+    (``CUTEDSL_ATTN_GDP_NATIVE=0`` runs the expansion instead); elsewhere the expansion takes scratch of ``n``
+    times q and the output (q's dtype).
 
     Args:
         q: ``[T, Hq, K]`` (or ``[1, T, Hq, K]``) at the real-token rows, as :func:`chunk_gated_delta_rule2`.

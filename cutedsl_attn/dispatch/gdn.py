@@ -15,10 +15,10 @@ prefill; ``kda_chunked``: KDA and GDN-2 prefill; ``recurrent``: all), raising No
 serves when it cannot serve such a problem; other problems keep the automatic choice.
 ``CUTEDSL_ATTN_GDN_TUNE`` = ``"key=value,..."`` overrides the tiles of the kernels that have the fields named
 (:func:`gdn_tuned_tiles`: each item applies to every chosen kernel whose ``TUNING_FIELDS`` have its key).
-``CUTEDSL_ATTN_GDP_NATIVE=1`` (opt-in, off by default) runs Gated DeltaProduct on the SM90 chunked kernel
-(``tma = 0``, not persistent, the SM90 prep) without the expansion's copies: the kernel reads q and g and writes
-the output on the tokens' timeline while it walks the expanded one (its ``Config.expand_rows``); other kernels and
-tiles, and torch.compile, keep the expansion.  Few
+Gated DeltaProduct on the SM90 chunked kernel (``tma = 0``, not persistent, the SM90 prep) runs without the
+expansion's copies: the kernel reads q and g and writes the output on the tokens' timeline while it walks the
+expanded one (its ``Config.expand_rows``); ``CUTEDSL_ATTN_GDP_NATIVE=0`` turns that off (the expansion), and other
+kernels and tiles, and torch.compile, keep the expansion.  Few
 long sequences on few heads may take the context-parallel path (:func:`gdn_cp_segments`, :func:`gdn_launch_cp`): the
 chosen kernel run over segments of each sequence (``use_cp=True``; ``"auto"`` takes it where
 :func:`cutedsl_attn.planning.gdn_cp` says it pays: long sequences that cannot fill the SMs).
@@ -206,8 +206,8 @@ def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None =
     Gated DeltaProduct (``problem.num_householder`` n > 1) on a chunked kernel runs as GDN on the expanded
     timeline of ``T n`` rows: q at row ``t n + n - 1`` (zeros elsewhere, which the l2 norm keeps zero), the gate
     at row ``t n`` (identity elsewhere), ``cu_seqlens * n``, the output read back from rows ``n - 1 :: n``
-    (scratch ``[T n, Hq, K]`` and ``[T n, HO, V]`` in q's dtype, allocated on the current stream).  With
-    ``CUTEDSL_ATTN_GDP_NATIVE=1`` and the SM90 chunked kernel at ``tma = 0`` (not persistent, the SM90 prep), the
+    (scratch ``[T n, Hq, K]`` and ``[T n, HO, V]`` in q's dtype, allocated on the current stream).  On the SM90
+    chunked kernel at ``tma = 0`` (not persistent, the SM90 prep), unless ``CUTEDSL_ATTN_GDP_NATIVE=0``, the
     kernel maps those rows itself (``Config.expand_rows = n``): no scratch copies, the same output and state bit
     for bit.  Raises ValueError for another value of the switch (for every Gated DeltaProduct launch, whichever
     kernel serves it).
@@ -222,16 +222,17 @@ def gdn_launch(problem: GdnProblem, args: GdnArgs, *, device_index: int | None =
 
 
 def _gdp_switch() -> bool:
-    """Whether ``CUTEDSL_ATTN_GDP_NATIVE`` is on; ValueError for a value other than unset, ``""``, ``"0"``, ``"1"``."""
+    """Whether ``CUTEDSL_ATTN_GDP_NATIVE`` is on (unset and ``""`` mean on: the native rows are the default);
+    ValueError for a value other than unset, ``""``, ``"0"``, ``"1"``."""
     switch = os.environ.get(GDP_NATIVE_ENV, "")
     if switch not in ("", "0", "1"):
         raise ValueError(f"{GDP_NATIVE_ENV} must be 0 or 1, got {switch!r}")
-    return switch == "1"
+    return switch != "0"
 
 
 def _gdp_native(served: GdnProblem, args: GdnArgs, n: int, device_index):
     """The SM90 chunked kernel's config reading q / g and writing the output on the tokens' timeline
-    (``Config.expand_rows = n``), or None for today's expansion: the switch off, under torch.compile (the custom
+    (``Config.expand_rows = n``), or None for the expansion: ``CUTEDSL_ATTN_GDP_NATIVE=0``, under torch.compile (the custom
     op's key holds the problem, not the config), or a chosen kernel or tiles the native path lacks (another
     kernel, ``tma = 1``, ``persistent``, the shared prep).
 

@@ -66,7 +66,8 @@ class Tiles:
     values, but 1.5x the code, and the unrolled prep stalls on instruction fetch: 2.3x slower, perf/RESULTS.md);
     2 rolls the loads, l2 norms, cumulative decay, gate products, the inverse's merges, the W / U k-steps and
     the direct diagonal blocks as well (:mod:`cutedsl_attn.common.kda_prep_rolled`: the same values in half of
-    level 1's code, ~3.4k / 3.9k SASS instructions at ``prep_ctas`` 2 / 3; opt-in, not yet timed).
+    level 1's code, ~3.4k / 3.9k SASS instructions at ``prep_ctas`` 2 / 3; opt-in: no faster on the H200, equal
+    at ``prep_ctas`` 3 and slower at 2, perf/RESULTS.md).
 
     Raises TypeError for a non-int field, ValueError for another value.
     """
