@@ -63,13 +63,13 @@ def test_serves_what_the_two_kernel_path_serves():
 
 
 def test_prep_barrier_ids_are_distinct():
-    ids = [i for w in (0, 1) for i in fused.prep_barrier_ids(w)]
+    ids = [fused.prep_barrier_id(w) for w in (0, 1)]
     assert len(set(ids)) == len(ids) and 0 not in ids and 1 not in ids and max(ids) < 16
 
 
 def test_prep_barrier_redirect_maps_the_inverse_barriers_and_restores(monkeypatch):
-    """Inside the redirect the shared inverse's CTA barrier is the prep warpgroup's 128-thread one and its
-    barrier 1 the 64-thread one; other ids pass through; the originals come back, also after an exception."""
+    """Inside the redirect the shared inverse's CTA barrier is the prep warpgroup's 128-thread one; named
+    barriers pass through; the original comes back, also after an exception."""
     calls = []
 
     def barrier(*, barrier_id=None, number_of_threads=None, **kw):
@@ -80,14 +80,14 @@ def test_prep_barrier_redirect_maps_the_inverse_barriers_and_restores(monkeypatc
 
     monkeypatch.setattr(cute.arch, "barrier", barrier)
     monkeypatch.setattr(cute.arch, "sync_threads", sync_threads)
-    with fused._PrepWarpgroupBarriers(*fused.prep_barrier_ids(1)):
+    with fused._PrepWarpgroupBarriers(fused.prep_barrier_id(1)):
         cute.arch.sync_threads()
         cute.arch.barrier(barrier_id=1, number_of_threads=64)
         cute.arch.barrier(barrier_id=9, number_of_threads=32)
     cute.arch.sync_threads()
-    assert calls == [(4, fused.PREP_THREADS), (5, 64), (9, 32), "cta"]
+    assert calls == [(3, fused.PREP_THREADS), (1, 64), (9, 32), "cta"]
     with pytest.raises(RuntimeError):
-        with fused._PrepWarpgroupBarriers(2, 3):
+        with fused._PrepWarpgroupBarriers(2):
             raise RuntimeError("traced code failed")
     assert cute.arch.sync_threads is sync_threads and cute.arch.barrier is barrier
 

@@ -422,8 +422,9 @@ class GdnPrep:
         GEMMs read their ``T`` operand from there); the products of the merges read both operands along
         contiguous rows:
 
-        1. the four diagonal blocks by forward substitution, one thread a column (threads 0-63); each column then
-           overwrites row ``j`` of its block (``T^T``);
+        1. the four diagonal blocks by forward substitution, one thread a column (threads 0-63, a block's 16
+           columns in one warp, so a warp sync orders its reads before its writes); each column then overwrites
+           row ``j`` of its block (``T^T``);
         2. ``R = A_{b+1,b} T_bb`` (b = 0, 2) into ``A_{b+1,b}``'s slot; 3. ``T_{b+1,b} = -T_{b+1,b+1} R``;
         4. ``R = A_{H1,H0} T_H0`` on the 32-row halves into ``A_{H1,H0}``'s slot; 5. ``T_{H1,H0} = -T_H1 R``.
 
@@ -450,7 +451,7 @@ class GdnPrep:
                         if const_expr(4 * s4 + e < r):
                             part[e] = part[e] - a4[e] * col[4 * s4 + e]
                 col[r] = (part[0] + part[1]) + (part[2] + part[3])
-            cute.arch.barrier(barrier_id=1, number_of_threads=64)  # every column read the block's A
+            cute.arch.sync_warp()  # a block's 16 columns are lanes of one warp: the warp read the block's A
             for q in cutlass.range_constexpr(4):
                 _st_shared_v4_f32(d0 + j * RA + q * 16, col[4 * q], col[4 * q + 1], col[4 * q + 2], col[4 * q + 3])
         cute.arch.sync_threads()

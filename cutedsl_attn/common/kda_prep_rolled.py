@@ -186,7 +186,7 @@ class KdaPrepRolled(GdnPrep):
                         if const_expr(4 * s4 + e < r):
                             part[e] = part[e] - a4[e] * col[4 * s4 + e]
                 col[r] = (part[0] + part[1]) + (part[2] + part[3])
-            cute.arch.barrier(barrier_id=1, number_of_threads=64)
+            cute.arch.sync_warp()  # a block's columns are one warp's lanes
             for q in cutlass.range_constexpr(4):
                 _st_shared_v4_f32(d0 + j * RA + q * 16, col[4 * q], col[4 * q + 1], col[4 * q + 2], col[4 * q + 3])
         cute.arch.sync_threads()

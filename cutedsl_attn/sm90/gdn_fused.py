@@ -189,38 +189,33 @@ def override_tiles(tiles: Tiles, items: dict[str, str]) -> Tiles:
     return override_int_fields(tiles, items)
 
 
-def prep_barrier_ids(w):
-    """Named barriers of prep warpgroup ``w``: (its 128-thread barrier, the inverse's 64-thread one).  Barrier 0
-    is the CTA's (used once, at the mbarrier initialisation); 1 is left unused."""
-    return 2 + 2 * w, 3 + 2 * w
+def prep_barrier_id(w):
+    """The named barrier of prep warpgroup ``w`` (its 128 threads).  Barrier 0 is the CTA's (used once, at the
+    mbarrier initialisation); 1 is left unused."""
+    return 2 + w
 
 
 class _PrepWarpgroupBarriers:
-    """While active, ``cute.arch.sync_threads`` traces as the prep warpgroup's 128-thread named barrier and
-    ``cute.arch.barrier(barrier_id=1, ...)`` as its 64-thread one: the shared inverse
-    (:meth:`GdnPrep._invert_blocks`) synchronises "the CTA", which here is one prep warpgroup (a CTA-wide barrier
-    would wait for warpgroups that never arrive; a shared id would mix two prep warpgroups' threads)."""
+    """While active, ``cute.arch.sync_threads`` traces as the prep warpgroup's 128-thread named barrier: the
+    shared inverse (:meth:`GdnPrep._invert_blocks`) synchronises "the CTA", which here is one prep warpgroup (a
+    CTA-wide barrier would wait for warpgroups that never arrive; a shared id would mix two prep warpgroups'
+    threads)."""
 
-    def __init__(self, bar, bar64):
-        self.bar, self.bar64 = bar, bar64
+    def __init__(self, bar):
+        self.bar = bar
 
     def __enter__(self):
-        self._sync, self._barrier = cute.arch.sync_threads, cute.arch.barrier
-        orig, bar, bar64 = self._barrier, self.bar, self.bar64
-
-        def barrier(*, barrier_id=None, number_of_threads=None, **kw):
-            if isinstance(barrier_id, int) and barrier_id == 1:
-                barrier_id = bar64
-            orig(barrier_id=barrier_id, number_of_threads=number_of_threads, **kw)
+        self._sync = cute.arch.sync_threads
+        orig, bar = cute.arch.barrier, self.bar
 
         def sync_threads(**kw):
             orig(barrier_id=bar, number_of_threads=PREP_THREADS, **kw)
 
-        cute.arch.sync_threads, cute.arch.barrier = sync_threads, barrier
+        cute.arch.sync_threads = sync_threads
         return self
 
     def __exit__(self, *exc):
-        cute.arch.sync_threads, cute.arch.barrier = self._sync, self._barrier
+        cute.arch.sync_threads = self._sync
         return False
 
 
@@ -312,7 +307,7 @@ class GdnFusedSm90Kernel(_chunked.GdnChunkedSm90Kernel):
             if const_expr(self.P > 1):
                 cute.arch.setmaxregister_decrease(PREP_REGS)
                 w = cute.arch.make_warp_uniform(warp_idx // 4)
-            bar, bar64 = prep_barrier_ids(w)
+            bar = prep_barrier_id(w)
             # chunk w is the ring's fill w (w < num_stages: the first pass, producer phase 1); the state then
             # steps over the other prep warpgroups' fills, P a chunk.  The thread index goes through an opaque mov
             # every chunk: the shared-memory addresses derived from it are recomputed in the loop instead of being
@@ -323,7 +318,7 @@ class GdnFusedSm90Kernel(_chunked.GdnChunkedSm90Kernel):
                 pipe.producer_acquire(state)
                 self._prep_chunk(mQ, mK, mV, mG, mBeta, storage, state.index, t0, cutlass.min(eos - t0, self.C),
                                  ho, v0, scale, q_group, k_group, v_group, flags, ptx.opaque_i32(tidx - 128 * w),
-                                 w, bar, bar64)
+                                 w, bar)
                 cute.arch.fence_view_async_shared()  # generic st.shared -> the consumer's wgmma (async proxy)
                 pipe.producer_commit(state)
                 for _ in cutlass.range_constexpr(self.P):
@@ -344,9 +339,9 @@ class GdnFusedSm90Kernel(_chunked.GdnChunkedSm90Kernel):
     # ================================================================== the prep warpgroup
     @cute.jit
     def _prep_chunk(self, mQ, mK, mV, mG, mBeta, storage, stage, t0, ln, ho, v0, scale, q_group, k_group, v_group,
-                    flags, tid, w, bar, bar64):
+                    flags, tid, w, bar):
         """The prep of the chunk of tokens ``t0 .. t0 + ln`` (``ln`` >= 1) into ring stage ``stage`` (acquired
-        by the caller) by prep warpgroup ``w`` (thread ``tid`` of it, named barriers ``bar`` / ``bar64``): the
+        by the caller) by prep warpgroup ``w`` (thread ``tid`` of it, named barrier ``bar``): the
         steps and roundings of :meth:`GdnPrep.prep`, its outputs stored in shared memory in the layouts the
         consumer reads."""
         C, K, RK, RA, RU = self.C, self.K, self.RK, self.RA, self.RU
@@ -426,7 +421,7 @@ class GdnFusedSm90Kernel(_chunked.GdnChunkedSm90Kernel):
         _prep_sync(bar)
 
         # T = (I + A)^-1 by 16 x 16 blocks (fp32, T^T left in sA), synchronising the prep warpgroup only
-        self._invert_blocks_wg(sA, tid, bar, bar64)
+        self._invert_blocks_wg(sA, tid, bar)
         ptx.cp_async_wait(0)
         _prep_sync(bar)
 
@@ -455,10 +450,10 @@ class GdnFusedSm90Kernel(_chunked.GdnChunkedSm90Kernel):
             ptx.st_shared_f32(st_f + (C + tid) * 4, kf)
             ptx.st_shared_f32(st_f + (2 * C + tid) * 4, ptx.ex2(gl))
 
-    def _invert_blocks_wg(self, sA, tid, bar, bar64):
+    def _invert_blocks_wg(self, sA, tid, bar):
         """:meth:`GdnPrep._invert_blocks` traced with its barriers over the prep warpgroup (a plain Python
         method: runs while the kernel is traced)."""
-        with _PrepWarpgroupBarriers(bar, bar64):
+        with _PrepWarpgroupBarriers(bar):
             self._invert_blocks(sA, tid)
 
     @cute.jit
