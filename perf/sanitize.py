@@ -144,15 +144,12 @@ _HAND_OVER_RAW = "STS of s_tile before SYNCS.ARRIVE on the full mbarrier vs LDS 
 _HAND_OVER_WAR = ("LDS of s_tile before the consumers' SYNCS.ARRIVE on the empty mbarrier vs the producer's next STS "
                   "after TRYWAIT on it: mbarrier-ordered")
 
-# The per-channel prep kernel of the SM90 KDA kernel (not its main kernel) and the SM90 MLA main kernel (not its merge
-# kernel): each pair below is separated by a BAR.SYNC that every thread of both accessing groups executes, the same
-# number of times on every path; racecheck reports it only between two groups whose counts of other barriers differ
-# (warps 0-1's BAR.SYNC 1, 64 of the inverse's diagonal blocks; one warpgroup's BAR.ARV where the other BAR.SYNCs on
-# a block's signal barrier).  SASS offsets of each case's build (sm_90a, bf16, K = V = 128 / page 64, default tiles).
-_KDA_SM90_PREP = "kernel_cutlass_prep_cutedsl_attnsm90kda_chunkedKdaChunkedSm90Kernel_"
+# The SM90 MLA main kernel (not its merge kernel): each pair below is separated by a BAR.SYNC that every thread of
+# both accessing groups executes, the same number of times on every path; racecheck reports it only between two
+# groups whose counts of other barriers differ (one warpgroup's BAR.ARV where the other BAR.SYNCs on a block's signal
+# barrier).  SASS offsets of each case's build (sm_90a, bf16, page 64, default tiles).  (The delta-rule preps'
+# blockwise inverse had reports of this kind until its diagonal step's 64-thread barrier became a warp sync.)
 _MLA_SM90 = "kernel_cutlass_kernel_cutedsl_attnsm90mlakernelMlaSm90Kernel_"
-_INVERSE_CTA_BAR = ("T / T^T STS and LDS of the blockwise 16x16 inverse one BAR.SYNC 0 (all 128 threads, every path) "
-                    "apart: barrier-ordered")
 _S_SUM_BAR = ("s_sum STS before BAR.SYNC 1, 256 (the two consumer warpgroups, its only users) vs the other "
               "warpgroup's LDS after it: barrier-ordered")
 
@@ -177,19 +174,6 @@ SUPPRESSIONS: tuple[Suppression, ...] = (
                 _race(_SM90_PREFILL, ("Write", 0x3710), ("Read", 0x38E0)), _HAND_OVER_WAR),
     Suppression("prefill_sm90_paged_causal", "racecheck",
                 _race(_SM90_PREFILL, ("Write", 0x3710), ("Read", 0xBD40)), _HAND_OVER_RAW),
-    # KDA prep (two-CTA layout), _invert_blocks: the diagonal blocks' T^T rows STS at +0x20720 (warps 0-1, after
-    # BAR.SYNC 1, 64 at +0x20490) / BAR.SYNC 0 at +0x20770 / step 2's LDS of T_bb; step 4's LDS of A_{H1,H0}
-    # / BAR.SYNC 0 at +0x22700 / step 4's STS of R at +0x228f0, +0x22910 / BAR.SYNC 0 at +0x22950 / step 5's LDS;
-    # step 5's STS of T_{H1,H0} at +0x23e20 / BAR.SYNC 0 at +0x23e80 / the W GEMM's LDS of T^T at +0x23ed0.  On
-    # sm_90a KDA prefill runs this kernel by default too: kda_prefill is the same build; Tiles.tma changes the main
-    # kernel only (kda_prefill_sm90_tma's prep is the same SASS)
-    *(Suppression(case, "racecheck", _race(_KDA_SM90_PREP, ("Write", w), ("Read", r)), _INVERSE_CTA_BAR)
-      for case in ("kda_prefill", "kda_prefill_sm90", "kda_prefill_sm90_tma")
-      for w, reads in ((0x20720, (0x20860, 0x20880, 0x20890)),
-                       (0x228F0, (0x21F80, 0x21FD0, 0x22230, 0x224E0, 0x22960)),
-                       (0x22910, (0x21F60, 0x22050, 0x222A0, 0x22470, 0x22980)),
-                       (0x23E20, (0x23ED0,)))
-      for r in reads),
     # MLA epilogue: warpgroup w's row sums STS into s_sum[w][row] (h = 0, 1) / BAR.SYNC 1, 256 / LDS of
     # s_sum[1][row] (h = 0, 1): +0xb350, +0xb370 / +0xb380 / +0xb4a0, +0xea30 with the in-kernel split-KV merge
     # (merge_kernel 0); +0xb2f0, +0xb320 / +0xb330 / +0xb4b0, +0xea20 with the merge kernel (merge_kernel 1)

@@ -66,21 +66,13 @@ def test_explained_pairs_count_zero(case, log_reports):
 
 KDA_PREP = ("kernel_cutlass_prep_cutedsl_attnsm90kda_chunkedKdaChunkedSm90Kernel_object_at__tensorptrbf16_gmem_align16_o_"
             "128i64_div8i64_div81_tensorpt_0")
-KDA_MAIN = KDA_PREP.replace("kernel_cutlass_prep_", "kernel_cutlass_main_")
 MLA = ("kernel_cutlass_kernel_cutedsl_attnsm90mlakernelMlaSm90Kernel_object_at__tensorptrbf16_gmem_align16_o_512i64_"
        "div8i64_div81_tensorptrbf16_gm_0")
 MLA_MERGE = MLA.replace("kernel_cutlass_kernel_", "kernel_cutlass_merge_")
-# the sweep's reports of the SM90 KDA prep (one store against the loads one CTA barrier away) and the SM90 MLA
-# epilogue, as racecheck groups them
-_KDA_REPORTS = [
-    _race_report(("Write", 0x228F0), *(("Read", r, 448) for r in (0x21F80, 0x21FD0, 0x22230, 0x224E0)),
-                 ("Read", 0x22960, 192), kernel=KDA_PREP),
-    _race_report(("Write", 0x22910), *(("Read", r, 256) for r in (0x21F60, 0x22050, 0x222A0, 0x22470)),
-                 ("Read", 0x22980, 64), kernel=KDA_PREP),
-    _race_report(("Write", 0x20720), ("Read", 0x20860, 192), ("Read", 0x20880, 64), ("Read", 0x20890, 64),
-                 kernel=KDA_PREP),
-    _race_report(("Write", 0x23E20), ("Read", 0x23ED0, 128), kernel=KDA_PREP),
-]
+# a report of the SM90 KDA prep's blockwise inverse from before its diagonal step's warp sync (no suppression
+# covers it now) and the sweep's reports of the SM90 MLA epilogue, as racecheck groups them
+_KDA_INVERSE_REPORT = _race_report(("Write", 0x20720), ("Read", 0x20860, 192), ("Read", 0x20880, 64),
+                                   ("Read", 0x20890, 64), kernel=KDA_PREP)
 _MLA_REPORTS = [_race_report(("Write", 0xB350), ("Read", 0xB4A0, 160), kernel=MLA),
                 _race_report(("Write", 0xB370), ("Read", 0xEA30, 32), kernel=MLA)]
 # the same epilogue pairs in the build with the merge kernel (merge_kernel 1), read from its SASS
@@ -89,13 +81,10 @@ _MLA_MERGE_KERNEL_REPORTS = [_race_report(("Write", 0xB2F0), ("Read", 0xB4B0, 16
 
 
 @pytest.mark.parametrize("case,log_reports", [
-    ("kda_prefill_sm90", _KDA_REPORTS),
-    ("kda_prefill", _KDA_REPORTS),  # KDA prefill's default kernel on sm_90a: the same build
-    ("kda_prefill_sm90_tma", _KDA_REPORTS),  # Tiles.tma changes the main kernel only: the same prep
     ("mla_decode_sm90", _MLA_REPORTS),
     ("mla_decode_sm90", _MLA_MERGE_KERNEL_REPORTS),
 ])
-def test_sm90_kda_prep_and_mla_epilogue_pairs_explained(case, log_reports):
+def test_sm90_mla_epilogue_pairs_explained(case, log_reports):
     log = _racecheck_log(*log_reports)
     n = len(log_reports)
     assert san.count(case, "racecheck", log, suppressions=()) == (n, n, 0)
@@ -103,21 +92,21 @@ def test_sm90_kda_prep_and_mla_epilogue_pairs_explained(case, log_reports):
 
 
 @pytest.mark.parametrize("log,case", [
-    # the prep's offsets in the KDA main kernel, the MLA offsets in the merge kernel
-    (_racecheck_log(_race_report(("Write", 0x20720), ("Read", 0x20860, 192), kernel=KDA_MAIN)), "kda_prefill_sm90"),
+    # the delta-rule preps' inverse has no suppression: its reports count in every KDA case
+    *((_racecheck_log(_KDA_INVERSE_REPORT), case) for case in ("kda_prefill", "kda_prefill_sm90",
+                                                               "kda_prefill_sm90_tma", "kda_prefill_recurrent")),
+    # the MLA offsets in the merge kernel
     (_racecheck_log(_race_report(("Write", 0xB350), ("Read", 0xB4A0, 160), kernel=MLA_MERGE)), "mla_decode_sm90"),
-    # a load of the same step that was not reported (+0x208a0), a store paired with the other store's loads
-    (_racecheck_log(_race_report(("Write", 0x20720), ("Read", 0x208A0, 64), kernel=KDA_PREP)), "kda_prefill_sm90"),
+    # a store paired with the other store's loads
     (_racecheck_log(_race_report(("Write", 0xB350), ("Read", 0xEA30, 32), kernel=MLA)), "mla_decode_sm90"),
     # one build's store with the other build's load
     (_racecheck_log(_race_report(("Write", 0xB2F0), ("Read", 0xB4A0, 160), kernel=MLA)), "mla_decode_sm90"),
-    # the same reports in the cases of other builds (the recurrent KDA kernel, the tuned MLA schedule)
-    (_racecheck_log(_KDA_REPORTS[3]), "kda_prefill_recurrent"),
+    # the same reports in the cases of other builds (the tuned MLA schedule, small pages, fp8)
     (_racecheck_log(_MLA_REPORTS[0]), "mla_tuned_sm90"),
     (_racecheck_log(_MLA_REPORTS[0]), "mla_decode_sm90_small_pages"),
     (_racecheck_log(_MLA_REPORTS[0]), "mla_decode_sm90_fp8"),
 ])
-def test_sm90_kda_prep_and_mla_suppressions_stay_narrow(log, case):
+def test_sm90_mla_suppressions_stay_narrow(log, case):
     assert san.count(case, "racecheck", log) == (1, 1, 0)
 
 
