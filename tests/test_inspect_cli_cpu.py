@@ -99,10 +99,10 @@ def test_prep_plan_of_every_chunked_kernel():
     small = ci.config("gdn", "sm_90a", head_dim_k=64, head_dim_v=64)
     assert ci.prep_plan(small)["prep_smem_bytes"] < ci.prep_plan(cfg)["prep_smem_bytes"]
     for arch in ("sm_90a", "sm_100a"):  # the per-channel kernels: the layout of Tiles.prep_ctas
-        kda = ci.config("gdn", arch, gate_per_channel=True)  # bf16 KDA: the compact layout on SM90, 2 portable
+        kda = ci.config("gdn", arch, gate_per_channel=True)  # bf16 KDA: the compact layout on both kernels
         assert ci.prep_plan(kda) == {"prep_smem_bytes": kda.prep_smem_bytes,
                                      "prep_ctas_per_sm": kda.tiles.prep_ctas}
-        assert kda.tiles.prep_ctas == (3 if arch == "sm_90a" else 2)
+        assert kda.tiles.prep_ctas == 3
         wide = dataclasses.replace(kda, tiles=dataclasses.replace(kda.tiles, prep_ctas=2))
         assert ci.prep_plan(wide) == {"prep_smem_bytes": kda_prep.prep_smem_bytes(128, 128, 2),
                                       "prep_ctas_per_sm": 2}

@@ -170,10 +170,11 @@ class Config:
 
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The chunked GDN kernel's defaults (the same main kernel): 64 state rows x 4 warps when ``chains`` =
-    N * HO fill the SMs, 32 x 8 for few chains; the rolled prep in its two-CTA layout (``prep_ctas=3`` is opt-in here,
-    though 5-14% faster on the H200: perf/RESULTS.md)."""
+    N * HO fill the SMs, 32 x 8 for few chains; the rolled prep, in its three-CTA layout for bf16 KDA (5-14% faster
+    on the whole op on the H200, perf/RESULTS.md) and its two-CTA one for GDN-2 and fp16, as the SM90 kernel."""
     t = _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
-    return Tiles(tile_v=t.tile_v, num_warps=t.num_warps)
+    compact = problem.dtype == "bfloat16" and not problem.erase_write_gates
+    return Tiles(tile_v=t.tile_v, num_warps=t.num_warps, prep_ctas=3 if compact else 2)
 
 
 class KdaChunkedKernel(KdaPrep, _gdn.GdnChunkedKernel):
