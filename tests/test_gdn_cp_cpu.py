@@ -325,6 +325,8 @@ def test_cp_auto_and_false_choose_as_documented(launches, monkeypatch):
 
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_gdp_runs_the_chunked_kernel_on_the_expanded_timeline(launches, monkeypatch, n):
+    # the expansion itself (the SM90 kernel's native rows, its default, are tests/test_gdp_native_sm90_cpu.py's)
+    monkeypatch.setenv(d.GDP_NATIVE_ENV, "0")
     monkeypatch.setattr(dapi._g, "_require_cuda", lambda device: None)
     monkeypatch.setattr(dapi._g, "gdn_arch", lambda device=None: "sm_90a")
     lens = [0, 1, 5, 3]
