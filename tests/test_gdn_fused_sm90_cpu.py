@@ -183,20 +183,22 @@ def test_fused_kernel_ptx_and_cubin(tmp_path, variant):
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive" in ptx
     assert "fence.proxy.async.shared::cta" in ptx  # generic st.shared / cp.async -> wgmma reads
     # barriers: the CTA-wide one only at the mbarrier initialisation; each prep warpgroup's own 128-thread one
-    # and its inverse's 64-thread one (ids 2, 3 for one prep warpgroup; 2 + 2 w, 3 + 2 w from a register for
-    # two); nothing that waits for the consumer after the initialisation
+    # (id 2 for one prep warpgroup; 2 + w from a register for two); the inverse's diagonal step syncs its warp;
+    # nothing that waits for the consumer after the initialisation
     bars = re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+([^;]*);", ptx)
     named = sorted(set(re.sub(r"%r\d+", "R", b.replace(" ", "").replace("\t", "")) for b in bars))
-    assert named == (["0", "2,128", "3,64"] if npw == 1 else ["0", "R,128", "R,64"]), named
-    if npw == 2:  # the ids from a register: 2 + 2 w and 3 + 2 w of one warpgroup index w
+    assert named == (["0", "2,128"] if npw == 1 else ["0", "R,128"]), named
+    if npw == 2:  # the id from a register: 2 + w of one warpgroup index w
         val = _linear_value(ptx)
         ids = {(n, val(reg)) for reg, n in re.findall(r"\bbar(?:rier)?\.sync(?:\.aligned)?\s+(%r\d+),\s*(\d+);", ptx)}
         roots = {v[1] for _n, v in ids}
         assert len(roots) == 1 and None not in roots, ids
-        assert {(n, v[0], v[2]) for n, v in ids} == {("128", 2, 2), ("64", 2, 3)}, ids
+        assert {(n, v[0], v[2]) for n, v in ids} == {("128", 1, 2)}, ids
     assert sum(1 for b in bars if b.strip() == "0") == 1
-    # a chunk's prep: 6 barriers of its own around the 6 + 1 of the shared inverse (one missing is a race)
-    assert [sum(1 for b in bars if b.replace(" ", "").endswith(f",{n}")) for n in (128, 64)] == [12, 1], bars
+    # a chunk's prep: 6 barriers of its own around the 6 of the shared inverse (one missing is a race), and the
+    # inverse's warp sync
+    assert sum(1 for b in bars if b.replace(" ", "").endswith(",128")) == 12, bars
+    assert "bar.warp.sync" in ptx
     assert ".local" not in ptx
     (cub,) = glob.glob(str(tmp_path / "*.cubin"))
     res = cubin_kernel_resources(open(cub, "rb").read())

@@ -126,7 +126,10 @@ def test_unsupported_and_config_rules():
         chk.Config(_problem(decode=True), chk.Tiles())
     with pytest.raises(TypeError):
         chk.Config(_problem(), "tiles")
-    assert chk.default_tiles(_problem(), num_sms=132, chains=128) == chk.Tiles(tile_v=64, num_warps=4)
+    # the compact prep layout for bf16 KDA, the two-CTA one for GDN-2 (no room for the erase gates) and fp16
+    assert chk.default_tiles(_problem(), num_sms=132, chains=128) == chk.Tiles(tile_v=64, num_warps=4, prep_ctas=3)
+    for p in (_problem(erase_write_gates=True), _problem(dtype="float16")):
+        assert chk.default_tiles(p, num_sms=132, chains=128) == chk.Tiles(tile_v=64, num_warps=4, prep_ctas=2)
     assert chk.TUNING_FIELDS == ("tile_v", "num_warps", "prep_ctas", "prep_rolled")
     assert (chk.Tiles(64, 4).prep_ctas, chk.Tiles(64, 4).prep_rolled) == (2, 1)
     with pytest.raises(ValueError, match="prep_rolled"):
@@ -176,9 +179,10 @@ def test_kernel_ptx(tmp_path, arch, variant):
     assert ".local" not in ptx  # accumulators, the row fragments and the state slice stay in registers
     assert "rsqrt.approx" in prep if p.use_qk_l2norm else "rsqrt.approx" not in prep
     # the diagonal block's bounds as running maxima (max.f32, not a compare-and-select chain); T by 16 x 16
-    # blocks (the inverse's named barrier for the diagonal blocks' 64 threads, then its merge phases)
+    # blocks (a warp sync in the diagonal step, whose blocks are one warp's lanes each; then the merge phases'
+    # CTA barriers; no partial named barrier, which racecheck miscounted)
     assert "max.f32" in prep and "abs.f32" in prep
-    assert re.search(r"bar(rier)?\.sync(\.aligned)?\s+1,\s*64;", prep)
+    assert "bar.warp.sync" in prep and not re.search(r"bar(rier)?\.sync(\.aligned)?\s+1,", prep)
     assert len(re.findall(r"bar\.sync|barrier\.sync", prep)) >= 12
     (cub,) = glob.glob(str(tmp_path / "*.cubin"))
     res = cubin_kernel_resources(open(cub, "rb").read())

@@ -120,8 +120,9 @@ def test_sm90_kda_kernel_ptx_and_cubin(tmp_path, variant):
     else:
         assert n64 == 2 * (K // 16) + C // 16 and nk == C // 16
     assert "wgmma" not in prep and "mma.sync.aligned.m16n8k16" in prep  # the per-channel prep on mma.sync
-    # the prep's diagonal-block bounds as running maxima, T by 16 x 16 blocks (its 64-thread named barrier)
-    assert "max.f32" in prep and re.search(r"bar(rier)?\.sync(\.aligned)?\s+1,\s*64;", prep)
+    # the prep's diagonal-block bounds as running maxima, T by 16 x 16 blocks (a warp sync in the diagonal step)
+    assert "max.f32" in prep and "bar.warp.sync" in prep
+    assert not re.search(r"bar(rier)?\.sync(\.aligned)?\s+1,", prep)
     assert "mma.sync" not in main
     assert sorted(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", main)) == ["0", "0", "1"]
     assert "cp.async.cg.shared.global" in main and "cp.async.mbarrier.arrive.noinc" in main
