@@ -240,8 +240,8 @@ def _forced(value, fn):
 
 def _gdp_calls(kernel, problem, args, B, H):
     """[(label, kernel description, call)] of GDP's launches: ``gdn_launch`` (GDN on ``T n`` rows: the SM90 kernel
-    maps them itself, the portable one runs the expansion) with the portable / SM90 chunked kernel forced, as ``kernel`` asks and the arch
-    serves."""
+    maps them itself, the portable one runs the expansion) with the portable / SM90 chunked kernel forced, as
+    ``kernel`` asks and the arch serves."""
     out = []
     for label, (value, mod) in GDP_KERNELS.items():
         if kernel not in (label, "both"):

@@ -44,7 +44,7 @@ from . import ptx
 from .constants import LOG2E
 from .gdn_prep import _ld_shared_v4_f32, _st_f32
 from .kda_prep_rolled import KdaPrepRolled, _ld_nc_v4_f32, _st8, _x8
-from ..planning.gdn import CHUNK, FLAG_HAS_BETA, FLAG_HAS_G
+from ..planning.gdn import CHUNK, FLAG_HAS_BETA, FLAG_HAS_G, GdnProblem
 
 SUB = 16  # tokens a sub-chunk: one warp's 16-row slab
 GATE_FLOOR_LOG2 = -200.0  # 2^-200 is 0 in fp32: flooring changes nothing and keeps G finite (no inf - inf)
@@ -74,6 +74,13 @@ def check_prep_ctas(prep_ctas, erase_write_gates: bool = False) -> None:
     if prep_ctas == 3 and erase_write_gates:
         raise ValueError("prep_ctas 3 (the compact prep layout) serves KDA (a scalar beta) only; GDN-2's erase "
                          "gates take prep_ctas 2")
+
+
+def default_prep_ctas(problem: GdnProblem) -> int:
+    """The per-channel kernels' default ``Tiles.prep_ctas``: the compact layout (3) for bf16 KDA (1.06-1.10x on
+    the whole op on the H200, perf/RESULTS.md), 2 for GDN-2 (the compact layout has no room for the erase gates)
+    and fp16 (whose always-taken direct diagonal spills at the compact layout's 168 registers)."""
+    return 3 if problem.dtype == "bfloat16" and not problem.erase_write_gates else 2
 
 
 def check_prep_rolled(prep_rolled) -> None:

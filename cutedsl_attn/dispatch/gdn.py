@@ -232,9 +232,9 @@ def _gdp_switch() -> bool:
 
 def _gdp_native(served: GdnProblem, args: GdnArgs, n: int, device_index):
     """The SM90 chunked kernel's config reading q / g and writing the output on the tokens' timeline
-    (``Config.expand_rows = n``), or None for the expansion: ``CUTEDSL_ATTN_GDP_NATIVE=0``, under torch.compile (the custom
-    op's key holds the problem, not the config), or a chosen kernel or tiles the native path lacks (another
-    kernel, ``tma = 1``, ``persistent``, the shared prep).
+    (``Config.expand_rows = n``), or None for the expansion: ``CUTEDSL_ATTN_GDP_NATIVE=0``, under torch.compile
+    (the custom op's key holds the problem, not the config), or a chosen kernel or tiles the native path lacks
+    (another kernel, ``tma = 1``, ``persistent``, the shared prep).
 
     Raises ValueError for a ``CUTEDSL_ATTN_GDP_NATIVE`` other than unset, ``""``, ``"0"``, ``"1"``."""
     if not _gdp_switch() or torch.compiler.is_compiling():

@@ -38,7 +38,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.kda_prep import (
-    DIAG_LIMIT, IO_MAX, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, check_prep_ctas, check_prep_rolled, prep_smem_bytes,
+    DIAG_LIMIT, IO_MAX, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, check_prep_ctas, check_prep_rolled,
+    default_prep_ctas, prep_smem_bytes,
 )
 from ..common.gdn_launch import compile_kda_kernel
 from ..common.gdn_launch import kda_launch as launch, kda_launch_tensors as launch_tensors  # noqa: F401
@@ -170,11 +171,10 @@ class Config:
 
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The chunked GDN kernel's defaults (the same main kernel): 64 state rows x 4 warps when ``chains`` =
-    N * HO fill the SMs, 32 x 8 for few chains; the rolled prep, in its three-CTA layout for bf16 KDA (5-14% faster
-    on the whole op on the H200, perf/RESULTS.md) and its two-CTA one for GDN-2 and fp16, as the SM90 kernel."""
+    N * HO fill the SMs, 32 x 8 for few chains; the rolled prep in the layout
+    :func:`~cutedsl_attn.common.kda_prep.default_prep_ctas` picks (as the SM90 kernel)."""
     t = _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
-    compact = problem.dtype == "bfloat16" and not problem.erase_write_gates
-    return Tiles(tile_v=t.tile_v, num_warps=t.num_warps, prep_ctas=3 if compact else 2)
+    return Tiles(tile_v=t.tile_v, num_warps=t.num_warps, prep_ctas=default_prep_ctas(problem))
 
 
 class KdaChunkedKernel(KdaPrep, _gdn.GdnChunkedKernel):

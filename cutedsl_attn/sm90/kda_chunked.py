@@ -41,7 +41,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.kda_prep import (
-    DIAG_LIMIT, IO_MAX, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, check_prep_ctas, check_prep_rolled, prep_smem_bytes,
+    DIAG_LIMIT, IO_MAX, PREP_SMEM_CARVEOUT, PREP_THREADS, KdaPrep, check_prep_ctas, check_prep_rolled,
+    default_prep_ctas, prep_smem_bytes,
 )
 from ..common.gdn_launch import compile_kda_kernel
 from ..common.gdn_launch import kda_launch as launch, kda_launch_tensors as launch_tensors  # noqa: F401
@@ -180,12 +181,10 @@ class Config:
 def default_tiles(problem: GdnProblem, *, num_sms: int, chains: int | None = None) -> Tiles:
     """The SM90 chunked GDN kernel's defaults (the same main kernel; the per-channel decay adds K / 8 shared
     loads a chunk): 128 state rows when ``chains`` = N * HO fill three quarters of a wave and K = V = 128,
-    64 rows otherwise; the rolled prep, in its three-CTA layout for bf16 KDA (10% faster, perf/RESULTS.md) and
-    its two-CTA one for GDN-2 (the compact layout has no room for the erase gates) and fp16 (whose always-taken
-    direct diagonal spills at the compact layout's 168 registers)."""
+    64 rows otherwise; the rolled prep in the layout :func:`~cutedsl_attn.common.kda_prep.default_prep_ctas`
+    picks."""
     t = _gdn.default_tiles(problem, num_sms=num_sms, chains=chains)
-    compact = problem.dtype == "bfloat16" and not problem.erase_write_gates
-    return Tiles(tile_v=t.tile_v, num_stages=t.num_stages, prep_ctas=3 if compact else 2)
+    return Tiles(tile_v=t.tile_v, num_stages=t.num_stages, prep_ctas=default_prep_ctas(problem))
 
 
 class KdaChunkedSm90Kernel(KdaPrep, _gdn.GdnChunkedSm90Kernel):
